@@ -1,0 +1,25 @@
+"""Repo-root conftest: loads the parity plugin and the hypothesis profiles."""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+pytest_plugins = ["harness.plugin", "pytester"]
+
+# "ci" is derandomised so a CI run and its rerun see the same examples; "dev" explores.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=25,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev",
+    deadline=None,
+    max_examples=25,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))

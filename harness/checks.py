@@ -1,0 +1,125 @@
+"""The registry of named parity checks.
+
+A check is a callable ``fn(ctx) -> Verdict`` registered under an id that reads ``path.case.what``
+(``decode.t37.w8.bitexact``). parity/, mutation/ and gpu/ all generate their tests from this one
+registry, so a check id is the way in: one search finds the function that defines it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harness.compare import Verdict
+
+__all__ = ["Check", "CheckContext", "all_checks", "get", "load_catalogue", "register", "run_check"]
+
+CHECK_ID = re.compile(r"^[a-z][a-z0-9_]*(\.[A-Za-z0-9_\-]+)+$")
+TIERS = frozenset({"cpu", "gpu"})
+
+
+@dataclass
+class CheckContext:
+    """What a check may ask of the run: device, dtype, checkpoint, capture dir, shared worlds.
+
+    ``task_timeout_s`` bounds every distributed task; the kill matrix lowers it for ablations
+    whose bug is a hang, so the hang is detected in seconds.
+    """
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype = torch.float32
+    checkpoint: str | None = None
+    capture_dir: str | None = None
+    task_timeout_s: float = 120.0
+    worlds: Any = None  # harness.dist.WorldPool, set by the plugin
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    def world(self, size: int):
+        if self.worlds is None:
+            from harness.dist import WorldPool
+
+            self.worlds = WorldPool(device=self.device)
+        return self.worlds.get(size)
+
+
+CheckFn = Callable[[CheckContext], Verdict]
+
+
+@dataclass(frozen=True)
+class Check:
+    id: str
+    fn: CheckFn
+    tier: str
+    doc: str
+    module: str
+
+    @property
+    def path(self) -> str:
+        return self.id.split(".", 1)[0]
+
+
+_REGISTRY: dict[str, Check] = {}
+
+
+def register(check_id: str, *, tier: str = "cpu", doc: str = "") -> Callable[[CheckFn], CheckFn]:
+    """Register ``fn(ctx) -> Verdict`` under ``check_id``; duplicate or malformed ids fail at import."""
+    if not CHECK_ID.match(check_id):
+        raise ValueError(f"check id {check_id!r} must read 'path.case.what' (lowercase path, dot-separated)")
+    if tier not in TIERS:
+        raise ValueError(f"check {check_id!r}: tier must be one of {sorted(TIERS)}, got {tier!r}")
+
+    def decorate(fn: CheckFn) -> CheckFn:
+        if check_id in _REGISTRY:
+            raise ValueError(f"check id {check_id!r} registered twice "
+                             f"({_REGISTRY[check_id].module} and {getattr(fn, '__module__', '?')})")
+        text = doc or next(iter((fn.__doc__ or "").strip().splitlines()), "")
+        _REGISTRY[check_id] = Check(check_id, fn, tier, text, getattr(fn, "__module__", "?"))
+        return fn
+
+    return decorate
+
+
+def get(check_id: str) -> Check:
+    try:
+        return _REGISTRY[check_id]
+    except KeyError:
+        raise KeyError(f"unknown check id {check_id!r}; registered: {len(_REGISTRY)} checks") from None
+
+
+def exists(check_id: str) -> bool:
+    return check_id in _REGISTRY
+
+
+def all_checks(tier: str | None = None, path: str | None = None) -> list[Check]:
+    return [c for c in _REGISTRY.values() if (tier is None or c.tier == tier) and (path is None or c.path == path)]
+
+
+def ids(tier: str | None = None) -> Iterator[str]:
+    return (c.id for c in all_checks(tier))
+
+
+def load_catalogue(modules: Iterable[str]) -> None:
+    """Import the modules that register checks (idempotent)."""
+    for name in modules:
+        importlib.import_module(name)
+
+
+def run_check(check_id: str, ctx: CheckContext) -> Verdict:
+    """Run one check; a verdict filed under another id is a bug in the check itself."""
+    verdict = get(check_id).fn(ctx)
+    if not isinstance(verdict, Verdict):
+        raise TypeError(f"check {check_id!r} returned {type(verdict).__name__}, expected a Verdict")
+    if verdict.check_id != check_id:
+        raise ValueError(f"check {check_id!r} returned a verdict for {verdict.check_id!r}")
+    return verdict
+
+
+def _forget(prefix: str) -> None:
+    """Drop checks whose id starts with ``prefix`` (the machinery's own pytester tests use it)."""
+    for key in [k for k in _REGISTRY if k.startswith(prefix)]:
+        del _REGISTRY[key]

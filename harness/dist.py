@@ -1,0 +1,303 @@
+"""Process-group worlds: N ranks on a real torch.distributed group that run many tasks.
+
+CPU worlds fork their ranks after imports (gloo on 127.0.0.1), so eight ranks start in well under
+a second; CUDA worlds spawn one rank per GPU (NCCL). A task is a module-level function run on every
+rank with the default group initialised. Every rank's outcome comes back: a raise on any rank
+becomes one error listing all ranks, and a hang becomes a timeout naming the hung ranks, after
+which the world is torn down with no child process left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from harness import ablation
+
+__all__ = ["RankOutcome", "World", "WorldError", "WorldPool", "WorldTaskError", "WorldTimeout"]
+
+ERROR_GRACE_S = 5.0  # after one rank fails, how long the others get to report before they count as blocked
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    rank: int
+    status: str  # "ok", "raised", "hung", "blocked", "died"
+    error: str = ""
+    traceback: str = ""
+
+    def line(self) -> str:
+        head = f"rank {self.rank}: {self.status}"
+        return f"{head}: {self.error}" if self.error else head
+
+
+class WorldError(RuntimeError):
+    """The world could not start, or a task did not come back from every rank."""
+
+
+class WorldTaskError(WorldError):
+    """A task raised (or did not finish) on at least one rank; ``outcomes`` holds every rank's."""
+
+    def __init__(self, summary: str, outcomes: list[RankOutcome]):
+        self.outcomes = outcomes
+        details = "\n".join(o.line() for o in outcomes)
+        tracebacks = "\n".join(f"--- rank {o.rank} traceback ---\n{o.traceback}" for o in outcomes if o.traceback)
+        super().__init__(f"{summary}\n{details}" + (f"\n{tracebacks}" if tracebacks else ""))
+
+    @property
+    def raised_ranks(self) -> list[int]:
+        return [o.rank for o in self.outcomes if o.status == "raised"]
+
+
+class WorldTimeout(WorldTaskError):
+    """A task did not finish on some ranks within its time limit (they are named in ``hung``)."""
+
+    @property
+    def hung(self) -> list[int]:
+        return [o.rank for o in self.outcomes if o.status in ("hung", "blocked")]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _send(conn: Connection, obj: Any) -> None:
+    # plain pickle: tensors travel inline, not through torch's shared-memory reductions
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg_timeout_s: float,
+               conn: Connection) -> None:
+    """A rank's life: join the group, then run tasks until told to stop."""
+    import torch.distributed as dist
+
+    try:
+        if use_cuda:
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(1)  # N ranks share the cores; also keeps forked OpenMP pools out of the way
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        _send(conn, ("ready", rank, None))
+    except BaseException as err:
+        _send(conn, ("start_failed", rank, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        os._exit(1)
+    while True:
+        try:
+            message = _recv(conn)
+        except (EOFError, OSError):
+            break
+        if message is None:
+            break
+        task_id, fn, args, kwargs, refs = message
+        try:
+            with ablation.applied(refs):
+                result = fn(*args, **kwargs)
+            _send(conn, ("ok", task_id, result))
+        except BaseException as err:
+            _send(conn, ("raised", task_id, (f"{type(err).__name__}: {err}", traceback.format_exc())))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    conn.close()
+    os._exit(0)
+
+
+class World:
+    """N ranks on one process group, started once and reused for many tasks."""
+
+    def __init__(self, size: int, *, device: str | torch.device = "cpu", start_timeout_s: float = 60.0,
+                 pg_timeout_s: float = 300.0):
+        if size < 1:
+            raise ValueError(f"a world needs at least 1 rank, got size={size}")
+        kind = torch.device(device).type
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"world device must be cpu or cuda, got {device!r}")
+        if kind == "cuda":
+            visible = torch.cuda.device_count()
+            if size > visible:
+                raise ValueError(f"a CUDA world of {size} ranks needs {size} GPUs (one each); {visible} visible")
+        self.size = size
+        self.device_type = kind
+        self.backend = "nccl" if kind == "cuda" else "gloo"
+        self.start_timeout_s = start_timeout_s
+        self.pg_timeout_s = pg_timeout_s
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns: list[Connection] = []
+        self._task = 0
+        self.startup_s: float | None = None
+
+    # -------------------------------------------------------------------------------- lifecycle
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def start(self) -> World:
+        if self._procs:
+            raise WorldError("world already started")
+        began = time.perf_counter()
+        ctx = mp.get_context("spawn" if self.device_type == "cuda" else "fork")
+        port = _free_port()
+        for rank in range(self.size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_rank_main, name=f"parity-rank{rank}", daemon=True,
+                               args=(rank, self.size, port, self.backend, self.device_type == "cuda",
+                                     self.pg_timeout_s, child_end))
+            proc.start()
+            child_end.close()
+            self._procs.append(proc)
+            self._conns.append(parent_end)
+        pending = dict(enumerate(self._conns))
+        failures: list[RankOutcome] = []
+        deadline = time.monotonic() + self.start_timeout_s
+        while pending:
+            ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                rank = self._conns.index(conn)
+                del pending[rank]
+                try:
+                    status, _, detail = _recv(conn)
+                except (EOFError, OSError):
+                    failures.append(RankOutcome(rank, "died", f"exit code {self._procs[rank].exitcode}"))
+                    continue
+                if status != "ready":
+                    failures.append(RankOutcome(rank, "raised", detail.splitlines()[0], detail))
+        if failures or pending:
+            outcomes = failures + [RankOutcome(r, "hung", "did not join the group in time") for r in pending]
+            self.close()
+            raise WorldError(f"{self.backend} world of {self.size} ranks failed to start:\n"
+                             + "\n".join(o.line() for o in sorted(outcomes, key=lambda o: o.rank)))
+        self.startup_s = time.perf_counter() - began
+        return self
+
+    def close(self, stuck: tuple[int, ...] = ()) -> None:
+        """Stop every rank: ask politely (``stuck`` ranks are not asked), then terminate, kill, reap."""
+        for rank in stuck:
+            self._procs[rank].kill()
+        for rank, conn in enumerate(self._conns):
+            if rank not in stuck:
+                with contextlib.suppress(Exception):
+                    _send(conn, None)
+        deadline = time.monotonic() + 5.0
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            with contextlib.suppress(Exception):
+                conn.close()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> World:
+        if not self._procs:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------------------------- tasks
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
+
+        ``fn`` must be a module-level function (it is pickled by reference). Applied ablations
+        travel with the task and are re-applied inside each rank.
+        """
+        if not self.alive:
+            raise WorldError(f"world of {self.size} ranks is not running (start it, or it was torn down)")
+        self._task += 1
+        task_id = self._task
+        message = (task_id, fn, args, kwargs, ablation.active())
+        for conn in self._conns:
+            _send(conn, message)
+        results: dict[int, Any] = {}
+        outcomes: dict[int, RankOutcome] = {}
+        pending = dict(enumerate(self._conns))
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                rank = self._conns.index(conn)
+                del pending[rank]
+                try:
+                    status, got_id, payload = _recv(conn)
+                except (EOFError, OSError):
+                    code = self._procs[rank].exitcode
+                    outcomes[rank] = RankOutcome(rank, "died", f"rank process exited (code {code})")
+                    continue
+                if got_id != task_id:
+                    outcomes[rank] = RankOutcome(rank, "raised", f"answered task {got_id}, expected {task_id}")
+                elif status == "ok":
+                    results[rank] = payload
+                    outcomes[rank] = RankOutcome(rank, "ok")
+                else:
+                    error, trace = payload
+                    outcomes[rank] = RankOutcome(rank, "raised", error, trace)
+            if any(o.status != "ok" for o in outcomes.values()):
+                deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+        failed = any(o.status != "ok" for o in outcomes.values())
+        for rank in pending:
+            outcomes[rank] = RankOutcome(rank, "blocked" if failed else "hung",
+                                         "no result within the grace period after another rank failed" if failed
+                                         else f"no result within {timeout_s:g} s")
+        ordered = [outcomes[r] for r in range(self.size)]
+        name = getattr(fn, "__qualname__", repr(fn))
+        if pending or any(o.status == "died" for o in ordered):
+            self.close(stuck=tuple(pending))  # hung ranks sit inside a collective: the group is lost
+            if failed:
+                raise WorldTaskError(f"task {name} failed on ranks {[o.rank for o in ordered if o.status != 'ok']} "
+                                     f"of {self.size}; the world was torn down", ordered)
+            raise WorldTimeout(f"task {name} timed out after {timeout_s:g} s on ranks {sorted(pending)} of "
+                               f"{self.size}; the world was torn down", ordered)
+        if failed:
+            raised = [o.rank for o in ordered if o.status != "ok"]
+            raise WorldTaskError(f"task {name} raised on ranks {raised} of {self.size}", ordered)
+        return [results[r] for r in range(self.size)]
+
+
+class WorldPool:
+    """One started world per size, reused across checks and restarted if a task tore it down."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self._worlds: dict[int, World] = {}
+
+    def get(self, size: int) -> World:
+        world = self._worlds.get(size)
+        if world is None or not world.alive:
+            if world is not None:
+                world.close()
+            world = World(size, device=self.device).start()
+            self._worlds[size] = world
+        return world
+
+    def close(self) -> None:
+        for world in self._worlds.values():
+            world.close()
+        self._worlds.clear()

@@ -1,0 +1,180 @@
+"""The fastpath-parity pytest plugin: options, markers, the session that runs checks, the report.
+
+Loaded by the repo's conftest.py and exposed as a ``pytest11`` entry point, so an installed
+harness brings it to any pytest run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from harness import ablation as ablation_mod
+from harness import checks, report
+from harness.ablation import KillResult
+from harness.checks import CheckContext
+from harness.compare import Verdict
+
+MARKERS = {
+    "cpu": "CPU tier: fake kernels and tiny random-init models, every parity check and ablation",
+    "gpu": "GPU tier: real checkpoints (needs CUDA and --checkpoint)",
+    "bench": "pytest-benchmark measurements of a fast path against its stock path",
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SESSION_KEY = pytest.StashKey["ParitySession"]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fastpath-parity")
+    group.addoption("--parity-report", action="append", default=None, metavar="PATH",
+                    help="write the parity report to PATH (.md or .json); repeatable")
+    group.addoption("--checkpoint", action="append", default=None, metavar="PATH",
+                    help="a real checkpoint directory for the gpu tier; repeatable")
+    group.addoption("--dtype", default="fp32,bf16", metavar="LIST",
+                    help="gpu-tier dtypes: fp32, bf16, or both (comma-separated, or 'both'); default fp32,bf16")
+    group.addoption("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="gpu-tier device: auto (cuda when available), cpu (dry run of the gpu tier), cuda")
+    group.addoption("--capture-dir", default=None, metavar="DIR",
+                    help="attention captures (call0_rank0.npz style) to run the attention checks on "
+                         "(pytest's own --capture is taken)")
+
+
+def parse_dtypes(text: str) -> list[torch.dtype]:
+    names = ["fp32", "bf16"] if text.strip() == "both" else [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in DTYPES]
+    if unknown or not names:
+        raise pytest.UsageError(f"--dtype {text!r}: expected fp32, bf16, fp16, 'both' or a comma list; "
+                                f"unknown {unknown}")
+    return [DTYPES[n] for n in names]
+
+
+class ParitySession:
+    """Runs checks and ablations for a pytest session and keeps what they said for the report."""
+
+    def __init__(self, config: pytest.Config):
+        self.config = config
+        self.verdicts: dict[str, Verdict] = {}
+        self.kills: list[KillResult] = []
+        self._contexts: dict[tuple[Any, ...], CheckContext] = {}
+        self._pools: dict[str, Any] = {}
+        self.capture_dir: str | None = config.getoption("capture_dir")
+
+    def context(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                checkpoint: str | None = None) -> CheckContext:
+        device = torch.device(device)
+        key = (device.type, dtype, checkpoint)
+        if key not in self._contexts:
+            from harness.dist import WorldPool
+
+            pool = self._pools.setdefault(device.type, WorldPool(device=device))
+            self._contexts[key] = CheckContext(device=device, dtype=dtype, checkpoint=checkpoint,
+                                               capture_dir=self.capture_dir, worlds=pool)
+        return self._contexts[key]
+
+    def check(self, check_id: str, ctx: CheckContext | None = None, label: str | None = None) -> Verdict:
+        """Run a check once per label (cached: the kill matrix reuses the baseline)."""
+        key = label or check_id
+        if key not in self.verdicts:
+            self.verdicts[key] = checks.run_check(check_id, ctx or self.context())
+        return self.verdicts[key]
+
+    def kill(self, ablation_name: str, check_id: str, ctx: CheckContext | None = None) -> KillResult:
+        result = ablation_mod.run_under(ablation_mod.get(ablation_name), check_id, ctx or self.context())
+        self.kills.append(result)
+        return result
+
+    def report(self) -> dict[str, Any]:
+        order = {c.id: i for i, c in enumerate(checks.all_checks())}
+        verdicts = sorted(self.verdicts.values(), key=lambda v: (order.get(v.check_id, len(order)), v.check_id))
+        return report.build(verdicts, self.kills)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+    for path in config.getoption("checkpoint") or []:
+        if not Path(path).exists():
+            raise pytest.UsageError(f"--checkpoint {path}: no such file or directory")
+        if not Path(path).is_dir():
+            raise pytest.UsageError(f"--checkpoint {path}: expected a checkpoint directory "
+                                    "(config.json and weights), got a file")
+    parse_dtypes(config.getoption("dtype"))
+    capture = config.getoption("capture_dir")
+    if capture is not None and not Path(capture).is_dir():
+        raise pytest.UsageError(f"--capture-dir {capture}: no such directory")
+    for path in config.getoption("parity_report") or []:
+        if Path(path).suffix not in (".md", ".json"):
+            raise pytest.UsageError(f"--parity-report {path}: the file must end in .md or .json")
+    config.stash[SESSION_KEY] = ParitySession(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = config.stash.get(SESSION_KEY, None)
+    if session is not None:
+        session.close()
+
+
+def gpu_device(config: pytest.Config) -> torch.device:
+    choice = config.getoption("device")
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def gpu_skip_reason(config: pytest.Config) -> str | None:
+    """Why the gpu tier cannot run here, or None when it can."""
+    choice = config.getoption("device")
+    if choice != "cpu" and not torch.cuda.is_available():
+        return ("gpu tier needs CUDA: torch.cuda.is_available() is False on this machine "
+                "(pass --device cpu for a dry run of the gpu tier on the CPU)")
+    if not config.getoption("checkpoint"):
+        return "gpu tier needs real weights: pass --checkpoint=PATH (repeatable) to run it"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = gpu_skip_reason(config)
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def parity_session(request: pytest.FixtureRequest) -> ParitySession:
+    """The run's parity session: runs checks and ablations and records them for the report."""
+    return request.config.stash[SESSION_KEY]
+
+
+@pytest.fixture(scope="session")
+def parity_ctx(parity_session: ParitySession) -> CheckContext:
+    """The CPU tier's context: fp32 on the CPU, gloo worlds shared across checks."""
+    return parity_session.context()
+
+
+@pytest.fixture(scope="session")
+def gpu_dtypes(request: pytest.FixtureRequest) -> list[torch.dtype]:
+    return parse_dtypes(request.config.getoption("dtype"))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    session = config.stash.get(SESSION_KEY, None)
+    if session is None or not (session.verdicts or session.kills):
+        return
+    data = session.report()
+    terminalreporter.section("fastpath-parity report")
+    terminalreporter.write_line(report.render_terminal(data))
+    for path in config.getoption("parity_report") or []:
+        written = report.write(data, path)
+        terminalreporter.write_line(f"parity report written to {os.fspath(written)}")

@@ -1,0 +1,167 @@
+"""Verdicts and kill results -> one report: a terminal table, markdown, or JSON.
+
+The JSON shape is a contract for CI tools::
+
+    {"checks": [{"id", "path", "passed", "metrics", "policy", "margin"}],
+     "ablations": [{"name", "path", "kills": [{"check", "killed", "margin"}]}],
+     "summary": {"checks", "passed", "ablations", "killed"}}
+
+Nothing time-dependent goes in, so the same run gives the same report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from harness.ablation import KillResult
+from harness.compare import Verdict
+
+__all__ = ["build", "render_markdown", "render_terminal", "write"]
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe values: non-finite floats become strings, tensors and tuples become lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "tolist"):
+        return _plain(value.tolist())
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    return str(value)
+
+
+def build(verdicts: Iterable[Verdict], kills: Iterable[KillResult]) -> dict[str, Any]:
+    checks = []
+    for v in verdicts:
+        checks.append({
+            "id": v.check_id,
+            "path": v.path,
+            "passed": v.passed,
+            "metrics": _plain(v.metrics),
+            "policy": v.policy,
+            "margin": _plain(v.margin),
+            "headline": v.headline,
+            "tolerance": _plain(v.tolerance),
+        })
+    grouped: dict[str, list[KillResult]] = {}
+    for k in kills:
+        grouped.setdefault(k.ablation, []).append(k)
+    ablations = []
+    for name, rows in grouped.items():
+        ablations.append({
+            "name": name,
+            "path": name.split(".", 1)[0],
+            "kills": [{"check": r.check, "killed": r.killed, "margin": _plain(r.margin), "how": r.how} for r in rows],
+        })
+    summary = {
+        "checks": len(checks),
+        "passed": sum(c["passed"] for c in checks),
+        "ablations": len(ablations),
+        "killed": sum(all(k["killed"] for k in a["kills"]) for a in ablations),
+    }
+    return {"checks": checks, "ablations": ablations, "summary": summary}
+
+
+def _num(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.3e}" if value and math.isfinite(value) else repr(value)
+    return str(value)
+
+
+def _headline(check: dict[str, Any]) -> str:
+    name = check.get("headline")
+    if not name:
+        shown = [f"{k}={_num(v)}" for k, v in check["metrics"].items() if not isinstance(v, (list, dict))][:2]
+        return ", ".join(shown) or "-"
+    return f"{name}={_num(check['metrics'].get(name))}"
+
+
+def _smallest_margin(kills: list[dict[str, Any]]) -> str:
+    margins = [k["margin"] for k in kills if k["killed"] and isinstance(k["margin"], (int, float))]
+    if margins:
+        return _num(float(min(margins)))
+    if any(k["killed"] and k["margin"] == "inf" for k in kills):
+        return "inf"
+    raised = sorted({k["how"] for k in kills if k["killed"] and k["how"].startswith("raised")})
+    return ", ".join(raised) or "-"
+
+
+def _rows(report: dict[str, Any]) -> tuple[list[list[str]], list[list[str]]]:
+    checks = [["PASS" if c["passed"] else "FAIL", c["id"], _headline(c), _num(c["tolerance"]), _num(c["margin"])]
+              for c in report["checks"]]
+    ablations = []
+    for a in report["ablations"]:
+        killed = sum(k["killed"] for k in a["kills"])
+        status = "KILLED" if killed == len(a["kills"]) else "SURVIVED"
+        ablations.append([status, a["name"], f"{killed}/{len(a['kills'])}", _smallest_margin(a["kills"])])
+    return checks, ablations
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=False))
+    out = [line, "-" * len(line)]
+    out.extend("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=False)) for row in rows)
+    return out
+
+
+def render_terminal(report: dict[str, Any]) -> str:
+    checks, ablations = _rows(report)
+    lines: list[str] = []
+    if checks:
+        lines += _table(["", "check", "headline", "tolerance", "margin"], checks)
+    if ablations:
+        lines += ["", *_table(["", "ablation", "killed", "smallest kill margin"], ablations)]
+    s = report["summary"]
+    lines += ["", f"checks: {s['passed']}/{s['checks']} passed; ablations: {s['killed']}/{s['ablations']} killed all "
+              "their checks"]
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    checks, ablations = _rows(report)
+
+    def md(header: list[str], rows: list[list[str]]) -> list[str]:
+        out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        out += ["| " + " | ".join(x.replace("|", "\\|") for x in row) + " |" for row in rows]
+        return out
+
+    s = report["summary"]
+    lines = ["# Parity report", "",
+             f"**checks** {s['passed']}/{s['checks']} passed · **ablations** {s['killed']}/{s['ablations']} killed", ""]
+    if checks:
+        lines += ["## Parity checks", "", *md(["status", "check", "headline", "tolerance", "margin"], checks), ""]
+    if ablations:
+        lines += ["## Ablations", "", *md(["status", "ablation", "killed", "smallest kill margin"], ablations), ""]
+    failures = [c for c in report["checks"] if not c["passed"]]
+    if failures:
+        lines += ["## Failures", ""]
+        lines += [f"- `{c['id']}` under {c['policy']}: {_headline(c)}" for c in failures]
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict[str, Any], path: str | Path) -> Path:
+    """Write ``.md`` or ``.json`` by suffix; anything else is a usage mistake."""
+    target = Path(path)
+    if target.suffix not in (".md", ".json"):
+        raise ValueError(f"--parity-report {path!r}: the file must end in .md or .json")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.suffix == ".json":
+        target.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    else:
+        target.write_text(render_markdown(report))
+    return target

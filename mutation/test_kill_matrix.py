@@ -1,0 +1,35 @@
+"""The kill matrix, generated from the registries: every claimed (ablation, check) pair must
+pass without the ablation and fail with it; every check must be claimed by some ablation."""
+
+import pytest
+
+from harness import ablation, checks
+from mutation import catalogue
+
+catalogue.load()
+
+PAIRS = [(a.name, check_id) for a in ablation.all_ablations() for check_id in a.kills]
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(("ablation_name", "check_id"), PAIRS, ids=[f"{a}->{c}" for a, c in PAIRS])
+def test_ablation_kills_check(ablation_name, check_id, parity_session, parity_ctx):
+    baseline = parity_session.check(check_id, parity_ctx)
+    assert baseline.passed, f"{check_id} must pass without {ablation_name} first:\n{baseline.describe()}"
+    result = parity_session.kill(ablation_name, check_id, parity_ctx)
+    assert result.killed, (f"ablation {ablation_name} ({ablation.get(ablation_name).why}) did not kill "
+                           f"{check_id}: {result.how}\n{result.detail}")
+
+
+@pytest.mark.cpu
+def test_every_check_is_killed_by_some_ablation():
+    claimed = {c for a in ablation.all_ablations() for c in a.kills}
+    unclaimed = [c.id for c in checks.all_checks("cpu") if c.id not in claimed]
+    assert not unclaimed, f"checks no ablation claims to kill (a check without teeth): {unclaimed}"
+
+
+@pytest.mark.cpu
+def test_every_ablation_claims_a_cpu_check():
+    cpu_ids = {c.id for c in checks.all_checks("cpu")}
+    idle = [a.name for a in ablation.all_ablations() if not set(a.kills) & cpu_ids]
+    assert not idle, f"ablations that claim no CPU-tier check: {idle}"

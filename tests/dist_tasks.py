@@ -1,0 +1,31 @@
+"""Module-level tasks for the world tests (tasks travel to ranks by reference)."""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def all_gather_ranks(scale: float) -> torch.Tensor:
+    mine = torch.tensor([float(dist.get_rank()) * scale])
+    slots = [torch.empty(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(slots, mine)
+    return torch.cat(slots)
+
+
+def raise_on(rank: int) -> int:
+    if dist.get_rank() == rank:
+        raise ValueError(f"injected failure on rank {rank}")
+    return dist.get_rank()
+
+
+def hang_on(rank: int) -> int:
+    if dist.get_rank() == rank:
+        time.sleep(3600)
+    return dist.get_rank()
+
+
+def pid() -> int:
+    import os
+
+    return os.getpid()

@@ -1,0 +1,96 @@
+"""Worlds on real gloo groups: round trips, a raise on one rank, a hang on one rank, no leftovers."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from harness.dist import World, WorldError, WorldPool, WorldTaskError, WorldTimeout
+from tests import dist_tasks
+
+pytestmark = pytest.mark.cpu
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().split()[2] != "Z":
+                    alive.append(pid)
+        except FileNotFoundError:
+            pass
+    return alive
+
+
+@pytest.fixture(scope="module")
+def world8():
+    with World(8) as world:
+        yield world
+
+
+def test_eight_rank_all_gather_round_trip(world8):
+    results = world8.run(dist_tasks.all_gather_ranks, 2.0)
+    expected = torch.arange(8, dtype=torch.float32) * 2.0
+    assert len(results) == 8
+    for rank, gathered in enumerate(results):
+        assert torch.equal(gathered, expected), f"rank {rank} gathered {gathered}"
+
+
+def test_raise_on_one_rank_lists_every_rank(world8):
+    with pytest.raises(WorldTaskError) as info:
+        world8.run(dist_tasks.raise_on, 3)
+    err = info.value
+    assert err.raised_ranks == [3]
+    assert [o.status for o in err.outcomes] == ["ok"] * 3 + ["raised"] + ["ok"] * 4
+    text = str(err)
+    assert "rank 3: raised: ValueError: injected failure on rank 3" in text
+    assert "--- rank 3 traceback ---" in text
+    # the world survives a task that every rank answered
+    assert world8.run(dist_tasks.all_gather_ranks, 1.0)[0].tolist() == list(range(8))
+
+
+def test_hang_on_one_rank_times_out_and_leaves_no_process():
+    world = World(4).start()
+    pids = world.run(dist_tasks.pid)
+    began = time.monotonic()
+    with pytest.raises(WorldTimeout) as info:
+        world.run(dist_tasks.hang_on, 2, timeout_s=2.0)
+    assert time.monotonic() - began < 10.0
+    assert info.value.hung == [2]
+    assert "timed out after 2 s on ranks [2] of 4" in str(info.value)
+    assert not world.alive
+    assert _alive(pids) == [], f"rank processes left behind: {_alive(pids)}"
+    with pytest.raises(WorldError, match="not running"):
+        world.run(dist_tasks.pid)
+
+
+def test_pool_reuses_and_restarts_worlds():
+    pool = WorldPool()
+    try:
+        first = pool.get(2)
+        assert pool.get(2) is first
+        with pytest.raises(WorldTimeout):
+            first.run(dist_tasks.hang_on, 0, timeout_s=1.0)
+        second = pool.get(2)
+        assert second is not first and second.alive
+        assert second.run(dist_tasks.all_gather_ranks, 1.0)[1].tolist() == [0.0, 1.0]
+    finally:
+        pool.close()
+
+
+def test_world_sizes_the_group_cannot_have():
+    with pytest.raises(ValueError, match="at least 1 rank"):
+        World(0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs 2 GPUs"):
+            World(2, device="cuda")
+
+
+def test_closing_a_world_reaps_every_rank(world8):
+    world = World(3).start()
+    pids = world.run(dist_tasks.pid)
+    assert len(set(pids)) == 3 and os.getpid() not in pids
+    world.close()
+    assert _alive(pids) == []

@@ -1,0 +1,212 @@
+"""The plugin, registry, kill matrix and report, driven through pytest's own pytester."""
+
+import json
+
+import pytest
+
+from harness import ablation, checks
+
+pytestmark = pytest.mark.cpu
+
+DEMO_IMPL = '''
+def scale(x):
+    """The seam: the fast path's one job."""
+    return [2 * v for v in x]
+
+
+def fast(x):
+    return demo_impl.scale(x)
+
+
+def stock(x):
+    return [v + v for v in x]
+'''
+
+DEMO_CHECKS = '''
+import torch
+import demo_impl
+from harness.checks import register
+from harness.compare import exact, close
+
+
+@register("demo.double.exact")
+def double_exact(ctx):
+    x = [1.0, 2.0, 3.0]
+    return exact().judge("demo.double.exact", torch.tensor(demo_impl.scale(x)), torch.tensor(demo_impl.stock(x)))
+
+
+@register("demo.double.close")
+def double_close(ctx):
+    x = [1.0, 2.0]
+    return close(atol=0.1, rtol=0.0, reason="demo").judge(
+        "demo.double.close", torch.tensor(demo_impl.scale(x)), torch.tensor(demo_impl.stock(x)))
+'''
+
+GENERATED_TESTS = '''
+import pytest
+import demo_checks
+import demo_ablations
+from harness import ablation, checks
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("check_id", [c.id for c in checks.all_checks("cpu") if c.id.startswith("demo.")])
+def test_check(check_id, parity_session, parity_ctx):
+    verdict = parity_session.check(check_id, parity_ctx)
+    assert verdict.passed, verdict.describe()
+
+
+PAIRS = [(a.name, c) for a in ablation.all_ablations("demo") for c in a.kills]
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize(("name", "check_id"), PAIRS)
+def test_kill(name, check_id, parity_session, parity_ctx):
+    assert parity_session.check(check_id, parity_ctx).passed
+    assert parity_session.kill(name, check_id, parity_ctx).killed
+
+
+@pytest.mark.gpu
+def test_gpu_only():
+    pass
+'''
+
+
+def demo_ablations(replacement: str, kills: str = '["demo.double.exact", "demo.double.close"]') -> str:
+    return f'''
+from harness.ablation import ablation
+
+ablation("demo.off_by_one", "demo_impl:scale", lambda x: {replacement},
+         kills={kills}, why="adds one to every element")
+'''
+
+
+@pytest.fixture(autouse=True)
+def _clean_registry():
+    checks._forget("demo.")
+    ablation._forget("demo.")
+    yield
+    checks._forget("demo.")
+    ablation._forget("demo.")
+
+
+@pytest.fixture
+def demo(pytester):
+    pytester.makepyfile(demo_impl=DEMO_IMPL, demo_checks=DEMO_CHECKS, test_demo=GENERATED_TESTS)
+    pytester.makepyfile(demo_ablations=demo_ablations("[2 * v + 1 for v in x]"))
+    pytester.syspathinsert()
+    return pytester
+
+
+def test_table_and_both_report_formats(demo):
+    result = demo.runpytest("-p", "harness.plugin", "-m", "cpu", "--parity-report=out/parity.md",
+                            "--parity-report=out/parity.json")
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines([
+        "*fastpath-parity report*",
+        "PASS*demo.double.exact*max_abs=0*",
+        "PASS*demo.double.close*max_abs=0*1.000e-01*",
+        "KILLED*demo.off_by_one*2/2*",
+        "checks: 2/2 passed; ablations: 1/1 killed all their checks",
+    ])
+    data = json.loads((demo.path / "out/parity.json").read_text())
+    assert set(data) == {"checks", "ablations", "summary"}
+    assert {"id", "path", "passed", "metrics", "policy", "margin"} <= set(data["checks"][0])
+    assert data["checks"][0]["path"] == "demo"
+    kill = data["ablations"][0]
+    assert kill["name"] == "demo.off_by_one" and kill["path"] == "demo"
+    assert {k["check"] for k in kill["kills"]} == {"demo.double.exact", "demo.double.close"}
+    assert all(k["killed"] for k in kill["kills"])
+    close_kill = next(k for k in kill["kills"] if k["check"] == "demo.double.close")
+    assert close_kill["margin"] == pytest.approx(10.0)  # |d| = 1 against atol 0.1
+    assert data["summary"] == {"checks": 2, "passed": 2, "ablations": 1, "killed": 1}
+    markdown = (demo.path / "out/parity.md").read_text()
+    assert "| PASS | demo.double.exact |" in markdown and "| KILLED | demo.off_by_one | 2/2 |" in markdown
+
+
+def test_surviving_ablation_fails_the_kill_matrix(pytester):
+    pytester.makepyfile(demo_impl=DEMO_IMPL, demo_checks=DEMO_CHECKS, test_demo=GENERATED_TESTS)
+    pytester.makepyfile(demo_ablations=demo_ablations("[v * 2 for v in x]"))  # not a bug: survives
+    pytester.syspathinsert()
+    result = pytester.runpytest("-p", "harness.plugin", "-m", "cpu")
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines(["SURVIVED*demo.off_by_one*0/2*"])
+
+
+@pytest.fixture
+def demo_modules(demo):
+    """The demo modules imported in this process (removed again so pytester runs re-import them)."""
+    import importlib
+    import sys
+
+    yield importlib.import_module("demo_checks").demo_impl
+    for name in ("demo_impl", "demo_checks", "demo_ablations"):
+        sys.modules.pop(name, None)
+
+
+def test_seam_is_restored_even_when_the_check_raises(demo_modules):
+    demo_impl = demo_modules
+
+    original = demo_impl.scale
+    item = ablation.ablation("demo.raises", "demo_impl:scale", lambda x: 1 / 0,
+                             kills=["demo.double.exact"], why="crashes", raises=(ZeroDivisionError,))
+    result = ablation.run_under(item, "demo.double.exact", checks.CheckContext())
+    assert result.killed and result.how == "raised ZeroDivisionError"
+    assert demo_impl.scale is original
+    undeclared = ablation.ablation("demo.raises_undeclared", "demo_impl:scale", lambda x: 1 / 0,
+                                   kills=["demo.double.exact"], why="crashes")
+    result = ablation.run_under(undeclared, "demo.double.exact", checks.CheckContext())
+    assert not result.killed and result.how == "wrong exception ZeroDivisionError"
+    assert demo_impl.scale is original
+
+
+def test_unknown_check_id_fails_at_import_naming_it(demo):
+    demo.makepyfile(demo_ablations=demo_ablations("x", kills='["demo.no_such_check"]'))
+    result = demo.runpytest("-p", "harness.plugin")
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*claims unknown check ids:*demo.no_such_check*"])
+
+
+def test_unknown_seam_fails_at_import_naming_it(demo):
+    demo.makepyfile(demo_ablations='''
+from harness.ablation import ablation
+ablation("demo.ghost", "demo_impl:no_such_function", lambda x: x, kills=["demo.double.exact"], why="-")
+''')
+    result = demo.runpytest("-p", "harness.plugin")
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*seam 'demo_impl:no_such_function'*no callable 'no_such_function'*"])
+
+
+def test_duplicate_and_malformed_check_ids_are_rejected():
+    with pytest.raises(ValueError, match="path.case.what"):
+        checks.register("Demo")
+    checks.register("demo.once.only")(lambda ctx: None)
+    with pytest.raises(ValueError, match="registered twice"):
+        checks.register("demo.once.only")(lambda ctx: None)
+
+
+def test_gpu_tests_skip_without_cuda_with_a_reason(demo):
+    result = demo.runpytest("-p", "harness.plugin", "-m", "gpu", "-rs")
+    result.assert_outcomes(skipped=1, deselected=4)
+    result.stdout.fnmatch_lines(["*gpu tier needs CUDA*torch.cuda.is_available() is False*"])
+
+
+def test_gpu_tests_skip_without_checkpoint_naming_the_option(demo):
+    result = demo.runpytest("-p", "harness.plugin", "-m", "gpu", "--device", "cpu", "-rs")
+    result.assert_outcomes(skipped=1, deselected=4)
+    result.stdout.fnmatch_lines(["*pass --checkpoint=PATH*"])
+
+
+def test_missing_checkpoint_is_a_usage_error_naming_the_path(demo):
+    result = demo.runpytest("-p", "harness.plugin", "-m", "gpu", "--checkpoint=/does/not/exist")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--checkpoint /does/not/exist: no such file or directory*"])
+
+
+def test_bad_dtype_and_report_suffix_are_usage_errors(demo):
+    result = demo.runpytest("-p", "harness.plugin", "--dtype", "fp8")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--dtype 'fp8'*"])
+    result = demo.runpytest("-p", "harness.plugin", "--parity-report=out/report.txt")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*must end in .md or .json*"])
