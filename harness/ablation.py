@@ -155,7 +155,7 @@ def run_under(item: Ablation, check_id: str, ctx: checks.CheckContext) -> KillRe
             verdict = checks.run_check(check_id, ctx)
     except item.raises as err:  # an empty tuple matches nothing
         return KillResult(item.name, check_id, True, None, f"raised {type(err).__name__}", str(err)[:500])
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - an undeclared crash is reported, not a clean kill
         return KillResult(item.name, check_id, False, None, f"wrong exception {type(err).__name__}", str(err)[:500])
     finally:
         ctx.task_timeout_s = previous

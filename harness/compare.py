@@ -480,6 +480,6 @@ def expect_raises(check_id: str, fn: Callable[[], Any], exc: type[BaseException]
         text = str(err)
         ok = match is None or re.search(match, text) is not None
         return expect(check_id, ok, fact, raised=type(err).__name__, error=text[:300])
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - the wrong exception type is a failed fact
         return expect(check_id, False, fact, raised=type(err).__name__, error=str(err)[:300])
     return expect(check_id, False, fact, raised="nothing")

@@ -97,7 +97,7 @@ def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         _send(conn, ("ready", rank, None))
-    except BaseException as err:
+    except BaseException as err:  # noqa: BLE001 - start-up failures go back to the parent
         _send(conn, ("start_failed", rank, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
         os._exit(1)
     while True:
@@ -112,7 +112,7 @@ def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg
             with ablation.applied(refs):
                 result = fn(*args, **kwargs)
             _send(conn, ("ok", task_id, result))
-        except BaseException as err:
+        except BaseException as err:  # noqa: BLE001 - every task failure goes back to the parent
             _send(conn, ("raised", task_id, (f"{type(err).__name__}: {err}", traceback.format_exc())))
     with contextlib.suppress(Exception):
         dist.destroy_process_group()

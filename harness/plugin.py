@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness import ablation as ablation_mod
-from harness import checks, report
+from harness import checkpoints, checks, report
 from harness.ablation import KillResult
 from harness.checks import CheckContext
 from harness.compare import Verdict
@@ -62,6 +62,7 @@ class ParitySession:
         self._contexts: dict[tuple[Any, ...], CheckContext] = {}
         self._pools: dict[str, Any] = {}
         self.capture_dir: str | None = config.getoption("capture_dir")
+        self.checkpoints: list[checkpoints.Checkpoint] = []
 
     def context(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 checkpoint: str | None = None) -> CheckContext:
@@ -101,12 +102,12 @@ class ParitySession:
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    detected = []
     for path in config.getoption("checkpoint") or []:
-        if not Path(path).exists():
-            raise pytest.UsageError(f"--checkpoint {path}: no such file or directory")
-        if not Path(path).is_dir():
-            raise pytest.UsageError(f"--checkpoint {path}: expected a checkpoint directory "
-                                    "(config.json and weights), got a file")
+        try:
+            detected.append(checkpoints.detect(path))
+        except checkpoints.CheckpointError as err:
+            raise pytest.UsageError(f"--checkpoint: {err}") from None
     parse_dtypes(config.getoption("dtype"))
     capture = config.getoption("capture_dir")
     if capture is not None and not Path(capture).is_dir():
@@ -114,7 +115,9 @@ def pytest_configure(config: pytest.Config) -> None:
     for path in config.getoption("parity_report") or []:
         if Path(path).suffix not in (".md", ".json"):
             raise pytest.UsageError(f"--parity-report {path}: the file must end in .md or .json")
-    config.stash[SESSION_KEY] = ParitySession(config)
+    session = ParitySession(config)
+    session.checkpoints = detected
+    config.stash[SESSION_KEY] = session
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -200,7 +200,7 @@ def test_gpu_tests_skip_without_checkpoint_naming_the_option(demo):
 def test_missing_checkpoint_is_a_usage_error_naming_the_path(demo):
     result = demo.runpytest("-p", "harness.plugin", "-m", "gpu", "--checkpoint=/does/not/exist")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--checkpoint /does/not/exist: no such file or directory*"])
+    result.stderr.fnmatch_lines(["*--checkpoint: checkpoint /does/not/exist: no such file or directory*"])
 
 
 def test_bad_dtype_and_report_suffix_are_usage_errors(demo):
