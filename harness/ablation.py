@@ -17,7 +17,8 @@ from typing import Any
 
 from harness import checks
 
-__all__ = ["Ablation", "KillResult", "ablation", "active", "all_ablations", "applied", "get", "run_under"]
+__all__ = ["Ablation", "KillResult", "ablation", "active", "all_ablations", "applied", "drop_inherited", "get",
+           "run_under"]
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,39 @@ class Ablation:
         original = getattr(owner, attr)
         patched = self.replacement(original) if self.wraps else self.replacement
         setattr(owner, attr, patched)
-        _ACTIVE.append(self)
+        patch = _Patch(self, owner, attr, original)
+        _ACTIVE.append(patch)
         try:
             yield
         finally:
-            _ACTIVE.remove(self)
-            setattr(owner, attr, original)
+            if patch in _ACTIVE:  # a forked child may have dropped it already
+                _ACTIVE.remove(patch)
+                setattr(owner, attr, original)
+
+
+@dataclass(eq=False)
+class _Patch:
+    """One applied ablation and what its seam held before."""
+
+    item: Ablation
+    owner: Any
+    attr: str
+    original: Any
+
+
+def drop_inherited() -> list[str]:
+    """Undo every applied ablation; a freshly forked rank calls it before its first task.
+
+    A world forked while an ablation is applied (a pool restarting a torn-down world inside a
+    kill-matrix check) would otherwise keep that ablation in its ranks for every later task; the
+    ablations a task needs travel with the task instead. Returns the names dropped.
+    """
+    dropped = []
+    while _ACTIVE:
+        patch = _ACTIVE.pop()
+        setattr(patch.owner, patch.attr, patch.original)
+        dropped.append(patch.item.name)
+    return dropped
 
 
 def resolve_seam(seam: str) -> tuple[Any, str]:
@@ -82,7 +110,7 @@ def resolve_seam(seam: str) -> tuple[Any, str]:
 
 
 _ABLATIONS: dict[str, Ablation] = {}
-_ACTIVE: list[Ablation] = []
+_ACTIVE: list[_Patch] = []
 
 
 def ablation(name: str, seam: str, replacement: Callable[..., Any], *, kills: Sequence[str], why: str,
@@ -119,7 +147,7 @@ def all_ablations(path: str | None = None) -> list[Ablation]:
 
 def active() -> list[tuple[str, str]]:
     """(name, defining module) of every applied ablation, for re-application inside ranks."""
-    return [(a.name, a.origin) for a in _ACTIVE]
+    return [(p.item.name, p.item.origin) for p in _ACTIVE]
 
 
 @contextlib.contextmanager

@@ -74,11 +74,11 @@ def register(check_id: str, *, tier: str = "cpu", doc: str = "") -> Callable[[Ch
         raise ValueError(f"check {check_id!r}: tier must be one of {sorted(TIERS)}, got {tier!r}")
 
     def decorate(fn: CheckFn) -> CheckFn:
+        module = getattr(getattr(fn, "func", fn), "__module__", "?")  # a functools.partial names its function's
         if check_id in _REGISTRY:
-            raise ValueError(f"check id {check_id!r} registered twice "
-                             f"({_REGISTRY[check_id].module} and {getattr(fn, '__module__', '?')})")
+            raise ValueError(f"check id {check_id!r} registered twice ({_REGISTRY[check_id].module} and {module})")
         text = doc or next(iter((fn.__doc__ or "").strip().splitlines()), "")
-        _REGISTRY[check_id] = Check(check_id, fn, tier, text, getattr(fn, "__module__", "?"))
+        _REGISTRY[check_id] = Check(check_id, fn, tier, text, module)
         return fn
 
     return decorate

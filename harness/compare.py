@@ -253,13 +253,26 @@ class Policy:
 
 
 def _base_metrics(actual: torch.Tensor, expected: torch.Tensor) -> dict[str, Any]:
+    """max|d|, mismatches, rel L2 and non-finite count in one float64 pass (outputs can be large)."""
+    _same_shape(actual, expected)
     total = actual.numel()
+    a, b = actual.detach().double(), expected.detach().double()
+    bad = int((~torch.isfinite(a)).sum()) + int((~torch.isfinite(b)).sum()) if total else 0
+    diff = a - b
+    if total == 0:
+        max_abs, rel = 0.0, 0.0
+    elif bad:
+        max_abs, rel = math.inf, math.inf
+    else:
+        max_abs = float(diff.abs().max())
+        num, den = float(torch.linalg.vector_norm(diff)), float(torch.linalg.vector_norm(b))
+        rel = (0.0 if num == 0.0 else math.inf) if den == 0.0 else num / den
     return {
-        "max_abs": max_abs_diff(actual, expected),
-        "mismatched": mismatched(actual, expected),
+        "max_abs": max_abs,
+        "mismatched": int((actual != expected).sum()),
         "total": total,
-        "rel_l2": rel_l2(actual, expected),
-        "nonfinite": nonfinite(actual) + nonfinite(expected),
+        "rel_l2": rel,
+        "nonfinite": bad,
     }
 
 

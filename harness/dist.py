@@ -89,6 +89,7 @@ def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg
     """A rank's life: join the group, then run tasks until told to stop."""
     import torch.distributed as dist
 
+    ablation.drop_inherited()  # a fork under an applied ablation must not keep it for later tasks
     try:
         if use_cuda:
             torch.cuda.set_device(rank)

@@ -100,9 +100,14 @@ def _smallest_margin(kills: list[dict[str, Any]]) -> str:
     return ", ".join(raised) or "-"
 
 
-def _rows(report: dict[str, Any]) -> tuple[list[list[str]], list[list[str]]]:
-    checks = [["PASS" if c["passed"] else "FAIL", c["id"], _headline(c), _num(c["tolerance"]), _num(c["margin"])]
-              for c in report["checks"]]
+def _clip(text: str, width: int | None) -> str:
+    return text if width is None or len(text) <= width else text[: width - 3] + "..."
+
+
+def _rows(report: dict[str, Any], width: int | None = None) -> tuple[list[list[str]], list[list[str]]]:
+    """Table rows; ``width`` clips the headline column (the terminal), markdown keeps it whole."""
+    checks = [["PASS" if c["passed"] else "FAIL", c["id"], _clip(_headline(c), width), _num(c["tolerance"]),
+               _num(c["margin"])] for c in report["checks"]]
     ablations = []
     for a in report["ablations"]:
         killed = sum(k["killed"] for k in a["kills"])
@@ -120,7 +125,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def render_terminal(report: dict[str, Any]) -> str:
-    checks, ablations = _rows(report)
+    checks, ablations = _rows(report, width=72)
     lines: list[str] = []
     if checks:
         lines += _table(["", "check", "headline", "tolerance", "margin"], checks)

@@ -1,0 +1,102 @@
+"""The model adapter contract and the CFG combine around one transformer forward (DESIGN 1.1).
+
+An adapter runs ONE transformer forward over all rows it is given (``forward``) and names its CFG
+layout. ``predict_velocity`` builds the CFG batch for that layout, calls ``forward`` once, splits the
+output at the midpoint and combines the branches. Stock and batched replay both go through it, so
+the only difference between them is the batch they hand in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from harness.replay.conditions import Conditions, concat_payloads
+from harness.replay.sde import as_rows
+
+__all__ = [
+    "FUSED_COND_FIRST",
+    "UNCOND_FIRST",
+    "DenoiserAdapter",
+    "Guidance",
+    "concat_branches",
+    "guidance_at",
+    "predict_velocity",
+]
+
+FUSED_COND_FIRST = "fused_cond_first"
+UNCOND_FIRST = "uncond_first"
+LAYOUTS = (FUSED_COND_FIRST, UNCOND_FIRST)
+
+Guidance = float | Sequence[float]
+
+
+class DenoiserAdapter:
+    """A transformer behind the replay's calling convention.
+
+    Subclasses set ``cfg_layout`` and ``module`` (the transformer, which spies hook) and implement
+    ``forward(hidden [N, *latent], timestep [N], conditions) -> velocity [N, *latent]`` as exactly one
+    transformer call over the N rows.
+    """
+
+    cfg_layout: str = FUSED_COND_FIRST
+    module: torch.nn.Module
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The model's timestep for per-row sigmas (flow-matching pipelines pass sigma * 1000)."""
+        return sigma * 1000.0
+
+    def forward(self, hidden: torch.Tensor, timestep: torch.Tensor,
+                conditions: Conditions) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def guidance_at(guidance: Guidance, step: int) -> float:
+    """The CFG scale at ``step`` from a constant or a per-step schedule."""
+    if isinstance(guidance, (int, float)) and not isinstance(guidance, bool):
+        return float(guidance)
+    if isinstance(guidance, Sequence) and not isinstance(guidance, (str, bytes)):
+        if not 0 <= step < len(guidance):
+            raise ValueError(f"guidance schedule has {len(guidance)} entries; no scale for step {step}")
+        return float(guidance[step])
+    raise TypeError(f"guidance must be a float or a per-step sequence of floats, got {type(guidance).__name__}")
+
+
+def concat_branches(first: Conditions, second: Conditions) -> Conditions:
+    """Fuse two single-branch conditions into one 2B-row batch ``[first; second]``."""
+    rows = {name: concat_payloads([first.rows[name], second.rows[name]], f"field {name!r}") for name in second.rows}
+    return Conditions(batch=second.batch, rows=rows, shared=second.shared, cfg_factor=2)
+
+
+def _check_layout(adapter: DenoiserAdapter, conditions: Conditions) -> None:
+    layout = adapter.cfg_layout
+    if layout not in LAYOUTS:
+        raise ValueError(f"adapter {type(adapter).__name__} has cfg_layout {layout!r}; expected one of {LAYOUTS}")
+    if layout == UNCOND_FIRST and conditions.cfg_factor != 1:
+        raise ValueError(f"adapter {type(adapter).__name__} is uncond-first (SD3 style): pass the uncond branch "
+                         "as Conditions.negative, not fused rows (cfg_factor=2)")
+    if layout == FUSED_COND_FIRST and conditions.negative is not None:
+        raise ValueError(f"adapter {type(adapter).__name__} is fused cond-first (HunyuanImage-3 style): pass "
+                         "[cond_B; uncond_B] rows with cfg_factor=2, not Conditions.negative")
+
+
+def predict_velocity(adapter: DenoiserAdapter, x: torch.Tensor, sigma: torch.Tensor | float,
+                     conditions: Conditions, guidance_scale: float) -> torch.Tensor:
+    """Velocity for ``x [N, *latent]`` at per-row ``sigma``, with CFG in the adapter's layout.
+
+    uncond-first: the forward sees ``[uncond; cond]``; fused cond-first: ``[cond; uncond]`` as the
+    conditions arrive. Either way it is one forward, split at its midpoint.
+    """
+    rows = x.shape[0]
+    if rows != conditions.batch:
+        raise ValueError(f"latents have {rows} rows but the conditions are for batch {conditions.batch}")
+    _check_layout(adapter, conditions)
+    timestep = adapter.timestep(as_rows(sigma, rows))
+    if not conditions.guided:
+        return adapter.forward(x, timestep, conditions)
+    fused = concat_branches(conditions.negative, conditions) if conditions.negative is not None else conditions
+    out = adapter.forward(torch.cat([x, x]), torch.cat([timestep, timestep]), fused)
+    first, second = out[:rows], out[rows:]
+    uncond, cond = (first, second) if adapter.cfg_layout == UNCOND_FIRST else (second, first)
+    return uncond + guidance_scale * (cond - uncond)

@@ -1,0 +1,108 @@
+"""Ablations of the attention path: known bugs re-introduced over its seams (issue 6)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from harness.ablation import ablation
+from harness.attention import masks
+from harness.attention.decomposed import RowBlock
+from harness.attention.layout import AttentionLayout
+
+
+def _span_end_early(original):
+    def span_bounds(layout: AttentionLayout) -> tuple[int, int]:
+        start, end = original(layout)
+        return start, end - 1
+
+    return span_bounds
+
+
+def _span_start_late(original):
+    def span_bounds(layout: AttentionLayout) -> tuple[int, int]:
+        start, end = original(layout)
+        return start + 1, end
+
+    return span_bounds
+
+
+def _causal_only_mask(layout: AttentionLayout, device=None) -> torch.Tensor:
+    return masks.causal_only(layout, device)
+
+
+def _pad_keys_visible(original):
+    def pad_mask(mask: torch.Tensor, q_pad: int, kv_pad: int) -> torch.Tensor:
+        out = original(mask, q_pad, kv_pad)
+        out[:, mask.shape[1]:] = True
+        return out
+
+    return pad_mask
+
+
+def _split_one_row_late(original):
+    def split_rows(layout: AttentionLayout) -> tuple[RowBlock, ...]:
+        blocks = list(original(layout))
+        at = next(i for i, b in enumerate(blocks) if not b.causal)
+        span = blocks[at]
+        if at and blocks[at - 1].causal:
+            before = blocks[at - 1]
+            blocks[at - 1] = dataclasses.replace(before, stop=before.stop + 1, kv_stop=before.kv_stop + 1)
+        else:
+            blocks.insert(at, RowBlock(span.start, span.start + 1, layout.q_offset + span.start + 1, True))
+            at += 1
+        blocks[at] = dataclasses.replace(span, start=span.start + 1)
+        return tuple(b for b in blocks if b.rows > 0)
+
+    return split_rows
+
+
+def _special_rows_see_image(q_pos: torch.Tensor, kv_pos: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return masks.causal_mask(q_pos, kv_pos) | ((kv_pos >= start) & (kv_pos < end))
+
+
+ablation(
+    "attention.span_end_off_by_one", "harness.attention.masks:span_bounds", _span_end_early, wraps=True,
+    kills=["attention.contract.prefill.mismatches", "attention.contract.prefill.density",
+           "attention.contract.prefill.span", "attention.contract.denoise.density",
+           "attention.contract.denoise.histogram", "attention.capture.prefill.contract",
+           "attention.denoise.decomposed.vs_sdpa", "attention.prefill.flex.vs_sdpa"],
+    why="the image block ends one token early: the span rows lose the last image key",
+)
+ablation(
+    "attention.span_start_off_by_one", "harness.attention.masks:span_bounds", _span_start_late, wraps=True,
+    kills=["attention.contract.prefill.mismatches", "attention.contract.prefill.span",
+           "attention.contract.denoise.mismatches", "attention.contract.denoise.span",
+           "attention.capture.denoise.contract", "attention.prefill.decomposed.vs_sdpa",
+           "attention.gqa.flex.vs_sdpa"],
+    why="the image block starts one token late: the first image row is treated as a causal text row",
+)
+ablation(
+    "attention.is_causal_only", "harness.attention.masks:build_mask", _causal_only_mask,
+    kills=["attention.contract.prefill.mismatches", "attention.contract.prefill.density",
+           "attention.contract.denoise.histogram", "attention.capture.prefill.contract",
+           "attention.prefill.block_padded.vs_sdpa", "attention.mask_free.detected"],
+    why="the structured mask is dropped for is_causal: the image rows lose the bidirectional span block",
+)
+ablation(
+    "attention.pad_keys_unmasked", "harness.attention.padded:pad_mask", _pad_keys_visible, wraps=True,
+    kills=["attention.prefill.block_padded.vs_sdpa", "attention.denoise.block_padded.vs_sdpa",
+           "attention.gqa.block_padded.vs_sdpa"],
+    why="the zero pad keys stay visible to real rows: each row's softmax leaks weight onto padding",
+)
+ablation(
+    "attention.split_wrong_row", "harness.attention.decomposed:split_rows", _split_one_row_late, wraps=True,
+    kills=["attention.prefill.decomposed.vs_sdpa", "attention.denoise.decomposed.vs_sdpa",
+           "attention.gqa.decomposed.vs_sdpa"],
+    why="the decomposition splits one row late: the first span row runs causally and misses the image keys",
+)
+ablation(
+    "attention.special_rows_image_visibility", "harness.attention.masks:special_row_visibility",
+    _special_rows_see_image,
+    kills=["attention.contract.denoise.mismatches", "attention.contract.denoise.density",
+           "attention.contract.denoise.histogram", "attention.contract.denoise.span",
+           "attention.capture.denoise.contract", "attention.denoise.flex.vs_sdpa",
+           "attention.denoise.block_padded.vs_sdpa"],
+    why="the special rows are given the image rows' visibility: at denoise they see the whole span",
+)

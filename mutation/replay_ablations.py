@@ -1,0 +1,193 @@
+"""Ablations of the replay path: known bugs re-introduced over its seams, each with the checks it kills.
+
+The first eight are the bugs issue 3 names (seed 000's mutation check is the first); the rest give
+every guard and tiling fact a bug of its own, so no check is without teeth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from harness.ablation import ablation
+from harness.replay import tiling
+from harness.replay.conditions import concat_payloads
+
+FAKE = ("cfg1", "cfg2", "uncond_first")
+
+
+def _ids(cases, *whats):
+    return [f"replay.{case}.{what}" for case in cases for what in whats]
+
+
+# ---------------------------------------------------------------------------------- the issue's eight
+
+
+def _step_major_outside(groups, repeats):
+    """[cond, uncond, cond, uncond, ...]: step-major outside, the nesting seed 000 guards against."""
+    return concat_payloads([group for _ in range(repeats) for group in groups])
+
+
+ablation(
+    "replay.nesting_swapped", "harness.replay.tiling:tile_branches", _step_major_outside,
+    kills=["replay.tiling.branch_major", *_ids(["cfg2"], "log_probs", "prev_sample_means", "pi_old_ratio"),
+           "replay.cfg2.unsorted_targets", "replay.cfg2.list_payloads",
+           "replay.flux.cfg2.log_probs", "replay.flux.cfg2.prev_sample_means"],
+    why="tiling nests step-major outside branch-major, so the midpoint split mixes cond and uncond rows",
+)
+
+
+def _repeat_interleave(value, repeats):
+    """Row r of the result is row r // repeats: each sample repeated in place instead of block repetition."""
+    if isinstance(value, torch.Tensor):
+        return value.repeat_interleave(repeats, dim=0)
+    items = [item for item in value for _ in range(repeats)]
+    return items if isinstance(value, list) else tuple(items)
+
+
+ablation(
+    "replay.repeat_interleave", "harness.replay.tiling:repeat_rows", _repeat_interleave,
+    kills=["replay.tiling.branch_major", "replay.tiling.rope_cache",
+           *_ids(["cfg1", "uncond_first"], "log_probs", "prev_sample_means", "pi_old_ratio"),
+           "replay.sd3.cfg1.log_probs", "replay.sd3.cfg1.prev_sample_means", "replay.sd3.cfg2.log_probs",
+           "replay.sd3.cfg2.prev_sample_means", "replay.sd3.cfg2.pi_old_ratio", "replay.flux.cfg1.log_probs"],
+    why="repeat_interleave instead of block repetition: row k*B+b of the stacked batch gets sample (k*B+b)//S",
+)
+
+
+def _rope_verbatim(original):
+    def tile_field(name, value, repeats, batch, cfg_factor):
+        if name == "rope_cache":
+            return value
+        return original(name, value, repeats, batch, cfg_factor)
+    return tile_field
+
+
+ablation(
+    "replay.rope_cache_verbatim", "harness.replay.tiling:tile_field", _rope_verbatim, wraps=True,
+    kills=["replay.tiling.rope_cache", "replay.tiling.batch_size", "replay.cfg2.log_probs"],
+    why="the per-sample rope_cache is treated like the old shared (cos, sin) table and passed through verbatim",
+)
+
+
+def _lists_untiled(original):
+    def tile_field(name, value, repeats, batch, cfg_factor):
+        if isinstance(value, (list, tuple)):
+            return value
+        return original(name, value, repeats, batch, cfg_factor)
+    return tile_field
+
+
+ablation(
+    "replay.list_payload_untiled", "harness.replay.tiling:tile_field", _lists_untiled, wraps=True,
+    kills=["replay.cfg2.list_payloads", "replay.tiling.batch_size", "replay.cfg2.log_probs"],
+    why="list/tuple payloads (it2i conditional images) are left untiled; only tensors are tiled",
+)
+
+
+def _keep_fused_uncond(original):
+    def tile_all(conditions, repeats):
+        return dataclasses.replace(original(conditions, repeats), fused_uncond=conditions.fused_uncond)
+    return tile_all
+
+
+ablation(
+    "replay.fused_uncond_kept", "harness.replay.tiling:tile_all", _keep_fused_uncond, wraps=True,
+    kills=["replay.tiling.fused_uncond_cleared", "replay.cfg2.log_probs"],
+    raises=(ValueError,),
+    why="fused_uncond is not cleared after tiling: a stale B-row uncond cache rides on the S*B batch",
+)
+
+
+def _target0_sigma(sigmas, steps, batch):
+    """One sigma scalar (target[0]'s) for every row instead of the per-row vector."""
+    return sigmas[steps[0]], sigmas[steps[0] + 1]
+
+
+ablation(
+    "replay.sigma_scalar", "harness.replay.replay:step_sigma_vectors", _target0_sigma,
+    kills=[*_ids(FAKE, "log_probs", "prev_sample_means", "pi_old_ratio"), "replay.cfg2.unsorted_targets",
+           "replay.sd3.cfg2.log_probs", "replay.flux.cfg2.log_probs", "replay.sd3.cfg2.pi_old_ratio"],
+    why="every stacked row uses target[0]'s sigma, though one batch now mixes different steps",
+)
+
+
+def _no_transpose(flat, steps, batch):
+    """[S*B] -> [S, B] and stop: the transpose to [B, S] is missing."""
+    return flat.reshape(steps, batch)
+
+
+ablation(
+    "replay.log_probs_no_transpose", "harness.replay.tiling:reshape_log_probs", _no_transpose,
+    kills=[*_ids(FAKE, "log_probs_shape", "log_probs"), "replay.sd3.cfg1.log_probs"],
+    why="log-probs reshaped to [S, B] without the transpose to the public [B, S]",
+)
+
+
+ablation(
+    "replay.guidance_guard_removed", "harness.replay.guards:guidance_is_constant", lambda guidance, steps: True,
+    kills=["replay.guard.step_varying_guidance", "replay.cfg2.step_varying_guidance"],
+    why="the step-varying-guidance guard is removed: one forward applies target[0]'s scale to every step",
+)
+
+
+# ------------------------------------------------------------------------- guards and tiling facts
+
+
+def _row_major(flat, steps, batch):
+    """[S*B] read as [B, S] directly: right shape, rows and steps scrambled."""
+    return flat.reshape(batch, steps)
+
+
+ablation(
+    "replay.log_probs_row_major", "harness.replay.tiling:reshape_log_probs", _row_major,
+    kills=[*_ids(FAKE, "log_probs"), "replay.sd3.cfg2.log_probs"],
+    why="log-probs reshaped straight to [B, S], which reads the step-major batch in the wrong order",
+)
+
+ablation(
+    "replay.flag_ignored", "harness.replay.guards:batching_enabled", lambda config: True,
+    kills=["replay.guard.flag_off"],
+    why="the batch_replay_steps flag is ignored: the fast path runs even when a recipe leaves it off",
+)
+
+ablation(
+    "replay.flag_misread", "harness.replay.guards:batching_enabled",
+    lambda config: bool(getattr(config, "batch_replay", False)),
+    kills=[*_ids(FAKE, "returns_result", "forward_count"), "replay.cfg2.log_probs", "replay.sd3.cfg2.log_probs"],
+    why="the flag is read under a misspelt key, so the fast path never runs and serial silently answers",
+)
+
+ablation(
+    "replay.single_step_batched", "harness.replay.guards:enough_steps", lambda steps: True,
+    kills=["replay.guard.single_step"],
+    why="the S <= 1 guard is removed: a single step is pushed through the batched path",
+)
+
+ablation(
+    "replay.stateful_solver_accepted", "harness.replay.guards:is_stateless_sde", lambda strategy: True,
+    kills=["replay.guard.stateful_solver"],
+    raises=(ValueError,),
+    why="the stateless-SDE guard accepts a multistep solver, which needs step_index and history",
+)
+
+ablation(
+    "replay.repeats_unchecked", "harness.replay.tiling:check_repeats", lambda repeats: None,
+    kills=["replay.tiling.repeats_zero", "replay.tiling.repeats_negative"],
+    why="repeats <= 0 is not rejected: 0 empties every field, -1 fails deep inside torch",
+)
+
+
+def _no_identity_shortcut(original):
+    def tile_conditions(conditions, repeats):
+        tiling.check_repeats(repeats)
+        return tiling.tile_all(conditions, repeats)
+    return tile_conditions
+
+
+ablation(
+    "replay.identity_shortcut_removed", "harness.replay.tiling:tile_conditions", _no_identity_shortcut, wraps=True,
+    kills=["replay.tiling.repeats_identity"],
+    why="repeats == 1 re-lays-out and copies every field instead of returning the conditions unchanged",
+)

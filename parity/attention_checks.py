@@ -1,0 +1,187 @@
+"""Parity checks of the attention path (registered into harness.checks).
+
+Contract checks judge the harness's mask builder on the seed layouts against the seed's formula
+and numbers. Capture checks read capture files (``ctx.capture_dir``, the plugin's --capture-dir;
+without it the synthetic seed captures written to a temp dir in the seed's npz format). Kernel
+checks run each kernel on the seed's exact Q/KV lengths against masked SDPA on the capture's mask
+(1 head on CPU, all 8 on CUDA; see fixtures.attention_captures), under a noise-floor policy measured
+on that capture.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from fixtures import attention_captures as seeds
+from harness.attention import capture as capture_io
+from harness.attention import contract, masks, parity
+from harness.attention.layout import PHASES
+from harness.checks import CheckContext, register
+from harness.compare import Verdict, expect
+
+# The seed's numbers (004_368886915c94b932): densities to 4 decimals, prefill pair counts, and the
+# denoise row-visibility histogram.
+SEED_DENSITY = {"prefill": 0.7933, "denoise": 0.9994}
+SEED_PREFILL_PAIRS = 14_303_226 + 8_386_560  # causal base + image-span block
+SEED_DENOISE_HISTOGRAM = {1247: 1, 1248: 1, 1249: 1, 5345: 4096}
+FAST_KERNELS = ("decomposed", "flex", "block_padded")
+# The mask-free approximation must miss by orders of magnitude, not by rounding: its error must be
+# >= 1000 x the noise-floor bound (measured: ~3e5 x at prefill, ~7e5 x at denoise).
+MASK_FREE_MIN_MARGIN = 1e3
+
+
+def _device(ctx: CheckContext) -> str:
+    return str(ctx.device)
+
+
+def _inputs(ctx: CheckContext, phase: str) -> seeds.PhaseInputs:
+    return seeds.phase_inputs(ctx.capture_dir, phase, _device(ctx))
+
+
+# ------------------------------------------------------------------------------------- contract
+
+
+def _seed_report(phase: str) -> contract.ContractReport:
+    """The verifier's report on the builder's mask for the seed layout (built fresh: seams are live)."""
+    layout = seeds.SEED_LAYOUTS[phase]
+    return contract.verify_mask(masks.build_mask(layout), layout.span)
+
+
+def _mismatches(phase: str, ctx: CheckContext) -> Verdict:
+    return parity.formula_verdict(f"attention.contract.{phase}.mismatches", _seed_report(phase))
+
+
+def _density(phase: str, ctx: CheckContext) -> Verdict:
+    report = _seed_report(phase)
+    visible = sum(count * rows for count, rows in report.histogram.items())
+    verdict = expect(f"attention.contract.{phase}.density", round(report.density, 4) == SEED_DENSITY[phase],
+                     f"density rounds to the seed's {SEED_DENSITY[phase]:.4f}", density=report.density,
+                     visible_pairs=visible, pairs=report.total)
+    if phase == "prefill":
+        verdict = verdict.require(visible == SEED_PREFILL_PAIRS,
+                                  f"visible pairs = the seed's causal base + span block = {SEED_PREFILL_PAIRS:,}")
+    return verdict
+
+
+def _span(phase: str, ctx: CheckContext) -> Verdict:
+    layout = seeds.SEED_LAYOUTS[phase]
+    fact = f"span detection recovers {layout.describe()}"
+    try:
+        report = _seed_report(phase)
+        detected = contract.layout_for(report.q_len, report.kv_len, report.detected_span).describe()
+    except ValueError as err:  # the mask left the structured family: a failed check, not a crash
+        return expect(f"attention.contract.{phase}.span", False, fact, detected=f"none ({err})")
+    return expect(f"attention.contract.{phase}.span", detected == layout.describe(), fact, detected=detected)
+
+
+@register("attention.contract.denoise.histogram")
+def denoise_histogram(ctx: CheckContext) -> Verdict:
+    """The denoise row-visibility histogram is exactly the seed's."""
+    histogram = _seed_report("denoise").histogram
+    return expect("attention.contract.denoise.histogram", histogram == SEED_DENOISE_HISTOGRAM,
+                  f"row-visibility histogram == {SEED_DENOISE_HISTOGRAM}", histogram=str(histogram))
+
+
+for _phase in PHASES:
+    register(f"attention.contract.{_phase}.mismatches",
+             doc=f"build_mask of the seed {_phase} layout agrees with the formula elementwise")(
+        functools.partial(_mismatches, _phase))
+    register(f"attention.contract.{_phase}.density", doc=f"seed {_phase} mask density to 4 decimals")(
+        functools.partial(_density, _phase))
+    register(f"attention.contract.{_phase}.span", doc=f"span detection on the seed {_phase} mask")(
+        functools.partial(_span, _phase))
+
+
+# -------------------------------------------------------------------------------------- capture
+
+
+def _capture_contract(phase: str, ctx: CheckContext) -> Verdict:
+    """A capture file follows the contract and the mask builder reproduces it.
+
+    Without --capture-dir the synthetic seed capture goes through the seed's file format and must
+    come back bit for bit, with the seed's layout detected.
+    """
+    check_id = f"attention.capture.{phase}.contract"
+    directory = ctx.capture_dir or str(seeds.seed_capture_dir())
+    path = capture_io.phase_capture_path(directory, phase)
+    loaded = capture_io.load_capture(path)
+    report = contract.verify_mask(loaded.mask)
+    try:
+        layout = contract.layout_for(report.q_len, report.kv_len, report.detected_span)
+    except ValueError as err:  # the mask left the structured family: a failed check, not a crash
+        return expect(check_id, False, f"{path.name} follows the structured layout", error=str(err))
+    verdict = parity.formula_verdict(check_id, report).merge(parity.builder_verdict(check_id, loaded.mask, layout))
+    histogram = str(report.histogram) if len(report.histogram) <= 8 else f"{len(report.histogram)} distinct counts"
+    verdict = verdict.require(True, f"{path.name}: {layout.describe()}", file=path.name, histogram=histogram,
+                              q_len=report.q_len, kv_len=report.kv_len)
+    if ctx.capture_dir is None:
+        written = seeds.seed_capture(phase)
+        same = all(getattr(written, name).equal(getattr(loaded, name)) for name in capture_io.CAPTURE_ARRAYS)
+        verdict = verdict.require(same, "the npz round trip returns query/key/value/mask bit for bit")
+        verdict = verdict.require(layout == seeds.SEED_LAYOUTS[phase], "the seed layout is detected in the file",
+                                  detected=layout.describe())
+    return verdict
+
+
+for _phase in PHASES:
+    register(f"attention.capture.{_phase}.contract", doc=f"{_phase} capture file: contract + builder reproduce it")(
+        functools.partial(_capture_contract, _phase))
+
+
+# -------------------------------------------------------------------------------------- kernels
+
+
+def _compare(kernel: str, inputs: seeds.PhaseInputs, check_id: str) -> Verdict:
+    """The kernel policy: max|d| and relative L2 each within 4 x the reference's own fp32-vs-fp64 error."""
+    return parity.compare_kernel(kernel, inputs.capture, parity.floor_policy(inputs.control), check_id,
+                                 layout=inputs.layout, expected=inputs.expected,
+                                 max_rel_l2=parity.rel_l2_bound(inputs.control))
+
+
+def _kernel_vs_sdpa(phase: str, kernel: str, ctx: CheckContext) -> Verdict:
+    inputs = _inputs(ctx, phase)
+    return _compare(kernel, inputs, f"attention.{phase}.{kernel}.vs_sdpa")
+
+
+def _gqa_vs_sdpa(kernel: str, ctx: CheckContext) -> Verdict:
+    """GQA: the kernel gets compressed key/value heads, the reference the expanded ones (synthetic
+    even with --capture-dir: the seed's dumps are already expanded)."""
+    inputs = seeds.gqa_inputs(_device(ctx))
+    return _compare(kernel, inputs, f"attention.gqa.{kernel}.vs_sdpa")
+
+
+for _kernel in FAST_KERNELS:
+    for _phase in PHASES:
+        register(f"attention.{_phase}.{_kernel}.vs_sdpa",
+                 doc=f"{_kernel} vs masked SDPA at the seed {_phase} shapes")(
+            functools.partial(_kernel_vs_sdpa, _phase, _kernel))
+    register(f"attention.gqa.{_kernel}.vs_sdpa", doc=f"{_kernel} with compressed KV heads vs expanded masked SDPA")(
+        functools.partial(_gqa_vs_sdpa, _kernel))
+
+
+def _detection(check_id: str, phase: str, free: Verdict) -> Verdict:
+    """A verdict that passes when ``free`` (the mask-free kernel's) fails by >= MASK_FREE_MIN_MARGIN.
+
+    Its margin is MASK_FREE_MIN_MARGIN / the mask-free margin, so <= 1 passes like any margin.
+    """
+    observed = free.margin if free.margin is not None else 0.0
+    passed = not free.passed and observed >= MASK_FREE_MIN_MARGIN
+    margin = MASK_FREE_MIN_MARGIN / observed if observed > 0 else float("inf")
+    message = "" if passed else (f"{phase}: is_causal only was not detected: its error is {observed:.3e} x the "
+                                 f"kernel policy's bound, below the required {MASK_FREE_MIN_MARGIN:g} x")
+    metrics = {f"{phase}_mask_free_margin": observed, f"{phase}_mask_free_max_abs": free.metrics["max_abs"],
+               f"{phase}_mask_free_rel_l2": free.metrics["rel_l2"]}
+    return Verdict(check_id, passed, metrics, f"detect(mask_free error >= {MASK_FREE_MIN_MARGIN:g} x kernel bound)",
+                   margin, headline=f"{phase}_mask_free_margin", tolerance=MASK_FREE_MIN_MARGIN, message=message)
+
+
+@register("attention.mask_free.detected")
+def mask_free_detected(ctx: CheckContext) -> Verdict:
+    """Masked SDPA on the layout reproduces the capture while is_causal only misses it by far, both phases."""
+    check_id = "attention.mask_free.detected"
+    verdicts = []
+    for phase in PHASES:
+        inputs = _inputs(ctx, phase)
+        verdicts.append(_compare("sdpa", inputs, check_id))
+        verdicts.append(_detection(check_id, phase, _compare("mask_free", inputs, check_id)))
+    return functools.reduce(Verdict.merge, verdicts)

@@ -1,0 +1,321 @@
+"""Parity checks of the replay path (registered into harness.checks).
+
+Fake-kernel cases are judged bitwise (the kernel is row-wise and batch-shape invariant, so any
+difference is a layout bug). Tiny random-init diffusers models are judged under an fp32 close()
+whose atol is a stated multiple of the batch-shape rounding floor measured on the stock path.
+Every fast-path check also proves the fast path ran: one transformer forward of S*cfg*B rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from fakes.replay_conditions import HI3_FIELDS, SD3_FIELDS, labelled_conditions, read_labels
+from fixtures.replay_cases import BATCH, UNSORTED_TARGET, fake_problem, real_floor, real_problem
+from harness.checks import CheckContext, register
+from harness.compare import Policy, Verdict, exact, expect, expect_raises
+from harness.replay import tiling
+from harness.replay.conditions import Conditions, payload_rows
+from harness.replay.guards import ReplayConfig
+from harness.replay.parity import (
+    ReplayProblem,
+    compare_pi_old_ratio,
+    compare_replay,
+    floor_policy,
+    judge_result,
+    require_fast_path,
+    run_batched,
+    run_both,
+    run_serial,
+)
+from harness.replay.replay import replay
+from harness.replay.sde import MultistepSDE
+from harness.replay.segment import ReplayResult
+from harness.replay.spy import spy_forwards
+
+FAKE_CASES = ("cfg1", "cfg2", "uncond_first")
+REAL_CASES = (
+    ("sd3", 1, "log_probs"),
+    ("sd3", 1, "prev_sample_means"),
+    ("sd3", 2, "log_probs"),
+    ("sd3", 2, "prev_sample_means"),
+    ("flux", 1, "log_probs"),
+    ("flux", 2, "log_probs"),
+    ("flux", 2, "prev_sample_means"),
+)
+TILE_REPEATS = 4
+FLOOR_MULTIPLE = 4.0
+FLOOR_ULPS = 4.0
+FP32_EPS = float(torch.finfo(torch.float32).eps)
+
+
+def _register(check_id: str, fn, *args, doc: str) -> None:
+    register(check_id, doc=doc)(functools.partial(fn, *args))
+
+
+# ------------------------------------------------------------------------- fake kernel: batched vs serial
+
+
+def returns_result(case: str, ctx: CheckContext) -> Verdict:
+    check_id = f"replay.{case}.returns_result"
+    problem = fake_problem(case)
+    result, forwards = run_batched(problem)
+    ok = isinstance(result, ReplayResult) and result.target == problem.target
+    verdict = expect(check_id, ok, "batched replay returns a ReplayResult for the requested targets",
+                     returned=type(result).__name__)
+    return require_fast_path(verdict, problem, forwards)
+
+
+def log_probs_shape(case: str, ctx: CheckContext) -> Verdict:
+    check_id = f"replay.{case}.log_probs_shape"
+    problem = fake_problem(case)
+    result, forwards = run_batched(problem)
+    want = [problem.segment.batch, problem.steps]
+    got = None if result is None else list(result.log_probs.shape)
+    means = None if result is None else list(result.prev_sample_means.shape)
+    ok = got == want and means == [*want, *problem.segment.latent_shape]
+    verdict = expect(check_id, ok, f"log_probs is [B, S] = {want} and prev_sample_means [B, S, *latent]",
+                     log_probs_shape=str(got), means_shape=str(means))
+    return require_fast_path(verdict, problem, forwards)
+
+
+def batched_equals_serial(case: str, what: str, ctx: CheckContext) -> Verdict:
+    return compare_replay(fake_problem(case), exact(), f"replay.{case}.{what}", what)
+
+
+def forward_count(case: str, ctx: CheckContext) -> Verdict:
+    check_id = f"replay.{case}.forward_count"
+    problem = fake_problem(case)
+    run = run_both(problem)
+    verdict = expect(check_id, run.batched is not None, "batched replay ran (flag on, stateless SDE, S > 1)")
+    return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)
+
+
+def pi_old_ratio(case: str, ctx: CheckContext) -> Verdict:
+    return compare_pi_old_ratio(fake_problem(case), exact(), f"replay.{case}.pi_old_ratio")
+
+
+for _case in FAKE_CASES:
+    _register(f"replay.{_case}.returns_result", returns_result, _case,
+              doc="batched replay returns a ReplayResult (one forward of S*cfg*B rows)")
+    _register(f"replay.{_case}.log_probs_shape", log_probs_shape, _case, doc="batched log_probs are [B, S]")
+    _register(f"replay.{_case}.log_probs", batched_equals_serial, _case, "log_probs",
+              doc="batched log_probs == serial, bitwise, every row and step")
+    _register(f"replay.{_case}.prev_sample_means", batched_equals_serial, _case, "prev_sample_means",
+              doc="batched transition means == serial, bitwise")
+    _register(f"replay.{_case}.forward_count", forward_count, _case,
+              doc="batched: one forward of S*cfg*B rows; serial: S forwards of cfg*B")
+    _register(f"replay.{_case}.pi_old_ratio", pi_old_ratio, _case,
+              doc="pi_old replayed through the batched path: ratio == 1 and == the rollout's log-probs")
+
+
+@register("replay.cfg2.unsorted_targets")
+def unsorted_targets(ctx: CheckContext) -> Verdict:
+    """An unsorted proper subset of sde_indices replays bitwise like serial (column s is target[s])."""
+    problem = fake_problem("cfg2").with_(target=UNSORTED_TARGET)
+    check_id = "replay.cfg2.unsorted_targets"
+    verdict = compare_replay(problem, exact(), check_id, "log_probs")
+    return verdict.merge(compare_replay(problem, exact(), check_id, "prev_sample_means"))
+
+
+@register("replay.cfg2.list_payloads")
+def list_payloads(ctx: CheckContext) -> Verdict:
+    """Conditions carried only by list/tuple payloads (per-branch and branch-independent) tile like tensors."""
+    problem = fake_problem("list_payloads")
+    check_id = "replay.cfg2.list_payloads"
+    verdict = compare_replay(problem, exact(), check_id, "log_probs")
+    return verdict.merge(compare_replay(problem, exact(), check_id, "prev_sample_means"))
+
+
+@register("replay.cfg2.step_varying_guidance")
+def step_varying_guidance_falls_back(ctx: CheckContext) -> Verdict:
+    """A per-step guidance schedule that varies over the targets: replay() must give serial's answer
+    through the serial loop (S forwards)."""
+    check_id = "replay.cfg2.step_varying_guidance"
+    problem = fake_problem("step_varying_guidance")
+    expected, _ = run_serial(problem)
+    with spy_forwards(problem.adapter.module) as spy:
+        result = replay(problem.adapter, problem.conditions, problem.segment, problem.strategy, problem.target,
+                        problem.guidance, problem.config)
+    verdict = judge_result(exact(), check_id, result.log_probs, expected.log_probs, problem.target, "log_probs")
+    want = [problem.serial_rows] * problem.steps
+    return verdict.require(spy.batch_sizes == want, f"the serial loop ran: {problem.steps} forwards of "
+                           f"{problem.serial_rows} rows", forwards=spy.batch_sizes)
+
+
+# ------------------------------------------------------------------------------------------------- guards
+
+
+def _declines(check_id: str, problem: ReplayProblem, fact: str) -> Verdict:
+    result, forwards = run_batched(problem)
+    return expect(check_id, result is None and not forwards, fact, returned=type(result).__name__,
+                  forwards=str(list(forwards)))
+
+
+@register("replay.guard.flag_off")
+def guard_flag_off(ctx: CheckContext) -> Verdict:
+    """The default config (batch_replay_steps off) keeps the serial loop."""
+    problem = fake_problem("cfg2").with_(config=ReplayConfig())
+    return _declines("replay.guard.flag_off", problem, "flag off -> None, no forward")
+
+
+@register("replay.guard.single_step")
+def guard_single_step(ctx: CheckContext) -> Verdict:
+    """S == 1 gains nothing from batching: None."""
+    problem = fake_problem("cfg2").with_(target=(3,))
+    return _declines("replay.guard.single_step", problem, "S == 1 -> None, no forward")
+
+
+@register("replay.guard.stateful_solver")
+def guard_stateful_solver(ctx: CheckContext) -> Verdict:
+    """A stateful multistep solver (step_index, history) is not a stateless SDE: None."""
+    problem = fake_problem("cfg2").with_(strategy=MultistepSDE())
+    return _declines("replay.guard.stateful_solver", problem, "stateful solver -> None, no forward")
+
+
+@register("replay.guard.step_varying_guidance")
+def guard_step_varying_guidance(ctx: CheckContext) -> Verdict:
+    """Guidance that varies across target steps cannot fold into one forward: None."""
+    return _declines("replay.guard.step_varying_guidance", fake_problem("step_varying_guidance"),
+                     "step-varying guidance -> None, no forward")
+
+
+# ------------------------------------------------------------------------------------------------- tiling
+
+
+def _fused() -> Conditions:
+    return labelled_conditions(BATCH, HI3_FIELDS, "fused")
+
+
+def _expected_labels(conditions: Conditions, name: str, repeats: int) -> list[int]:
+    """Branch-major outside, step-major inside; a B-row field is used once per branch."""
+    value = conditions.rows[name]
+    labels = read_labels(value)
+    batch = conditions.batch
+    if conditions.cfg_factor == 2:
+        branches = [labels[:batch], labels[batch:]] if payload_rows(value) == 2 * batch else [labels, labels]
+    else:
+        branches = [labels]
+    return [label for branch in branches for label in branch * repeats]
+
+
+@register("replay.tiling.batch_size")
+def tiling_batch_size(ctx: CheckContext) -> Verdict:
+    """Every tiled row field has S*cfg*B rows, and the batched forward sees S*cfg*B rows."""
+    conditions = _fused()
+    tiled = tiling.tile_conditions(conditions, TILE_REPEATS)
+    want = TILE_REPEATS * 2 * BATCH
+    sizes = {name: payload_rows(value) for name, value in tiled.rows.items()}
+    verdict = expect("replay.tiling.batch_size", all(n == want for n in sizes.values()) and tiled.forward_rows == want,
+                     f"every field of the tiled fused batch has S*cfg*B = {want} rows", **sizes)
+    problem = fake_problem("cfg2")
+    _, forwards = run_batched(problem)
+    return require_fast_path(verdict, problem, forwards)
+
+
+@register("replay.tiling.branch_major")
+def tiling_branch_major(ctx: CheckContext) -> Verdict:
+    """Fused cond-first: [cond_s0..cond_s(S-1), uncond_s0..]; uncond-first: block repetition per branch."""
+    bad = {}
+    fused = _fused()
+    tiled = tiling.tile_conditions(fused, TILE_REPEATS)
+    for name in fused.rows:
+        got, want = read_labels(tiled.rows[name]), _expected_labels(fused, name, TILE_REPEATS)
+        if got != want:
+            bad[f"fused.{name}"] = f"{got[:2 * BATCH]}... expected {want[:2 * BATCH]}..."
+    sd3 = labelled_conditions(BATCH, SD3_FIELDS, "uncond_first")
+    tiled_sd3 = tiling.tile_conditions(sd3, TILE_REPEATS)
+    for branch, source, out in (("cond", sd3, tiled_sd3), ("uncond", sd3.negative, tiled_sd3.negative)):
+        for name in source.rows:
+            got, want = read_labels(out.rows[name]), _expected_labels(source, name, TILE_REPEATS)
+            if got != want:
+                bad[f"uncond_first.{branch}.{name}"] = f"{got[:2 * BATCH]}... expected {want[:2 * BATCH]}..."
+    return expect("replay.tiling.branch_major", not bad,
+                  "tiled rows are branch-major with step-major inside (every field, both layouts)", **bad)
+
+
+@register("replay.tiling.repeats_identity")
+def tiling_repeats_identity(ctx: CheckContext) -> Verdict:
+    """repeats == 1 returns the conditions themselves (no copy, nothing re-laid-out), in both layouts."""
+    fused, sd3 = _fused(), labelled_conditions(BATCH, SD3_FIELDS, "uncond_first")
+    same = {"fused": tiling.tile_conditions(fused, 1) is fused, "uncond_first": tiling.tile_conditions(sd3, 1) is sd3}
+    return expect("replay.tiling.repeats_identity", all(same.values()), "tile_conditions(c, 1) is c", **same)
+
+
+@register("replay.tiling.rope_cache")
+def tiling_rope_cache(ctx: CheckContext) -> Verdict:
+    """The per-sample rope_cache [N, 2, L, D] is tiled like any row field, not passed through verbatim."""
+    fused = _fused()
+    tiled = tiling.tile_conditions(fused, TILE_REPEATS)
+    rope = tiled.rows["rope_cache"]
+    got, want = read_labels(rope), _expected_labels(fused, "rope_cache", TILE_REPEATS)
+    ok = rope is not fused.rows["rope_cache"] and tuple(rope.shape[1:]) == tuple(fused.rows["rope_cache"].shape[1:])
+    return expect("replay.tiling.rope_cache", ok and got == want,
+                  f"rope_cache tiled to {len(want)} rows, branch-major", rows=len(got), layout=str(got[:2 * BATCH]))
+
+
+@register("replay.tiling.fused_uncond_cleared")
+def tiling_fused_uncond_cleared(ctx: CheckContext) -> Verdict:
+    """fused_uncond caches the untiled uncond rows; tiling clears it (shared fields pass through)."""
+    fused = _fused()
+    tiled = tiling.tile_conditions(fused, TILE_REPEATS)
+    ok = fused.fused_uncond is not None and tiled.fused_uncond is None
+    shared_kept = all(tiled.shared[k] is v for k, v in fused.shared.items())
+    return expect("replay.tiling.fused_uncond_cleared", ok and shared_kept,
+                  "fused_uncond is None after tiling and shared fields pass through",
+                  fused_uncond_after=str(None if tiled.fused_uncond is None else sorted(tiled.fused_uncond)),
+                  shared_kept=shared_kept)
+
+
+@register("replay.tiling.repeats_zero")
+def tiling_repeats_zero(ctx: CheckContext) -> Verdict:
+    """repeats = 0 is a ValueError naming repeats (not a silently empty batch)."""
+    return expect_raises("replay.tiling.repeats_zero", lambda: tiling.tile_conditions(_fused(), 0), ValueError,
+                         match="repeats must be >= 1")
+
+
+@register("replay.tiling.repeats_negative")
+def tiling_repeats_negative(ctx: CheckContext) -> Verdict:
+    """repeats = -1 is a ValueError naming repeats."""
+    return expect_raises("replay.tiling.repeats_negative", lambda: tiling.tile_conditions(_fused(), -1), ValueError,
+                         match="repeats must be >= 1")
+
+
+# ----------------------------------------------------------------------------- tiny diffusers models (fp32)
+
+
+def real_policy(family: str, cfg: int, what: str) -> Policy:
+    """close(atol = max(4 x measured floor, 4 fp32 ulps at the quantity's scale), rtol = 0)."""
+    problem = real_problem(family, cfg)
+    scale = (problem.segment.log_probs if what == "log_probs" else problem.segment.latents).float().abs().max()
+    return floor_policy(real_floor(family, cfg)[what], multiple=FLOOR_MULTIPLE, what=what,
+                        minimum=FLOOR_ULPS * FP32_EPS * float(scale))
+
+
+def _with_floor(verdict: Verdict, family: str, cfg: int, what: str) -> Verdict:
+    floor = real_floor(family, cfg)[what]
+    return verdict.require(math.isfinite(floor), f"batch-shape floor measured for {what}: {floor:.3e}",
+                           batch_shape_floor=floor, floor_multiple=FLOOR_MULTIPLE)
+
+
+def real_batched_vs_serial(family: str, cfg: int, what: str, ctx: CheckContext) -> Verdict:
+    check_id = f"replay.{family}.cfg{cfg}.{what}"
+    verdict = compare_replay(real_problem(family, cfg), real_policy(family, cfg, what), check_id, what)
+    return _with_floor(verdict, family, cfg, what)
+
+
+for _family, _cfg, _what in REAL_CASES:
+    _register(f"replay.{_family}.cfg{_cfg}.{_what}", real_batched_vs_serial, _family, _cfg, _what,
+              doc=f"tiny {_family} cfg={_cfg}: batched {_what} within the measured fp32 batch-shape floor")
+
+
+@register("replay.sd3.cfg2.pi_old_ratio")
+def sd3_pi_old_ratio(ctx: CheckContext) -> Verdict:
+    """Tiny SD3: pi_old replayed through the batched path gives ratio exactly 1, and the anchor is within
+    the batch-shape floor of the rollout's recorded log-probs."""
+    verdict = compare_pi_old_ratio(real_problem("sd3", 2), real_policy("sd3", 2, "log_probs"),
+                                   "replay.sd3.cfg2.pi_old_ratio")
+    return _with_floor(verdict, "sd3", 2, "log_probs")

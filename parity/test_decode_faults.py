@@ -1,0 +1,49 @@
+"""Fail closed beyond seed 003's W = 8 / rank 3 cases: other ranks, other sizes, a rank's second clip."""
+
+from __future__ import annotations
+
+import pytest
+
+from fixtures import decode_models, decode_tasks
+from harness.dist import WorldTaskError
+from parity import decode_checks
+
+pytestmark = pytest.mark.cpu
+
+CASES = [
+    # (world, faulty rank, kind, latent frames): rank 0 of 4 owns clips 0 and 4; rank 1 of 2 owns 1, 3, 5
+    (4, 0, "decoder_raises", 37),
+    (4, 3, "ragged_clip", 37),
+    (2, 1, "second_clip_raises", 37),
+    (2, 0, "second_clip_ragged", 37),
+    (3, 2, "ragged_clip", 13),  # padded tail: rank 2 owns the last clip
+    (8, 1, "decoder_raises", 12),  # six idle ranks must raise too
+]
+
+
+@pytest.mark.parametrize(("world", "rank", "kind", "frames"), CASES,
+                         ids=[f"w{w}-rank{r}-{k}-t{t}" for w, r, k, t in CASES])
+def test_every_rank_raises_together_and_the_group_survives(world, rank, kind, frames, parity_ctx):
+    job = decode_tasks.TinyDecodeJob(decode_models.LatentSpec(frames))
+    verdict = decode_checks.judge_fault(f"decode.fault.w{world}.{kind}", parity_ctx.world(world), job, kind, rank,
+                                        timeout_s=30.0)
+    assert verdict.passed, verdict.describe()
+    assert verdict.metrics["outcome"] == f"{world}/{world} ranks raise; no hang"
+    assert verdict.metrics["seconds"] < 5.0  # together, not after a collective timeout
+
+
+def test_an_unknown_fault_kind_is_rejected(parity_ctx):
+    job = decode_tasks.TinyDecodeJob(decode_models.LatentSpec(12))
+    with pytest.raises(WorldTaskError, match="fault kind must be one of"):
+        parity_ctx.world(1).run(decode_tasks.fault_task, job, 0, "flaky")
+
+
+def test_ranks_handed_different_latent_videos_all_raise_instead_of_a_ragged_gather(parity_ctx):
+    world = parity_ctx.world(2)
+    job = decode_tasks.TinyDecodeJob(decode_models.LatentSpec(22))  # 4 clips; rank 1 gets 27 frames: 5 clips
+    with pytest.raises(WorldTaskError) as info:
+        world.run(decode_tasks.uneven_latents_task, job, 1, 5, timeout_s=30.0)
+    outcomes = info.value.outcomes
+    assert [o.status for o in outcomes] == ["raised", "raised"], str(info.value)
+    assert all("rank 0 planned 22 latent frames; rank 1 planned 27 latent frames" in o.error for o in outcomes)
+    assert world.alive

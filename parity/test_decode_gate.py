@@ -1,0 +1,190 @@
+"""The opt-in gate and the stock fallback (spies), the clip server's guards, and bad-input errors."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fixtures import decode_models, decode_tasks
+from harness.decode import exchange, serve, sharded
+from harness.decode import plan as plan_mod
+from harness.decode.exchange import Probe, ProbeStatus, ShardedDecodeError
+from parity import decode_checks
+
+pytestmark = pytest.mark.cpu
+
+
+@contextlib.contextmanager
+def _spy_stock_call(vae) -> Iterator[dict[str, int]]:
+    """Count `decode` calls, real clip decodes, and clip decodes made under a rebound `_decode`."""
+    seen = {"decode": 0, "clip": 0, "clip_under_rebound_decode": 0}
+    decode, clip = vae.decode, vae._decode_clip
+
+    def spy_decode(*args, **kwargs):
+        seen["decode"] += 1
+        return decode(*args, **kwargs)
+
+    def spy_clip(window):
+        seen["clip"] += 1
+        seen["clip_under_rebound_decode"] += "_decode" in vae.__dict__
+        return clip(window)
+
+    with serve.bound(vae, "decode", spy_decode), serve.bound(vae, "_decode_clip", spy_clip):
+        yield seen
+
+
+def _tiny() -> tuple[object, torch.Tensor]:
+    vae = decode_models.tiny_vae()
+    return vae, decode_models.latents(decode_models.LatentSpec(37))
+
+
+def test_flag_defaults_to_off_and_takes_exactly_the_stock_call():
+    vae, z = _tiny()
+    with torch.no_grad():
+        expected = vae.decode(z).sample
+        with _spy_stock_call(vae) as seen:
+            out = sharded.decode_video(vae, z)
+    assert torch.equal(out, expected)
+    assert seen == {"decode": 1, "clip": 7, "clip_under_rebound_decode": 0}
+
+
+def test_no_initialised_group_takes_the_stock_call_even_with_the_flag_on():
+    assert not dist.is_initialized()
+    vae, z = _tiny()
+    with torch.no_grad():
+        expected = vae.decode(z).sample
+        with _spy_stock_call(vae) as seen:
+            out = sharded.decode_video(vae, z, shard_across_group=True)
+    assert torch.equal(out, expected)
+    assert seen == {"decode": 1, "clip": 7, "clip_under_rebound_decode": 0}
+    assert "_decode" not in vae.__dict__ and "_decode_clip" not in vae.__dict__
+
+
+def test_sharded_decode_without_a_group_is_a_clear_error():
+    vae, z = _tiny()
+    with pytest.raises(ValueError, match="initialised torch.distributed process group"):
+        sharded.sharded_decode(vae, z)
+
+
+@pytest.mark.parametrize("shard", [True, False])
+def test_world_of_one_and_flag_off_take_the_stock_call_in_a_group(shard, parity_ctx):
+    """W == 1 with the flag on, and W == 2 with it off: no collective, every rank decodes every clip."""
+    world = parity_ctx.world(1 if shard else 2)
+    job = decode_tasks.TinyDecodeJob(decode_models.LatentSpec(22), shard=shard)
+    results = world.run(decode_tasks.decode_task, job)
+    assert [r.collectives for r in results] == [{}] * world.size
+    assert [r.clip_calls for r in results] == [4] * world.size
+    assert {r.sha256 for r in results} == {results[0].stock_sha256}
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda z: z[0], r"\(batch, channels, frames, height, width\), got \(4, 37, 8, 8\)"),
+        (lambda z: z[:, :3], "latents have 3 channels but the VAE decodes 4"),
+        (lambda z: z.long(), "must be a float tensor"),
+    ],
+    ids=["4d", "channels", "int"],
+)
+def test_bad_latents_are_rejected_naming_what_was_expected(make, match):
+    vae, z = _tiny()
+    for entry in (sharded.decode_video, sharded.stock_decode, sharded.sharded_decode):
+        with pytest.raises(ValueError, match=match):
+            entry(vae, make(z))
+
+
+def test_a_video_too_short_for_one_clip_is_rejected_by_the_plan():
+    vae = decode_models.tiny_vae()
+    with pytest.raises(ValueError, match="2 frames holds no whole clip .* needs at least 3 latent frames"):
+        plan_mod.plan_clips(vae, 2)
+    with pytest.raises(ValueError, match="positive int"):
+        plan_mod.plan_clips(vae, 0)
+
+
+def test_not_a_minimax_vae_and_a_non_bool_flag_are_type_errors():
+    _, z = _tiny()
+    with pytest.raises(TypeError, match="AutoencoderKLMiniMaxH3"):
+        sharded.decode_video(torch.nn.Linear(2, 2), z)
+    with pytest.raises(TypeError, match="shard_across_group must be a bool"):
+        sharded.decode_video(decode_models.tiny_vae(), z, shard_across_group="yes")
+
+
+def test_plan_rejects_a_model_whose_derived_geometry_disagrees_with_its_config():
+    vae = decode_models.tiny_vae()
+    with serve.bound(vae, "token_overlap", 3), pytest.raises(ValueError, match="token_overlap is 3"):
+        plan_mod.plan_clips(vae, 37)
+
+
+def test_seed_geometry_names():
+    plan = plan_mod.plan_clips(decode_models.tiny_vae(), 37)
+    assert (plan.tokens_chunk_size, plan.token_overlap, plan.frame_pre_padding, plan.frame_overlap) == (5, 2, 3, 5)
+    assert (plan.num_clips, plan.pad_tokens, plan.window(6)) == (7, 0, (30, 37))
+    assert [plan_mod.plan_clips(decode_models.tiny_vae(), t).num_clips for t in (22, 12, 13, 3)] == [4, 2, 3, 1]
+    with pytest.raises(ValueError, match="clip 7 is outside"):
+        plan.window(7)
+    with pytest.raises(ValueError, match="rank 4 is not in a world of 4"):
+        plan_mod.owned_clips(plan, 4, 4)
+
+
+def test_clip_server_refuses_a_window_the_plan_did_not_decode():
+    vae, z = _tiny()
+    plan = plan_mod.plan_clips(vae, 37)
+    padded = plan_mod.pad_latents(z, plan)
+    clips = [torch.zeros(1) for _ in range(plan.num_clips)]
+    server = serve.ClipServer(padded, plan, clips)
+    assert server(plan_mod.window_latents(padded, plan, 0)) is clips[0]
+    with pytest.raises(ShardedDecodeError, match=r"clip call 1 .* planned window \[5, 12\)"):
+        server(plan_mod.window_latents(padded, plan, 2))
+    with pytest.raises(ShardedDecodeError, match="used 1 of 7 gathered clips"):
+        server.finish()
+    with pytest.raises(ShardedDecodeError, match="8 clips were gathered for a plan of 7"):
+        serve.ClipServer(padded, plan, [*clips, clips[0]])
+
+
+def test_bound_restores_what_the_instance_held_before():
+    vae = decode_models.tiny_vae()
+    with serve.bound(vae, "_decode_clip", len):
+        with serve.bound(vae, "_decode_clip", abs):
+            assert vae._decode_clip is abs
+        assert vae._decode_clip is len
+    assert "_decode_clip" not in vae.__dict__
+
+
+def _probe(rank, status=ProbeStatus.OK, count=1, shape=(1, 3, 28, 16, 16), dtype=torch.float32):
+    return Probe(rank, status, count, dtype if count else None, shape if count else ())
+
+
+def test_agreement_is_derived_from_every_probe():
+    ok = [_probe(0), _probe(1), _probe(2, count=0)]
+    assert exchange.agree_on_shapes(ok, 2) == ((1, 3, 28, 16, 16), torch.float32)
+    with pytest.raises(ShardedDecodeError, match=r"rank 1: its clip decoder raised"):
+        exchange.agree_on_shapes([_probe(0), _probe(1, ProbeStatus.DECODER_RAISED, 0)], 0)
+    with pytest.raises(ShardedDecodeError, match=r"rank 1 decoded clips of \(1, 3, 27, 16, 16\)"):
+        exchange.agree_on_shapes([_probe(0), _probe(1, shape=(1, 3, 27, 16, 16))], 0)
+    with pytest.raises(ShardedDecodeError, match="bfloat16"):
+        exchange.agree_on_shapes([_probe(0), _probe(1, dtype=torch.bfloat16)], 1)
+    with pytest.raises(ShardedDecodeError, match="rank 1 planned 22 latent frames"):
+        exchange.agree_on_shapes([_probe(0), dataclasses.replace(_probe(1), latent_frames=22)], 0)
+    with pytest.raises(ShardedDecodeError, match="no rank of the 2-rank group decoded a clip"):
+        exchange.agree_on_shapes([_probe(0, count=0), _probe(1, count=0)], 0)
+
+
+def test_probe_flags_its_own_ragged_clips_and_unsupported_dtypes():
+    a, b = torch.zeros(1, 3, 28, 4, 4), torch.zeros(1, 3, 27, 4, 4)
+    assert exchange.make_probe([a, b], False, torch.device("cpu"))[0] == ProbeStatus.RAGGED_LOCAL
+    assert exchange.make_probe([a.long()], False, torch.device("cpu"))[0] == ProbeStatus.UNSUPPORTED
+    assert exchange.make_probe([a], True, torch.device("cpu"))[0] == ProbeStatus.DECODER_RAISED
+    probe = exchange.make_probe([a, a], False, torch.device("cpu"), latent_frames=37)
+    assert probe.tolist()[:10] == [0, 2, 37, 1, 5, 1, 3, 28, 4, 4]
+
+
+def test_frame_sources_name_the_clips_and_cross_fades():
+    plan = plan_mod.plan_clips(decode_models.tiny_vae(), 12)
+    labels = decode_checks.frame_sources(plan, 39)
+    assert labels[0] == "0 (clip 0)" and labels[17] == "17 (clips 0/1 cross-fade)"
+    assert labels[22] == "22 (clip 1)" and labels[34] == "34 (clip 1 tail)"
