@@ -163,14 +163,19 @@ def applied(refs: Sequence[tuple[str, str]]) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class KillResult:
-    """What one check did under one ablation."""
+    """What one check did under one ablation.
+
+    ``margin`` is the ablated verdict's error / tolerance when a tolerance was exceeded; a kill by a
+    required fact (a spy) or by a declared exception has none. ``metrics`` are the ablated verdict's.
+    """
 
     ablation: str
     check: str
     killed: bool
     margin: float | None
-    how: str  # "verdict", "raised <Type>", "survived", "wrong exception <Type>"
+    how: str  # "tolerance", "required fact", "raised <Type>", "survived", "wrong exception <Type>"
     detail: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 def run_under(item: Ablation, check_id: str, ctx: checks.CheckContext) -> KillResult:
@@ -188,8 +193,10 @@ def run_under(item: Ablation, check_id: str, ctx: checks.CheckContext) -> KillRe
     finally:
         ctx.task_timeout_s = previous
     if verdict.passed:
-        return KillResult(item.name, check_id, False, verdict.margin, "survived", verdict.describe())
-    return KillResult(item.name, check_id, True, verdict.margin, "verdict", verdict.describe())
+        return KillResult(item.name, check_id, False, verdict.margin, "survived", verdict.describe(), verdict.metrics)
+    exceeded = verdict.margin is not None and verdict.margin > 1.0
+    return KillResult(item.name, check_id, True, verdict.margin if exceeded else None,
+                      "tolerance" if exceeded else "required fact", verdict.describe(), verdict.metrics)
 
 
 def _forget(prefix: str) -> None:

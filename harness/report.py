@@ -59,7 +59,8 @@ def build(verdicts: Iterable[Verdict], kills: Iterable[KillResult]) -> dict[str,
         ablations.append({
             "name": name,
             "path": name.split(".", 1)[0],
-            "kills": [{"check": r.check, "killed": r.killed, "margin": _plain(r.margin), "how": r.how} for r in rows],
+            "kills": [{"check": r.check, "killed": r.killed, "margin": _plain(r.margin), "how": r.how,
+                       "metrics": _plain(r.metrics)} for r in rows],
         })
     summary = {
         "checks": len(checks),
@@ -96,8 +97,8 @@ def _smallest_margin(kills: list[dict[str, Any]]) -> str:
         return _num(float(min(margins)))
     if any(k["killed"] and k["margin"] == "inf" for k in kills):
         return "inf"
-    raised = sorted({k["how"] for k in kills if k["killed"] and k["how"].startswith("raised")})
-    return ", ".join(raised) or "-"
+    other = sorted({k["how"] for k in kills if k["killed"]})  # "raised <Type>", "required fact"
+    return ", ".join(other) or "-"
 
 
 def _clip(text: str, width: int | None) -> str:

@@ -1,0 +1,9 @@
+"""The ar fast path and its stock twin: B prompts right-padded into one batch over a static KV cache
+versus each prompt decoded alone at B=1 (DESIGN.md 1.2, seeds 001 and 002).
+
+Modules: ``batch`` (right-padded batches, concat of separately embedded rows), ``cache`` (dynamic only at
+B == 1; slot snapshots), ``masks`` (prefill key padding, per-row decode mask), ``backends`` (the HunyuanImage-3
+upstream contract and transformers' hole layout), ``loop`` (init_state / step / finished rows, the fast and
+the stock loop), ``replay`` (teacher-forced log-probs), ``spy``, ``probes`` (NaN and KV-footprint probes),
+``verdicts`` and ``suite`` (the comparisons behind every check).
+"""

@@ -1,0 +1,102 @@
+"""The comparisons behind every ar check, model-agnostic so the GPU tier reuses them with real weights.
+
+Each function runs the batched path under a forward spy, compares it with the stock reference it is given
+(B=1 runs of the same prompts) under the given policies, and ANDs in the facts proving the path that ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from harness.ar import loop, probes, verdicts
+from harness.ar.batch import ARBatch
+from harness.ar.replay import teacher_forced_logp
+from harness.ar.spy import ForwardSpy
+from harness.compare import Policy, Verdict, expect_raises
+
+__all__ = [
+    "check_missing_real_pos",
+    "compare_batched",
+    "compare_finished_rows",
+    "compare_nan_unused_slots",
+    "compare_padded_b1",
+    "compare_rollout_vs_replay",
+]
+
+
+def _fast(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()):
+    with ForwardSpy(backend.model) as spy:
+        rollout = loop.fast_rollout(backend, batch, max_new_tokens, eos)
+    return rollout, spy
+
+
+def compare_batched(check_id: str, what: str, backend: Any, batch: ARBatch, max_new_tokens: int,
+                    policies: verdicts.ARPolicies, reference: loop.Rollout) -> Verdict:
+    """One quantity (tokens / logp / prefill_kv / slot0) of the batched rollout vs per-row B=1 runs."""
+    fast, spy = _fast(backend, batch, max_new_tokens)
+    verdict = verdicts.compare_case(what, check_id, fast, reference, policies)
+    return verdicts.require_path(verdict, spy, batch.batch_size)
+
+
+def compare_padded_b1(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int,
+                      policies: verdicts.ARPolicies, reference: loop.Rollout) -> Verdict:
+    """A right-padded B=1 prompt through the fast path equals the unpadded prompt's stock run."""
+    if batch.batch_size != 1 or batch.real_pos is None or int(batch.real_pos[0, 0]) >= batch.width:
+        raise ValueError("compare_padded_b1 needs one right-padded row (real_pos < width)")
+    fast, spy = _fast(backend, batch, max_new_tokens)
+    verdict = verdicts.compare_case("tokens", check_id, fast, reference, policies)
+    for what in ("logp", "prefill_kv"):
+        verdict = verdict.merge(verdicts.compare_case(what, check_id, fast, reference, policies))
+    return verdicts.require_path(verdict, spy, 1)
+
+
+def compare_rollout_vs_replay(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int,
+                              policy: Policy) -> Verdict:
+    """The batched rollout's recorded log-probs equal a teacher-forced, unpadded replay of its own tokens."""
+    fast, spy = _fast(backend, batch, max_new_tokens)
+    replayed = teacher_forced_logp(backend, batch.prompts(), fast)
+    verdict = policy.judge(check_id, fast.logp, replayed, dims=("row", "step"), what="rollout vs replay log_probs")
+    return verdicts.require_path(verdict, spy, batch.batch_size)
+
+
+def compare_finished_rows(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int],
+                          policies: verdicts.ARPolicies, reference: loop.Rollout) -> Verdict:
+    """Rows that emit EOS stop sampling and stop writing KV; each equals its B=1 run stopped at EOS."""
+    run = probes.footprint_rollout(backend, batch, max_new_tokens, eos)
+    fast = run.rollout
+    verdict = verdicts.compare_case("tokens", check_id, fast, reference, policies)
+    verdict = verdict.merge(verdicts.compare_case("logp", check_id, fast, reference, policies))
+    lengths, ref_lengths = fast.lengths.tolist(), reference.lengths.tolist()
+    verdict = verdict.require(lengths == ref_lengths, "every row stops where its B=1 run stopped at EOS",
+                              lengths=lengths, reference_lengths=ref_lengths)
+    early = min(ref_lengths) < max_new_tokens and min(ref_lengths) < max(ref_lengths)
+    verdict = verdict.require(early, "a row finished while another kept generating (masking exercised)")
+    verdict = verdict.require(run.static and not run.stray_writes,
+                              "finished rows wrote no KV after their EOS (cache footprint checked)",
+                              stray_writes={str(k): v for k, v in run.stray_writes.items()},
+                              stray_slots=sum(len(v) for v in run.stray_writes.values()))
+    return verdicts.require_path(verdict, run.spy, batch.batch_size)
+
+
+def compare_nan_unused_slots(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int,
+                             policies: verdicts.ARPolicies, reference: loop.Rollout) -> Verdict:
+    """NaN in every unused or dead cache slot; every logit stays finite and the tokens stay right."""
+    run = probes.nan_probe_rollout(backend, batch, max_new_tokens)
+    verdict = verdicts.compare_case("tokens", check_id, run.rollout, reference, policies)
+    verdict = verdict.require(run.static and run.poisoned_slots > 0,
+                              "NaN planted in every unused slot before the run and every dead slot after prefill",
+                              poisoned_slots=run.poisoned_slots)
+    verdict = verdict.require(run.nonfinite_logits == 0, "every logit finite: no masked-out slot was read",
+                              nonfinite_logits=run.nonfinite_logits)
+    finite_kv = all(bool(torch.isfinite(kv).all()) for kv in run.rollout.kv)
+    verdict = verdict.require(finite_kv, "every valid KV slot finite")
+    return verdicts.require_path(verdict, run.spy, batch.batch_size)
+
+
+def check_missing_real_pos(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int) -> Verdict:
+    """Without tokenizer_output.real_pos the loop refuses to start, naming real_pos (at any batch size)."""
+    return expect_raises(check_id, lambda: loop.init_state(backend, batch.without_real_pos(), max_new_tokens),
+                         ValueError, match="real_pos")

@@ -1,0 +1,119 @@
+"""Ablations of the ar path: known bugs re-introduced over its seams.
+
+The first six are seed 001's defects and the issue's list; ``ar.static_cache_at_b1`` and
+``ar.real_pos_fallback`` undo two decisions of the seed's review (B=1 keeps upstream's dynamic cache;
+real_pos is required at every batch size), so the B=1 and missing-real_pos checks have teeth too. Each claims
+only the checks it was measured to kill; the reasons say why the others survive.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.ablation import ablation
+from harness.ar.batch import pad_seq
+from parity.ar_checks import CASE_QUANTITIES, MODELS
+
+_BATCHED = ("unequal_real_pos", "length_skew", "all_padded", "concat")
+_TRANSFORMERS = tuple(m for m in MODELS if m != "fake")
+
+
+def _ids(models, cases, quantities) -> list[str]:
+    return [f"ar.{m}.{c}.{q}" for m in models for c in cases for q in quantities]
+
+
+def _whole_rollout(models) -> list[str]:
+    return [f"ar.{m}.{what}" for m in models for what in ("rollout_vs_replay", "finished_rows", "nan_unused_slots")]
+
+
+def _no_decode_mask(key_valid: torch.Tensor) -> None:
+    return None
+
+
+def _append_at_tail(input_ids: torch.Tensor, tokens: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    return torch.cat([input_ids, tokens[:, None]], dim=1)
+
+
+def _zero_pad_positions(position_ids: torch.Tensor, length: int) -> torch.Tensor:
+    return pad_seq(position_ids, length, position_ids.dim() - 1, 0)
+
+
+def _always_dynamic(batch_size: int) -> bool:
+    return True
+
+
+def _never_dynamic(batch_size: int) -> bool:
+    return False
+
+
+def _last_column(real_pos: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.full_like(real_pos, width - 1)
+
+
+def _keep_writing(finished: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(finished)
+
+
+def _assume_unpadded(batch) -> torch.Tensor:
+    if batch.real_pos is None:
+        return torch.full((batch.batch_size,), batch.width, dtype=torch.long)
+    return batch.real_pos.reshape(-1).long()
+
+
+ablation(
+    "ar.decode_mask_removed", "harness.ar.masks:decode_mask", _no_decode_mask,
+    kills=[*_ids(MODELS, _BATCHED, ("tokens", "logp")), *_whole_rollout(MODELS),
+           *[f"ar.{m}.padded_b1.equals_unpadded" for m in _TRANSFORMERS]],
+    why=("upstream deletes the gen_text decode mask; over a static cache each row then attends its stale pad KV "
+         "and the never-written tail (the transformers models fall back to their own causal mask, which reads the "
+         "holes). Prefill is untouched, so prefill_kv / slot0 survive; the fake's B=1 keeps the trimmed dynamic "
+         "cache, where no mask is needed."))
+
+ablation(
+    "ar.token_appended_at_tail", "harness.ar.loop:place_token", _append_at_tail,
+    kills=[*_ids(("fake",), _BATCHED, ("tokens", "logp")), *_whole_rollout(("fake",)),
+           "ar.fake.padded_b1.equals_unpadded"],
+    why=("upstream re-reads the next input with input_ids.gather(1, position_ids) at real_pos_i + step: appended "
+         "tokens feed every short row its own pad. In the transformers hole layout the tail column is the shared "
+         "write slot, so appending is correct there."))
+
+ablation(
+    "ar.position_ids_zero_padded", "harness.ar.batch:pad_positions", _zero_pad_positions,
+    kills=_ids(("fake",), ("concat",), CASE_QUANTITIES),
+    why=("position_ids are upstream's KV write index: zero-padding writes every pad's KV onto slot 0, last write "
+         "wins (seed 001: slot 0 off by ~4). Only concat pads positions; transformers' caches write by their own "
+         "counter, so a zero pad only moves the RoPE of masked-out pads there."))
+
+ablation(
+    "ar.dynamic_cache_at_batch", "harness.ar.cache:cache_is_dynamic", _always_dynamic,
+    kills=[*_ids(("fake",), _BATCHED, CASE_QUANTITIES), *_whole_rollout(("fake",)),
+           *_ids(_TRANSFORMERS, _BATCHED, ("prefill_kv", "slot0"))],
+    raises=(AssertionError,),
+    why=("seed 002's crash: upstream's dynamic cache asserts len(cache_position) == 1 at B > 1 (the declared "
+         "AssertionError kills every fake batched check). A transformers DynamicCache still works in the hole "
+         "layout; the checks' forward spy, which requires the static path, kills those."))
+
+ablation(
+    "ar.static_cache_at_b1", "harness.ar.cache:cache_is_dynamic", _never_dynamic,
+    kills=[*_ids(MODELS, ("b1",), CASE_QUANTITIES), *[f"ar.{m}.padded_b1.equals_unpadded" for m in MODELS]],
+    why=("B=1 must keep upstream's trimmed dynamic cache (the seed's review measured bf16 divergence at token 33 "
+         "from a static cache alone): the fake B=1 log-probs stop being bitwise, and the spy sees a static cache."))
+
+ablation(
+    "ar.first_logits_last_column", "harness.ar.loop:first_logits_column", _last_column,
+    kills=[*_ids(MODELS, _BATCHED, ("tokens", "logp")), *_whole_rollout(MODELS),
+           *[f"ar.{m}.padded_b1.equals_unpadded" for m in MODELS]],
+    why=("stock generation reads prefill logits at the last column: a right-padded row's first token is then "
+         "sampled from its pad's logits. Rows with real_pos == L (b1) are unaffected."))
+
+ablation(
+    "ar.finished_rows_keep_writing", "harness.ar.loop:should_write_kv", _keep_writing,
+    kills=[f"ar.{m}.finished_rows" for m in MODELS],
+    why=("seed 002's unfinished item: a row past EOS keeps writing KV. Its own mask hides the slots, so tokens "
+         "survive; the cache footprint check sees the writes."))
+
+ablation(
+    "ar.real_pos_fallback", "harness.ar.loop:real_positions", _assume_unpadded,
+    kills=["ar.missing_real_pos.b1", "ar.missing_real_pos.b4"],
+    why=("the removed `real_pos is None` fallback assumed unpadded rows; the seed's review made real_pos required "
+         "at every batch size because B=1 also re-fed the shifted prompt without it."))

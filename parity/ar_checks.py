@@ -1,0 +1,110 @@
+"""Parity checks of the ar path (registered into harness.checks).
+
+For the fake HunyuanImage-3 upstream and for each tiny transformers model (HunYuanMoEV1, Qwen3):
+- ``ar.<model>.<case>.{tokens,logp,prefill_kv,slot0}`` on seed 001's cases and seed 002's concat construction;
+- ``ar.<model>.padded_b1.equals_unpadded``, ``.rollout_vs_replay``, ``.finished_rows``, ``.nan_unused_slots``;
+and ``ar.missing_real_pos.{b1,b4}``. B=1 references, the batch-shape floor and the models are seam-free and
+cached; every batched rollout runs inside its check (so an applied ablation always reaches it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from fixtures import ar_models
+from fixtures.ar_cases import CASES, EXTRA, ARCase, eos_for_stops
+from harness.ar import loop, suite, verdicts
+from harness.checks import CheckContext, register
+from harness.compare import Verdict, close
+
+MODELS = ar_models.BACKENDS
+CASE_QUANTITIES = ("tokens", "logp", "prefill_kv", "slot0")
+FINISHED_STOPS = {0: 1, 2: 3}  # row -> decode step whose reference token becomes an EOS id
+
+
+@functools.cache
+def _floor(model: str) -> verdicts.BatchShapeFloor:
+    return verdicts.batch_shape_floor(ar_models.backend(model))
+
+
+@functools.cache
+def _reference(model: str, case: ARCase, attn: str = "sdpa", eos: tuple[int, ...] = ()) -> loop.Rollout:
+    return loop.stock_rollout(ar_models.backend(model, attn), case.prompts(), case.max_new_tokens, eos)
+
+
+def _policies(model: str, case: ARCase) -> verdicts.ARPolicies:
+    unpadded_b1 = case.batch_size == 1 and (case.width is None or case.width == case.lengths[0])
+    if model == "fake" and unpadded_b1:
+        return verdicts.exact_policies()
+    return verdicts.fp32_policies(_floor(model))
+
+
+@functools.cache
+def _finished_eos(model: str) -> tuple[int, ...]:
+    eos, _ = eos_for_stops(_reference(model, EXTRA["finished_rows"]).tokens, FINISHED_STOPS)
+    return eos
+
+
+def _case_check(model: str, case: ARCase, what: str, ctx: CheckContext) -> Verdict:
+    return suite.compare_batched(f"ar.{model}.{case.name}.{what}", what, ar_models.backend(model), case.batch(),
+                                 case.max_new_tokens, _policies(model, case), _reference(model, case))
+
+
+def _padded_b1(model: str, ctx: CheckContext) -> Verdict:
+    case = EXTRA["padded_b1"]
+    return suite.compare_padded_b1(f"ar.{model}.padded_b1.equals_unpadded", ar_models.backend(model), case.batch(),
+                                   case.max_new_tokens, _policies(model, case), _reference(model, case))
+
+
+def _rollout_vs_replay(model: str, ctx: CheckContext) -> Verdict:
+    case = EXTRA["rollout_vs_replay"]
+    policy = close(atol=verdicts.LOGP_ATOL, rtol=0.0, reason=(
+        "fp32: cached batched decode vs one cache-free unpadded forward per row; "
+        f"{_floor(model).describe()}"))
+    return suite.compare_rollout_vs_replay(f"ar.{model}.rollout_vs_replay", ar_models.backend(model), case.batch(),
+                                           case.max_new_tokens, policy)
+
+
+def _finished_rows(model: str, ctx: CheckContext) -> Verdict:
+    case = EXTRA["finished_rows"]
+    eos = _finished_eos(model)
+    return suite.compare_finished_rows(f"ar.{model}.finished_rows", ar_models.backend(model), case.batch(),
+                                       case.max_new_tokens, eos, _policies(model, case),
+                                       _reference(model, case, eos=eos))
+
+
+def _nan_unused_slots(model: str, ctx: CheckContext) -> Verdict:
+    case = EXTRA["nan_unused_slots"]
+    return suite.compare_nan_unused_slots(f"ar.{model}.nan_unused_slots", ar_models.backend(model, "read_safe"),
+                                          case.batch(), case.max_new_tokens, _policies(model, case),
+                                          _reference(model, case, attn="read_safe"))
+
+
+def _missing_real_pos(case: ARCase, ctx: CheckContext) -> Verdict:
+    return suite.check_missing_real_pos(f"ar.missing_real_pos.b{case.batch_size}", ar_models.backend("fake"),
+                                        case.batch(), case.max_new_tokens)
+
+
+for _model in MODELS:
+    for _case in CASES:
+        for _what in CASE_QUANTITIES:
+            register(f"ar.{_model}.{_case.name}.{_what}",
+                     doc=f"{_what} of the batched {_case.name} rollout vs per-row B=1 on {_model}")(
+                functools.partial(_case_check, _model, _case, _what))
+    register(f"ar.{_model}.padded_b1.equals_unpadded",
+             doc=f"a right-padded B=1 prompt equals the unpadded prompt on {_model}")(
+        functools.partial(_padded_b1, _model))
+    register(f"ar.{_model}.rollout_vs_replay",
+             doc=f"batched rollout log-probs equal teacher-forced replay on {_model}")(
+        functools.partial(_rollout_vs_replay, _model))
+    register(f"ar.{_model}.finished_rows",
+             doc=f"rows past EOS stop sampling and writing KV, equal B=1 stopped at EOS, on {_model}")(
+        functools.partial(_finished_rows, _model))
+    register(f"ar.{_model}.nan_unused_slots",
+             doc=f"NaN in unused and dead cache slots never reaches an output on {_model}")(
+        functools.partial(_nan_unused_slots, _model))
+
+for _case in (ARCase("missing_b1", (9,), decode_steps=2, seed=31), ARCase("missing_b4", (9, 4, 7, 5), 2, seed=32)):
+    register(f"ar.missing_real_pos.b{_case.batch_size}",
+             doc=f"init_state raises ValueError naming real_pos when it is missing at B={_case.batch_size}")(
+        functools.partial(_missing_real_pos, _case))
