@@ -6,6 +6,7 @@ harness brings it to any pytest run.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,8 @@ class ParitySession:
         """Run a check once per label (cached: the kill matrix reuses the baseline)."""
         key = label or check_id
         if key not in self.verdicts:
-            self.verdicts[key] = checks.run_check(check_id, ctx or self.context())
+            verdict = checks.run_check(check_id, ctx or self.context())
+            self.verdicts[key] = dataclasses.replace(verdict, check_id=key) if label else verdict
         return self.verdicts[key]
 
     def kill(self, ablation_name: str, check_id: str, ctx: CheckContext | None = None) -> KillResult:
