@@ -13,23 +13,30 @@ either this fake or the real ``modeling_hunyuan_image_3``:
 - zero pad embedding, GQA, a dense SwiGLU MLP or a per-token top-k MoE that never drops tokens.
 
 Only ``mode="gen_text"`` exists here; image spans, VAE and ViT are out of scope.
+
+Like upstream, the model is a transformers ``PreTrainedModel`` (``HunyuanImage3PreTrainedModel`` base, ``config_class``,
+``base_model_prefix = ""``, ``_no_split_modules``) so ``save_pretrained`` / ``from_pretrained`` round-trip it. The
+module imports only torch, transformers and the standard library: ``fixtures/ar_checkpoint.py`` copies it into a
+checkpoint directory as ``modeling_hunyuan_image_3.py`` and loads it back as remote code (trust_remote_code=True).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedConfig, StaticCache
+from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, StaticCache
+from transformers import initialization as init
 
 __all__ = [
     "GenerateOutput",
     "HunyuanImage3Config",
     "HunyuanImage3ForCausalMM",
+    "HunyuanImage3PreTrainedModel",
     "HunyuanStaticCache",
     "build_rope_table",
 ]
@@ -54,6 +61,7 @@ class HunyuanImage3Config(PreTrainedConfig):
     num_experts: int = 1
     moe_topk: int = 1
     use_mixed_mlp_moe: bool = True
+    initializer_range: float = 0.02
 
 
 class HunyuanStaticCache(StaticCache):
@@ -162,7 +170,7 @@ class HunyuanMoE(nn.Module):
     def __init__(self, config: HunyuanImage3Config) -> None:
         super().__init__()
         self.moe_topk = config.moe_topk
-        self.wg = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.wg = nn.Linear(config.hidden_size, config.num_experts, bias=False, dtype=torch.float32)
         self.experts = nn.ModuleList(
             HunyuanMLP(config.hidden_size, config.intermediate_size) for _ in range(config.num_experts))
         self.shared_mlp = (HunyuanMLP(config.hidden_size, config.intermediate_size)
@@ -171,7 +179,9 @@ class HunyuanMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq_len, hidden = x.shape
         flat = x.reshape(-1, hidden)
-        gates = torch.softmax(self.wg(flat.float()), dim=-1)
+        # upstream's HunyuanTopKGate: the router is built in fp32 and routes in its weight's dtype
+        gate_in = flat.float() if self.wg.weight.dtype == torch.float32 else flat
+        gates = torch.softmax(self.wg(gate_in), dim=-1)
         weight, index = torch.topk(gates, self.moe_topk, dim=-1)
         weight = (weight / weight.sum(dim=-1, keepdim=True).clamp_min(1e-8)).to(x.dtype)
         out = torch.zeros_like(flat)
@@ -248,11 +258,45 @@ class GenerateOutput:
     past_key_values: HunyuanStaticCache | None
 
 
-class HunyuanImage3ForCausalMM(nn.Module):
+class HunyuanImage3PreTrainedModel(PreTrainedModel):
+    """Upstream's base class: what transformers reads to save, load and place the model."""
+
+    config_class = HunyuanImage3Config
+    base_model_prefix = ""
+    _no_split_modules: ClassVar[list[str]] = ["HunyuanImage3DecoderLayer"]
+    _skip_keys_device_placement = "past_key_values"
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Default init for fresh parameters, and the RoPE tables.
+
+        The tables are non-persistent buffers: ``from_pretrained`` builds the model on the meta device, loads the
+        saved weights (marked initialized, so the ``transformers.initialization`` helpers skip them) and leaves the
+        buffers as uninitialized memory for this hook to fill, so they must be recomputed here, not only in
+        ``__init__``.
+        """
+        if isinstance(module, HunyuanImage3ForCausalMM):
+            cos, sin = build_rope_table(self.config.max_position_embeddings, self.config.attention_head_dim,
+                                        self.config.rope_theta)
+            init.copy_(module.rope_cos, cos)
+            init.copy_(module.rope_sin, sin)
+            return
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
+        elif isinstance(module, HunyuanRMSNorm):
+            init.ones_(module.weight)
+
+
+class HunyuanImage3ForCausalMM(HunyuanImage3PreTrainedModel, GenerationMixin):
     """The text path of upstream's causal multimodal model."""
 
     def __init__(self, config: HunyuanImage3Config) -> None:
-        super().__init__()
+        super().__init__(config)
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_id)
         self.layers = nn.ModuleList(HunyuanImage3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
@@ -261,6 +305,7 @@ class HunyuanImage3ForCausalMM(nn.Module):
         cos, sin = build_rope_table(config.max_position_embeddings, config.attention_head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.post_init()
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,156 @@
+"""A HunyuanImage-3 checkpoint directory loads its own remote code, offline, and drives the ar harness.
+
+``fixtures.ar_checkpoint`` writes the seeded fake upstream the way the real checkpoint ships: safetensors, a
+config.json whose ``auto_map`` points at ``modeling_hunyuan_image_3.py`` beside it. ``harness.checkpoints``
+must load it with ``trust_remote_code=True`` from the directory (the class lives in ``transformers_modules``,
+not in ``fakes``), bit for bit, and ``UpstreamBackend`` must find the directory's ``HunyuanStaticCache``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+
+import huggingface_hub.constants
+import pytest
+import torch
+
+from fakes import ar_hunyuan
+from fixtures import ar_models
+from fixtures.ar_cases import prompt_ids
+from fixtures.ar_checkpoint import ARCHITECTURE, AUTO_MAP, MODELING_FILE, write_hunyuan_remote_code
+from harness.ar import loop
+from harness.ar.backends import UpstreamBackend
+from harness.ar.batch import right_padded_batch
+from harness.ar.spy import ForwardSpy
+from harness.ar.verdicts import batch_shape_floor, fp32_policies, judge_logp, judge_tokens, require_path
+from harness.checkpoints import detect, load_model
+
+pytestmark = pytest.mark.cpu
+
+REMOTE_PREFIX = "transformers_modules"
+TOKEN_IDS = ([[5]], [[7, 3, 11, 2]], [[9, 1, 4, 8, 6, 2, 3, 10, 12, 5, 33]], [[3, 4, 5, 6], [95, 2, 17, 40]])
+ROLLOUT_LENGTHS = (11, 4, 8, 6)
+NEW_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The hub is unreachable by construction: HF_HUB_OFFLINE as the gpu tier's dry run sets it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read once at import
+        yield
+
+
+@pytest.fixture(scope="module")
+def hunyuan_dir(tmp_path_factory):
+    return write_hunyuan_remote_code(tmp_path_factory.mktemp("hunyuan_remote") / "HunyuanImage-3")
+
+
+@pytest.fixture(scope="module")
+def loaded(hunyuan_dir, offline):
+    return load_model(detect(hunyuan_dir), torch.float32, "cpu")
+
+
+def test_directory_is_a_remote_code_checkpoint(hunyuan_dir):
+    config = json.loads((hunyuan_dir / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURE]
+    assert config["auto_map"] == AUTO_MAP
+    assert config["model_type"] == ar_hunyuan.HunyuanImage3Config.model_type
+    assert (hunyuan_dir / "model.safetensors").is_file()
+    assert (hunyuan_dir / MODELING_FILE).read_text() == inspect.getsource(ar_hunyuan)
+    checkpoint = detect(hunyuan_dir)
+    assert (checkpoint.kind, checkpoint.feeds, checkpoint.remote_code) == ("causal_lm", "ar", True)
+    assert checkpoint.class_name == ARCHITECTURE
+
+
+def test_loaded_classes_come_from_the_directory(loaded):
+    module = type(loaded).__module__
+    assert module.startswith(REMOTE_PREFIX) and module.endswith(MODELING_FILE.removesuffix(".py"))
+    assert type(loaded).__name__ == ARCHITECTURE
+    assert not isinstance(loaded, ar_hunyuan.HunyuanImage3ForCausalMM)  # not the in-repo fake
+    assert type(loaded.config).__module__ == module
+    backend = UpstreamBackend(loaded, name="hunyuan_remote")
+    assert backend.cache_cls.__name__ == "HunyuanStaticCache" and backend.cache_cls.__module__ == module
+    assert backend.cache_cls is not ar_hunyuan.HunyuanStaticCache
+
+
+def test_config_round_trips(loaded):
+    fake = ar_models.fake_upstream("moe").config.to_dict()
+    got = loaded.config.to_dict()
+    assert got["dtype"] == "float32"  # save_pretrained records the dtype the weights were written in
+    for name in ("_name_or_path", "architectures", "auto_map", "dtype", "transformers_version"):  # save/load facts
+        fake.pop(name, None)
+        got.pop(name, None)
+    assert got == fake
+
+
+def test_weights_and_buffers_round_trip_bitwise(loaded):
+    fake = ar_models.fake_upstream("moe")
+    expected = dict(fake.named_parameters()) | dict(fake.named_buffers())
+    actual = dict(loaded.named_parameters()) | dict(loaded.named_buffers())
+    assert sorted(actual) == sorted(expected)
+    assert "rope_cos" in actual and "rope_sin" in actual  # non-persistent: rebuilt by _init_weights, not loaded
+    differ = [name for name, t in expected.items()
+              if actual[name].dtype != t.dtype or not torch.equal(actual[name], t)]
+    assert not differ, f"not bitwise after save/load: {differ}"
+
+
+@pytest.mark.parametrize("ids", TOKEN_IDS, ids=lambda ids: f"{len(ids)}x{len(ids[0])}")
+def test_logits_equal_the_in_memory_fake_bitwise(loaded, ids):
+    # from_pretrained leaves CPU weights as views into the mmap'd safetensors file (8-byte, not 64-byte,
+    # aligned), and MKL picks another reduction order for some GEMM shapes on unaligned operands: same weights,
+    # last-ulp different logits (seen here at 3.8e-6). A copy puts them in fresh allocator memory, as the gpu
+    # tier's .to(device) does, so this compares the loaded code, weights and buffers and nothing else.
+    model = copy.deepcopy(loaded)
+    ids = torch.tensor(ids)
+    with torch.no_grad():
+        actual = model(input_ids=ids, mode="gen_text").logits
+        expected = ar_models.fake_upstream("moe")(input_ids=ids, mode="gen_text").logits
+    assert torch.equal(actual, expected), f"max|d| = {(actual - expected).abs().max():.3e}"
+
+
+def test_batched_equals_b1_on_the_loaded_model(loaded):
+    backend = UpstreamBackend(loaded, name="hunyuan_remote")
+    prompts = prompt_ids(ROLLOUT_LENGTHS, seed=71)
+    with torch.no_grad(), ForwardSpy(loaded) as spy:
+        fast = loop.fast_rollout(backend, right_padded_batch(prompts, backend.pad_id), NEW_TOKENS)
+    reference = loop.stock_rollout(backend, prompts, NEW_TOKENS)
+    check_id = "ar.hunyuan_remote.batched_vs_b1"
+    policies = fp32_policies(batch_shape_floor(backend))
+    verdict = judge_tokens(check_id, fast, reference, policies.tokens).merge(
+        judge_logp(check_id, fast, reference, policies.logp))
+    verdict = require_path(verdict, spy, len(prompts))
+    assert verdict.passed, f"{verdict.message}\n{verdict.metrics}"
+    assert fast.tokens.shape == (len(prompts), NEW_TOKENS)
+    # and the loaded model generates what the in-memory fake generates
+    in_memory = loop.stock_rollout(ar_models.backend("fake"), prompts, NEW_TOKENS)
+    assert torch.equal(reference.tokens, in_memory.tokens)
+
+
+def test_bf16_load_keeps_upstreams_fp32_router(hunyuan_dir, offline):
+    model = load_model(detect(hunyuan_dir), torch.bfloat16, "cpu")
+    assert model.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.bfloat16
+    assert {layer.mlp.wg.weight.dtype for layer in model.layers} == {torch.float32}  # built with dtype=fp32
+    backend = UpstreamBackend(model, name="hunyuan_remote_bf16")
+    run = backend.stock_generate(prompt_ids((6,), seed=72)[0], 3, ())
+    assert run.tokens.shape == (3,) and bool(torch.isfinite(run.logits).all())
+    assert run.kv.dtype == torch.bfloat16
+
+
+def test_dense_kind_loads(tmp_path, offline):
+    model = load_model(detect(write_hunyuan_remote_code(tmp_path / "dense", kind="dense")), torch.float32, "cpu")
+    assert type(model).__module__.startswith(REMOTE_PREFIX)
+    assert model.config.num_experts == 1
+    assert type(model.layers[0].mlp).__name__ == "HunyuanMLP"
+
+
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(ValueError, match="kind must be 'moe' or 'dense', got 'sparse'"):
+        write_hunyuan_remote_code(tmp_path / "x", kind="sparse")
+    target = tmp_path / "a_file"
+    target.write_text("")
+    with pytest.raises(ValueError, match="a_file is a file; expected a directory"):
+        write_hunyuan_remote_code(target)
