@@ -10,12 +10,12 @@ flex on the CPU computes every pair), the padded Qp x KVp. No timed assertions: 
 from __future__ import annotations
 
 import statistics
-import time
 
 import pytest
 import torch
 
 from fixtures import attention_captures as seeds
+from fixtures.bench_timing import wall_times
 from harness.attention import kernels
 from harness.attention.layout import PHASES
 
@@ -41,13 +41,7 @@ def _call(device: str, phase: str, name: str):
 
 
 def _median_seconds(fn, rounds: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(wall_times(fn, rounds))
 
 
 def _record(device: str, phase: str, name: str, seconds: float) -> None:

@@ -9,12 +9,12 @@ No timed assertions: these are measurements.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import pytest
 import torch
 
+from fixtures.bench_timing import wall_times
 from fixtures.replay_cases import bench_problem
 from harness.replay.parity import ReplayProblem, run_batched, run_serial
 
@@ -48,13 +48,7 @@ def activation_bytes(problem: ReplayProblem, run: Callable) -> list[int]:
 
 
 def _best_seconds(fn: Callable[[], object], rounds: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(wall_times(fn, rounds))
 
 
 def _record(path: str, steps: int, seconds: float) -> None:
