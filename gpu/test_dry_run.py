@@ -1,4 +1,4 @@
-"""The gpu tier's code on the CPU: tiny checkpoints of every kind, --device cpu, fp32 and bf16.
+"""The gpu tier's code on the CPU: tiny checkpoints of every kind, --device cpu, fp32 and bf16, checks and kills.
 
 This is how CI exercises kind detection, offline loading and the gpu checks without a GPU. It runs
 pytest in a subprocess so the inner run has its own registry, session and report.
@@ -16,7 +16,7 @@ import torch
 from fixtures import checkpoints as tiny_checkpoints
 from harness import checks
 from harness.checkpoints import KINDS, CheckpointError, detect, load_model
-from parity import catalogue
+from mutation import catalogue
 
 pytestmark = pytest.mark.cpu
 
@@ -42,7 +42,7 @@ def test_gpu_tier_dry_run_over_every_checkpoint_kind(tiny_dir, tmp_path):
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"gpu dry run failed:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
     data = json.loads(report.read_text())
-    catalogue.load()
+    catalogue.load()  # the ablation catalogue, which loads the checks first
     expected = set()
     for check in checks.all_checks("gpu"):
         for kind, path in tiny_dir.items():
@@ -52,6 +52,9 @@ def test_gpu_tier_dry_run_over_every_checkpoint_kind(tiny_dir, tmp_path):
     assert ran == expected, f"missing: {sorted(expected - ran)}; unexpected: {sorted(ran - expected)}"
     assert all(c["passed"] for c in data["checks"])
     assert data["summary"]["checks"] == data["summary"]["passed"] == len(expected)
+    killed = {k["check"] for a in data["ablations"] for k in a["kills"] if k["killed"]}
+    assert killed == expected, f"gpu checks no ablation killed in the dry run: {sorted(expected - killed)}"
+    assert data["summary"]["killed"] == data["summary"]["ablations"] > 0
 
 
 def test_a_checkpoint_that_does_not_load_names_the_path(tmp_path):

@@ -9,19 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import checks
+from gpu.decode import world_size as gpu_world_size
+from harness import ablation, checks
 from harness.plugin import SESSION_KEY, gpu_device, parse_dtypes
-from parity import catalogue
+from mutation import catalogue
 
 catalogue.load()
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def pytest_generate_tests(metafunc):
-    if "gpu_case" not in metafunc.fixturenames:
-        return
-    config = metafunc.config
+def _cases(config) -> list:
+    """(check id, checkpoint path, dtype) per matching checkpoint and dtype; placeholders without checkpoints."""
     given = config.stash[SESSION_KEY].checkpoints
     dtypes = parse_dtypes(config.getoption("dtype"))
     cases = []
@@ -33,13 +32,43 @@ def pytest_generate_tests(metafunc):
             for dtype in dtypes:
                 label = f"{check.id}[{checkpoint.name}-{DTYPE_NAMES[dtype]}]"
                 cases.append(pytest.param((check.id, str(checkpoint.path), dtype), id=label))
-    metafunc.parametrize("gpu_case", cases)
+    return cases
+
+
+def pytest_generate_tests(metafunc):
+    if "gpu_case" in metafunc.fixturenames:
+        metafunc.parametrize("gpu_case", _cases(metafunc.config))
+    if "gpu_kill" in metafunc.fixturenames:
+        kills = []
+        for case in _cases(metafunc.config):
+            check_id = case.values[0][0]
+            for item in ablation.all_ablations():
+                if check_id in item.kills:
+                    kills.append(pytest.param((item.name, *case.values[0]), id=f"{item.name}->{case.id}"))
+        metafunc.parametrize("gpu_kill", kills)
+
+
+def _label(check_id: str, checkpoint: str, dtype: torch.dtype) -> str:
+    return f"{check_id}[{Path(checkpoint).name}-{DTYPE_NAMES[dtype]}]"
 
 
 @pytest.mark.gpu
 def test_gpu_check(gpu_case, parity_session, request):
     check_id, checkpoint, dtype = gpu_case
     ctx = parity_session.context(gpu_device(request.config), dtype, checkpoint)
-    label = f"{check_id}[{Path(checkpoint).name}-{DTYPE_NAMES[dtype]}]"
-    verdict = parity_session.check(check_id, ctx, label=label)
+    verdict = parity_session.check(check_id, ctx, label=_label(check_id, checkpoint, dtype))
     assert verdict.passed, verdict.describe()
+
+
+@pytest.mark.gpu
+def test_gpu_ablation_kills_check(gpu_kill, parity_session, request):
+    """The gpu checks have teeth on real weights too: each claimed ablation must make them fail."""
+    name, check_id, checkpoint, dtype = gpu_kill
+    ctx = parity_session.context(gpu_device(request.config), dtype, checkpoint)
+    label = _label(check_id, checkpoint, dtype)
+    baseline = parity_session.check(check_id, ctx, label=label)
+    assert baseline.passed, f"{label} must pass without {name} first:\n{baseline.describe()}"
+    if check_id.startswith("decode.") and gpu_world_size(ctx) < 2:
+        pytest.skip("one rank: the sharded decode has no second rank here, so only the stock gate is checked")
+    result = parity_session.kill(name, check_id, ctx, label=label)
+    assert result.killed, f"{name} ({ablation.get(name).why}) did not kill {label}: {result.how}\n{result.detail}"

@@ -85,8 +85,12 @@ class ParitySession:
             self.verdicts[key] = dataclasses.replace(verdict, check_id=key) if label else verdict
         return self.verdicts[key]
 
-    def kill(self, ablation_name: str, check_id: str, ctx: CheckContext | None = None) -> KillResult:
+    def kill(self, ablation_name: str, check_id: str, ctx: CheckContext | None = None,
+             label: str | None = None) -> KillResult:
+        """Run ``check_id`` under the ablation; ``label`` names the check in the report (gpu: checkpoint, dtype)."""
         result = ablation_mod.run_under(ablation_mod.get(ablation_name), check_id, ctx or self.context())
+        if label:
+            result = dataclasses.replace(result, check=label)
         self.kills.append(result)
         return result
 

@@ -62,7 +62,7 @@ def _assume_unpadded(batch) -> torch.Tensor:
 
 ablation(
     "ar.decode_mask_removed", "harness.ar.masks:decode_mask", _no_decode_mask,
-    kills=[*_ids(MODELS, _BATCHED, ("tokens", "logp")), *_whole_rollout(MODELS),
+    kills=["ar.gpu.batched_vs_b1", *_ids(MODELS, _BATCHED, ("tokens", "logp")), *_whole_rollout(MODELS),
            *[f"ar.{m}.padded_b1.equals_unpadded" for m in _TRANSFORMERS]],
     why=("upstream deletes the gen_text decode mask; over a static cache each row then attends its stale pad KV "
          "and the never-written tail (the transformers models fall back to their own causal mask, which reads the "
@@ -101,7 +101,7 @@ ablation(
 
 ablation(
     "ar.first_logits_last_column", "harness.ar.loop:first_logits_column", _last_column,
-    kills=[*_ids(MODELS, _BATCHED, ("tokens", "logp")), *_whole_rollout(MODELS),
+    kills=["ar.gpu.batched_vs_b1", *_ids(MODELS, _BATCHED, ("tokens", "logp")), *_whole_rollout(MODELS),
            *[f"ar.{m}.padded_b1.equals_unpadded" for m in MODELS]],
     why=("stock generation reads prefill logits at the last column: a right-padded row's first token is then "
          "sampled from its pad's logits. Rows with real_pos == L (b1) are unaffected."))

@@ -64,7 +64,7 @@ def _special_rows_see_image(q_pos: torch.Tensor, kv_pos: torch.Tensor, start: in
 
 ablation(
     "attention.span_end_off_by_one", "harness.attention.masks:span_bounds", _span_end_early, wraps=True,
-    kills=["attention.contract.prefill.mismatches", "attention.contract.prefill.density",
+    kills=["attention.gpu.prefill.flex", "attention.contract.prefill.mismatches", "attention.contract.prefill.density",
            "attention.contract.prefill.span", "attention.contract.denoise.density",
            "attention.contract.denoise.histogram", "attention.capture.prefill.contract",
            "attention.denoise.decomposed.vs_sdpa", "attention.prefill.flex.vs_sdpa"],
@@ -87,20 +87,22 @@ ablation(
 )
 ablation(
     "attention.pad_keys_unmasked", "harness.attention.padded:pad_mask", _pad_keys_visible, wraps=True,
-    kills=["attention.prefill.block_padded.vs_sdpa", "attention.denoise.block_padded.vs_sdpa",
+    kills=["attention.gpu.prefill.block_padded", "attention.gpu.denoise.block_padded",
+           "attention.prefill.block_padded.vs_sdpa", "attention.denoise.block_padded.vs_sdpa",
            "attention.gqa.block_padded.vs_sdpa"],
     why="the zero pad keys stay visible to real rows: each row's softmax leaks weight onto padding",
 )
 ablation(
     "attention.split_wrong_row", "harness.attention.decomposed:split_rows", _split_one_row_late, wraps=True,
-    kills=["attention.prefill.decomposed.vs_sdpa", "attention.denoise.decomposed.vs_sdpa",
+    kills=["attention.gpu.prefill.decomposed", "attention.gpu.denoise.decomposed",
+           "attention.prefill.decomposed.vs_sdpa", "attention.denoise.decomposed.vs_sdpa",
            "attention.gqa.decomposed.vs_sdpa"],
     why="the decomposition splits one row late: the first span row runs causally and misses the image keys",
 )
 ablation(
     "attention.special_rows_image_visibility", "harness.attention.masks:special_row_visibility",
     _special_rows_see_image,
-    kills=["attention.contract.denoise.mismatches", "attention.contract.denoise.density",
+    kills=["attention.gpu.denoise.flex", "attention.contract.denoise.mismatches", "attention.contract.denoise.density",
            "attention.contract.denoise.histogram", "attention.contract.denoise.span",
            "attention.capture.denoise.contract", "attention.denoise.flex.vs_sdpa",
            "attention.denoise.block_padded.vs_sdpa"],

@@ -84,7 +84,7 @@ ablation(
     seam="harness.decode.serve:run_post_loop",
     replacement=_skip_first_crossfade,
     wraps=True,
-    kills=["decode.t37.w2.bitexact", "decode.t37.w8.bitexact", "decode.t22.w4.bitexact",
+    kills=["decode.gpu.bitexact", "decode.t37.w2.bitexact", "decode.t37.w8.bitexact", "decode.t22.w4.bitexact",
            "decode.t12.w2.bitexact", "decode.t12.w8.bitexact", "decode.t30.w4.bitexact",
            "decode.t37.w4.bf16.bitexact"],
     why="clips 0 and 1 overlap by frame_overlap pixel frames; taking clip 1's frames unblended changes "
@@ -134,7 +134,7 @@ ablation(
     seam="harness.decode.exchange:gather_clips",
     replacement=_rank0_slab_for_all,
     kills=[f"decode.t{t}.w{w}.bitexact" for t in (37, 22, 12) for w in (2, 4, 8)]
-    + ["decode.t30.w4.bitexact", "decode.t13.w3.bitexact", "decode.t9.w8.bitexact",
+    + ["decode.gpu.bitexact", "decode.t30.w4.bitexact", "decode.t13.w3.bitexact", "decode.t9.w8.bitexact",
        "decode.t22.w3.batch2.bitexact", "decode.t22.w2.batch2_sliced.bitexact", "decode.t37.w4.bf16.bitexact",
        "decode.t12.w8.bf16.bitexact", "decode.t37.w3.decoded_once"],
     why="every clip owned by rank r > 0 is replaced by one of rank 0's clips, so all but rank 0's frames are "

@@ -107,7 +107,8 @@ def _target0_sigma(sigmas, steps, batch):
 
 ablation(
     "replay.sigma_scalar", "harness.replay.replay:step_sigma_vectors", _target0_sigma,
-    kills=[*_ids(FAKE, "log_probs", "prev_sample_means", "pi_old_ratio"), "replay.cfg2.unsorted_targets",
+    kills=["replay.gpu.cfg2.log_probs", "replay.gpu.cfg2.prev_sample_means", "replay.gpu.cfg2.pi_old_ratio",
+           *_ids(FAKE, "log_probs", "prev_sample_means", "pi_old_ratio"), "replay.cfg2.unsorted_targets",
            "replay.sd3.cfg2.log_probs", "replay.flux.cfg2.log_probs", "replay.sd3.cfg2.pi_old_ratio"],
     why="every stacked row uses target[0]'s sigma, though one batch now mixes different steps",
 )
