@@ -176,6 +176,7 @@ class KillResult:
     how: str  # "tolerance", "required fact", "raised <Type>", "survived", "wrong exception <Type>"
     detail: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
+    headline: str = ""  # the ablated verdict's headline metric, e.g. "max_abs=1.9e+04"
 
 
 def run_under(item: Ablation, check_id: str, ctx: checks.CheckContext) -> KillResult:
@@ -192,11 +193,15 @@ def run_under(item: Ablation, check_id: str, ctx: checks.CheckContext) -> KillRe
         return KillResult(item.name, check_id, False, None, f"wrong exception {type(err).__name__}", str(err)[:500])
     finally:
         ctx.task_timeout_s = previous
+    value = verdict.headline_value
+    headline = f"{verdict.headline}={value:.3e}" if isinstance(value, float) else (
+        f"{verdict.headline}={value}" if verdict.headline else "")
     if verdict.passed:
-        return KillResult(item.name, check_id, False, verdict.margin, "survived", verdict.describe(), verdict.metrics)
+        return KillResult(item.name, check_id, False, verdict.margin, "survived", verdict.describe(), verdict.metrics,
+                          headline)
     exceeded = verdict.margin is not None and verdict.margin > 1.0
     return KillResult(item.name, check_id, True, verdict.margin if exceeded else None,
-                      "tolerance" if exceeded else "required fact", verdict.describe(), verdict.metrics)
+                      "tolerance" if exceeded else "required fact", verdict.describe(), verdict.metrics, headline)
 
 
 def _forget(prefix: str) -> None:

@@ -60,7 +60,7 @@ def build(verdicts: Iterable[Verdict], kills: Iterable[KillResult]) -> dict[str,
             "name": name,
             "path": name.split(".", 1)[0],
             "kills": [{"check": r.check, "killed": r.killed, "margin": _plain(r.margin), "how": r.how,
-                       "metrics": _plain(r.metrics)} for r in rows],
+                       "headline": r.headline, "metrics": _plain(r.metrics)} for r in rows],
         })
     summary = {
         "checks": len(checks),
@@ -126,7 +126,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def render_terminal(report: dict[str, Any]) -> str:
-    checks, ablations = _rows(report, width=72)
+    checks, ablations = _rows(report, width=88)
     lines: list[str] = []
     if checks:
         lines += _table(["", "check", "headline", "tolerance", "margin"], checks)
@@ -153,6 +153,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["## Parity checks", "", *md(["status", "check", "headline", "tolerance", "margin"], checks), ""]
     if ablations:
         lines += ["## Ablations", "", *md(["status", "ablation", "killed", "smallest kill margin"], ablations), ""]
+    if report["ablations"]:
+        lines += ["## What each ablation did to each check it claims", ""]
+        for a in report["ablations"]:
+            lines.append(f"- **{a['name']}**")
+            lines += [f"  - `{k['check']}`: {'killed' if k['killed'] else 'SURVIVED'} by {k['how']}"
+                      + (f", {k['headline']}" if k.get("headline") else "")
+                      + (f", margin {_num(k['margin'])}" if isinstance(k["margin"], float) else "") for k in a["kills"]]
+        lines.append("")
     failures = [c for c in report["checks"] if not c["passed"]]
     if failures:
         lines += ["## Failures", ""]

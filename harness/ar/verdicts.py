@@ -204,7 +204,10 @@ def compare_case(what: str, check_id: str, fast: Rollout, ref: Rollout, policies
         raise ValueError(f"rollout shapes differ: fast {tuple(fast.tokens.shape)} vs ref {tuple(ref.tokens.shape)}")
     judge, policy_name = _JUDGES[what]
     verdict = judge(check_id, fast, ref, getattr(policies, policy_name))
-    verdict = dataclasses.replace(verdict, metrics={**verdict.metrics, **seed001_metrics(fast, ref)})
+    row = seed001_metrics(fast, ref)
+    summary = (f"tokens {'equal' if row['tokens_equal'] else 'DIFFER'}, logp {row['logp_max_abs']:.1e}, "
+               f"prefill-KV {row['prefill_kv_max_abs']:.1e}, slot0 {row['slot0_max_abs']:.1e} (max|d|)")
+    verdict = dataclasses.replace(verdict, headline="seed001", metrics={**verdict.metrics, **row, "seed001": summary})
     floor = policies.floor
     if floor is not None:
         tolerance = verdict.tolerance or 0.0
