@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -167,7 +166,6 @@ def judge_fault(check_id: str, world: World, job: decode_tasks.DecodeJob, kind: 
                 timeout_s: float) -> Verdict:
     """Inject ``kind`` on ``fault_rank``: every rank must raise ShardedDecodeError, none may block or hang,
     and the group must still decode afterwards (no rank left inside a collective)."""
-    began = time.monotonic()
     try:
         world.run(decode_tasks.fault_task, job, fault_rank, kind, timeout_s=timeout_s)
         outcomes = []
@@ -175,7 +173,6 @@ def judge_fault(check_id: str, world: World, job: decode_tasks.DecodeJob, kind: 
     except WorldTaskError as err:
         outcomes = err.outcomes
         statuses = [o.status for o in outcomes]
-    seconds = time.monotonic() - began
     size = world.size
     raised = [o for o in outcomes if o.status == "raised"]
     together = [o for o in raised if "ShardedDecodeError" in o.error]
@@ -186,7 +183,7 @@ def judge_fault(check_id: str, world: World, job: decode_tasks.DecodeJob, kind: 
     words = f"{len(raised)}/{size} ranks raise; " + ("no hang" if not stuck else
                                                      ", ".join(f"{n} {s}" for s, n in stuck.items()))
     verdict = expect(check_id, ok, f"{size}/{size} ranks raise; no hang", outcome=words,
-                     sharded_decode_errors=f"{len(together)}/{size}", seconds=round(seconds, 3),
+                     sharded_decode_errors=f"{len(together)}/{size}",
                      rank_outcomes=[o.line()[:240] for o in outcomes] or ["every rank returned a video"])
     verdict = verdict.require(named and cause_here,
                               f"every rank's error names rank {fault_rank}, and rank {fault_rank}'s names the fault")
