@@ -29,7 +29,6 @@ def test_every_rank_raises_together_and_the_group_survives(world, rank, kind, fr
                                         timeout_s=30.0)
     assert verdict.passed, verdict.describe()
     assert verdict.metrics["outcome"] == f"{world}/{world} ranks raise; no hang"
-    assert verdict.metrics["seconds"] < 5.0  # together, not after a collective timeout
 
 
 def test_an_unknown_fault_kind_is_rejected(parity_ctx):
