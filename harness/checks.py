@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,10 +97,6 @@ def exists(check_id: str) -> bool:
 
 def all_checks(tier: str | None = None, path: str | None = None) -> list[Check]:
     return [c for c in _REGISTRY.values() if (tier is None or c.tier == tier) and (path is None or c.path == path)]
-
-
-def ids(tier: str | None = None) -> Iterator[str]:
-    return (c.id for c in all_checks(tier))
 
 
 def load_catalogue(modules: Iterable[str]) -> None:
