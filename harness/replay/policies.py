@@ -3,7 +3,7 @@
 A real model's batched replay differs from serial only by the rounding its kernels bring at another
 batch shape. The bound comes from the STOCK control (harness.replay.controls): the largest deviation
 it shows RELATIVE to the local magnitude of the quantity (per row for log-probs, per row and step for
-transition means), floored at the dtype's resolution. The allowed error of an element is then
+transition means), floored at the resolution of the fp32 SDE math. The allowed error of an element is then
 ``k x that relative floor x its own local magnitude``, so a bound never borrows the size of the
 largest values of the output. ``k`` is bounded on both sides: at least K_MIN (the fast path's rows
 land at other positions of the batch than the control's) and at most K_MAX (looser would stop
@@ -23,6 +23,7 @@ from harness.replay.controls import BatchShapeControl
 __all__ = [
     "BF16_K",
     "FP32_K",
+    "K_BY_DTYPE",
     "K_MAX",
     "K_MIN",
     "RESOLUTION",
@@ -36,12 +37,11 @@ __all__ = [
 K_MIN, K_MAX = 2.0, 8.0
 FP32_K = 4.0  # fp32: 4 x the relative floor (the CPU tier's tiny models are often batch-shape exact)
 BF16_K = 2.0  # bf16: 2 x the relative floor; its GEMMs round differently at every batch shape
-# the smallest relative floor a policy uses: a few rounding steps of the forward's dtype
-RESOLUTION = {
-    torch.float32: 4 * torch.finfo(torch.float32).eps,  # 4 fp32 ulps at 1.0
-    torch.bfloat16: 2.0**-8,  # one bf16 rounding step (half an ulp at 1.0)
-    torch.float16: 2.0**-11,
-}
+# The smallest relative floor a policy uses: 4 fp32 ulps, the resolution of the SDE math (always fp32).
+# The model dtype's rounding enters through the measured control, not through a fixed step: a bf16 ulp
+# of a log-prob (which is dominated by its -log std term) would hide the velocity errors under it.
+RESOLUTION = 4 * torch.finfo(torch.float32).eps
+K_BY_DTYPE = {torch.float32: FP32_K, torch.bfloat16: BF16_K, torch.float16: BF16_K}
 # leading dims that keep their own scale: log_probs [B, S] per row; means [B, S, *latent] per (row, step)
 LOCAL_DIMS = {"log_probs": 1, "prev_sample_means": 2}
 
@@ -122,10 +122,9 @@ class LocalScaleBound(Policy):
 
 
 def local_scale_policy(control: BatchShapeControl, what: str, dtype: torch.dtype) -> LocalScaleBound:
-    """The policy for ``what`` in ``dtype`` from a stock batch-shape control (fp32 k=4, bf16/fp16 k=2)."""
-    if dtype not in RESOLUTION:
-        raise ValueError(f"no replay policy for dtype {dtype}; expected one of {sorted(map(str, RESOLUTION))}")
-    k = FP32_K if dtype == torch.float32 else BF16_K
-    name = str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
-    return LocalScaleBound(what, relative_floor(control, what), RESOLUTION[dtype], k,
-                           name.replace("float16", "fp16"))
+    """The policy for ``what`` when the model runs in ``dtype``, from a stock batch-shape control."""
+    if dtype not in K_BY_DTYPE:
+        raise ValueError(f"no replay policy for model dtype {dtype}; expected one of "
+                         f"{sorted(str(d) for d in K_BY_DTYPE)}")
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    return LocalScaleBound(what, relative_floor(control, what), RESOLUTION, K_BY_DTYPE[dtype], name)
