@@ -75,8 +75,13 @@ class LocalScaleBound(Policy):
     dtype: str = "fp32"
 
     @property
+    def effective_floor(self) -> float:
+        """The measured relative floor, or the fp32 resolution where the control showed less."""
+        return max(self.relative_floor, self.resolution)
+
+    @property
     def relative_bound(self) -> float:
-        return self.k * max(self.relative_floor, self.resolution)
+        return self.k * self.effective_floor
 
     def describe(self) -> str:
         return (f"local_scale({self.dtype} {self.what}: |d| <= {self.k:g} x max(floor {self.relative_floor:.2e}, "
@@ -117,8 +122,8 @@ class LocalScaleBound(Policy):
                        f"|{self.what}| {float(scale.reshape(-1)[at]):.3e})")
         verdict = Verdict(check_id, passed, metrics, self.describe(), margin, headline="max_relative_to_local",
                           tolerance=self.relative_bound, message=message)
-        return verdict.require(K_MIN <= self.k <= K_MAX,
-                               f"the bound is {K_MIN:g}..{K_MAX:g} x the measured stock floor (k={self.k:g})")
+        return verdict.require_bounded(self.relative_bound, self.effective_floor, k_min=K_MIN, k_max=K_MAX,
+                                       what=f"relative {self.what} bound")
 
 
 def local_scale_policy(control: BatchShapeControl, what: str, dtype: torch.dtype) -> LocalScaleBound:
