@@ -1,9 +1,12 @@
 """Parity checks of the replay path (registered into harness.checks).
 
 Fake-kernel cases are judged bitwise (the kernel is row-wise and batch-shape invariant, so any
-difference is a layout bug). Tiny random-init diffusers models are judged under an fp32 close()
-whose atol is a stated multiple of the batch-shape rounding floor measured on the stock path.
-Every fast-path check also proves the fast path ran: one transformer forward of S*cfg*B rows.
+difference is a layout bug). Tiny random-init models of every shipped family (sd3, flux, qwen_image,
+found through the family registry) are judged under the local-scale bound of
+harness.replay.policies, built from the batch-shape floor measured on the stock path. Every
+fast-path check also proves the fast path ran: one transformer forward of S*cfg*B rows. Each
+family's CFG combine is held to its pipeline's expression, and its adapter to refusing a row field
+of the wrong count (the harness broadcasts rows, never the adapter).
 """
 
 from __future__ import annotations
