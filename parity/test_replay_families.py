@@ -95,3 +95,14 @@ def test_qwen_image_masks_are_padded_with_unequal_lengths():
         lengths = branch.rows["encoder_hidden_states_mask"].sum(dim=1).tolist()
         assert len(set(lengths)) > 1 and max(lengths) == branch.rows["encoder_hidden_states"].shape[1]
         assert branch.rows["img_shapes"] == [[(1, 4, 4)]] * branch.batch
+
+
+def test_flux_guidance_row_reaches_the_model():
+    """The distilled guidance is an input of the forward: another value gives another velocity."""
+    problem = real_problem("flux", 1)
+    conditions = problem.conditions
+    x = problem.segment.latent_at(0).float()
+    timestep = torch.full((x.shape[0],), 0.5)
+    other = dataclasses.replace(conditions, rows={**conditions.rows, "guidance": torch.ones(x.shape[0])})
+    assert not torch.equal(problem.adapter.forward(x, timestep, conditions),
+                           problem.adapter.forward(x, timestep, other))
