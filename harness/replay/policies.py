@@ -97,14 +97,13 @@ class LocalScaleBound(Policy):
         allowed = self.relative_bound * scale
         finite = bool(torch.isfinite(a).all() and torch.isfinite(b).all() and math.isfinite(self.relative_floor))
         if not finite:
-            ratio, margin = diff, math.inf
+            ratio, margin, relative_error = diff, math.inf, math.inf
         elif diff.numel() == 0:
-            ratio, margin = diff, 0.0
+            ratio, margin, relative_error = diff, 0.0, 0.0
         else:
             ratio = torch.where(allowed > 0, diff / allowed, torch.where(diff > 0, math.inf, 0.0))
             margin = float(ratio.max())
-        relative_error = float((diff / scale.clamp_min(torch.finfo(torch.float64).tiny)).max()) if finite and \
-            diff.numel() else (math.inf if not finite else 0.0)
+            relative_error = margin * self.relative_bound  # max |d| / local magnitude
         metrics = {"max_abs": float(diff.max()) if diff.numel() else 0.0, "total": actual.numel(),
                    "nonfinite": int((~torch.isfinite(a)).sum() + (~torch.isfinite(b)).sum()),
                    "max_relative_to_local": relative_error, "relative_floor": self.relative_floor,
