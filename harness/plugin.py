@@ -7,7 +7,10 @@ harness brings it to any pytest run.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import functools
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ import pytest
 import torch
 
 from harness import ablation as ablation_mod
-from harness import checkpoints, checks, report
+from harness import catalogue, checkpoints, checks, conformance, report
 from harness.ablation import KillResult
 from harness.checks import CheckContext
 from harness.compare import Verdict
@@ -27,6 +30,7 @@ MARKERS = {
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SESSION_KEY = pytest.StashKey["ParitySession"]()
+IMPLS_KEY = pytest.StashKey[dict[str, str]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -42,6 +46,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--capture-dir", default=None, metavar="DIR",
                     help="attention captures (call0_rank0.npz style) to run the attention checks on "
                          "(pytest's own --capture is taken)")
+    group.addoption("--impl", action="append", default=None, metavar="PATH=MODULE:CALLABLE",
+                    help="run PATH's checks against your own implementation (conformance mode); repeatable. "
+                         "Signatures: " + "; ".join(f"{p}: {sig}" for p, sig in conformance.SIGNATURES.items()))
+    group.addoption("--parity-list", nargs="?", const="*", default=None, metavar="PATTERN",
+                    help="list the checks (id, module:qualname, tier, policy, killers) whose id matches the "
+                         "fnmatch PATTERN (default: all), then exit without running tests")
 
 
 def parse_dtypes(text: str) -> list[torch.dtype]:
@@ -81,7 +91,7 @@ class ParitySession:
         """Run a check once per label (cached: the kill matrix reuses the baseline)."""
         key = label or check_id
         if key not in self.verdicts:
-            verdict = checks.run_check(check_id, ctx or self.context())
+            verdict = require_implementation_ran(checks.run_check(check_id, ctx or self.context()))
             self.verdicts[key] = dataclasses.replace(verdict, check_id=key) if label else verdict
         return self.verdicts[key]
 
@@ -97,7 +107,7 @@ class ParitySession:
     def report(self) -> dict[str, Any]:
         order = {c.id: i for i, c in enumerate(checks.all_checks())}
         verdicts = sorted(self.verdicts.values(), key=lambda v: (order.get(v.check_id, len(order)), v.check_id))
-        return report.build(verdicts, self.kills)
+        return report.build(verdicts, self.kills, implementations=conformance.specs())
 
     def close(self) -> None:
         for pool in self._pools.values():
@@ -105,9 +115,102 @@ class ParitySession:
         self._pools.clear()
 
 
+def require_implementation_ran(verdict: Verdict) -> Verdict:
+    """In conformance mode a check of the path under test must have called the user's callable.
+
+    The spies of each path prove the fast path ran; this proves it was the implementation under test,
+    so a check that silently fell back to the suite's own function fails instead of passing.
+    """
+    spec = conformance.active(verdict.path)
+    if spec is None or conformance.calls(verdict.path) > 0:
+        return verdict
+    return verdict.require(False, f"the implementation under test never ran ({spec} was not called)")
+
+
+def parse_impls(given: list[str] | None) -> dict[str, str]:
+    """``["attention=mod:attend", ...]`` -> {path: spec}; a malformed or unusable spec is a usage error naming it."""
+    found: dict[str, str] = {}
+    for text in given or []:
+        path, sep, spec = text.partition("=")
+        if not sep or not path or not spec:
+            raise pytest.UsageError(f"--impl {text!r}: expected PATH=MODULE:CALLABLE with PATH one of "
+                                    f"{', '.join(conformance.PATHS)} (e.g. --impl attention=my_kernels:attend)")
+        if path in found:
+            raise pytest.UsageError(f"--impl {text!r}: path {path!r} is already under test ({found[path]})")
+        found[path] = spec
+    return found
+
+
+def apply_impls(config: pytest.Config) -> None:
+    """Put each ``--impl`` under test now, so a typo stops the run before any check."""
+    found = parse_impls(config.getoption("impl"))
+    for path, spec in found.items():
+        try:
+            conformance.use(path, spec)
+        except ValueError as err:
+            conformance.clear()
+            raise pytest.UsageError(f"--impl {path}={spec}: {err}") from None
+    config.stash[IMPLS_KEY] = found
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [f"conformance mode: {path} checks judge {spec} ({conformance.SIGNATURES[path]}); other paths deselected"
+            for path, spec in (config.stash.get(IMPLS_KEY, None) or {}).items()]
+
+
+def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    """``--parity-list [PATTERN]``: print the catalogue and exit 0, like ``--fixtures`` and ``--markers``."""
+    pattern = config.getoption("parity_list", None)
+    if pattern is None:
+        return None
+    catalogue.load()
+    lines = parity_list(pattern)
+    for line in lines:
+        print(line)
+    if not lines:
+        print(f"no check id matches {pattern!r}")
+    return 0
+
+
+def parity_list(pattern: str = "*") -> list[str]:
+    """One line per check whose id matches ``pattern``: id, module:qualname, tier, policy, killers."""
+    killers: dict[str, list[str]] = {}
+    for item in ablation_mod.all_ablations():
+        for check_id in item.kills:
+            killers.setdefault(check_id, []).append(f"{item.name} ({item.mode_for(check_id)})")
+    lines = []
+    for check in sorted(checks.all_checks(), key=lambda c: c.id):
+        if not fnmatch.fnmatchcase(check.id, pattern):
+            continue
+        policy = getattr(check, "policy", "")  # a check that declares its policy up front shows it here
+        fields = [check.id, check.where or "?", f"tier={check.tier}"]
+        bound = _bound_arguments(check.fn)
+        if bound:
+            fields.append(f"args={bound}")
+        if policy:
+            fields.append(f"policy={policy}")
+        fields.append("killers=" + (", ".join(sorted(killers.get(check.id, []))) or "none"))
+        lines.append("  ".join(fields))
+    return lines
+
+
+def _bound_arguments(fn: Any) -> str:
+    """What a ``functools.partial`` check binds (one function computes several ids), as call arguments."""
+    if not isinstance(fn, functools.partial):
+        return ""
+    def short(value: Any) -> str:  # a case object shows by its name, not its whole repr
+        name = getattr(value, "name", None)
+        return f"{type(value).__name__}({name!r})" if isinstance(name, str) and not isinstance(value, str) \
+            else repr(value)
+
+    shown = [short(a) for a in fn.args] + [f"{k}={short(v)}" for k, v in fn.keywords.items()]
+    return ", ".join(shown)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    apply_impls(config)
     detected = []
     for path in config.getoption("checkpoint") or []:
         try:
@@ -130,6 +233,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     session = config.stash.get(SESSION_KEY, None)
     if session is not None:
         session.close()
+    if config.stash.get(IMPLS_KEY, None):
+        conformance.clear()
 
 
 def gpu_device(config: pytest.Config) -> torch.device:
@@ -150,7 +255,52 @@ def gpu_skip_reason(config: pytest.Config) -> str | None:
     return None
 
 
+_PATH_FILE = re.compile(r"^test_(" + "|".join(conformance.PATHS) + r")[_.]")
+
+
+def item_check(item: pytest.Item) -> tuple[str | None, bool]:
+    """(the check id a generated item runs, whether it runs it under an ablation); (None, False) otherwise."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "gpu_kill" in params:
+        return params["gpu_kill"][1], True
+    if "gpu_case" in params:
+        return params["gpu_case"][0], False
+    if "check_id" in params:
+        return params["check_id"], "ablation_name" in params or "name" in params
+    return None, False
+
+
+def item_path(item: pytest.Item) -> str | None:
+    """The path an item tests: its check id's, else its module's name (test_<path>_*.py); None for machinery."""
+    check_id, _ = item_check(item)
+    if check_id is not None:
+        return str(check_id).split(".", 1)[0]
+    found = _PATH_FILE.match(Path(str(item.path)).name)
+    return found.group(1) if found else None
+
+
+def conformance_items(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Conformance mode: keep only the paths under test, and skip the suite's own ablations for them."""
+    under_test = config.stash.get(IMPLS_KEY, None)
+    if not under_test:
+        return
+    kept, dropped = [], []
+    for item in items:
+        path = item_path(item)
+        (kept if path in under_test else dropped).append(item)
+        if path not in under_test or not item_check(item)[1]:
+            continue
+        spec = under_test[path]
+        module = spec.partition(":")[0]
+        item.add_marker(pytest.mark.skip(reason=f"the suite's ablations patch the suite's seams, not {spec}; "
+                                                f"measure teeth with scripts/mutation-score --module {module}"))
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    conformance_items(config, items)
     reason = gpu_skip_reason(config)
     if reason is None:
         return
