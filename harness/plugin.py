@@ -6,11 +6,13 @@ harness brings it to any pytest run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import functools
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,7 @@ class ParitySession:
         self._pools: dict[str, Any] = {}
         self.capture_dir: str | None = config.getoption("capture_dir")
         self.checkpoints: list[checkpoints.Checkpoint] = []
+        self.conformance_problems: list[str] = []
 
     def context(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 checkpoint: str | None = None) -> CheckContext:
@@ -91,7 +94,9 @@ class ParitySession:
         """Run a check once per label (cached: the kill matrix reuses the baseline)."""
         key = label or check_id
         if key not in self.verdicts:
-            verdict = require_implementation_ran(checks.run_check(check_id, ctx or self.context()))
+            with watch_implementation(checks.get(check_id).path) as watch:
+                verdict = checks.run_check(check_id, ctx or self.context())
+            verdict = watch.require_ran(verdict)
             self.verdicts[key] = dataclasses.replace(verdict, check_id=key) if label else verdict
         return self.verdicts[key]
 
@@ -115,16 +120,54 @@ class ParitySession:
         self._pools.clear()
 
 
-def require_implementation_ran(verdict: Verdict) -> Verdict:
-    """In conformance mode a check of the path under test must have called the user's callable.
+class ImplementationWatch:
+    """What one check did with the implementation under test for its path (conformance mode only)."""
 
-    The spies of each path prove the fast path ran; this proves it was the implementation under test,
-    so a check that silently fell back to the suite's own function fails instead of passing.
-    """
-    spec = conformance.active(verdict.path)
-    if spec is None or conformance.calls(verdict.path) > 0:
-        return verdict
-    return verdict.require(False, f"the implementation under test never ran ({spec} was not called)")
+    def __init__(self, path: str):
+        self.path = path
+        self.spec = conformance.active(path)
+        self.fetched = 0
+        self.calls_before = conformance.calls(path)
+
+    def require_ran(self, verdict: Verdict) -> Verdict:
+        """A check that fetched the implementation under test must have called it: no silent fallback.
+
+        A check that never fetches it (a contract check on captured masks, say) judges no implementation
+        and is left as it is; ``pytest_sessionfinish`` fails a run whose path under test was never called.
+        """
+        if self.spec is None or not self.fetched or conformance.calls(self.path) > self.calls_before:
+            return verdict
+        return verdict.require(False, f"the implementation under test never ran ({self.spec} was fetched through "
+                                      "harness.conformance.resolve but not called)")
+
+
+@contextlib.contextmanager
+def watch_implementation(path: str) -> Iterator[ImplementationWatch]:
+    """Count the check's ``conformance.resolve(path, ...)`` calls while it runs (checks call it by module)."""
+    watch = ImplementationWatch(path)
+    if watch.spec is None:
+        yield watch
+        return
+    original = conformance.resolve
+
+    def resolve(wanted: str, default: Any) -> Any:
+        if wanted == path:
+            watch.fetched += 1
+        return original(wanted, default)
+
+    conformance.resolve = resolve
+    try:
+        yield watch
+    finally:
+        conformance.resolve = original
+
+
+def never_ran(config: pytest.Config, judged_paths: set[str]) -> list[str]:
+    """Paths under test whose checks ran while the user's implementation was never called in this process."""
+    return [f"--impl {path}={spec}: the implementation under test never ran in any {path} check (are the "
+            f"{path} checks fetching it through harness.conformance.resolve?)"
+            for path, spec in (config.stash.get(IMPLS_KEY, None) or {}).items()
+            if path in judged_paths and conformance.calls(path) == 0]
 
 
 def parse_impls(given: list[str] | None) -> dict[str, str]:
@@ -227,6 +270,16 @@ def pytest_configure(config: pytest.Config) -> None:
     session = ParitySession(config)
     session.checkpoints = detected
     config.stash[SESSION_KEY] = session
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    parity = session.config.stash.get(SESSION_KEY, None)
+    if parity is None:
+        return
+    problems = never_ran(session.config, {v.path for v in parity.verdicts.values()})
+    if problems:
+        parity.conformance_problems = problems
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -334,6 +387,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     data = session.report()
     terminalreporter.section("fastpath-parity report")
     terminalreporter.write_line(report.render_terminal(data))
+    for problem in session.conformance_problems:
+        terminalreporter.write_line(f"FAILED {problem}", red=True)
     for path in config.getoption("parity_report") or []:
         written = report.write(data, path)
         terminalreporter.write_line(f"parity report written to {os.fspath(written)}")

@@ -48,9 +48,18 @@ def cdemo_exact(ctx):
 
 @register("attention.cdemo.fallback")
 def cdemo_fallback(ctx):
-    """Calls the suite's own function whatever is under test: conformance mode must fail it."""
+    """Fetches the implementation under test, then silently falls back to the suite's own: must fail."""
+    fast = conformance.resolve("attention", suite_impl.scale)
     x = [1.0, 2.0]
-    return exact().judge("attention.cdemo.fallback", torch.tensor(suite_impl.scale(x)),
+    got = suite_impl.scale(x) if fast is not suite_impl.scale else fast(x)
+    return exact().judge("attention.cdemo.fallback", torch.tensor(got), torch.tensor(suite_impl.stock(x)))
+
+
+@register("attention.cdemo.unwired")
+def cdemo_unwired(ctx):
+    """Never fetches the implementation under test (a check not routed through conformance.resolve)."""
+    x = [1.0, 2.0]
+    return exact().judge("attention.cdemo.unwired", torch.tensor(suite_impl.scale(x)),
                          torch.tensor(suite_impl.stock(x)))
 
 
@@ -64,7 +73,8 @@ ABLATIONS = '''
 from harness.ablation import ablation
 
 ablation("attention.cdemo_plus_one", "suite_impl:scale", lambda x: [2 * v + 1 for v in x],
-         kills=["attention.cdemo.exact", "attention.cdemo.fallback"], why="adds one", kill_mode="tolerance")
+         kills=["attention.cdemo.exact", "attention.cdemo.fallback", "attention.cdemo.unwired"], why="adds one",
+         kill_mode="tolerance")
 ablation("decode.cdemo_plus_one", "suite_impl:scale", lambda x: [2 * v + 1 for v in x],
          kills=["decode.cdemo.exact"], why="adds one", kill_mode="tolerance")
 '''
@@ -127,14 +137,15 @@ def suite(pytester):
 
 def test_without_impl_every_path_and_the_kill_matrix_run(suite):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu")
-    result.assert_outcomes(passed=9)
+    result.assert_outcomes(passed=11)
 
 
 def test_a_right_implementation_passes_and_the_report_names_it(suite):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", "attention=user_impl:right",
-                             "-k", "not fallback", "-rs", "--parity-report=out/r.json", "--parity-report=out/r.md")
+                             "-k", "not fallback and not unwired", "-rs", "--parity-report=out/r.json",
+                             "--parity-report=out/r.md")
     # kept: the attention check and the attention path's own test; skipped: the suite's attention ablation
-    result.assert_outcomes(passed=2, skipped=1, deselected=6)
+    result.assert_outcomes(passed=2, skipped=1, deselected=8)
     result.stdout.fnmatch_lines(["conformance mode: attention checks judge user_impl:right*"])  # the header
     result.stdout.fnmatch_lines(["implementation under test for attention: user_impl:right"])  # the report
     result.stdout.fnmatch_lines(["*the suite's ablations patch the suite's seams, not user_impl:right; measure "
@@ -148,16 +159,26 @@ def test_a_right_implementation_passes_and_the_report_names_it(suite):
 
 def test_a_buggy_implementation_fails_naming_the_check(suite):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", "attention=user_impl:off_by_one",
-                             "-k", "not fallback")
-    result.assert_outcomes(failed=1, passed=1, skipped=1, deselected=6)
+                             "-k", "not fallback and not unwired")
+    result.assert_outcomes(failed=1, passed=1, skipped=1, deselected=8)
     result.stdout.fnmatch_lines(["FAILED*test_parity_check[[]attention.cdemo.exact[]]*"])
 
 
-def test_a_check_that_never_calls_the_implementation_under_test_fails(suite):
+def test_a_check_that_fetches_the_implementation_and_falls_back_fails(suite):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", "attention=user_impl:right",
                              "-k", "test_parity_check and fallback")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*the implementation under test never ran (user_impl:right was not called)*"])
+    result.stdout.fnmatch_lines(["*the implementation under test never ran (user_impl:right was fetched through "
+                                 "harness.conformance.resolve but not called)*"])
+
+
+def test_a_run_whose_checks_never_call_the_implementation_fails(suite):
+    result = suite.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", "attention=user_impl:right",
+                             "-k", "test_parity_check and unwired")
+    result.assert_outcomes(passed=1)  # the check judges the suite's code, as it is written to...
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # ...but the run judged nothing of the user's
+    result.stdout.fnmatch_lines(["FAILED --impl attention=user_impl:right: the implementation under test never ran "
+                                 "in any attention check*"])
 
 
 @pytest.mark.parametrize(("given", "message"), [
