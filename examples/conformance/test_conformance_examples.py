@@ -3,11 +3,11 @@
 Run from the repository root (``fixtures`` is the suite's checkout, not installed).
 """
 
+import conformance_kernels
+import conformance_replay
 import pytest
 import torch
 
-import conformance_kernels
-import conformance_replay
 from fixtures.replay_cases import fake_problem
 from harness.attention.layout import AttentionLayout
 from harness.attention.reference import masked_sdpa

@@ -4,6 +4,7 @@ import importlib.metadata
 
 import pytest
 import torch
+from parity_plugin_example import kernels, pixart
 
 from harness import checkpoints, plugins
 from harness.attention.layout import AttentionLayout
@@ -14,7 +15,6 @@ from harness.replay.replay import replay_batched, replay_serial
 from harness.replay.rollout import flow_sigmas, rollout
 from harness.replay.sde import FlowGRPOSDE
 from harness.replay.spy import spy_forwards
-from parity_plugin_example import kernels, pixart
 
 BATCH, STEPS, SDE_INDICES, TARGET = 2, 6, (0, 2, 3), (0, 2, 3)
 
