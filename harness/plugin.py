@@ -206,7 +206,12 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     pattern = config.getoption("parity_list", None)
     if pattern is None:
         return None
-    catalogue.load()
+    try:
+        catalogue.load()
+    except ImportError as err:  # the catalogue modules live in the suite's checkout, not the installed package
+        print(f"--parity-list: the check catalogue cannot be imported from {os.getcwd()} ({err}); run it from the "
+              "suite's checkout (its parity/, mutation/ and gpu/ modules must be importable)")
+        return int(pytest.ExitCode.USAGE_ERROR)
     lines = parity_list(pattern)
     for line in lines:
         print(line)
