@@ -25,13 +25,14 @@ from fakes.replay_kernel import FakeDenoiser
 from fixtures.replay_cases import FAKE_LATENT, GUIDANCE, fake_problem, make_problem, real_floor, real_problem
 from fixtures.replay_models import LATENT_SHAPE, SD3Adapter, tiny_sd3
 from harness.checks import CheckContext, register
-from harness.compare import Verdict, close, expect, max_abs_diff, noise_floor
+from harness.compare import Close, Verdict, close, expect, max_abs_diff, noise_floor
 from harness.replay import denoiser, oracles
 from harness.replay.conditions import Conditions, payload_rows, slice_rows
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
 from harness.replay.parity import (
     InflatedBatch,
     ReplayProblem,
+    ReplayRun,
     batch_shape_floor,
     judge_result,
     require_fast_path,
@@ -413,8 +414,8 @@ def stock_floor_curve() -> tuple[float, ...]:
     return tuple(_per_step(grown.prev_sample_means, base.prev_sample_means).tolist())
 
 
-def error_curves(problem: ReplayProblem):
-    """(run, batched-vs-serial per-step error of the means, stock per-step floor)."""
+def error_curves(problem: ReplayProblem) -> tuple[ReplayRun, torch.Tensor | None, torch.Tensor]:
+    """(run, batched-vs-serial per-step error of the means or None on a fallback, stock per-step floor)."""
     run = run_both(problem)
     curve = None if run.batched is None else _per_step(run.batched.prev_sample_means, run.serial.prev_sample_means)
     return run, curve, torch.tensor(stock_floor_curve(), dtype=torch.float64)
@@ -429,7 +430,7 @@ def growth_ratio(curve: torch.Tensor) -> float:
     return late / early if early > 0 else (0.0 if late == 0 else math.inf)
 
 
-def single_step_policy(problem: ReplayProblem):
+def single_step_policy(problem: ReplayProblem) -> Close:
     """The policy a worst-element check would use on this problem: max(4 x the stock max-abs floor,
     4 fp32 eps x the latents' scale) -- the bound the drift ablation stays under."""
     args = (problem.conditions, problem.segment, problem.strategy, problem.target, problem.guidance, problem.config)
