@@ -16,8 +16,9 @@ Only ``mode="gen_text"`` exists here; image spans, VAE and ViT are out of scope.
 
 Like upstream, the model is a transformers ``PreTrainedModel`` (``HunyuanImage3PreTrainedModel`` base, ``config_class``,
 ``base_model_prefix = ""``, ``_no_split_modules``) so ``save_pretrained`` / ``from_pretrained`` round-trip it. The
-module imports only torch, transformers and the standard library: ``fixtures/ar_checkpoint.py`` copies it into a
-checkpoint directory as ``modeling_hunyuan_image_3.py`` and loads it back as remote code (trust_remote_code=True).
+module imports only torch, transformers, the standard library and ``harness.compat`` (installed with the project;
+it bridges transformers 4.x/5.x): ``fixtures/ar_checkpoint.py`` copies it into a checkpoint directory as
+``modeling_hunyuan_image_3.py`` and loads it back as remote code (trust_remote_code=True).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, StaticCache
-from transformers import initialization as init
+from transformers import GenerationMixin, PreTrainedModel, StaticCache
+
+from harness import compat
 
 __all__ = [
     "GenerateOutput",
@@ -42,7 +44,7 @@ __all__ = [
 ]
 
 
-class HunyuanImage3Config(PreTrainedConfig):
+class HunyuanImage3Config(compat.config_base()):
     """The text-path fields of upstream's config (``attention_head_dim``, ``moe_topk``, ``pad_id`` ...)."""
 
     model_type = "fake_hunyuan_image_3"
@@ -76,7 +78,7 @@ class HunyuanStaticCache(StaticCache):
         cache_position = (cache_kwargs or {}).get("cache_position")
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
-            layer.lazy_initialization(key_states, value_states)
+            compat.lazy_init_layer(layer, key_states, value_states)
         k_out, v_out = layer.keys, layer.values
         if cache_position is None:
             k_out.copy_(key_states)
@@ -278,18 +280,18 @@ class HunyuanImage3PreTrainedModel(PreTrainedModel):
         if isinstance(module, HunyuanImage3ForCausalMM):
             cos, sin = build_rope_table(self.config.max_position_embeddings, self.config.attention_head_dim,
                                         self.config.rope_theta)
-            init.copy_(module.rope_cos, cos)
-            init.copy_(module.rope_sin, sin)
+            compat.init_copy_(module.rope_cos, cos)
+            compat.init_copy_(module.rope_sin, sin)
             return
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
-            init.normal_(module.weight, mean=0.0, std=std)
+            compat.init_normal_(module.weight, std)
         elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=std)
+            compat.init_normal_(module.weight, std)
             if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
-                init.zeros_(module.weight[module.padding_idx])
+                compat.init_zeros_(module.weight[module.padding_idx])
         elif isinstance(module, HunyuanRMSNorm):
-            init.ones_(module.weight)
+            compat.init_ones_(module.weight)
 
 
 class HunyuanImage3ForCausalMM(HunyuanImage3PreTrainedModel, GenerationMixin):

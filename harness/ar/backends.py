@@ -14,7 +14,6 @@ Both keep a token buffer whose column equals the token's cache slot, so ``place_
 
 from __future__ import annotations
 
-import inspect
 import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from harness import compat
 from harness.ar import cache as ar_cache
 
 if TYPE_CHECKING:
@@ -171,8 +171,7 @@ class TransformersBackend:
         self.vocab_size = int(config.vocab_size)
         self.kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = compat.forward_cache_kwarg(model.forward)
 
     def new_cache(self, batch_size: int, max_cache_len: int, dynamic: bool) -> Any:
         from transformers import DynamicCache, StaticCache
@@ -182,8 +181,8 @@ class TransformersBackend:
         return StaticCache(config=self.model.config, max_cache_len=max_cache_len)
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
-             cache: Any) -> torch.Tensor:
-        kwargs = {self._cache_kw: cache}
+             cache: Any, slots: torch.Tensor | None = None) -> torch.Tensor:
+        kwargs = {self._cache_kw: cache, **compat.write_slot_kwargs(self.model.forward, slots)}
         return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=cache is not None,
                           **kwargs).logits
 
@@ -194,7 +193,8 @@ class TransformersBackend:
         return state.batch.width if ar_cache.is_dynamic(state.cache) else state.max_cache_len
 
     def prefill(self, state: ARState, mask: torch.Tensor) -> torch.Tensor:
-        return self._run(state.batch.input_ids, mask, state.batch.position_ids, state.cache)
+        slots = torch.arange(state.batch.width, device=state.batch.input_ids.device)
+        return self._run(state.batch.input_ids, mask, state.batch.position_ids, state.cache, slots)
 
     def decode_write_slots(self, state: ARState) -> torch.Tensor:
         slot = state.batch.width + state.step_idx - 1
@@ -209,7 +209,8 @@ class TransformersBackend:
         column = state.batch.width + state.step_idx - 1
         ids = state.input_ids[:, column: column + 1]
         positions = (state.real_pos + state.step_idx - 1)[:, None]
-        return self._run(ids, mask, positions, state.cache)
+        slots = torch.tensor([column], device=ids.device)
+        return self._run(ids, mask, positions, state.cache, slots)
 
     def key_valid(self, state: ARState, generated: torch.Tensor, key_length: int) -> torch.Tensor:
         slots = torch.arange(key_length, device=generated.device)[None]
