@@ -42,6 +42,7 @@ __all__ = [
     "init_zeros_",
     "lazy_init_arity",
     "lazy_init_layer",
+    "remote_code_kwargs",
     "write_slot_kwargs",
 ]
 
@@ -83,6 +84,18 @@ def write_slot_kwargs(forward: Callable[..., Any], slots: torch.Tensor | None) -
     if slots is None or "cache_position" not in inspect.signature(forward).parameters:
         return {}
     return {"cache_position": slots}
+
+
+def remote_code_kwargs(updated: dict[str, Any]) -> dict[str, Any]:
+    """HunyuanImage-3's kwargs update stores the cache under ``ALL_CACHE_NAMES``' first hit (``cache`` on 5.x),
+    but its ``prepare_inputs_for_generation`` reads ``past_key_values``: carry it over, or every decode step after
+    the prefill would run without its cache."""
+    name = cache_kwarg_name()
+    if name == "past_key_values" or name not in updated:
+        return updated
+    carried = dict(updated)
+    carried["past_key_values"] = carried.pop(name)
+    return carried
 
 
 def lazy_init_arity() -> int:
