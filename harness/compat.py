@@ -29,6 +29,7 @@ import transformers
 
 __all__ = [
     "GENERATE_MASK_BUILDER",
+    "REMOVED_IN_5",
     "TRANSFORMERS_MAJOR",
     "cache_kwarg_name",
     "config_base",
@@ -43,6 +44,7 @@ __all__ = [
     "lazy_init_arity",
     "lazy_init_layer",
     "remote_code_kwargs",
+    "removed_module_reason",
     "write_slot_kwargs",
 ]
 
@@ -117,6 +119,22 @@ def has_module(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:
         return False
+
+
+#: Modules remote code may import that transformers 5.x removed (HunyuanImage-3 generation 1 imports the first).
+REMOVED_IN_5 = ("transformers.modeling_attn_mask_utils",)
+
+
+def removed_module_reason(err: BaseException) -> str | None:
+    """Why a load failed because the code imports a module this stack removed, or None for any other failure
+    (walks the exception's causes)."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, ModuleNotFoundError) and seen.name in REMOVED_IN_5 and TRANSFORMERS_MAJOR >= 5:
+            return (f"the checkpoint's remote code imports {seen.name}, which transformers {transformers.__version__} "
+                    "removed: it runs on transformers 4.x only (HunyuanImage-3 generation 1; use the lowest lock)")
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def generate_accepts_mask(mask: torch.Tensor | None) -> bool:

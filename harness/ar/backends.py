@@ -199,6 +199,32 @@ class UpstreamBackend:
         return StockRun(tokens=torch.stack(tokens), logits=torch.stack(steps).float(),
                         kv=_stack_kv(cache, 0, torch.arange(length + fed)))
 
+    def stock_padded(self, prompt: torch.Tensor, tokens: torch.Tensor, width: int, max_cache_len: int) -> torch.Tensor:
+        """Teacher-forced stock logits ``[N, V]`` of one prompt right-padded to ``width`` in a static cache of
+        ``max_cache_len`` slots (the batch's): upstream's own hooks and mask builder, the prefill mask's key axis
+        padded with False to the cache length, prefill logits read at the last real column, each decode step
+        under a mask admitting the row's own slots ``[0, real_pos + k]``. Only padding and the longer key axis
+        differ from ``stock_generate``: the legitimate rounding a bf16 policy must allow. No harness loop runs."""
+        length, count, device = int(prompt.numel()), int(tokens.numel()), prompt.device
+        buf = torch.full((1, max(width, length + count)), self.pad_id, dtype=torch.long, device=device)
+        buf[0, :length] = prompt
+        kwargs: dict[str, Any] = {
+            "position_ids": torch.arange(width, device=device)[None], "mode": "gen_text",
+            "past_key_values": self.new_cache(1, max_cache_len, dynamic=False),
+            "tokenizer_output": self._tokenizer_output(torch.tensor([[length]], device=device)),
+            **self.rope_kwargs(1, max_cache_len, device)}
+        causal = getattr(self.model, compat.GENERATE_MASK_BUILDER)(buf[:, :width], self.model.generation_config, kwargs)
+        mask = torch.zeros(1, 1, width, max_cache_len, dtype=torch.bool, device=device)
+        mask[..., :width] = causal
+        logits, kwargs = self._step(buf[:, :width], kwargs, mask)
+        steps = [logits[0, length - 1]]
+        slots = torch.arange(max_cache_len, device=device)
+        for k in range(count - 1):
+            buf[0, length + k] = tokens[k]  # upstream re-reads the input at position_ids = real_pos + k
+            logits, kwargs = self._step(buf, kwargs, (slots <= length + k)[None, None, None])
+            steps.append(logits[0, -1])
+        return torch.stack(steps).float()
+
     def stock_prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Upstream's prefill of equal-length unpadded rows ``ids [B, L]`` into a static cache exactly L long
         (what gen_image does): logits ``[B, L, V]`` and KV ``[B, layers, 2, H, L, hd]``. No harness seam runs."""
@@ -306,6 +332,31 @@ class TransformersBackend:
         fed = len(tokens) - 1
         return StockRun(tokens=torch.stack(tokens), logits=torch.stack(steps).float(),
                         kv=_stack_kv(cache, 0, torch.arange(prompt.numel() + fed)))
+
+    def stock_padded(self, prompt: torch.Tensor, tokens: torch.Tensor, width: int, max_cache_len: int) -> torch.Tensor:
+        """Teacher-forced logits ``[N, V]`` of one prompt right-padded to ``width`` in the model's own static cache
+        of ``max_cache_len`` slots, hole layout (token k at slot ``width + k``, RoPE position ``real_pos + k``),
+        every step masked to the row's own keys. Only padding and the longer key axis differ from
+        ``stock_generate``; no harness loop runs."""
+        from transformers import StaticCache
+
+        length, count, device = int(prompt.numel()), int(tokens.numel()), prompt.device
+        ids = torch.full((1, width), self.pad_id, dtype=torch.long, device=device)
+        ids[0, :length] = prompt
+        cache = StaticCache(config=self.model.config, max_cache_len=max_cache_len)
+        slots = torch.arange(max_cache_len, device=device)
+        rows = torch.arange(width, device=device)[:, None]
+        prefill = ((slots[None] <= rows) & (slots[None] < length))[None, None]
+        logits = self._run(ids, prefill, torch.arange(width, device=device)[None], cache,
+                           torch.arange(width, device=device))
+        steps = [logits[0, length - 1]]
+        for k in range(count - 1):
+            valid = (slots < length) | ((slots >= width) & (slots <= width + k))
+            logits = self._run(tokens[k].reshape(1, 1), valid[None, None, None],
+                               torch.tensor([[length + k]], device=device), cache,
+                               torch.tensor([width + k], device=device))
+            steps.append(logits[0, -1])
+        return torch.stack(steps).float()
 
     def stock_prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own prefill of equal-length unpadded rows ``ids [B, L]`` (default cache, no mask):
