@@ -56,6 +56,7 @@ def flips(reference: Rollout, prefix: list[int]) -> tuple[list[bool], list[float
     return flipped, margins
 
 
+@torch.no_grad()
 def padding_control(backend: Any, prompts: list[torch.Tensor], reference: Rollout, width: int,
                     max_cache_len: int) -> torch.Tensor:
     """Per row, max over steps of KL(stock B=1 unpadded || stock B=1 right-padded to ``width`` in a cache of
