@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from harness import checkpoints, compat
-from harness.ar.backends import TransformersBackend, UpstreamBackend
+from harness import checkpoints, compat, conformance, plugins
+from harness.ar import plugins as ar_plugins
 from harness.ar.batch import ARBatch, right_padded_batch
 from harness.ar.bf16 import judge_bf16, padding_control
 from harness.ar.loop import Rollout, fast_rollout, stock_rollout
-from harness.ar.spy import ForwardSpy
+from harness.ar.spy import ARForwardSpy
 from harness.ar.verdicts import judge_logp, judge_tokens, require_path, seed001_metrics
 from harness.checks import CheckContext
 from harness.compare import Verdict, close, exact
@@ -49,9 +49,9 @@ def checkpoint_backend(path: str, dtype: torch.dtype, device: str) -> Any:
         if reason is None:
             raise
         pytest.skip(f"{path}: {reason}")
-    if checkpoint.remote_code:
-        return UpstreamBackend(model, name=checkpoint.name)
-    return TransformersBackend(model, name=checkpoint.name)
+    ar_plugins.register(plugins)
+    kind = ar_plugins.REMOTE_CODE if checkpoint.remote_code else ar_plugins.TRANSFORMERS
+    return plugins.AR_BACKENDS.get(kind)(model, name=checkpoint.name)
 
 
 def _prompts(backend: Any, lengths: tuple[int, ...], seed: int) -> list[torch.Tensor]:
@@ -69,10 +69,10 @@ def _on(batch: ARBatch, device: torch.device) -> ARBatch:
                                real_pos=None if batch.real_pos is None else batch.real_pos.to(device))
 
 
-def _runs(backend: Any, prompts: list[torch.Tensor], device: torch.device) -> tuple[Rollout, Rollout, ForwardSpy]:
+def _runs(backend: Any, prompts: list[torch.Tensor], device: torch.device) -> tuple[Rollout, Rollout, ARForwardSpy]:
     batch = _on(right_padded_batch(prompts, backend.pad_id), device)
-    with torch.no_grad(), ForwardSpy(backend.model) as spy:
-        fast = fast_rollout(backend, batch, NEW_TOKENS)
+    with torch.no_grad(), ARForwardSpy(backend.model) as spy:
+        fast = conformance.resolve("ar", fast_rollout)(backend, batch, NEW_TOKENS)
     reference = stock_rollout(backend, [p.to(device) for p in prompts], NEW_TOKENS)
     return fast, reference, spy
 

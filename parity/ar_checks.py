@@ -23,8 +23,8 @@ FINISHED_STOPS = {0: 1, 2: 3}  # row -> decode step whose reference token become
 
 
 @functools.cache
-def _floor(model: str) -> verdicts.BatchShapeFloor:
-    return verdicts.batch_shape_floor(ar_models.backend(model))
+def _floor(model: str) -> verdicts.StockPrefillFloor:
+    return verdicts.stock_prefill_floor(ar_models.backend(model))
 
 
 @functools.cache

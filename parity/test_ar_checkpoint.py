@@ -26,8 +26,8 @@ from harness import compat
 from harness.ar import loop
 from harness.ar.backends import UpstreamBackend
 from harness.ar.batch import right_padded_batch
-from harness.ar.spy import ForwardSpy
-from harness.ar.verdicts import batch_shape_floor, fp32_policies, judge_logp, judge_tokens, require_path
+from harness.ar.spy import ARForwardSpy
+from harness.ar.verdicts import fp32_policies, judge_logp, judge_tokens, require_path, stock_prefill_floor
 from harness.checkpoints import detect, load_model
 
 pytestmark = pytest.mark.cpu
@@ -133,11 +133,11 @@ def test_logits_equal_the_in_memory_fake_bitwise(loaded, generation, ids):
 def test_batched_equals_b1_on_the_loaded_model(loaded, generation):
     backend = UpstreamBackend(loaded, name="hunyuan_remote")
     prompts = prompt_ids(ROLLOUT_LENGTHS, seed=71)
-    with torch.no_grad(), ForwardSpy(loaded) as spy:
+    with torch.no_grad(), ARForwardSpy(loaded) as spy:
         fast = loop.fast_rollout(backend, right_padded_batch(prompts, backend.pad_id), NEW_TOKENS)
     reference = loop.stock_rollout(backend, prompts, NEW_TOKENS)
     check_id = "ar.hunyuan_remote.batched_vs_b1"
-    policies = fp32_policies(batch_shape_floor(backend))
+    policies = fp32_policies(stock_prefill_floor(backend))
     verdict = judge_tokens(check_id, fast, reference, policies.tokens).merge(
         judge_logp(check_id, fast, reference, policies.logp))
     verdict = require_path(verdict, spy, len(prompts))

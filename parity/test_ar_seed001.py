@@ -16,7 +16,7 @@ from fixtures import ar_models
 from fixtures.ar_cases import CASES
 from harness import ablation, catalogue
 from harness.ar import loop, verdicts
-from harness.ar.spy import ForwardSpy
+from harness.ar.spy import ARForwardSpy
 from parity import ar_checks
 
 pytestmark = pytest.mark.cpu
@@ -36,7 +36,7 @@ def _row(model: str, case, label: str) -> tuple[bool, str]:
     reference = _reference(model, case.name)
     policies = ar_checks._policies(model, case)
     try:
-        with ForwardSpy(backend.model) as spy:
+        with ARForwardSpy(backend.model) as spy:
             fast = loop.fast_rollout(backend, case.batch(), case.max_new_tokens)
     except AssertionError as err:
         return False, verdicts.format_seed001(label, False, raised=f"AssertionError {err}".strip())

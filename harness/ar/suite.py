@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
+from harness import conformance
 from harness.ar import loop, probes, verdicts
 from harness.ar.batch import ARBatch
 from harness.ar.replay import teacher_forced_logp
-from harness.ar.spy import ForwardSpy
+from harness.ar.spy import ARForwardSpy
 from harness.compare import Policy, Verdict, expect_raises
 
 __all__ = [
@@ -28,8 +29,11 @@ __all__ = [
 
 
 def _fast(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()):
-    with ForwardSpy(backend.model) as spy:
-        rollout = loop.fast_rollout(backend, batch, max_new_tokens, eos)
+    """The implementation under test (the suite's ``fast_rollout`` or a user's, via ``--impl ar=...``) under the
+    forward spy: a user's callable that never runs the model's forwards at the batch fails the path facts."""
+    fast_rollout = conformance.resolve("ar", loop.fast_rollout)
+    with ARForwardSpy(backend.model) as spy:
+        rollout = fast_rollout(backend, batch, max_new_tokens, eos)
     return rollout, spy
 
 
