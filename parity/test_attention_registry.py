@@ -132,11 +132,11 @@ def test_bounds_are_multiples_of_the_measured_floor_from_both_sides():
     capture = small_capture(PREFILL, heads=1, head_dim=16, seed=2)
     control = floor_control(capture)
     loose = _judge("flex", capture, policy=floor_policy(control, k=K_MAX * 2))
-    assert not loose.passed and any(f.startswith("tolerance too loose") for f in loose.violated_facts)
+    assert not loose.passed and any("too loose" in f for f in loose.violated_facts)
     tight = _judge("flex", capture, policy=floor_policy(control, k=K_MIN / 2))
-    assert not tight.passed and any(f.startswith("tolerance too tight") for f in tight.violated_facts)
+    assert not tight.passed and any("too tight" in f for f in tight.violated_facts)
     fixed = _judge("flex", capture, policy=noise_floor(1e-3), floor=control.max_abs)  # a fixed atol, unmeasured
-    assert not fixed.passed and any(f.startswith("tolerance too loose") for f in fixed.violated_facts)
+    assert not fixed.passed and any("too loose" in f for f in fixed.violated_facts)
     assert _judge("flex", capture).metrics["bound_floor_multiple"] == pytest.approx(4.0)
 
 

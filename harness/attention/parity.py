@@ -19,11 +19,11 @@ from harness.attention.capture import Capture
 from harness.attention.layout import AttentionLayout
 from harness.attention.policy import (
     FloorControl,
+    bounded,
     floor_control,
     floor_policy,
     reference_output,
     rel_l2_bound,
-    tolerance_facts,
 )
 from harness.compare import Policy, Verdict, expect
 
@@ -86,8 +86,7 @@ def compare_kernel(kernel: kernels.KernelSpec | str, capture: Capture, policy: P
     judged = [p.judge(check_id, actual, expected, dims=OUTPUT_DIMS, what=what) for p in _policies(policy)]
     verdict = functools.reduce(Verdict.merge, judged)
     for p in _policies(policy):
-        for ok, fact, metrics in tolerance_facts(p, floor):
-            verdict = verdict.require(ok, fact, **metrics) if not ok else verdict.with_metrics(**metrics)
+        verdict = bounded(verdict, p, floor)
     if max_rel_l2 is not None:
         measured = verdict.metrics["rel_l2"]
         verdict = verdict.require(measured <= max_rel_l2, f"relative L2 {measured:.3e} <= {max_rel_l2:.3e}",

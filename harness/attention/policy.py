@@ -6,7 +6,7 @@ dtype makes against the fp64 truth, relative to the row's own magnitude (``RowSc
 bound taken over the whole output is blind where outputs are small: image rows that see thousands
 of keys are ~10x smaller than the first text rows, so a missed key there hid under the text rows'
 rounding. Every bound is a multiple of its measured floor within [K_MIN, K_MAX]; a bound outside
-fails the check ("tolerance too loose" / "tolerance too tight").
+fails the check as too loose or too tight (``Verdict.require_bounded``).
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ __all__ = [
     "FloorControl",
     "RowControl",
     "RowScaledFloor",
+    "bound_and_floor",
+    "bounded",
     "floor_control",
-    "floor_multiple",
     "floor_policy",
     "in_dtype",
     "low_precision_policy",
     "reference_output",
     "rel_l2_bound",
     "row_control",
-    "tolerance_facts",
 ]
 
 # A kernel exactly as accurate as the reference differs from it by up to 2 x the floor (both lie within
@@ -140,10 +140,6 @@ class RowScaledFloor(Policy):
     k: float = BF16_K
     reason: str = ""
 
-    @property
-    def floor_multiple(self) -> float:
-        return self.k
-
     def describe(self) -> str:
         text = (f"row_scaled(max|d| per query row <= {self.k:g} x {self.control.relative:.3e} x the row's max|ref|, "
                 f"control: {self.control.dtype} masked SDPA vs fp64)")
@@ -187,26 +183,25 @@ def low_precision_policy(capture: Capture, dtype: torch.dtype, truth: torch.Tens
 # ------------------------------------------------------------------------------------ two-sided bounds
 
 
-def floor_multiple(policy: Policy, floor: float | None) -> float | None:
-    """How many times the measured floor a policy's bound is (None when it cannot be told)."""
-    own = getattr(policy, "floor_multiple", None)
-    if own is not None:
-        return float(own)
+def bound_and_floor(policy: Policy, floor: float | None) -> tuple[float, float] | None:
+    """(the policy's bound, the measured floor it is a multiple of), or None when it cannot be told.
+
+    A noise-floor policy's bound is compared with ``floor`` (measured by the caller on stock code);
+    a row-scaled policy carries its own: k x the relative control against the relative control.
+    """
+    if isinstance(policy, RowScaledFloor):
+        return policy.k * policy.control.relative, policy.control.relative
     if isinstance(policy, NoiseFloor) and floor is not None:
-        if floor <= 0:
-            return math.inf if policy.bound > 0 else 1.0
-        return policy.bound / floor
+        return policy.bound, float(floor)
     return None
 
 
-def tolerance_facts(policy: Policy, floor: float | None) -> list[tuple[bool, str, dict]]:
-    """The bound is >= K_MIN and <= K_MAX x its measured floor; outside, the check fails naming which side."""
-    multiple = floor_multiple(policy, floor)
-    if multiple is None:
-        return [(False, f"tolerance too loose: {policy.describe()} is not a multiple of a measured floor", {})]
-    metrics = {"bound_floor_multiple": multiple, "k_min": K_MIN, "k_max": K_MAX}
-    if multiple > K_MAX:
-        return [(False, f"tolerance too loose: bound = {multiple:.3g} x the measured floor > {K_MAX:g} x", metrics)]
-    if multiple < K_MIN:
-        return [(False, f"tolerance too tight: bound = {multiple:.3g} x the measured floor < {K_MIN:g} x", metrics)]
-    return [(True, "", metrics)]
+def bounded(verdict: Verdict, policy: Policy, floor: float | None) -> Verdict:
+    """Require the policy's bound within [K_MIN, K_MAX] x its measured floor ("too loose" / "too tight")."""
+    pair = bound_and_floor(policy, floor)
+    if pair is None:
+        return verdict.require(False, f"tolerance of {policy.describe()} is too loose: it is not a multiple of a "
+                                      "floor measured on stock code")
+    bound, measured = pair
+    return verdict.require_bounded(bound, measured, k_min=K_MIN, k_max=K_MAX).with_metrics(
+        bound_floor_multiple=bound / measured if measured > 0 else math.inf)
