@@ -49,7 +49,7 @@ def kernel_check(check_id: str, kernel: str, phase: str, ctx: CheckContext) -> V
         reference = _reference(directory, phase, device, torch.float32)
         control = floor_control(capture, reference)
         return compare_kernel(kernel, capture, floor_policy(control), check_id, block=block, expected=reference,
-                              floor=control.max_abs)
+                              floor=control)
     truth = _reference(directory, phase, device, torch.float64)
     policy = low_precision_policy(capture, ctx.dtype, truth)
     return compare_kernel(kernel, in_dtype(capture, ctx.dtype), policy, check_id, block=block, expected=truth)

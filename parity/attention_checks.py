@@ -143,7 +143,7 @@ def _compare(kernel: str, inputs: seeds.PhaseInputs, check_id: str, block: int =
     """The kernel policy: max|d| and relative L2 each within 4 x the reference's own fp32-vs-fp64 error."""
     return parity.compare_kernel(kernel, inputs.capture, parity.floor_policy(inputs.control), check_id,
                                  block=block, layout=inputs.layout, expected=inputs.expected,
-                                 max_rel_l2=parity.rel_l2_bound(inputs.control), floor=inputs.control.max_abs)
+                                 max_rel_l2=parity.rel_l2_bound(inputs.control), floor=inputs.control)
 
 
 def _kernel_vs_sdpa(phase: str, kernel: str, ctx: CheckContext) -> Verdict:

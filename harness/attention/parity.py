@@ -18,6 +18,8 @@ from harness.attention import contract, kernels, masks, spy
 from harness.attention.capture import Capture
 from harness.attention.layout import AttentionLayout
 from harness.attention.policy import (
+    K_MAX,
+    K_MIN,
     FloorControl,
     bounded,
     floor_control,
@@ -57,15 +59,16 @@ def _kernel_under_test(spec: kernels.KernelSpec, block: int) -> tuple[kernels.re
 def compare_kernel(kernel: kernels.KernelSpec | str, capture: Capture, policy: Policy | Sequence[Policy],
                    check_id: str, *, block: int = kernels.BLOCK, layout: AttentionLayout | None = None,
                    expected: torch.Tensor | None = None, max_rel_l2: float | None = None,
-                   floor: float | None = None) -> Verdict:
+                   floor: FloorControl | float | None = None) -> Verdict:
     """Run ``kernel`` (a registered name or a KernelSpec) on ``capture`` at ``block`` and judge it
     against the capture's masked SDPA under ``policy``.
 
     ``layout`` defaults to the one detected in the capture's mask; ``expected`` lets a caller reuse a
-    cached reference; ``max_rel_l2`` adds a relative-L2 bound; ``floor`` is the measured floor the
-    policy's bound must stay within [K_MIN, K_MAX] of (policies that carry their own multiple need
-    none). The verdict also requires the kernel's launch facts at ``block`` (and, for a GQA capture,
-    that the compressed key/value heads reached every launch). Under ``--impl attention=MOD:FN`` the
+    cached reference; ``max_rel_l2`` adds a relative-L2 bound; ``floor`` is the floor measured on stock
+    code that every bound must stay within [K_MIN, K_MAX] of (a FloorControl bounds max|d| and the
+    relative L2; a float bounds max|d|; a row-scaled policy carries its own control). The verdict
+    also requires the kernel's launch facts at ``block`` (and, for a GQA capture, that the compressed
+    key/value heads reached every launch). Under ``--impl attention=MOD:FN`` the
     user's callable replaces every kernel under test and must be seen to run.
     """
     spec = kernels.get_kernel(kernel) if isinstance(kernel, str) else kernel
@@ -85,12 +88,17 @@ def compare_kernel(kernel: kernels.KernelSpec | str, capture: Capture, policy: P
     what = f"{name} output on {capture.name}"
     judged = [p.judge(check_id, actual, expected, dims=OUTPUT_DIMS, what=what) for p in _policies(policy)]
     verdict = functools.reduce(Verdict.merge, judged)
+    max_abs_floor = floor.max_abs if isinstance(floor, FloorControl) else floor
     for p in _policies(policy):
-        verdict = bounded(verdict, p, floor)
+        verdict = bounded(verdict, p, max_abs_floor)
     if max_rel_l2 is not None:
         measured = verdict.metrics["rel_l2"]
         verdict = verdict.require(measured <= max_rel_l2, f"relative L2 {measured:.3e} <= {max_rel_l2:.3e}",
                                   rel_l2_bound=max_rel_l2)
+        if not isinstance(floor, FloorControl):
+            raise ValueError("max_rel_l2 needs floor=FloorControl: its stock relative L2 bounds it from both sides")
+        verdict = verdict.require_bounded(max_rel_l2, floor.rel_l2, k_min=K_MIN, k_max=K_MAX,
+                                          what="relative L2 bound")
     if impl is not None:
         ran = conformance.calls("attention") - calls_before
         verdict = verdict.require(ran == 1, f"the implementation under test {impl} ran once", impl_calls=ran)
