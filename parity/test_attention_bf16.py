@@ -18,7 +18,7 @@ from hypothesis import example, given, settings
 from fixtures.attention_captures import small_capture
 from fixtures.attention_strategies import LowPrecisionCase, low_precision_cases
 from harness import ablation, catalogue
-from harness.attention import padded
+from harness.attention import kernels, padded
 from harness.attention.layout import PHASES, AttentionLayout
 from harness.attention.parity import compare_kernel
 from harness.attention.policy import in_dtype, low_precision_policy, reference_output
@@ -49,6 +49,7 @@ def _targets() -> dict[str, tuple[tuple[str, ...], str]]:
 
 
 TARGETS = _targets()
+SPECS = {name: kernels.get_kernel(name) for name in KERNELS}  # looked up once: a registry lookup scans entry points
 # The issue's layout: the tiny capture checkpoint's 40 text + 96 image + 3 special, where the text
 # rows' outputs are ~10x the image rows' and a whole-output bound hid the span-end off-by-one.
 ISSUE_CASE = LowPrecisionCase(40, 96, 3, 128, 2, 2, 0)
@@ -70,7 +71,7 @@ def _applies(name: str, case: LowPrecisionCase, layout: AttentionLayout) -> str:
 
 def _judge(kernel: str, case: LowPrecisionCase, layout: AttentionLayout, inputs: tuple) -> Verdict:
     low, policy, truth = inputs
-    return compare_kernel(kernel, low, policy, f"attention.bf16.{kernel}", block=case.block, layout=layout,
+    return compare_kernel(SPECS[kernel], low, policy, f"attention.bf16.{kernel}", block=case.block, layout=layout,
                           expected=truth)
 
 
