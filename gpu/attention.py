@@ -14,7 +14,14 @@ import torch
 
 from harness.attention.capture import Capture, load_capture, phase_capture_path
 from harness.attention.parity import compare_kernel
-from harness.attention.policy import floor_control, floor_policy, in_dtype, low_precision_policy, reference_output
+from harness.attention.policy import (
+    RowScaledFloor,
+    floor_control,
+    floor_policy,
+    in_dtype,
+    low_precision_policy,
+    reference_output,
+)
 from harness.checks import CheckContext
 from harness.compare import Verdict
 
@@ -35,6 +42,13 @@ def _reference(directory: str, phase: str, device: str, dtype: torch.dtype) -> t
     return reference_output(_capture(directory, phase, device), dtype)
 
 
+@functools.cache
+def _low_precision(directory: str, phase: str, device: str, dtype: torch.dtype) -> RowScaledFloor:
+    """The row-scaled policy of one capture and dtype, measured once (stock masked SDPA in ``dtype`` vs fp64)."""
+    truth = _reference(directory, phase, device, torch.float64)
+    return low_precision_policy(_capture(directory, phase, device), dtype, truth)
+
+
 def _kernel_and_block(name: str) -> tuple[str, int]:
     kernel, _, block = name.partition(".block")
     return kernel, int(block) if block else 128
@@ -51,5 +65,5 @@ def kernel_check(check_id: str, kernel: str, phase: str, ctx: CheckContext) -> V
         return compare_kernel(kernel, capture, floor_policy(control), check_id, block=block, expected=reference,
                               floor=control)
     truth = _reference(directory, phase, device, torch.float64)
-    policy = low_precision_policy(capture, ctx.dtype, truth)
+    policy = _low_precision(directory, phase, device, ctx.dtype)
     return compare_kernel(kernel, in_dtype(capture, ctx.dtype), policy, check_id, block=block, expected=truth)
