@@ -29,6 +29,14 @@ PREFILL = AttentionLayout(7, 56, 4, "prefill")
 DENOISE = AttentionLayout(7, 53, 3, "denoise")
 
 
+@pytest.fixture(autouse=True)
+def _suite_kernels_only():
+    """Under ``--impl attention=...`` these tests would judge the user's kernel against the suite's ablations."""
+    spec = conformance.active("attention")
+    if spec is not None:
+        pytest.skip(f"--impl attention={spec}: this test judges the suite's own kernels and ablations")
+
+
 def _judge(kernel, capture, *, block=kernels.BLOCK, policy=None, floor=None):
     expected = reference_output(capture)
     control = floor_control(capture, expected)
@@ -101,20 +109,27 @@ def test_a_third_party_kernel_from_the_registry_is_judged_like_a_shipped_one():
         plugins.ATTENTION_KERNELS.unregister("chunked_test")
 
 
-def test_a_registered_non_spec_is_named():
-    plugins.ATTENTION_KERNELS.register("bare_test", reference.masked_sdpa, origin="tests")
+def test_a_registered_bare_callable_is_judged_on_its_numbers_and_a_non_callable_is_named():
+    plugins.ATTENTION_KERNELS.register("bare_test", _chunked, origin="tests")
+    plugins.ATTENTION_KERNELS.register("broken_test", "not a kernel", origin="tests")
     try:
-        with pytest.raises(TypeError, match="'bare_test' .*must be registered as a .*KernelSpec"):
-            kernels.get_kernel("bare_test")
+        capture = small_capture(DENOISE, heads=2, kv_heads=1, head_dim=16, seed=4)
+        assert _judge("bare_test", capture).passed
+        catalogue.load()
+        with ablation.get("attention.span_end_off_by_one").apply():
+            assert _judge("bare_test", capture).margin > 1
+        with pytest.raises(TypeError, match="'broken_test' .*must be a .*KernelSpec or a callable"):
+            kernels.get_kernel("broken_test")
     finally:
         plugins.ATTENTION_KERNELS.unregister("bare_test")
+        plugins.ATTENTION_KERNELS.unregister("broken_test")
 
 
 @pytest.mark.parametrize(("spec", "passes"), [("fixtures.attention_user_kernels:attend", True),
                                               ("fixtures.attention_user_kernels:attend_causal_only", False)])
 def test_impl_puts_the_user_kernel_under_test_for_every_fast_kernel(spec, passes):
     capture = small_capture(DENOISE, heads=2, kv_heads=1, head_dim=16, seed=3)
-    try:
+    try:  # (skipped under a real --impl, whose spec clear() would drop)
         conformance.use("attention", spec)
         for kernel in ("decomposed", "flex", "block_padded"):
             verdict = _judge(kernel, capture)

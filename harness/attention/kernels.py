@@ -45,6 +45,9 @@ class KernelSpec:
     block)`` counts the (query, key) scores it computes; ``proof(launches, layout, mask, block)`` turns
     the recorded launches into facts proving it ran its own way. ``under_test``: ``--impl attention=...``
     replaces it (False for the reference and the negative control, which judge, not get judged).
+    ``records_launches``: it launches through ``harness.attention.primitives``, so the spy sees its
+    launches (GQA heads included); a bare registered callable calls torch directly and is proven to
+    run by its call count only.
     """
 
     name: str
@@ -55,6 +58,13 @@ class KernelSpec:
     doc: str
     blocked: bool = False
     under_test: bool = True
+    records_launches: bool = True
+
+    @classmethod
+    def from_callable(cls, name: str, fn: Callable[..., torch.Tensor]) -> KernelSpec:
+        """A registered bare ``kernel(query, key, value, layout, *, scale=None)``: judged on its numbers."""
+        doc = (fn.__doc__ or "").strip().splitlines()
+        return cls(name, fn, True, _dense_pairs, _no_launch_proof, doc[0] if doc else name, records_launches=False)
 
     def bind(self, block: int = BLOCK) -> reference.Kernel:
         """The kernel with the documented signature, at ``block`` when it is block-tiled."""
@@ -143,6 +153,10 @@ def _mask_free_proof(launches, layout, mask, block) -> list[Fact]:
     return [_one(launches, "sdpa"), (ok, "the launch is causal only (no structured mask)", {})]
 
 
+def _no_launch_proof(launches, layout, mask, block) -> list[Fact]:
+    return []
+
+
 def _flex_pairs(layout: AttentionLayout, block: int) -> int:
     block_mask = flex.block_mask_for(layout, block=block)
     tiles = int(block_mask.kv_num_blocks.sum() + block_mask.full_kv_num_blocks.sum())
@@ -177,17 +191,20 @@ def register(plugins_module: Any = plugins) -> None:
 
 
 def get_kernel(name: str) -> KernelSpec:
-    """The registered kernel ``name`` (shipped or from an installed package)."""
+    """The registered kernel ``name`` (shipped or from an installed package; a bare callable is wrapped)."""
     register(plugins)
     try:
-        spec = plugins.ATTENTION_KERNELS.get(name)
+        entry = plugins.ATTENTION_KERNELS.get(name)
     except KeyError:
         raise ValueError(f"unknown attention kernel {name!r}; known: {plugins.ATTENTION_KERNELS.names()}. "
                          f"{plugins.ATTENTION_KERNELS.how_to_add}") from None
-    if not isinstance(spec, KernelSpec):
-        raise TypeError(f"attention kernel {name!r} ({plugins.ATTENTION_KERNELS.origin(name) or 'unknown origin'}) "
-                        f"must be registered as a harness.attention.kernels.KernelSpec, got {type(spec).__name__}")
-    return spec
+    if isinstance(entry, KernelSpec):
+        return entry
+    if callable(entry):
+        return KernelSpec.from_callable(name, entry)
+    raise TypeError(f"attention kernel {name!r} ({plugins.ATTENTION_KERNELS.origin(name) or 'unknown origin'}) must "
+                    f"be a harness.attention.kernels.KernelSpec or a callable kernel(query, key, value, layout, *, "
+                    f"scale=None), got {type(entry).__name__}")
 
 
 def gqa_fact(launches: Sequence[Launch], kv_heads: int) -> Fact:
