@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from harness import device_map as device_maps
+
 __all__ = ["KINDS", "Checkpoint", "CheckpointError", "detect", "load_model"]
 
 VIDEO_VAE_CLASSES = ("AutoencoderKLMiniMaxH3",)
@@ -95,24 +97,36 @@ def detect(path: str | Path) -> Checkpoint:
     raise CheckpointError(f"checkpoint {root}: not a model (no config.json, no {CAPTURE_GLOB}); expected {EXPECTED}")
 
 
-def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device | str) -> Any:
-    """Load a model checkpoint offline in ``dtype`` on ``device``; failures name the path."""
+def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device | str,
+               device_map: str | device_maps.DeviceMap | None = None) -> Any:
+    """Load a model checkpoint offline in ``dtype`` on ``device``; failures name the path.
+
+    ``device_map`` (text or DeviceMap; default: the run's --device-map, else one device where the weights
+    fit) places the model through accelerate instead (harness.device_map).
+    """
+    placement = device_maps.resolve(checkpoint.path, dtype, device, device_map)
+    placing = placement.loader_kwargs() if placement is not None else {}
     try:
         if checkpoint.kind in ("video_vae", "dit"):
             import diffusers
 
             cls = getattr(diffusers, checkpoint.class_name)
-            model = cls.from_pretrained(checkpoint.path, torch_dtype=dtype, local_files_only=True)
+            model = cls.from_pretrained(checkpoint.path, torch_dtype=dtype, local_files_only=True, **placing)
         elif checkpoint.kind == "causal_lm":
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(
-                checkpoint.path, dtype=dtype, local_files_only=True, trust_remote_code=checkpoint.remote_code)
+                checkpoint.path, dtype=dtype, local_files_only=True, trust_remote_code=checkpoint.remote_code,
+                **placing)
         else:
             raise CheckpointError(f"checkpoint {checkpoint.path}: a {checkpoint.kind} holds no model to load")
     except CheckpointError:
         raise
     except Exception as err:  # any loader failure becomes one clear error naming the path
-        raise CheckpointError(f"checkpoint {checkpoint.path}: could not load {checkpoint.class_name} "
+        mapped = f" with device map {placement.text!r}" if placement is not None else ""
+        raise CheckpointError(f"checkpoint {checkpoint.path}: could not load {checkpoint.class_name}{mapped} "
                               f"({type(err).__name__}: {err})") from err
+    if placement is not None:
+        device_maps.record(str(checkpoint.path), placement, model)
+        return model.eval()  # accelerate placed (and hooked) it: moving it again would undo the split
     return model.to(device).eval()
