@@ -153,7 +153,7 @@ def resolve(path: str | Path, dtype: torch.dtype, device: torch.device | str,
     device = torch.device(device)
     spec = parse(requested) if isinstance(requested, str) else requested
     spec = spec if spec is not None else configured(device)
-    if spec is not None and spec.max_memory is not None and device.type == "cuda":
+    if spec is not None and spec.max_memory is not None:
         visible = torch.cuda.device_count()
         missing = sorted(k for k in spec.max_memory if isinstance(k, int) and k >= visible)
         if missing:
