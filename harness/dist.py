@@ -1,7 +1,9 @@
 """Process-group worlds: N ranks on a real torch.distributed group that run many tasks.
 
 CPU worlds fork their ranks after imports (gloo on 127.0.0.1), so eight ranks start in well under
-a second; CUDA worlds spawn one rank per GPU (NCCL). A task is a module-level function run on every
+a second; CUDA worlds spawn one rank per GPU (NCCL); PARITY_START_METHOD=spawn|fork overrides either
+(a spawned rank rebuilds the catalogues itself). Under torchrun the world is the launcher's group and
+tasks run in this process (harness.launch). A task is a module-level function run on every
 rank with the default group initialised. Every rank's outcome comes back: a raise on any rank
 becomes one error listing all ranks, and a hang becomes a timeout naming the hung ranks, after
 which the world is torn down with no child process left behind.
