@@ -73,3 +73,27 @@ def test_a_failure_on_one_rank_fails_every_rank(tmp_path):
         if rank != 1:
             assert f"failed on ranks [1] of {nproc} (passed here, on rank {rank})" in text, text[-3000:]
     assert "injected item failure on rank 1" in ranks[1]
+
+
+def test_a_partial_or_garbled_torchrun_environment_is_a_clear_error(monkeypatch):
+    from harness import launch
+    from harness.dist import World
+
+    for name in launch.ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert launch.launched() is None
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=r"this environment has \['RANK'\] but not \['WORLD_SIZE', 'LOCAL_RANK'\]"):
+        launch.launched()
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match="must be integers"):
+        launch.launched()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "4")
+    with pytest.raises(ValueError, match="out of range: RANK=4, WORLD_SIZE=4"):
+        launch.launched()
+    monkeypatch.setenv("RANK", "1")
+    assert launch.launched() == launch.Launch(1, 4, 0)
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=4: a world here is the launcher's 4 ranks, but 2 were asked"):
+        World(2)
