@@ -161,7 +161,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     session = config.stash.get(SESSION_KEY, None)
     if session is not None:
         session.close()
+    _release_placement()
+
+
+def _release_placement() -> None:
+    """Leave the torchrun group and forget --device-map (an in-process pytester run must not inherit either)."""
     launch.leave()
+    device_maps.configure(None, "")
 
 
 def gpu_device(config: pytest.Config) -> torch.device:
