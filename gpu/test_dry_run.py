@@ -130,7 +130,8 @@ def test_weight_bytes_read_from_safetensors_headers(tiny_dir):
 
 
 @pytest.mark.parametrize("kind", ["flux_transformer", "qwen3_lm", "hunyuan_image3"])
-def test_device_mapped_load_places_the_model_and_changes_no_weight(tiny_dir, kind):
+def test_device_mapped_load_places_the_model_and_changes_no_weight(tiny_dir, kind, monkeypatch):
+    monkeypatch.setattr(device_maps, "_PLACEMENTS", [])  # keep this run's own placement summary clean
     checkpoint = detect(tiny_dir[kind])
     plain = load_model(checkpoint, torch.float32, "cpu")
     mapped = load_model(checkpoint, torch.float32, "cpu", device_map=CPU_SPLIT)
