@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from harness import checkpoints
+from harness import checkpoints, launch
 from harness.checks import CheckContext
 from harness.compare import Verdict, exact
 from parity.decode_checks import compare_sharded_decode
@@ -65,7 +65,10 @@ class CheckpointDecodeJob:
 
 
 def world_size(ctx: CheckContext) -> int:
-    """Every visible GPU on CUDA; two gloo ranks for the CPU dry run."""
+    """Every rank of a torchrun launch; else every visible GPU on CUDA, two gloo ranks for the CPU dry run."""
+    launched = launch.launched()
+    if launched is not None:
+        return launched.world_size
     if ctx.device.type == "cuda":
         count = torch.cuda.device_count()
         if count < 1:

@@ -1,11 +1,15 @@
 """The gpu tier's code on the CPU: tiny checkpoints of every kind, --device cpu, fp32 and bf16, checks and kills.
 
 This is how CI exercises kind detection, offline loading and the gpu checks without a GPU. It runs
-pytest in a subprocess so the inner run has its own registry, session and report.
+pytest in a subprocess so the inner run has its own registry, session and report. The inner run is
+what a GPU node does, as far as a CPU can: its ranks are spawned (PARITY_START_METHOD=spawn, so every
+rank rebuilds the catalogues before re-applying a decode ablation) and its models are placed through
+accelerate (--device-map with a max-memory split on the CPU).
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +19,14 @@ import torch
 
 from fixtures import checkpoints as tiny_checkpoints
 from harness import catalogue, checks
+from harness import device_map as device_maps
 from harness.checkpoints import KINDS, CheckpointError, detect, load_model
 
 pytestmark = pytest.mark.cpu
 
 REPO = Path(__file__).resolve().parents[1]
+CPU_SPLIT = '{"cpu": "8GiB"}'  # a max-memory split the CPU can honour: the device-map code path without a GPU
+GIB = 2**30
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +42,14 @@ def test_every_kind_is_written_and_detected(tiny_dir):
 def test_gpu_tier_dry_run_over_every_checkpoint_kind(tiny_dir, tmp_path):
     report = tmp_path / "gpu.json"
     args = [sys.executable, "-m", "pytest", "-m", "gpu", "--device", "cpu", "--dtype", "fp32,bf16", "-q",
-            "-p", "no:cacheprovider", f"--parity-report={report}", "gpu/test_gpu.py"]
+            "-p", "no:cacheprovider", f"--parity-report={report}", f"--device-map={CPU_SPLIT}", "gpu/test_gpu.py"]
     args += [f"--checkpoint={path}" for path in tiny_dir.values()]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PARITY_START_METHOD": "spawn"}
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"gpu dry run failed:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
+    mapped = {kind for kind, path in tiny_dir.items() if f"device map {CPU_SPLIT}: {path} on cpu" in done.stdout}
+    in_process = {kind for kind, path in tiny_dir.items() if detect(path).feeds in ("replay", "ar")}  # not in ranks
+    assert mapped == in_process, f"loaded through the device map: {sorted(mapped)}, expected {sorted(in_process)}"
     data = json.loads(report.read_text())
     catalogue.load()  # the ablation catalogue, which loads the checks first
     expected = set()
@@ -73,3 +83,63 @@ def test_wrong_kind_is_a_usage_error_naming_the_path(tmp_path):
                           timeout=300)
     assert done.returncode == pytest.ExitCode.USAGE_ERROR
     assert f"checkpoint {target}: unsupported model kind (UNet2DConditionModel)" in done.stderr
+
+
+@pytest.mark.parametrize("text", ["balanced", "auto", "sequential", CPU_SPLIT, '{"0": "70GiB", "1": "70GiB"}',
+                                  '{"0": 1000000, "cpu": "1.5 GB"}'])
+def test_device_map_accepts_strategies_and_memory_splits(text):
+    spec = device_maps.parse(text)
+    kwargs = spec.loader_kwargs()
+    assert kwargs["device_map"] in device_maps.STRATEGIES
+    if text.startswith("{"):
+        assert set(kwargs["max_memory"]) == {int(k) if k.isdigit() else k for k in json.loads(text)}
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("cuda:0", "expected one of balanced, auto, sequential"),
+    ('{"0": "70GiB"', "not valid JSON"),
+    ("{}", "non-empty JSON object"),
+    ('{"gpu0": "70GiB"}', "device 'gpu0' is neither a GPU index nor \"cpu\""),
+    ('{"0": "lots"}', "memory 'lots' for device '0' must be a positive byte count"),
+    ('{"0": -5}', "memory -5 for device '0'"),
+    ('{"0": true}', "memory True for device '0'"),
+])
+def test_device_map_rejects_bad_text_naming_what_is_accepted(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        device_maps.parse(text)
+
+
+def test_default_placement_keeps_one_gpu_where_the_weights_fit():
+    gpu0 = torch.device("cuda", 0)
+    free = {0: 80 * GIB, 1: 80 * GIB}
+    assert device_maps.choose(None, gpu0, 60 * GIB, free) is None  # fits 80% of one GPU
+    split = device_maps.choose(None, gpu0, 160 * GIB, free)  # HunyuanImage-3 in bf16
+    assert split is not None and split.strategy == "balanced" and "160.0 GiB" in split.text
+    assert device_maps.choose(None, gpu0, 160 * GIB, {0: 80 * GIB}) is None  # nowhere to spill: one device
+    assert device_maps.choose(None, torch.device("cpu"), 160 * GIB, free) is None
+    asked = device_maps.parse("sequential")
+    assert device_maps.choose(asked, gpu0, 1, free) is asked
+
+
+def test_weight_bytes_read_from_safetensors_headers(tiny_dir):
+    for kind in ("sd3_transformer", "qwen3_lm"):
+        model = load_model(detect(tiny_dir[kind]), torch.float32, "cpu")
+        stored = sum(t.numel() for t in model.state_dict().values())
+        assert device_maps.weight_bytes(tiny_dir[kind], torch.bfloat16) == 2 * stored, kind
+        assert device_maps.weight_bytes(tiny_dir[kind], torch.float32) == 4 * stored, kind
+
+
+@pytest.mark.parametrize("kind", ["flux_transformer", "qwen3_lm", "hunyuan_image3"])
+def test_device_mapped_load_places_the_model_and_changes_no_weight(tiny_dir, kind, monkeypatch):
+    monkeypatch.setattr(device_maps, "_PLACEMENTS", [])  # keep this run's own placement summary clean
+    checkpoint = detect(tiny_dir[kind])
+    plain = load_model(checkpoint, torch.float32, "cpu")
+    mapped = load_model(checkpoint, torch.float32, "cpu", device_map=CPU_SPLIT)
+    where = device_maps.placements()[-1]
+    assert where == (str(checkpoint.path), CPU_SPLIT, {"": "cpu"})
+    plain_state, mapped_state = plain.state_dict(), mapped.state_dict()
+    assert plain_state.keys() == mapped_state.keys()
+    assert all(torch.equal(plain_state[k], mapped_state[k]) for k in plain_state), kind
+    visible = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=re.escape(f"GPUs [{visible}] are not visible ({visible} are)")):
+        load_model(checkpoint, torch.float32, "cpu", device_map=f'{{"{visible}": "1GiB"}}')

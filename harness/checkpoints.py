@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from harness import device_map as device_maps
 from harness import plugins
 from harness.plugins import CheckpointKind
 
@@ -223,24 +224,36 @@ def detect(path: str | Path) -> Checkpoint:
     return Checkpoint(root, kind.name, class_name, config, remote_code=remote, spec=kind)
 
 
-def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device | str) -> Any:
-    """Load a model checkpoint offline in ``dtype`` on ``device``; failures name the path."""
+def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device | str,
+               device_map: str | device_maps.DeviceMap | None = None) -> Any:
+    """Load a model checkpoint offline in ``dtype`` on ``device``; failures name the path.
+
+    ``device_map`` (text or DeviceMap; default: the run's --device-map, else one device where the weights
+    fit) places the model through accelerate instead (harness.device_map).
+    """
+    placement = device_maps.resolve(checkpoint.path, dtype, device, device_map)
+    placing = placement.loader_kwargs() if placement is not None else {}
     try:
         if checkpoint.source == "diffusers":
             import diffusers
 
             cls = getattr(diffusers, checkpoint.class_name)
-            model = cls.from_pretrained(checkpoint.path, torch_dtype=dtype, local_files_only=True)
+            model = cls.from_pretrained(checkpoint.path, torch_dtype=dtype, local_files_only=True, **placing)
         elif checkpoint.source in ("transformers", "remote_code"):
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(
-                checkpoint.path, dtype=dtype, local_files_only=True, trust_remote_code=checkpoint.remote_code)
+                checkpoint.path, dtype=dtype, local_files_only=True, trust_remote_code=checkpoint.remote_code,
+                **placing)
         else:
             raise CheckpointError(f"checkpoint {checkpoint.path}: a {checkpoint.kind} holds no model to load")
     except CheckpointError:
         raise
     except Exception as err:  # any loader failure becomes one clear error naming the path
-        raise CheckpointError(f"checkpoint {checkpoint.path}: could not load {checkpoint.class_name} "
+        mapped = f" with device map {placement.text!r}" if placement is not None else ""
+        raise CheckpointError(f"checkpoint {checkpoint.path}: could not load {checkpoint.class_name}{mapped} "
                               f"({type(err).__name__}: {err})") from err
+    if placement is not None:
+        device_maps.record(str(checkpoint.path), placement, model)
+        return model.eval()  # accelerate placed (and hooked) it: moving it again would undo the split
     return model.to(device).eval()

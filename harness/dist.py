@@ -1,7 +1,9 @@
 """Process-group worlds: N ranks on a real torch.distributed group that run many tasks.
 
 CPU worlds fork their ranks after imports (gloo on 127.0.0.1), so eight ranks start in well under
-a second; CUDA worlds spawn one rank per GPU (NCCL). A task is a module-level function run on every
+a second; CUDA worlds spawn one rank per GPU (NCCL); PARITY_START_METHOD=spawn|fork overrides either
+(a spawned rank rebuilds the catalogues itself). Under torchrun the world is the launcher's group and
+tasks run in this process (harness.launch). A task is a module-level function run on every
 rank with the default group initialised. Every rank's outcome comes back: a raise on any rank
 becomes one error listing all ranks, and a hang becomes a timeout naming the hung ranks, after
 which the world is torn down with no child process left behind.
@@ -24,11 +26,33 @@ from typing import Any
 
 import torch
 
-from harness import ablation, conformance
+from harness import ablation, conformance, launch
 
-__all__ = ["RankOutcome", "World", "WorldError", "WorldPool", "WorldTaskError", "WorldTimeout"]
+__all__ = ["START_METHODS", "RankOutcome", "World", "WorldError", "WorldPool", "WorldTaskError", "WorldTimeout",
+           "resolve_start_method"]
 
 ERROR_GRACE_S = 5.0  # after one rank fails, how long the others get to report before they count as blocked
+START_METHOD_ENV = "PARITY_START_METHOD"
+START_METHODS = ("spawn", "fork")
+
+
+def resolve_start_method(device_type: str, chosen: str | None = None) -> str:
+    """How ranks start: ``chosen``, else ``PARITY_START_METHOD`` (spawn | fork), else spawn on CUDA, fork on CPU.
+
+    CUDA cannot be forked once initialised, so real nodes spawn; the CPU dry run forks for speed but
+    can spawn too, which is how CI proves a fresh rank rebuilds the catalogues (harness.catalogue).
+    """
+    source = "start_method"
+    if chosen is None:
+        source, chosen = START_METHOD_ENV, os.environ.get(START_METHOD_ENV, "").strip()
+    if not chosen:
+        return "spawn" if device_type == "cuda" else "fork"
+    if chosen not in START_METHODS:
+        raise ValueError(f"{source}={chosen!r}: expected one of {', '.join(START_METHODS)} "
+                         "(or unset: spawn on CUDA, fork on the CPU)")
+    if chosen == "fork" and device_type == "cuda":
+        raise ValueError(f"{source}=fork: CUDA worlds cannot fork their ranks; use spawn")
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -125,13 +149,17 @@ class World:
     """N ranks on one process group, started once and reused for many tasks."""
 
     def __init__(self, size: int, *, device: str | torch.device = "cpu", start_timeout_s: float = 60.0,
-                 pg_timeout_s: float = 300.0):
+                 pg_timeout_s: float = 300.0, start_method: str | None = None):
         if size < 1:
             raise ValueError(f"a world needs at least 1 rank, got size={size}")
         kind = torch.device(device).type
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"world device must be cpu or cuda, got {device!r}")
-        if kind == "cuda":
+        self.torchrun = launch.launched()
+        if self.torchrun is not None and size != self.torchrun.world_size:
+            raise ValueError(f"launched by torchrun with WORLD_SIZE={self.torchrun.world_size}: a world here is the "
+                             f"launcher's {self.torchrun.world_size} ranks, but {size} were asked for")
+        if kind == "cuda" and self.torchrun is None:
             visible = torch.cuda.device_count()
             if size > visible:
                 raise ValueError(f"a CUDA world of {size} ranks needs {size} GPUs (one each); {visible} visible")
@@ -140,21 +168,27 @@ class World:
         self.backend = "nccl" if kind == "cuda" else "gloo"
         self.start_timeout_s = start_timeout_s
         self.pg_timeout_s = pg_timeout_s
+        self.start_method = resolve_start_method(kind, start_method)
         self._procs: list[mp.process.BaseProcess] = []
         self._conns: list[Connection] = []
         self._task = 0
+        self._joined = False
         self.startup_s: float | None = None
 
     # -------------------------------------------------------------------------------- lifecycle
     @property
     def alive(self) -> bool:
+        if self.torchrun is not None:
+            return self._joined and not launch.lost()
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def start(self) -> World:
-        if self._procs:
+        if self._procs or self._joined:
             raise WorldError("world already started")
         began = time.perf_counter()
-        ctx = mp.get_context("spawn" if self.device_type == "cuda" else "fork")
+        if self.torchrun is not None:
+            return self._join_launcher(began)
+        ctx = mp.get_context(self.start_method)
         port = _free_port()
         for rank in range(self.size):
             parent_end, child_end = ctx.Pipe(duplex=True)
@@ -190,8 +224,25 @@ class World:
         self.startup_s = time.perf_counter() - began
         return self
 
+    def _join_launcher(self, began: float) -> World:
+        """Under torchrun: join the launcher's group (this process is one of its ranks) instead of starting any."""
+        if launch.lost():
+            raise WorldError(f"the launcher's group cannot be rejoined: {launch.lost()}")
+        try:
+            launch.join(self.device_type, self.pg_timeout_s)
+        except Exception as err:
+            raise WorldError(f"{self.backend} world of {self.size} ranks could not join the torchrun group: "
+                             f"{type(err).__name__}: {err}") from err
+        self._joined = True
+        self.startup_s = time.perf_counter() - began
+        return self
+
     def close(self, stuck: tuple[int, ...] = ()) -> None:
-        """Stop every rank: ask politely (``stuck`` ranks are not asked), then terminate, kill, reap."""
+        """Stop every rank: ask politely (``stuck`` ranks are not asked), then terminate, kill, reap.
+
+        Under torchrun the ranks are the launcher's: closing only stops this world from handing out tasks.
+        """
+        self._joined = False
         for rank in stuck:
             self._procs[rank].kill()
         for rank, conn in enumerate(self._conns):
@@ -230,6 +281,8 @@ class World:
         """
         if not self.alive:
             raise WorldError(f"world of {self.size} ranks is not running (start it, or it was torn down)")
+        if self.torchrun is not None:
+            return self._run_launched(fn, args, kwargs, timeout_s)
         self._task += 1
         task_id = self._task
         message = (task_id, fn, args, kwargs, ablation.active(), conformance.specs())
@@ -281,12 +334,30 @@ class World:
             raise WorldTaskError(f"task {name} raised on ranks {raised} of {self.size}", ordered)
         return [results[r] for r in range(self.size)]
 
+    def _run_launched(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                      timeout_s: float) -> list[Any]:
+        """Under torchrun: run the task on this rank, agree on every rank's outcome, then share the results."""
+        mine, result = launch.run_here(fn, args, kwargs, timeout_s)
+        ordered = [RankOutcome(rank, *status) for rank, status in enumerate(launch.agree(*mine))]
+        name = getattr(fn, "__qualname__", repr(fn))
+        hung = [o.rank for o in ordered if o.status == "hung"]
+        if hung:
+            launch.mark_lost(f"task {name} hung on ranks {hung}")
+            self._joined = False
+            raise WorldTimeout(f"task {name} timed out after {timeout_s:g} s on ranks {hung} of {self.size}; "
+                               "the launcher's group is lost (torchrun worlds cannot restart)", ordered)
+        failed = [o.rank for o in ordered if o.status != "ok"]
+        if failed:
+            raise WorldTaskError(f"task {name} raised on ranks {failed} of {self.size}", ordered)
+        return launch.gather(result)
+
 
 class WorldPool:
     """One started world per size, reused across checks and restarted if a task tore it down."""
 
-    def __init__(self, device: str | torch.device = "cpu"):
+    def __init__(self, device: str | torch.device = "cpu", start_method: str | None = None):
         self.device = torch.device(device)
+        self.start_method = start_method
         self._worlds: dict[int, World] = {}
 
     def get(self, size: int) -> World:
@@ -294,7 +365,7 @@ class WorldPool:
         if world is None or not world.alive:
             if world is not None:
                 world.close()
-            world = World(size, device=self.device).start()
+            world = World(size, device=self.device, start_method=self.start_method).start()
             self._worlds[size] = world
         return world
 

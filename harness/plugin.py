@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from harness import ablation as ablation_mod
-from harness import catalogue, checkpoints, checks, conformance, report
+from harness import catalogue, checkpoints, checks, conformance, launch, report
+from harness import device_map as device_maps
 from harness.ablation import KillResult
 from harness.checks import CheckContext
 from harness.compare import Verdict
@@ -54,6 +55,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--parity-list", nargs="?", const="*", default=None, metavar="PATTERN",
                     help="list the checks (id, module:qualname, tier, policy, killers) whose id matches the "
                          "fnmatch PATTERN (default: all), then exit without running tests")
+    _add_placement_options(group)
+
+
+def _add_placement_options(group: Any) -> None:
+    group.addoption("--device-map", default=None, metavar="MAP",
+                    help="place gpu-tier models with accelerate across the visible GPUs: balanced, auto, sequential, "
+                         "or a JSON max-memory split like '{\"0\": \"70GiB\", \"1\": \"70GiB\"}'; default: one "
+                         "device where the weights fit, else balanced")
 
 
 def parse_dtypes(text: str) -> list[torch.dtype]:
@@ -275,6 +284,28 @@ def pytest_configure(config: pytest.Config) -> None:
     session = ParitySession(config)
     session.checkpoints = detected
     config.stash[SESSION_KEY] = session
+    _configure_placement(config)
+
+
+def _configure_placement(config: pytest.Config) -> None:
+    """Where ranks and models go: PARITY_START_METHOD, --device-map, and the torchrun group when launched."""
+    from harness.dist import resolve_start_method
+
+    device = gpu_device(config)
+    try:
+        resolve_start_method(device.type)
+        text = config.getoption("device_map")
+        device_maps.configure(device_maps.parse(text) if text is not None else None, device.type)
+        if launch.launched() is not None:
+            launch.join(device.type)
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
+
+
+def reporting_rank() -> bool:
+    """Under torchrun only rank 0 prints the table and writes the report; every rank does otherwise."""
+    joined = launch.joined()
+    return joined is None or joined.rank == 0
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -293,6 +324,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         session.close()
     if config.stash.get(IMPLS_KEY, None):
         conformance.clear()
+    _release_placement()
+
+
+def _release_placement() -> None:
+    """Leave the torchrun group and forget --device-map (an in-process pytester run must not inherit either)."""
+    launch.leave()
+    device_maps.configure(None, "")
 
 
 def gpu_device(config: pytest.Config) -> torch.device:
@@ -387,7 +425,7 @@ def gpu_dtypes(request: pytest.FixtureRequest) -> list[torch.dtype]:
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     session = config.stash.get(SESSION_KEY, None)
-    if session is None or not (session.verdicts or session.kills):
+    if session is None or not (session.verdicts or session.kills) or not reporting_rank():
         return
     data = session.report()
     terminalreporter.section("fastpath-parity report")
@@ -397,3 +435,42 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     for path in config.getoption("parity_report") or []:
         written = report.write(data, path)
         terminalreporter.write_line(f"parity report written to {os.fspath(written)}")
+    _summarise_placement(terminalreporter)
+
+
+def _summarise_placement(terminalreporter: Any) -> None:
+    """Say how this run's ranks started and where device-mapped models went (the dry run's proof)."""
+    joined = launch.joined()
+    if joined is not None:
+        terminalreporter.write_line(f"ranks: torchrun group of {joined.world_size} (this is rank {joined.rank})")
+    for checkpoint, text, placed in device_maps.placements():
+        devices = sorted(set(placed.values()))
+        terminalreporter.write_line(f"device map {text}: {checkpoint} on {', '.join(devices)} "
+                                    f"({len(placed)} placement entries)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Under torchrun every rank reports each phase alike: a failure on any rank fails it on every rank.
+
+    Ranks agree phase by phase over the launcher's side group, so no rank runs a call that another
+    rank's failed or skipped setup did not reach (which would leave the ranks out of step).
+    """
+    rep = yield
+    joined = launch.joined()
+    if joined is None:
+        return rep
+    detail = rep.longreprtext.strip().splitlines()[-1][:400] if (rep.failed or rep.skipped) and rep.longrepr else ""
+    statuses = launch.agree(rep.outcome, detail)
+    failed = [(rank, text) for rank, (status, text, _) in enumerate(statuses) if status == "failed"]
+    skipped = [(rank, text) for rank, (status, text, _) in enumerate(statuses) if status == "skipped"]
+    if failed and not rep.failed:
+        rep.outcome = "failed"
+        rep.longrepr = (f"{item.nodeid} {call.when} failed on ranks {[r for r, _ in failed]} of {joined.world_size} "
+                        f"(passed here, on rank {joined.rank}):\n"
+                        + "\n".join(f"rank {r}: {text}" for r, text in failed))
+    elif skipped and rep.passed and call.when == "setup":
+        rep.outcome = "skipped"
+        rep.longrepr = (str(item.path), item.location[1] or 0,
+                        f"skipped on ranks {[r for r, _ in skipped]}: {skipped[0][1]}")
+    return rep
