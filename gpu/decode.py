@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+from fixtures import decode_tasks
 from harness import checkpoints
 from harness.checks import CheckContext
 from harness.compare import Verdict, exact
-from parity.decode_checks import compare_sharded_decode
+from harness.decode.judge import compare_sharded_decode
 
 __all__ = ["CheckpointDecodeJob", "decode_bitexact", "world_size"]
 
@@ -43,6 +44,10 @@ class CheckpointDecodeJob:
     frames: int = LATENT_FRAMES
     seed: int = 1234
     shard: bool = True
+    transport: str = "all_gather"
+    dst: int = 0
+    split: str = "auto"
+    autocast: str = ""
 
     def build_vae(self) -> Any:
         vae = _load_vae(self.path, self.dtype_name)
@@ -79,4 +84,5 @@ def decode_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
     job = CheckpointDecodeJob(str(ctx.checkpoint), str(ctx.dtype).removeprefix("torch."),
                               dry_run=ctx.device.type != "cuda")
     world = ctx.world(world_size(ctx))
-    return compare_sharded_decode(world, job, check_id, policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
+    return compare_sharded_decode(world, decode_tasks.decode_task, job, check_id, sharded=world.size > 1,
+                                  policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
