@@ -54,14 +54,14 @@ def observe_stock_decode(vae: Any, z: torch.Tensor) -> dict[str, Any]:
 
     with torch.no_grad(), serve.bound(vae, "_decode_clip", record_clip), serve.bound(vae, "post_quant_conv",
                                                                                       record_tile):
-        video = vae.decode(z).sample
+        video = type(vae)._decode(vae, z)  # `decode` reads post_quant_conv's dtype first; z is already in it
     shape = None
     calls = [0]
 
     def constant_clip(window: torch.Tensor) -> torch.Tensor:
         nonlocal shape
         if shape is None:
-            shape = clip_fn(window).shape
+            shape = clip_fn(window.to(z.dtype)).shape
         value = 4.0 ** calls[0]
         calls[0] += 1
         return torch.full(shape, value, dtype=torch.float64)
