@@ -1,15 +1,16 @@
 """GPU tier of decode: a real MiniMax-H3 VAE sharded over every visible GPU (NCCL) vs the stock decode.
 
-Bit-exact in fp32 and bf16 alike: the sharded path runs the same clip decodes and the library's own
-post-loop, so any difference is a bug, not rounding. On ``--device cpu`` (the dry run) the world is
-two gloo ranks and the tiles are shrunk so a tiny checkpoint decodes in seconds; on CUDA the
-model's own tile geometry is kept.
+Bit-exact in fp32 and bf16 alike: the sharded path runs the same clip and tile decodes and the
+library's own post-loop, so any difference is a bug, not rounding. The model's own tile geometry is
+kept everywhere (the tiny checkpoint has the released clip and tile geometry with shrunken channels),
+and each latent frame is one latent pixel wider than a tile, so every clip is a 2 x 2 tile grid. On
+``--device cpu`` (the dry run) the world is two gloo ranks and the video is the shortest of two clips;
+on CUDA it is four clips over every visible GPU (NCCL).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +25,8 @@ from harness.decode.judge import compare_sharded_decode
 __all__ = ["CheckpointDecodeJob", "decode_bitexact", "world_size"]
 
 DRY_RUN_WORLD = 2
-LATENT_FRAMES = 22  # 4 clips: every rank of a small world owns one, and cross-fades are exercised
-TILE_GRID = 1.5  # latent extent in tiles: a 2 x 2 tile grid per clip
+LATENT_FRAMES = 22  # 4 clips on a GPU node: cross-fades exercised, 16 tile decodes to spread
+DRY_RUN_LATENT_FRAMES = 8  # 2 clips (a padded tail) on the CPU: one cross-fade, 8 tile decodes
 
 
 @functools.cache
@@ -51,15 +52,12 @@ class CheckpointDecodeJob:
 
     def build_vae(self) -> Any:
         vae = _load_vae(self.path, self.dtype_name)
-        ratio = vae.spatial_compression_ratio
-        if self.dry_run:
-            vae.enable_tiling(4 * ratio, 4 * ratio, 2 * ratio, 2 * ratio)
-        else:
-            vae.enable_tiling()
+        vae.enable_tiling()  # the model's own tile geometry, as the pipeline decodes
         return vae
 
     def latent_hw(self, vae: Any) -> int:
-        return math.ceil(TILE_GRID * vae.tile_sample_min_height / vae.spatial_compression_ratio)
+        """One latent pixel past a tile: the smallest frame the model splits into 2 x 2 tiles."""
+        return vae.tile_sample_min_height // vae.spatial_compression_ratio + 1
 
     def build_latents(self, device: torch.device) -> torch.Tensor:
         vae = self.build_vae()
@@ -81,8 +79,9 @@ def world_size(ctx: CheckContext) -> int:
 
 def decode_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
     """Every rank's sharded video bitwise equal to the stock decode in ctx.dtype, per-rank SHA-256 equal."""
-    job = CheckpointDecodeJob(str(ctx.checkpoint), str(ctx.dtype).removeprefix("torch."),
-                              dry_run=ctx.device.type != "cuda")
+    dry_run = ctx.device.type != "cuda"
+    job = CheckpointDecodeJob(str(ctx.checkpoint), str(ctx.dtype).removeprefix("torch."), dry_run=dry_run,
+                              frames=DRY_RUN_LATENT_FRAMES if dry_run else LATENT_FRAMES)
     world = ctx.world(world_size(ctx))
     return compare_sharded_decode(world, decode_tasks.decode_task, job, check_id, sharded=world.size > 1,
                                   policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))

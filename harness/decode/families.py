@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.decode import sharded
+from harness.plugins import CheckpointKind
 
-__all__ = ["MINIMAX_H3", "VaeFamily", "register"]
+__all__ = ["MINIMAX_H3", "MINIMAX_H3_KIND", "VaeFamily", "register"]
 
 
 @dataclass(frozen=True)
@@ -34,13 +35,12 @@ class VaeFamily:
 MINIMAX_H3 = VaeFamily("minimax_h3", "AutoencoderKLMiniMaxH3", sharded.stock_decode, sharded.sharded_decode,
                        sharded.stock_encode, sharded.sharded_encode)
 
+MINIMAX_H3_KIND = CheckpointKind(name="minimax_h3_vae", feeds="decode", class_names=(MINIMAX_H3.class_name,),
+                                 source="diffusers", family=MINIMAX_H3.name)
+
 
 def register(plugins: Any) -> None:
     """Entry point of group ``fastpath_parity.plugins``: the MiniMax-H3 VAE and its checkpoint kind."""
     origin = "fastpath-parity (harness.decode.families)"
     plugins.VAES.register(MINIMAX_H3.name, MINIMAX_H3, origin=origin)
-    plugins.CHECKPOINT_KINDS.register(
-        "minimax_h3_vae",
-        plugins.CheckpointKind(name="minimax_h3_vae", feeds="decode", class_names=(MINIMAX_H3.class_name,),
-                               source="diffusers", family=MINIMAX_H3.name),
-        origin=origin)
+    plugins.CHECKPOINT_KINDS.register(MINIMAX_H3_KIND.name, MINIMAX_H3_KIND, origin=origin)
