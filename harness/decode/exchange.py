@@ -14,7 +14,9 @@ fixed-size status exchange, never between a status exchange and the collective i
 
 A failure anywhere therefore raises ShardedDecodeError on every rank within one status exchange,
 naming the failed rank, with no rank left inside a collective. The status exchanges are ordinary
-all-gathers of device tensors, so the same design holds on NCCL (no gloo-only monitored_barrier).
+all-gathers of device tensors, so the same design holds on NCCL (no gloo-only monitored_barrier). What
+stays the transport's to report is a failure inside a collective itself (a dead peer, a broken link):
+the process-group timeout, or NCCL's async error handling, bounds that one.
 """
 
 from __future__ import annotations
