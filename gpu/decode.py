@@ -22,11 +22,13 @@ from harness.checks import CheckContext
 from harness.compare import Verdict, exact
 from harness.decode.judge import compare_sharded_decode
 
-__all__ = ["CheckpointDecodeJob", "decode_bitexact", "world_size"]
+__all__ = ["CheckpointDecodeJob", "CheckpointEncodeJob", "decode_autocast_bitexact", "decode_bitexact",
+           "decode_gather_to_one", "encode_bitexact", "world_size"]
 
 DRY_RUN_WORLD = 2
 LATENT_FRAMES = 22  # 4 clips on a GPU node: cross-fades exercised, 16 tile decodes to spread
 DRY_RUN_LATENT_FRAMES = 8  # 2 clips (a padded tail) on the CPU: one cross-fade, 8 tile decodes
+ENCODE_CLIPS = 2  # pixel clips of the encode check (the last one padded by repetition)
 
 
 @functools.cache
@@ -67,6 +69,31 @@ class CheckpointDecodeJob:
         return z.to(device=device, dtype=getattr(torch, self.dtype_name))
 
 
+@dataclass(frozen=True)
+class CheckpointEncodeJob:
+    """A real checkpoint encoding a seeded pixel video of ENCODE_CLIPS clips, 2 x 2 tiles per frame."""
+
+    path: str
+    dtype_name: str
+    frames: int
+    seed: int = 99
+    transport: str = "all_gather"
+    dst: int = 0
+    autocast: str = ""
+
+    def build_vae(self) -> Any:
+        vae = _load_vae(self.path, self.dtype_name)
+        vae.enable_tiling()
+        return vae
+
+    def build_video(self, device: torch.device) -> torch.Tensor:
+        vae = self.build_vae()
+        side = vae.tile_sample_min_height + vae.spatial_compression_ratio
+        generator = torch.Generator().manual_seed(self.seed)
+        x = torch.randn((1, vae.config.in_channels, self.frames, side, side), generator=generator)
+        return x.to(device=device, dtype=getattr(torch, self.dtype_name))
+
+
 def world_size(ctx: CheckContext) -> int:
     """Every visible GPU on CUDA; two gloo ranks for the CPU dry run."""
     if ctx.device.type == "cuda":
@@ -84,4 +111,35 @@ def decode_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
                               frames=DRY_RUN_LATENT_FRAMES if dry_run else LATENT_FRAMES)
     world = ctx.world(world_size(ctx))
     return compare_sharded_decode(world, decode_tasks.decode_task, job, check_id, sharded=world.size > 1,
+                                  policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
+
+
+def _decode_job(ctx: CheckContext, **options: Any) -> CheckpointDecodeJob:
+    dry_run = ctx.device.type != "cuda"
+    return CheckpointDecodeJob(str(ctx.checkpoint), str(ctx.dtype).removeprefix("torch."), dry_run=dry_run,
+                               frames=DRY_RUN_LATENT_FRAMES if dry_run else LATENT_FRAMES, **options)
+
+
+def decode_gather_to_one(check_id: str, ctx: CheckContext) -> Verdict:
+    """Gather-to-one onto the last rank: it holds the stock video bitwise, every other rank returns None."""
+    world = ctx.world(world_size(ctx))
+    job = _decode_job(ctx, transport="gather", dst=world.size - 1)
+    return compare_sharded_decode(world, decode_tasks.decode_task, job, check_id, sharded=world.size > 1,
+                                  policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
+
+
+def decode_autocast_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
+    """Stock and sharded decode both under the pipeline's fp16 autocast: bitwise equal."""
+    world = ctx.world(world_size(ctx))
+    return compare_sharded_decode(world, decode_tasks.decode_task, _decode_job(ctx, autocast="float16"), check_id,
+                                  sharded=world.size > 1, policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
+
+
+def encode_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
+    """The sharded encode's moments bitwise equal to ``vae.encode``'s on every rank."""
+    world = ctx.world(world_size(ctx))
+    vae = _load_vae(str(ctx.checkpoint), str(ctx.dtype).removeprefix("torch."))
+    job = CheckpointEncodeJob(str(ctx.checkpoint), str(ctx.dtype).removeprefix("torch."),
+                              frames=ENCODE_CLIPS * vae.config.clip_length - 1)
+    return compare_sharded_decode(world, decode_tasks.encode_task, job, check_id, sharded=world.size > 1,
                                   policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
