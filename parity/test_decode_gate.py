@@ -187,3 +187,28 @@ def test_frame_sources_name_the_clips_and_cross_fades():
     labels = judge.frame_labels(plan, 39)
     assert labels[0] == "0 (clip 0)" and labels[17] == "17 (clip 0)" and labels[18] == "18 (clip 0/1 cross-fade)"
     assert labels[22] == "22 (clip 1)" and labels[34] == "34 (clip 1)"
+
+
+def test_the_split_leaves_the_busiest_rank_the_smaller_share():
+    assert plan_mod.choose_split(8, 7, 9) == "tiles"  # clips: 1/7 busiest; tiles: 8/63
+    assert plan_mod.choose_split(2, 4, 9) == "clips"  # a tie keeps whole clips
+    assert plan_mod.choose_split(4, 7, 1) == "clips"  # no tiles to split
+    assert plan_mod.busiest_share(63, 8) == 8 / 63 and plan_mod.busiest_share(7, 8) == 1 / 7
+    vae = decode_models.tiny_vae()
+    work = plan_mod.plan_work(vae, (1, 4, 37, 8, 8), 8)
+    assert (work.split, work.num_units, work.decoder_calls, work.unit(10)) == ("tiles", 63, 63, (1, 1))
+    assert plan_mod.tile_latents(torch.arange(64.0).view(1, 1, 1, 8, 8), work.tiles, 4).flatten()[0] == 18.0
+    with pytest.raises(ValueError, match="split must be one of"):
+        plan_mod.plan_work(vae, (1, 4, 37, 8, 8), 2, "rows")
+    with pytest.raises(ValueError, match="needs tiling on"):
+        plan_mod.plan_work(decode_models.tiny_vae(decode_models.VaeSpec(tiling=False)), (1, 4, 37, 8, 8), 2, "tiles")
+    with pytest.raises(ValueError, match="unit 63 is outside"):
+        work.unit(63)
+
+
+def test_ranks_that_planned_different_splits_stop_before_the_payload():
+    probes = [_probe(0), dataclasses.replace(_probe(1), units=63)]
+    with pytest.raises(ShardedDecodeError, match="planned different splits .* rank 1 split the video into 63"):
+        exchange.agree_on_shapes(probes, 0)
+    with pytest.raises(ValueError, match="dst 4 is not a rank of the 4-rank group"):
+        exchange.destination(4, 4)

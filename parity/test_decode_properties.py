@@ -53,7 +53,7 @@ def test_round_robin_ownership_partitions_the_clips(frames, world):
     assert sum(1 for clips in owned if not clips) == max(0, world - plan.num_clips)
 
 
-@settings(max_examples=20)
+@settings(max_examples=10)
 @given(geometry=decode_strategies.decode_geometries())
 def test_sharded_decode_is_bitwise_the_stock_decode(geometry, parity_ctx):
     """Every rank's video is bitwise rank 0's stock decode, and the right path ran (spies)."""
