@@ -32,9 +32,10 @@ def test_register_adds_the_vae_and_its_checkpoint_kind():
                                                (f"{__name__}:stock_everywhere", False)], ids=["right", "fallback"])
 def test_the_implementation_under_test_runs_inside_every_rank(spec, passes, parity_ctx):
     job = decode_tasks.TinyDecodeJob(decode_models.LatentSpec(22))
+    world = parity_ctx.world(2)  # started before the spec is set: a rank forked under it would keep it
     conformance.use("decode", spec)
     try:
-        results = parity_ctx.world(2).run(decode_tasks.decode_task, job)
+        results = world.run(decode_tasks.decode_task, job)
     finally:
         conformance.clear()
     assert [r.impl_calls for r in results] == [1, 1]
