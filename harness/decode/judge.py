@@ -128,7 +128,16 @@ def judge_decode(check_id: str, results: Sequence[RankDecode], *, sharded: bool,
                               "every receiving rank's SHA-256 equals the stock output's")
     decoder = [r.decoder_calls for r in results]
     seen = [{k: v for k, v in r.collectives.items() if v} for r in results]
-    if sharded:
+    impl = [r.impl_calls for r in results]
+    foreign = any(c is not None for c in impl)  # a user's implementation: its own ownership and collectives
+    if sharded and foreign:
+        total = (work.decoder_calls if work is not None else first.pieces) * calls
+        counted = decoder if work is not None else [r.clip_calls for r in results]
+        verdict = verdict.require(sum(counted) == total, "each piece decoded exactly once across the world",
+                                  pieces_per_rank=", ".join(map(str, counted)), pieces_total=total)
+        verdict = verdict.require(all(seen), "every rank communicated (a collective ran on every rank)",
+                                  collectives_per_rank="; ".join(str(s or "none") for s in seen))
+    elif sharded:
         holders = [r.rank for r in results if r.output is not None]
         verdict = verdict.require(holders == [r.rank for r in receivers],
                                   "only the receiving ranks hold the output; the others return None",
@@ -154,8 +163,7 @@ def judge_decode(check_id: str, results: Sequence[RankDecode], *, sharded: bool,
         verdict = verdict.require(counted == [total] * world and not any(seen),
                                   "the stock call was taken: every rank decoded every piece, no collective ran",
                                   collectives_per_rank="; ".join(str(s or "none") for s in seen))
-    impl = [r.impl_calls for r in results]
-    if any(c is not None for c in impl):
+    if foreign:
         verdict = verdict.require(all(c for c in impl), "the implementation under test ran on every rank",
                                   impl_calls_per_rank=impl)
     return _with_summary(verdict)
