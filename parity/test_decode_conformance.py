@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,12 +21,15 @@ def stock_everywhere(vae: Any, z: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def test_register_adds_the_vae_and_its_checkpoint_kind():
-    families.register(plugins)
-    assert plugins.VAES.get("minimax_h3") is families.MINIMAX_H3
-    kind = plugins.CHECKPOINT_KINDS.get("minimax_h3_vae")
+    # fresh registries: the process-wide ones are filled by the entry points and harness.checkpoints
+    fresh = SimpleNamespace(VAES=plugins.Registry("VAE", ""), CHECKPOINT_KINDS=plugins.Registry("kind", ""),
+                            CheckpointKind=plugins.CheckpointKind)
+    families.register(fresh)
+    assert fresh.VAES._entries == {"minimax_h3": families.MINIMAX_H3}
+    kind = fresh.CHECKPOINT_KINDS._entries["video_vae"]
     assert (kind.feeds, kind.class_names, kind.family) == ("decode", ("AutoencoderKLMiniMaxH3",), "minimax_h3")
     assert families.MINIMAX_H3.drives(decode_models.tiny_vae())
-    families.register(plugins)  # idempotent: the same entries again are not "registered twice"
+    families.register(fresh)  # idempotent: the same entries again are not "registered twice"
 
 
 @pytest.mark.parametrize(("spec", "passes"), [("harness.decode.sharded:sharded_decode", True),

@@ -35,7 +35,7 @@ class VaeFamily:
 MINIMAX_H3 = VaeFamily("minimax_h3", "AutoencoderKLMiniMaxH3", sharded.stock_decode, sharded.sharded_decode,
                        sharded.stock_encode, sharded.sharded_encode)
 
-MINIMAX_H3_KIND = CheckpointKind(name="minimax_h3_vae", feeds="decode", class_names=(MINIMAX_H3.class_name,),
+MINIMAX_H3_KIND = CheckpointKind(name="video_vae", feeds="decode", class_names=(MINIMAX_H3.class_name,),
                                  source="diffusers", family=MINIMAX_H3.name)
 
 
