@@ -22,7 +22,7 @@ from harness.checks import CheckContext
 from harness.compare import Verdict, exact
 from harness.decode.judge import compare_sharded_decode
 
-__all__ = ["CheckpointDecodeJob", "CheckpointEncodeJob", "decode_autocast_bitexact", "decode_bitexact",
+__all__ = ["GPU_CHECKS", "CheckpointDecodeJob", "CheckpointEncodeJob", "decode_autocast_bitexact", "decode_bitexact",
            "decode_gather_to_one", "encode_bitexact", "world_size"]
 
 DRY_RUN_WORLD = 2
@@ -143,3 +143,12 @@ def encode_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
                               frames=ENCODE_CLIPS * vae.config.clip_length - 1)
     return compare_sharded_decode(world, decode_tasks.encode_task, job, check_id, sharded=world.size > 1,
                                   policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
+
+
+# the gpu catalogue's further decode checks (gpu/checks.py registers each as functools.partial(judge, id))
+GPU_CHECKS = {
+    "decode.gpu.gather_to_one": (decode_gather_to_one, "gather-to-one onto the last rank: it holds the stock video "
+                                                       "bitwise, every other rank returns None"),
+    "decode.gpu.fp16_autocast": (decode_autocast_bitexact, "stock and sharded decode under fp16 autocast: bitwise"),
+    "decode.gpu.encode_bitexact": (encode_bitexact, "sharded encode moments bitwise equal to vae.encode's"),
+}
