@@ -1,4 +1,9 @@
-"""Ablations of the attention path: known bugs re-introduced over its seams (issue 6)."""
+"""Ablations of the attention path: known bugs re-introduced over its seams (issues 6, 12, 13).
+
+Kill modes: a bug that changes numbers is caught by the numbers ("tolerance") on every kernel check
+it claims; the contract checks (mask vs formula, density, histogram, span detection) and launch
+proofs (GQA heads at the launch, block-aligned lengths) are facts by nature ("fact").
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import dataclasses
 import torch
 
 from harness.ablation import ablation
-from harness.attention import masks
+from harness.attention import masks, padded
 from harness.attention.decomposed import RowBlock
 from harness.attention.layout import AttentionLayout
 
@@ -58,20 +63,35 @@ def _split_one_row_late(original):
     return split_rows
 
 
+def _kv_expanded_before_launch(query: torch.Tensor, key: torch.Tensor,
+                               value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    group = query.shape[1] // key.shape[1]
+    return key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1), False
+
+
+def _seed_block_always(original):
+    def padded_length(length: int, block: int = padded.BLOCK) -> int:
+        return original(length, padded.BLOCK)
+
+    return padded_length
+
+
 def _special_rows_see_image(q_pos: torch.Tensor, kv_pos: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return masks.causal_mask(q_pos, kv_pos) | ((kv_pos >= start) & (kv_pos < end))
 
 
 ablation(
     "attention.span_end_off_by_one", "harness.attention.masks:span_bounds", _span_end_early, wraps=True,
-    kills=["attention.gpu.prefill.flex", "attention.contract.prefill.mismatches", "attention.contract.prefill.density",
+    kills=["attention.gpu.prefill.flex", "attention.gpu.prefill.flex.block64",
+           "attention.contract.prefill.mismatches", "attention.contract.prefill.density",
            "attention.contract.prefill.span", "attention.contract.denoise.density",
            "attention.contract.denoise.histogram", "attention.capture.prefill.contract",
            "attention.denoise.decomposed.vs_sdpa", "attention.prefill.flex.vs_sdpa"],
     why="the image block ends one token early: the span rows lose the last image key",
     kill_mode="fact",
     modes={"attention.denoise.decomposed.vs_sdpa": "tolerance", "attention.prefill.flex.vs_sdpa": "tolerance",
-           "attention.gpu.prefill.flex": "tolerance"},
+           "attention.gpu.prefill.flex": "tolerance",
+           "attention.gpu.prefill.flex.block64": "tolerance"},
     fact={
         "attention.contract.prefill.mismatches": "mask == formula with span",
         "attention.contract.prefill.density": "density rounds to the seed's",
@@ -116,8 +136,9 @@ ablation(
 ablation(
     "attention.pad_keys_unmasked", "harness.attention.padded:pad_mask", _pad_keys_visible, wraps=True,
     kills=["attention.gpu.prefill.block_padded", "attention.gpu.denoise.block_padded",
+           "attention.gpu.prefill.block_padded.block64", "attention.gpu.denoise.block_padded.block64",
            "attention.prefill.block_padded.vs_sdpa", "attention.denoise.block_padded.vs_sdpa",
-           "attention.gqa.block_padded.vs_sdpa"],
+           "attention.denoise.block_padded.block64.vs_sdpa", "attention.gqa.block_padded.vs_sdpa"],
     why="the zero pad keys stay visible to real rows: each row's softmax leaks weight onto padding",
     kill_mode="tolerance",
 )
@@ -132,14 +153,15 @@ ablation(
 ablation(
     "attention.special_rows_image_visibility", "harness.attention.masks:special_row_visibility",
     _special_rows_see_image,
-    kills=["attention.gpu.denoise.flex", "attention.contract.denoise.mismatches", "attention.contract.denoise.density",
-           "attention.contract.denoise.histogram", "attention.contract.denoise.span",
-           "attention.capture.denoise.contract", "attention.denoise.flex.vs_sdpa",
-           "attention.denoise.block_padded.vs_sdpa"],
+    kills=["attention.gpu.denoise.flex", "attention.gpu.denoise.flex.block64", "attention.contract.denoise.mismatches",
+           "attention.contract.denoise.density", "attention.contract.denoise.histogram",
+           "attention.contract.denoise.span", "attention.capture.denoise.contract", "attention.denoise.flex.vs_sdpa",
+           "attention.denoise.block_padded.vs_sdpa", "attention.denoise.block_padded.block64.vs_sdpa"],
     why="the special rows are given the image rows' visibility: at denoise they see the whole span",
     kill_mode="fact",
     modes={"attention.denoise.flex.vs_sdpa": "tolerance", "attention.denoise.block_padded.vs_sdpa": "tolerance",
-           "attention.gpu.denoise.flex": "tolerance"},
+           "attention.denoise.block_padded.block64.vs_sdpa": "tolerance", "attention.gpu.denoise.flex": "tolerance",
+           "attention.gpu.denoise.flex.block64": "tolerance"},
     fact={
         "attention.contract.denoise.mismatches": "mask == formula with span",
         "attention.contract.denoise.density": "density rounds to the seed's",
@@ -147,4 +169,19 @@ ablation(
         "attention.contract.denoise.span": "span detection recovers denoise",
         "attention.capture.denoise.contract": "build_mask(denoise",
     },
+)
+ablation(
+    "attention.gqa_kv_expanded", "harness.attention.primitives:gqa_operands", _kv_expanded_before_launch,
+    kills=["attention.gqa.decomposed.vs_sdpa", "attention.gqa.block_padded.vs_sdpa"],
+    why="key/value heads are expanded over the GQA groups (repeat_interleave) before the launch: the same numbers "
+        "at H / Hkv times the memory traffic, the copy a GQA-capable kernel exists to avoid",
+    kill_mode="fact",
+    fact="compressed key/value heads",
+)
+ablation(
+    "attention.block_size_ignored", "harness.attention.padded:padded_length", _seed_block_always, wraps=True,
+    kills=["attention.denoise.block_padded.block64.vs_sdpa"],
+    why="the padded kernel pads to the seed's 128 whatever block it is asked for: exact numbers, wrong tiling",
+    kill_mode="fact",
+    fact="the launch runs block-aligned (64) lengths",
 )

@@ -5,7 +5,8 @@ and numbers. Capture checks read capture files (``ctx.capture_dir``, the plugin'
 without it the synthetic seed captures written to a temp dir in the seed's npz format). Kernel
 checks run each kernel on the seed's exact Q/KV lengths against masked SDPA on the capture's mask
 (1 head on CPU, all 8 on CUDA; see fixtures.attention_captures), under a noise-floor policy measured
-on that capture.
+on that capture. The block-tiled kernels (flex, block_padded) run at the seed's 128 and again at 64
+(``attention.{phase}.{kernel}.block64.vs_sdpa``): numbers and launch proofs at each block size.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import functools
 
 from fixtures import attention_captures as seeds
 from harness.attention import capture as capture_io
-from harness.attention import contract, masks, parity
+from harness.attention import contract, kernels, masks, parity
 from harness.attention.layout import PHASES
 from harness.checks import CheckContext, register
 from harness.compare import Verdict, expect
@@ -25,6 +26,13 @@ SEED_DENSITY = {"prefill": 0.7933, "denoise": 0.9994}
 SEED_PREFILL_PAIRS = 14_303_226 + 8_386_560  # causal base + image-span block
 SEED_DENOISE_HISTOGRAM = {1247: 1, 1248: 1, 1249: 1, 5345: 4096}
 FAST_KERNELS = ("decomposed", "flex", "block_padded")
+OTHER_BLOCK = 64  # the seed's kernels tile at 128 (the default); the block-tiled ones are checked at 64 too
+# (phase, kernel) checked at OTHER_BLOCK on the CPU: block_padded on denoise, whose lengths pad differently
+# at 64 and 128 (4160 x 5376 vs 4224 x 5376; prefill's 5348 pads to 5376 at both). Eager flex on the
+# CPU computes every pair whatever the block (~3-4 s per seed-shaped call), so flex at 64 is checked on
+# small layouts (parity/test_attention_registry.py, test_attention_bf16.py) and at the seed shapes by
+# the GPU tier, which runs every kernel and phase at both blocks.
+OTHER_BLOCK_CASES = (("denoise", "block_padded"),)
 # The mask-free approximation must miss by orders of magnitude, not by rounding: its error must be
 # >= 1000 x the noise-floor bound (measured: ~3e5 x at prefill, ~7e5 x at denoise).
 MASK_FREE_MIN_MARGIN = 1e3
@@ -131,16 +139,21 @@ for _phase in PHASES:
 # -------------------------------------------------------------------------------------- kernels
 
 
-def _compare(kernel: str, inputs: seeds.PhaseInputs, check_id: str) -> Verdict:
+def _compare(kernel: str, inputs: seeds.PhaseInputs, check_id: str, block: int = kernels.BLOCK) -> Verdict:
     """The kernel policy: max|d| and relative L2 each within 4 x the reference's own fp32-vs-fp64 error."""
     return parity.compare_kernel(kernel, inputs.capture, parity.floor_policy(inputs.control), check_id,
-                                 layout=inputs.layout, expected=inputs.expected,
-                                 max_rel_l2=parity.rel_l2_bound(inputs.control))
+                                 block=block, layout=inputs.layout, expected=inputs.expected,
+                                 max_rel_l2=parity.rel_l2_bound(inputs.control), floor=inputs.control)
 
 
 def _kernel_vs_sdpa(phase: str, kernel: str, ctx: CheckContext) -> Verdict:
     inputs = _inputs(ctx, phase)
     return _compare(kernel, inputs, f"attention.{phase}.{kernel}.vs_sdpa")
+
+
+def _kernel_at_block(phase: str, kernel: str, block: int, ctx: CheckContext) -> Verdict:
+    inputs = _inputs(ctx, phase)
+    return _compare(kernel, inputs, f"attention.{phase}.{kernel}.block{block}.vs_sdpa", block)
 
 
 def _gqa_vs_sdpa(kernel: str, ctx: CheckContext) -> Verdict:
@@ -157,6 +170,11 @@ for _kernel in FAST_KERNELS:
             functools.partial(_kernel_vs_sdpa, _phase, _kernel))
     register(f"attention.gqa.{_kernel}.vs_sdpa", doc=f"{_kernel} with compressed KV heads vs expanded masked SDPA")(
         functools.partial(_gqa_vs_sdpa, _kernel))
+
+for _phase, _kernel in OTHER_BLOCK_CASES:
+    register(f"attention.{_phase}.{_kernel}.block{OTHER_BLOCK}.vs_sdpa",
+             doc=f"{_kernel} tiled at block {OTHER_BLOCK} vs masked SDPA at the seed {_phase} shapes")(
+        functools.partial(_kernel_at_block, _phase, _kernel, OTHER_BLOCK))
 
 
 def _detection(check_id: str, phase: str, free: Verdict) -> Verdict:

@@ -47,7 +47,8 @@ def _median_seconds(fn, rounds: int = 3) -> float:
 def _record(device: str, phase: str, name: str, seconds: float) -> None:
     _, inputs = _call(device, phase, name)
     layout = inputs.layout
-    MEASURED[(device, phase, name)] = {"seconds": seconds, "pairs": kernels.get_kernel(name).pairs(layout),
+    pairs = kernels.get_kernel(name).pairs(layout, kernels.BLOCK)
+    MEASURED[(device, phase, name)] = {"seconds": seconds, "pairs": pairs,
                                        "dense": layout.q_len * layout.kv_len, "heads": inputs.capture.heads}
 
 

@@ -31,7 +31,7 @@ def _run(case: KernelCase, name: str) -> torch.Tensor:
     return fn(q, k, v, case.layout, scale=capture.scale, block=case.block)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(kernel_cases())
 def test_kernels_match_masked_sdpa_on_the_capture_mask(case: KernelCase):
     capture = small_capture(case.layout, heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim,

@@ -4,12 +4,17 @@ layout      AttentionLayout (text prefix, image span, special rows; prefill or d
 masks       the mask rules as seams (span_bounds, causal_mask, image_span_mask, special_row_visibility,
             visibility, build_mask, causal_only)
 contract    the seed's formula as an independent oracle; verifier (mismatches, density, histogram, span)
-capture     npz capture I/O in the seed's format and the deterministic synthetic generator
-reference   the kernel signature, masked SDPA (reference) and the mask-free approximation
+capture     npz capture I/O in the seed's format, the deterministic synthetic generator, the capture
+            directory's checkpoint kind
+reference   the kernel signature kernel(query, key, value, layout, *, scale=None), masked SDPA
+            (reference) and the mask-free approximation
 decomposed  causal rows / span rows, concatenated (seam: split_rows)
-flex        flex_attention with mask_mod + BlockMask
-padded      block-padded to multiples of 128 (seam: pad_mask)
-kernels     the kernel registry: GQA claims, computed pairs, launch facts
-primitives  the SDPA / flex launches every kernel makes; spy records them
-parity      compare_kernel and the contract verdicts (used by the CPU catalogue and the GPU tier)
+flex        flex_attention with mask_mod + BlockMask at a block size (64, 128, ...)
+padded      block-padded to multiples of a block size (seams: pad_mask, padded_length)
+kernels     KernelSpec (GQA claim, computed pairs, launch proof, all at a block size) and register(),
+            the entry point that fills harness.plugins.ATTENTION_KERNELS / CHECKPOINT_KINDS
+primitives  the SDPA / flex launches every kernel makes (seam: gqa_operands); spy records them
+policy      tolerance policies from controls on stock code: fp32 floor, row-scaled low precision,
+            two-sided [K_MIN, K_MAX] bounds
+parity      compare_kernel (registered kernels, or the --impl under test) and the contract verdicts
 """

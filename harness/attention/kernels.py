@@ -1,36 +1,77 @@
 """The kernels behind one signature, what each claims (GQA), how many pairs each computes, and the
-launch facts that prove it ran its own way (not a silent fall back to the dense masked reference)."""
+launch facts that prove it ran its own way (not a silent fall back to the dense masked reference).
+
+Kernels live in ``harness.plugins.ATTENTION_KERNELS``: the shipped ones register through the
+entry point ``attention = "harness.attention.kernels:register"`` (and on first lookup, so a source
+checkout works uninstalled); an installed package registers its own ``KernelSpec`` the same way
+and ``parity.compare_kernel`` judges it exactly like the shipped ones. A block-tiled kernel takes
+``block=`` (64, 128, ...) and its pairs and launch proof are computed at that block size.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from harness.attention import decomposed, flex, padded, reference
+from harness import plugins
+from harness.attention import capture, decomposed, flex, padded, reference
 from harness.attention.layout import AttentionLayout
 from harness.attention.spy import Launch
 
-__all__ = ["KERNELS", "Fact", "KernelSpec", "block_coverage", "get_kernel", "gqa_fact"]
+__all__ = ["BLOCK", "KERNELS", "Fact", "KernelSpec", "block_coverage", "check_block", "get_kernel", "gqa_fact",
+           "register"]
 
 Fact = tuple[bool, str, dict[str, Any]]
+BLOCK = padded.BLOCK
+ORIGIN = "harness.attention.kernels:register"
+
+
+def check_block(block: int) -> int:
+    """A block size is a positive int (64, 128, ...); anything else is named."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block size must be a positive int (e.g. 64 or 128), got {block!r}")
+    return block
 
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """A kernel and what it claims. ``pairs`` counts the (query, key) scores it computes."""
+    """A kernel and what it claims.
+
+    ``fn(query, key, value, layout, *, scale=None)`` (plus ``block=`` when ``blocked``). ``pairs(layout,
+    block)`` counts the (query, key) scores it computes; ``proof(launches, layout, mask, block)`` turns
+    the recorded launches into facts proving it ran its own way. ``under_test``: ``--impl attention=...``
+    replaces it (False for the reference and the negative control, which judge, not get judged).
+    ``records_launches``: it launches through ``harness.attention.primitives``, so the spy sees its
+    launches (GQA heads included); a bare registered callable calls torch directly and is proven to
+    run by its call count only.
+    """
 
     name: str
-    fn: reference.Kernel
+    fn: Callable[..., torch.Tensor]
     gqa: bool
-    pairs: Callable[[AttentionLayout], int]
-    proof: Callable[[Sequence[Launch], AttentionLayout, torch.Tensor], list[Fact]]
+    pairs: Callable[[AttentionLayout, int], int]
+    proof: Callable[[Sequence[Launch], AttentionLayout, torch.Tensor, int], list[Fact]]
     doc: str
+    blocked: bool = False
+    under_test: bool = True
+    records_launches: bool = True
 
-    def __call__(self, query, key, value, layout, *, scale=None):
-        return self.fn(query, key, value, layout, scale=scale)
+    @classmethod
+    def from_callable(cls, name: str, fn: Callable[..., torch.Tensor]) -> KernelSpec:
+        """A registered bare ``kernel(query, key, value, layout, *, scale=None)``: judged on its numbers."""
+        doc = (fn.__doc__ or "").strip().splitlines()
+        return cls(name, fn, True, _dense_pairs, _no_launch_proof, doc[0] if doc else name, records_launches=False)
+
+    def bind(self, block: int = BLOCK) -> reference.Kernel:
+        """The kernel with the documented signature, at ``block`` when it is block-tiled."""
+        return functools.partial(self.fn, block=check_block(block)) if self.blocked else self.fn
+
+    def __call__(self, query, key, value, layout, *, scale=None, block: int = BLOCK):
+        return self.bind(block)(query, key, value, layout, scale=scale)
 
 
 def _one(launches: Sequence[Launch], primitive: str) -> Fact:
@@ -38,12 +79,12 @@ def _one(launches: Sequence[Launch], primitive: str) -> Fact:
     return (kinds == [primitive], f"exactly one {primitive} launch", {"launches": len(launches)})
 
 
-def _sdpa_proof(launches, layout, mask) -> list[Fact]:
+def _sdpa_proof(launches, layout, mask, block) -> list[Fact]:
     ok = bool(launches) and launches[0].mask == "bool" and launches[0].mask_shape[-2:] == (layout.q_len, layout.kv_len)
     return [_one(launches, "sdpa"), (ok, "the launch carries the dense (Q, KV) bool mask", {})]
 
 
-def _decomposed_proof(launches, layout, mask) -> list[Fact]:
+def _decomposed_proof(launches, layout, mask, block) -> list[Fact]:
     blocks = decomposed.split_rows(layout)
     rows = [launch.rows for launch in launches]
     kinds = sorted({launch.mask for launch in launches})
@@ -81,10 +122,13 @@ def block_coverage(block_mask, mask: torch.Tensor) -> dict[str, int]:
             "computed_tiles": int((partial | full).sum()), "tiles": q_tiles * kv_tiles}
 
 
-def _flex_proof(launches, layout, mask) -> list[Fact]:
+def _flex_proof(launches, layout, mask, block) -> list[Fact]:
     facts = [_one(launches, "flex")]
     if launches and launches[0].block_mask is not None:
         launch = launches[0]
+        tiles = tuple(launch.block_mask.BLOCK_SIZE)
+        facts.append((tiles == (block, block), f"the BlockMask tiles are {block} x {block}",
+                      {"block_mask_tiles": "x".join(map(str, tiles))}))
         cover = block_coverage(launch.block_mask, mask)
         facts.append((launch.mask_shape[-2:] == (layout.q_len, layout.kv_len)
                       and cover["skipped_visible_tiles"] == 0 and cover["false_full_tiles"] == 0,
@@ -92,50 +136,75 @@ def _flex_proof(launches, layout, mask) -> list[Fact]:
     return facts
 
 
-def _padded_proof(launches, layout, mask) -> list[Fact]:
+def _padded_proof(launches, layout, mask, block) -> list[Fact]:
     facts = [_one(launches, "sdpa")]
     if launches:
         launch = launches[0]
-        q_pad = padded.padded_length(layout.q_len)
-        kv_pad = padded.padded_length(layout.kv_len)
+        q_pad = -(-layout.q_len // block) * block  # computed here, not through the kernel's own seam
+        kv_pad = -(-layout.kv_len // block) * block
         facts.append(((launch.rows, launch.keys) == (q_pad, kv_pad) and launch.mask == "bool",
-                      f"the launch runs block-aligned ({padded.BLOCK}) lengths under a bool mask",
-                      {"padded_q": launch.rows, "padded_kv": launch.keys}))
+                      f"the launch runs block-aligned ({block}) lengths under a bool mask",
+                      {"padded_q": launch.rows, "padded_kv": launch.keys, "block": block}))
     return facts
 
 
-def _mask_free_proof(launches, layout, mask) -> list[Fact]:
+def _mask_free_proof(launches, layout, mask, block) -> list[Fact]:
     ok = bool(launches) and launches[0].mask in {"is_causal", "causal_bias"}
     return [_one(launches, "sdpa"), (ok, "the launch is causal only (no structured mask)", {})]
 
 
-def _flex_pairs(layout: AttentionLayout) -> int:
-    block_mask = flex.block_mask_for(layout)
+def _no_launch_proof(launches, layout, mask, block) -> list[Fact]:
+    return []
+
+
+def _flex_pairs(layout: AttentionLayout, block: int) -> int:
+    block_mask = flex.block_mask_for(layout, block=block)
     tiles = int(block_mask.kv_num_blocks.sum() + block_mask.full_kv_num_blocks.sum())
-    return tiles * padded.BLOCK * padded.BLOCK
+    return tiles * block * block
+
+
+def _dense_pairs(layout: AttentionLayout, block: int) -> int:
+    return layout.q_len * layout.kv_len
 
 
 KERNELS: dict[str, KernelSpec] = {spec.name: spec for spec in (
-    KernelSpec("sdpa", reference.masked_sdpa, True, lambda lay: lay.q_len * lay.kv_len, _sdpa_proof,
-               "masked SDPA with the dense structured mask (reference)"),
+    KernelSpec("sdpa", reference.masked_sdpa, True, _dense_pairs, _sdpa_proof,
+               "masked SDPA with the dense structured mask (reference)", under_test=False),
     KernelSpec("decomposed", decomposed.decomposed, True,
-               lambda lay: sum(b.pairs for b in decomposed.split_rows(lay)), _decomposed_proof,
+               lambda lay, block: sum(b.pairs for b in decomposed.split_rows(lay)), _decomposed_proof,
                "causal rows / span rows, concatenated"),
     KernelSpec("flex", flex.flex_structured, True, _flex_pairs, _flex_proof,
-               "flex_attention with mask_mod + BlockMask (block-sparse pairs; eager CPU computes all)"),
+               "flex_attention with mask_mod + BlockMask (block-sparse pairs; eager CPU computes all)", blocked=True),
     KernelSpec("block_padded", padded.block_padded, True,
-               lambda lay: padded.padded_length(lay.q_len) * padded.padded_length(lay.kv_len), _padded_proof,
-               "padded to multiples of 128 under a consistent mask"),
-    KernelSpec("mask_free", reference.mask_free, True, lambda lay: lay.q_len * lay.kv_len, _mask_free_proof,
-               "is_causal only: not a valid approximation"),
+               lambda lay, block: padded.padded_length(lay.q_len, block) * padded.padded_length(lay.kv_len, block),
+               _padded_proof, "padded to multiples of the block under a consistent mask", blocked=True),
+    KernelSpec("mask_free", reference.mask_free, True, _dense_pairs, _mask_free_proof,
+               "is_causal only: not a valid approximation (the negative control)", under_test=False),
 )}
 
 
+def register(plugins_module: Any = plugins) -> None:
+    """Entry point of the suite's own kernels and capture kind (idempotent: same objects every time)."""
+    for name, spec in KERNELS.items():
+        plugins_module.ATTENTION_KERNELS.register(name, spec, origin=ORIGIN)
+    plugins_module.CHECKPOINT_KINDS.register(capture.CAPTURE_KIND.name, capture.CAPTURE_KIND, origin=ORIGIN)
+
+
 def get_kernel(name: str) -> KernelSpec:
+    """The registered kernel ``name`` (shipped or from an installed package; a bare callable is wrapped)."""
+    register(plugins)
     try:
-        return KERNELS[name]
+        entry = plugins.ATTENTION_KERNELS.get(name)
     except KeyError:
-        raise ValueError(f"unknown attention kernel {name!r}; known: {sorted(KERNELS)}") from None
+        raise ValueError(f"unknown attention kernel {name!r}; known: {plugins.ATTENTION_KERNELS.names()}. "
+                         f"{plugins.ATTENTION_KERNELS.how_to_add}") from None
+    if isinstance(entry, KernelSpec):
+        return entry
+    if callable(entry):
+        return KernelSpec.from_callable(name, entry)
+    raise TypeError(f"attention kernel {name!r} ({plugins.ATTENTION_KERNELS.origin(name) or 'unknown origin'}) must "
+                    f"be a harness.attention.kernels.KernelSpec or a callable kernel(query, key, value, layout, *, "
+                    f"scale=None), got {type(entry).__name__}")
 
 
 def gqa_fact(launches: Sequence[Launch], kv_heads: int) -> Fact:

@@ -10,17 +10,27 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from harness import conformance
 from harness.attention import contract, kernels, masks, spy
 from harness.attention.capture import Capture
 from harness.attention.layout import AttentionLayout
-from harness.attention.reference import attend_masked, expand_kv
-from harness.compare import NoiseFloor, Policy, Verdict, expect, max_abs_diff, noise_floor, rel_l2
+from harness.attention.policy import (
+    K_MAX,
+    K_MIN,
+    FloorControl,
+    bounded,
+    floor_control,
+    floor_policy,
+    reference_output,
+    rel_l2_bound,
+)
+from harness.compare import Policy, Verdict, expect
 
 __all__ = [
+    "OUTPUT_DIMS",
     "FloorControl",
     "builder_verdict",
     "compare_kernel",
@@ -34,83 +44,71 @@ __all__ = [
 OUTPUT_DIMS = ("batch", "head", "query row")
 
 
-def reference_output(capture: Capture, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Masked SDPA of the capture under its own mask, (B, H, Q, D), optionally in another dtype."""
-    q, k, v = capture.heads_first()
-    if dtype is not None:
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    k, v = expand_kv(k, capture.heads), expand_kv(v, capture.heads)
-    return attend_masked(q, k, v, capture.mask, scale=capture.scale)
-
-
-@dataclass(frozen=True)
-class FloorControl:
-    """The reference's own error against an fp64 ground truth: the noise floor of its dtype."""
-
-    max_abs: float
-    rel_l2: float
-    dtype: str
-
-
-def floor_control(capture: Capture, reference: torch.Tensor | None = None) -> FloorControl:
-    ref = reference_output(capture) if reference is None else reference
-    truth = reference_output(capture, torch.float64)
-    return FloorControl(max_abs_diff(ref.double(), truth), rel_l2(ref.double(), truth), str(ref.dtype))
-
-
-def floor_policy(control: FloorControl, k: float = 4.0) -> NoiseFloor:
-    """max|d| within k x the reference's own error against fp64 on the same capture.
-
-    A kernel exactly as accurate as the reference differs from it by at most twice the reference's
-    error (both lie within the floor of the truth); k = 4 leaves room for a kernel up to 3x less
-    accurate (another reduction order, blockwise softmax), while one missed key at S ~ 5k moves
-    outputs by ~1e-4, two orders of magnitude above the fp32 floor (~1e-7 .. 5e-7 measured).
-    """
-    reason = f"k x masked SDPA {control.dtype} vs fp64 on the same capture"
-    return noise_floor(control.max_abs, k, metric="max_abs", reason=reason)
-
-
-def rel_l2_bound(control: FloorControl, k: float = 4.0) -> float:
-    """The relative-L2 twin of ``floor_policy``: k x the reference's own relative L2 vs fp64."""
-    return k * control.rel_l2
-
-
 def _policies(policy: Policy | Sequence[Policy]) -> list[Policy]:
     return [policy] if isinstance(policy, Policy) else list(policy)
 
 
+def _kernel_under_test(spec: kernels.KernelSpec, block: int) -> tuple[kernels.reference.Kernel, str | None]:
+    """The callable to judge: the spec at ``block``, or the user's ``--impl attention=...`` in its place."""
+    default = spec.bind(block)
+    if not spec.under_test:
+        return default, None
+    return conformance.resolve("attention", default), conformance.active("attention")
+
+
 def compare_kernel(kernel: kernels.KernelSpec | str, capture: Capture, policy: Policy | Sequence[Policy],
-                   check_id: str, *, layout: AttentionLayout | None = None, expected: torch.Tensor | None = None,
-                   max_rel_l2: float | None = None) -> Verdict:
-    """Run ``kernel`` on ``capture`` and judge it against the capture's masked SDPA under ``policy``.
+                   check_id: str, *, block: int = kernels.BLOCK, layout: AttentionLayout | None = None,
+                   expected: torch.Tensor | None = None, max_rel_l2: float | None = None,
+                   floor: FloorControl | float | None = None) -> Verdict:
+    """Run ``kernel`` (a registered name or a KernelSpec) on ``capture`` at ``block`` and judge it
+    against the capture's masked SDPA under ``policy``.
 
     ``layout`` defaults to the one detected in the capture's mask; ``expected`` lets a caller reuse a
-    cached reference; ``max_rel_l2`` adds a relative-L2 bound. The verdict also requires the
-    kernel's launch facts (and, for a GQA capture, that the compressed key/value heads reached it).
+    cached reference; ``max_rel_l2`` adds a relative-L2 bound; ``floor`` is the floor measured on stock
+    code that every bound must stay within [K_MIN, K_MAX] of (a FloorControl bounds max|d| and the
+    relative L2; a float bounds max|d|; a row-scaled policy carries its own control). The verdict
+    also requires the kernel's launch facts at ``block`` (and, for a GQA capture, that the compressed
+    key/value heads reached every launch). Under ``--impl attention=MOD:FN`` the
+    user's callable replaces every kernel under test and must be seen to run.
     """
     spec = kernels.get_kernel(kernel) if isinstance(kernel, str) else kernel
+    block = kernels.check_block(block)
     gqa = capture.kv_heads < capture.heads
     if gqa and not spec.gqa:
         raise ValueError(f"kernel {spec.name} does not claim GQA; capture {capture.name} has "
                          f"{capture.heads} query heads over {capture.kv_heads} key/value heads")
     layout = contract.detect_layout(capture.mask) if layout is None else layout
     expected = reference_output(capture) if expected is None else expected
+    fn, impl = _kernel_under_test(spec, block)
     q, k, v = capture.heads_first()
+    calls_before = conformance.calls("attention")
     with spy.recording() as launches:
-        actual = spec(q, k, v, layout, scale=capture.scale)
-    what = f"{spec.name} output on {capture.name}"
+        actual = fn(q, k, v, layout, scale=capture.scale)
+    name = spec.name if impl is None else impl
+    what = f"{name} output on {capture.name}"
     judged = [p.judge(check_id, actual, expected, dims=OUTPUT_DIMS, what=what) for p in _policies(policy)]
     verdict = functools.reduce(Verdict.merge, judged)
+    max_abs_floor = floor.max_abs if isinstance(floor, FloorControl) else floor
+    for p in _policies(policy):
+        verdict = bounded(verdict, p, max_abs_floor)
     if max_rel_l2 is not None:
         measured = verdict.metrics["rel_l2"]
         verdict = verdict.require(measured <= max_rel_l2, f"relative L2 {measured:.3e} <= {max_rel_l2:.3e}",
                                   rel_l2_bound=max_rel_l2)
-    for ok, fact, metrics in spec.proof(launches, layout, capture.mask[0, 0]):
-        verdict = verdict.require(ok, fact, **metrics)
-    if gqa:
-        ok, fact, metrics = kernels.gqa_fact(launches, capture.kv_heads)
-        verdict = verdict.require(ok, fact, **metrics)
-    return verdict.with_metrics(kernel=spec.name, layout=layout.describe(), heads=capture.heads,
+        if not isinstance(floor, FloorControl):
+            raise ValueError("max_rel_l2 needs floor=FloorControl: its stock relative L2 bounds it from both sides")
+        verdict = verdict.require_bounded(max_rel_l2, floor.rel_l2, k_min=K_MIN, k_max=K_MAX,
+                                          what="relative L2 bound")
+    if impl is not None:
+        ran = conformance.calls("attention") - calls_before
+        verdict = verdict.require(ran == 1, f"the implementation under test {impl} ran once", impl_calls=ran)
+    elif spec.records_launches:
+        for ok, fact, metrics in spec.proof(launches, layout, capture.mask[0, 0], block):
+            verdict = verdict.require(ok, fact, **metrics)
+        if gqa:
+            ok, fact, metrics = kernels.gqa_fact(launches, capture.kv_heads)
+            verdict = verdict.require(ok, fact, **metrics)
+    return verdict.with_metrics(kernel=name, block=block, layout=layout.describe(), heads=capture.heads,
                                 kv_heads=capture.kv_heads)
 
 

@@ -1,7 +1,8 @@
 """Record the primitive launches a kernel makes, so a check can prove the fast path ran.
 
-The recorder wraps ``primitives.sdpa`` / ``primitives.flex`` for the duration of a block and always
-restores them; kernels look the primitives up through their module at call time, so they see it.
+The recorder wraps ``primitives.launch_sdpa`` / ``primitives.launch_flex`` (the calls into torch, after
+the key/value heads are decided) for the duration of a block and always restores them; the primitives
+look them up through their module at call time, so every kernel's launches are seen.
 """
 
 from __future__ import annotations
@@ -51,20 +52,20 @@ def _mask_kind(attn_mask: Any, is_causal: bool) -> tuple[str, tuple[int, ...]]:
 @contextlib.contextmanager
 def recording() -> Iterator[list[Launch]]:
     launches: list[Launch] = []
-    sdpa, flex = primitives.sdpa, primitives.flex
+    sdpa, flex = primitives.launch_sdpa, primitives.launch_flex
 
-    def sdpa_spy(query, key, value, *, attn_mask=None, is_causal=False, scale):
+    def sdpa_spy(query, key, value, *, attn_mask=None, is_causal=False, scale, enable_gqa):
         kind, shape = _mask_kind(attn_mask, is_causal)
         launches.append(Launch("sdpa", tuple(query.shape), tuple(key.shape), kind, shape))
-        return sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+        return sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
-    def flex_spy(query, key, value, *, block_mask: BlockMask, scale):
+    def flex_spy(query, key, value, *, block_mask: BlockMask, scale, enable_gqa):
         launches.append(Launch("flex", tuple(query.shape), tuple(key.shape), "block_mask",
                                tuple(block_mask.shape), block_mask))
-        return flex(query, key, value, block_mask=block_mask, scale=scale)
+        return flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
-    primitives.sdpa, primitives.flex = sdpa_spy, flex_spy
+    primitives.launch_sdpa, primitives.launch_flex = sdpa_spy, flex_spy
     try:
         yield launches
     finally:
-        primitives.sdpa, primitives.flex = sdpa, flex
+        primitives.launch_sdpa, primitives.launch_flex = sdpa, flex
