@@ -1,30 +1,34 @@
 """GPU tier of decode: a real MiniMax-H3 VAE sharded over every visible GPU (NCCL) vs the stock decode.
 
-Bit-exact in fp32 and bf16 alike: the sharded path runs the same clip decodes and the library's own
-post-loop, so any difference is a bug, not rounding. On ``--device cpu`` (the dry run) the world is
-two gloo ranks and the tiles are shrunk so a tiny checkpoint decodes in seconds; on CUDA the
-model's own tile geometry is kept.
+Bit-exact in fp32 and bf16 alike: the sharded path runs the same clip and tile decodes and the
+library's own post-loop, so any difference is a bug, not rounding. The model's own tile geometry is
+kept everywhere (the tiny checkpoint has the released clip and tile geometry with shrunken channels),
+and each latent frame is one latent pixel wider than a tile, so every clip is a 2 x 2 tile grid. On
+``--device cpu`` (the dry run) the world is two gloo ranks and the video is the shortest of two clips;
+on CUDA it is four clips over every visible GPU (NCCL).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from fixtures import decode_tasks
 from harness import checkpoints, launch
 from harness.checks import CheckContext
 from harness.compare import Verdict, exact
-from parity.decode_checks import compare_sharded_decode
+from harness.decode.judge import compare_sharded_decode
 
-__all__ = ["CheckpointDecodeJob", "decode_bitexact", "world_size"]
+__all__ = ["GPU_CHECKS", "CheckpointDecodeJob", "CheckpointEncodeJob", "decode_autocast_bitexact", "decode_bitexact",
+           "decode_gather_to_one", "encode_bitexact", "world_size"]
 
 DRY_RUN_WORLD = 2
-LATENT_FRAMES = 22  # 4 clips: every rank of a small world owns one, and cross-fades are exercised
-TILE_GRID = 1.5  # latent extent in tiles: a 2 x 2 tile grid per clip
+LATENT_FRAMES = 22  # 4 clips on a GPU node: cross-fades exercised, 16 tile decodes to spread
+DRY_RUN_LATENT_FRAMES = 8  # 2 clips (a padded tail) on the CPU: one cross-fade, 8 tile decodes
+ENCODE_CLIPS = 2  # pixel clips of the encode check (the last one padded by repetition)
 
 
 @functools.cache
@@ -43,18 +47,19 @@ class CheckpointDecodeJob:
     frames: int = LATENT_FRAMES
     seed: int = 1234
     shard: bool = True
+    transport: str = "all_gather"
+    dst: int = 0
+    split: str = "auto"
+    autocast: str = ""
 
     def build_vae(self) -> Any:
         vae = _load_vae(self.path, self.dtype_name)
-        ratio = vae.spatial_compression_ratio
-        if self.dry_run:
-            vae.enable_tiling(4 * ratio, 4 * ratio, 2 * ratio, 2 * ratio)
-        else:
-            vae.enable_tiling()
+        vae.enable_tiling()  # the model's own tile geometry, as the pipeline decodes
         return vae
 
     def latent_hw(self, vae: Any) -> int:
-        return math.ceil(TILE_GRID * vae.tile_sample_min_height / vae.spatial_compression_ratio)
+        """One latent pixel past a tile: the smallest frame the model splits into 2 x 2 tiles."""
+        return vae.tile_sample_min_height // vae.spatial_compression_ratio + 1
 
     def build_latents(self, device: torch.device) -> torch.Tensor:
         vae = self.build_vae()
@@ -62,6 +67,31 @@ class CheckpointDecodeJob:
         generator = torch.Generator().manual_seed(self.seed)
         z = torch.randn((1, vae.config.latent_channels, self.frames, side, side), generator=generator)
         return z.to(device=device, dtype=getattr(torch, self.dtype_name))
+
+
+@dataclass(frozen=True)
+class CheckpointEncodeJob:
+    """A real checkpoint encoding a seeded pixel video of ENCODE_CLIPS clips, 2 x 2 tiles per frame."""
+
+    path: str
+    dtype_name: str
+    frames: int
+    seed: int = 99
+    transport: str = "all_gather"
+    dst: int = 0
+    autocast: str = ""
+
+    def build_vae(self) -> Any:
+        vae = _load_vae(self.path, self.dtype_name)
+        vae.enable_tiling()
+        return vae
+
+    def build_video(self, device: torch.device) -> torch.Tensor:
+        vae = self.build_vae()
+        side = vae.tile_sample_min_height + vae.spatial_compression_ratio
+        generator = torch.Generator().manual_seed(self.seed)
+        x = torch.randn((1, vae.config.in_channels, self.frames, side, side), generator=generator)
+        return x.to(device=device, dtype=getattr(torch, self.dtype_name))
 
 
 def world_size(ctx: CheckContext) -> int:
@@ -79,7 +109,49 @@ def world_size(ctx: CheckContext) -> int:
 
 def decode_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
     """Every rank's sharded video bitwise equal to the stock decode in ctx.dtype, per-rank SHA-256 equal."""
-    job = CheckpointDecodeJob(str(ctx.checkpoint), str(ctx.dtype).removeprefix("torch."),
-                              dry_run=ctx.device.type != "cuda")
+    dry_run = ctx.device.type != "cuda"
+    job = CheckpointDecodeJob(str(ctx.checkpoint), str(ctx.dtype).removeprefix("torch."), dry_run=dry_run,
+                              frames=DRY_RUN_LATENT_FRAMES if dry_run else LATENT_FRAMES)
     world = ctx.world(world_size(ctx))
-    return compare_sharded_decode(world, job, check_id, policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
+    return compare_sharded_decode(world, decode_tasks.decode_task, job, check_id, sharded=world.size > 1,
+                                  policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
+
+
+def _decode_job(ctx: CheckContext, **options: Any) -> CheckpointDecodeJob:
+    dry_run = ctx.device.type != "cuda"
+    return CheckpointDecodeJob(str(ctx.checkpoint), str(ctx.dtype).removeprefix("torch."), dry_run=dry_run,
+                               frames=DRY_RUN_LATENT_FRAMES if dry_run else LATENT_FRAMES, **options)
+
+
+def decode_gather_to_one(check_id: str, ctx: CheckContext) -> Verdict:
+    """Gather-to-one onto the last rank: it holds the stock video bitwise, every other rank returns None."""
+    world = ctx.world(world_size(ctx))
+    job = _decode_job(ctx, transport="gather", dst=world.size - 1)
+    return compare_sharded_decode(world, decode_tasks.decode_task, job, check_id, sharded=world.size > 1,
+                                  policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
+
+
+def decode_autocast_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
+    """Stock and sharded decode both under the pipeline's fp16 autocast: bitwise equal."""
+    world = ctx.world(world_size(ctx))
+    return compare_sharded_decode(world, decode_tasks.decode_task, _decode_job(ctx, autocast="float16"), check_id,
+                                  sharded=world.size > 1, policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
+
+
+def encode_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
+    """The sharded encode's moments bitwise equal to ``vae.encode``'s on every rank."""
+    world = ctx.world(world_size(ctx))
+    vae = _load_vae(str(ctx.checkpoint), str(ctx.dtype).removeprefix("torch."))
+    job = CheckpointEncodeJob(str(ctx.checkpoint), str(ctx.dtype).removeprefix("torch."),
+                              frames=ENCODE_CLIPS * vae.config.clip_length - 1)
+    return compare_sharded_decode(world, decode_tasks.encode_task, job, check_id, sharded=world.size > 1,
+                                  policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
+
+
+# the gpu catalogue's further decode checks (gpu/checks.py registers each as functools.partial(judge, id))
+GPU_CHECKS = {
+    "decode.gpu.gather_to_one": (decode_gather_to_one, "gather-to-one onto the last rank: it holds the stock video "
+                                                       "bitwise, every other rank returns None"),
+    "decode.gpu.fp16_autocast": (decode_autocast_bitexact, "stock and sharded decode under fp16 autocast: bitwise"),
+    "decode.gpu.encode_bitexact": (encode_bitexact, "sharded encode moments bitwise equal to vae.encode's"),
+}

@@ -1,9 +1,11 @@
 """Ablations of the decode path: known bugs re-introduced over its seams.
 
-The first five are the bugs named in issue 5 (seed 003's failure modes); the last two prove the spies
-have teeth: a sharded decode that silently decodes everything on every rank, and a gate that ignores
-the opt-in flag and the W == 1 fallback, both produce bit-exact videos and are caught only by the
-clip-call and collective counts.
+Seed 003's failure modes (issue 5), the fail-closed steps after the probe (issue 13.6), the tile,
+transport, encode and buffer-cache bugs of issue 14, the spies' teeth (a sharded path that decodes
+everything everywhere, a gate that ignores the flag) and the oracle's (a plan that mislabels the
+cross-fade frames, which no parity comparison reads). Splits of the tiny geometry (3 x 3 tiles per
+clip): t37 shards tiles at W = 2, 3, 4, 6, 8; t22 clips at W = 2, 4 and tiles at 3, 5, 8; t12 clips at
+W = 2, tiles at 4, 8; t30.w4, t13.w7 and t9.w8 tiles; t13.w3 clips.
 """
 
 from __future__ import annotations
@@ -20,62 +22,67 @@ from harness.decode.exchange import Probe, ProbeStatus, ShardedDecodeError
 from harness.decode.serve import bound
 from harness.dist import WorldTaskError
 
-# ------------------------------------------------------------------ gathered clips left in rank-major order
+ENCODES = ["decode.encode.f40.w2.bitexact", "decode.encode.f51.w4.bitexact",
+           "decode.encode.f40.w3.gather_dst1.bitexact", "decode.encode.f40.w2.fp16_autocast.bitexact"]
+FAIL_CLOSED = "ranks raise ShardedDecodeError; no hang"
+
+# ------------------------------------------------------------------ gathered pieces left in rank-major order
 
 
-def _rank_major(slabs: Sequence[torch.Tensor], plan: plan_mod.ClipPlan, world_size: int) -> list[torch.Tensor]:
-    """Rank 0's clips, then rank 1's, ...: right only while every rank owns at most one clip."""
+def _rank_major(slabs: Sequence[torch.Tensor], num_units: int, world_size: int) -> list[torch.Tensor]:
+    """Rank 0's pieces, then rank 1's, ...: right only while every rank owns at most one piece."""
     return [slabs[rank][slot] for rank in range(world_size)
-            for slot in range(len(plan_mod.owned_clips(plan, rank, world_size)))]
+            for slot in range(len(plan_mod.owned_units(num_units, rank, world_size)))]
 
 
 ablation(
     name="decode.rank_major_order",
-    seam="harness.decode.exchange:order_gathered",
+    seam="harness.decode.exchange:order_units",
     replacement=_rank_major,
-    kills=["decode.t37.w2.bitexact", "decode.t37.w4.bitexact", "decode.t22.w2.bitexact",
-           "decode.t30.w4.bitexact", "decode.t22.w3.batch2.bitexact", "decode.t37.w4.bf16.bitexact",
-           "decode.t37.w3.decoded_once"],
-    why="round-robin ownership interleaves clips across ranks; concatenating the gathered slabs rank by rank "
-        "puts clip r+W right after clip r wherever a rank owns two or more clips",
+    kills=["decode.t37.w2.bitexact", "decode.t22.w2.bitexact", "decode.t30.w4.bitexact",
+           "decode.t37.w3.decoded_once", "decode.t22.w3.batch2.bitexact"],
+    why="round-robin ownership interleaves pieces across ranks; concatenating the gathered slabs rank by rank "
+        "puts piece r+W right after piece r wherever a rank owns two or more",
     kill_mode="tolerance",
 )
 
-# ------------------------------------------------------------------ an idle rank's zero slab taken as a clip
+# ------------------------------------------------------------------ a short rank's zero padding taken as a piece
 
 
-def _every_slot(slabs: Sequence[torch.Tensor], plan: plan_mod.ClipPlan, world_size: int) -> list[torch.Tensor]:
+def _every_slot(slabs: Sequence[torch.Tensor], num_units: int, world_size: int) -> list[torch.Tensor]:
     """Every gathered slot in round-robin order, the zero padding of short and idle ranks included."""
     return [slab[slot] for slot in range(slabs[0].shape[0]) for slab in slabs]
 
 
 ablation(
     name="decode.idle_zero_slab_taken",
-    seam="harness.decode.exchange:order_gathered",
+    seam="harness.decode.exchange:order_units",
     replacement=_every_slot,
-    kills=["decode.t37.w8.bitexact", "decode.t22.w8.bitexact", "decode.t12.w4.bitexact",
-           "decode.t12.w8.bitexact", "decode.t9.w8.bitexact", "decode.t37.w2.bitexact",
-           "decode.t12.w8.bf16.bitexact"],
-    why="a rank with no clip (W > clips), or fewer than the slab holds, sends zeros so the all-gather sizes "
-        "match; taking those zeros as clips hands the post-loop more clips than the plan has, which the clip "
-        "server refuses on every rank (ShardedDecodeError -> WorldTaskError, all ranks raised)",
+    kills=["decode.t37.w8.bitexact", "decode.t12.w4.bitexact", "decode.t9.w8.bitexact",
+           "decode.t13.w7.bitexact"],
+    why="a rank with fewer pieces than the slab holds sends zeros so the gather sizes match; taking those zeros "
+        "as pieces hands the post-loop more pieces than the plan has, which the server refuses, and the assemble "
+        "status exchange makes every rank raise (WorldTaskError, all ranks raised)",
     raises=(WorldTaskError,),
     kill_mode="raises",
 )
 
-# ------------------------------------------------------------------ one cross-fade skipped
+# ------------------------------------------------------------------ one temporal cross-fade skipped
 
 
 def _skip_first_crossfade(original: Callable[[Any, torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
     def run_post_loop(vae: Any, z: torch.Tensor) -> torch.Tensor:
         blend = vae._blend
-        calls = [0]
+        fades = [0]
 
-        def blend_all_but_first(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> torch.Tensor:
-            calls[0] += 1
-            return b if calls[0] == 1 else blend(a, b, extent, dim)
+        def blend_all_but_first_fade(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> torch.Tensor:
+            if dim == -3:
+                fades[0] += 1
+                if fades[0] == 1:
+                    return b
+            return blend(a, b, extent, dim)
 
-        with bound(vae, "_blend", blend_all_but_first):
+        with bound(vae, "_blend", blend_all_but_first_fade):
             return original(vae, z)
 
     return run_post_loop
@@ -86,20 +93,19 @@ ablation(
     seam="harness.decode.serve:run_post_loop",
     replacement=_skip_first_crossfade,
     wraps=True,
-    kills=["decode.gpu.bitexact", "decode.t37.w2.bitexact", "decode.t37.w8.bitexact", "decode.t22.w4.bitexact",
-           "decode.t12.w2.bitexact", "decode.t12.w8.bitexact", "decode.t30.w4.bitexact",
-           "decode.t37.w4.bf16.bitexact"],
-    why="clips 0 and 1 overlap by frame_overlap pixel frames; taking clip 1's frames unblended changes "
-        "exactly those frames, a post-loop that is not the library's",
+    kills=["decode.gpu.bitexact", "decode.t22.w4.bitexact", "decode.t12.w2.bitexact", "decode.t13.w3.bitexact",
+           "decode.t12.w8.bitexact"],
+    why="clips 0 and 1 overlap by frame_overlap pixel frames; taking clip 1's frames unblended changes exactly "
+        "those frames, a post-loop that is not the library's",
     kill_mode="tolerance",
 )
 
-# ------------------------------------------------------------------ shape agreement from the local clip only
+# ------------------------------------------------------------------ shape agreement from the local piece only
 
 
 def _local_shape_only(probes: Sequence[Probe], rank: int) -> tuple[tuple[int, ...], torch.dtype]:
-    """Trust this rank's own clip (an idle rank borrows the first working rank's): nobody else's failure
-    or extent is seen, so a faulty rank stops alone and the others enter the payload gather without it."""
+    """Trust this rank's own piece (an idle rank borrows the first working rank's): nobody else's failure
+    or extent is seen, so a faulty rank stops alone and the others go on without it."""
     mine = probes[rank]
     if mine.status != ProbeStatus.OK:
         raise ShardedDecodeError(f"rank {rank}: {mine.status.describe()}")
@@ -113,59 +119,99 @@ ablation(
     seam="harness.decode.exchange:agree_on_shapes",
     replacement=_local_shape_only,
     kills=["decode.fault.w8.decoder_raises", "decode.fault.w8.ragged_clip"],
-    why="seed 003's first iteration: agreement from the local clip only leaves 7 ranks blocked in the clip "
-        "all-gather when rank 3's decoder raises (they are reported blocked after the grace period), and a "
-        "ragged clip makes gloo abort the mismatched gather; either way not '8/8 ranks raise; no hang'",
+    why="seed 003's first iteration: agreement from the local piece only leaves 7 ranks blocked in the next "
+        "collective when rank 3's decoder raises (reported blocked after the grace period), and a ragged piece "
+        "makes gloo abort the mismatched gather; either way not every rank raising ShardedDecodeError together",
     hang_timeout_s=10.0,
     kill_mode="fact",
-    fact="8/8 ranks raise",
+    fact=FAIL_CLOSED,
 )
 
-# ------------------------------------------------------------------ only rank 0's clips used
+# ------------------------------------------------------------------ only rank 0's pieces used
 
 
-def _rank0_slab_for_all(clips: Sequence[torch.Tensor], slots: int, shape: tuple[int, ...], dtype: torch.dtype,
-                        device: torch.device, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
-    """Broadcast instead of all-gather: every rank ends up with rank 0's slab in every rank's place."""
-    payload = torch.zeros((slots, *shape), dtype=dtype, device=device)
-    for slot, clip in enumerate(clips):
-        payload[slot].copy_(clip)
+def _rank0_slab_for_all(payload: torch.Tensor, received: list[torch.Tensor] | None, transport: str, dst: int,
+                        group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Broadcast instead of gathering: every rank ends up with rank 0's slab in every rank's place."""
     dist.broadcast(payload, src=0, group=group)
     return [payload] * dist.get_world_size(group)
 
 
 ablation(
     name="decode.rank0_clips_only",
-    seam="harness.decode.exchange:gather_clips",
+    seam="harness.decode.exchange:collect",
     replacement=_rank0_slab_for_all,
-    kills=[f"decode.t{t}.w{w}.bitexact" for t in (37, 22, 12) for w in (2, 4, 8)]
-    + ["decode.gpu.bitexact", "decode.t30.w4.bitexact", "decode.t13.w3.bitexact", "decode.t9.w8.bitexact",
-       "decode.t22.w3.batch2.bitexact", "decode.t22.w2.batch2_sliced.bitexact", "decode.t37.w4.bf16.bitexact",
-       "decode.t12.w8.bf16.bitexact", "decode.t37.w3.decoded_once"],
-    why="every clip owned by rank r > 0 is replaced by one of rank 0's clips, so all but rank 0's frames are "
-        "wrong on every rank while the shapes, the call counts and the collective count still look right",
+    kills=["decode.gpu.bitexact", "decode.t37.w4.bitexact", "decode.t22.w8.bitexact",
+           "decode.t22.w2.fp16_autocast.bitexact", "decode.t37.w8.fp16_autocast.bitexact",
+           "decode.t22.w2.batch2_sliced.bitexact", "decode.encode.f40.w2.bitexact", "decode.encode.f51.w4.bitexact"],
+    why="every piece owned by rank r > 0 is replaced by one of rank 0's, so all but rank 0's frames are wrong on "
+        "every receiving rank while the shapes still look right",
     kill_mode="tolerance",
 )
 
-# ------------------------------------------------------------------ every rank decodes every clip (spy teeth)
+# ------------------------------------------------------------------ a wrong-valued piece of the right shape
 
 
-def _all_clips(plan: plan_mod.ClipPlan, rank: int, world_size: int) -> tuple[int, ...]:
+def _last_piece_scaled(compute: Callable[[int], torch.Tensor],
+                       units: Sequence[int]) -> tuple[list[torch.Tensor], BaseException | None]:
+    pieces = [compute(unit) for unit in units]
+    if pieces:
+        pieces[-1] = pieces[-1] * (1 + 2.0 ** -6)
+    return pieces, None
+
+
+ablation(
+    name="decode.wrong_valued_piece",
+    seam="harness.decode.sharded:decode_pieces",
+    replacement=_last_piece_scaled,
+    kills=["decode.t22.w5.bitexact", "decode.t37.w6.bitexact", "decode.t12.w8.bf16.bitexact",
+           "decode.t37.w4.bf16.bitexact", "decode.t22.w2.gather.bitexact", "decode.encode.f1.w2.bitexact",
+           "decode.encode.f40.w2.fp16_autocast.bitexact"],
+    why="every shape, count and hash-free spy is right and only the values of one piece per rank are off (a clip "
+        "decoded from a stale or neighbouring window): the probe cannot see it, only the bitwise comparison can",
+    kill_mode="tolerance",
+)
+
+# ------------------------------------------------------------------ status exchanges after the probe skipped
+
+
+def _no_status_exchange(step: str, failure: BaseException | None, rank: int, device: torch.device,
+                        group: dist.ProcessGroup | None = None) -> None:
+    return None
+
+
+ablation(
+    name="decode.status_exchange_skipped",
+    seam="harness.decode.exchange:confirm",
+    replacement=_no_status_exchange,
+    kills=["decode.fault.w8.gather_raises", "decode.fault.w8.post_loop_raises"],
+    why="issue 13.6: fail-closed only at the probe. A rank whose gather buffers fail stops alone and the other "
+        "7 block in the payload all-gather; a rank whose post-loop fails returns nothing while the others return "
+        "a video. Either way not every rank raising ShardedDecodeError together",
+    hang_timeout_s=10.0,
+    kill_mode="fact",
+    fact=FAIL_CLOSED,
+)
+
+# ------------------------------------------------------------------ every rank decodes every piece (spy teeth)
+
+
+def _all_units(num_units: int, rank: int, world_size: int) -> tuple[int, ...]:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size} ranks")
-    return tuple(range(plan.num_clips))
+    return tuple(range(num_units))
 
 
 ablation(
     name="decode.every_rank_decodes_all",
-    seam="harness.decode.plan:owned_clips",
-    replacement=_all_clips,
-    kills=[f"decode.t{t}.w{w}.bitexact" for t in (37, 22, 12) for w in (2, 4, 8)]
-    + ["decode.t37.w3.decoded_once", "decode.t30.w4.bitexact", "decode.t22.w2.batch2_sliced.bitexact"],
-    why="seed 003's waste itself: every rank decodes the whole video; the gathered video is still bit-exact, "
-        "so only the per-rank clip-call spy (each clip exactly once across the world) can catch it",
+    seam="harness.decode.plan:owned_units",
+    replacement=_all_units,
+    kills=["decode.t37.w4.bitexact", "decode.t22.w2.bitexact", "decode.t12.w8.bitexact",
+           "decode.t37.w3.decoded_once"],
+    why="seed 003's waste itself: every rank decodes the whole video; the gathered video is still bit-exact, so "
+        "only the per-rank decoder-call spy (each piece exactly once across the world) can catch it",
     kill_mode="fact",
-    fact="each clip decoded exactly once across the world",
+    fact="each piece decoded exactly once across the world",
 )
 
 # ------------------------------------------------------------------ the gate ignores the flag and W == 1
@@ -182,7 +228,182 @@ ablation(
     kills=["decode.t37.w1.bitexact", "decode.t22.w1.bitexact", "decode.t12.w1.bitexact",
            "decode.t37.w4.flag_off.stock_call"],
     why="the flag defaults to off and W == 1 must take the stock call unchanged; a gate that shards whenever a "
-        "group exists is bit-exact too, so only the collective and clip-call spies can tell",
+        "group exists is bit-exact too, so only the collective and decoder-call spies can tell",
     kill_mode="fact",
-    fact="the stock call was taken: every rank decoded eve",
+    fact="the stock call was taken: every rank decoded every piece",
+)
+
+# ------------------------------------------------------------------ a tile stitched in the wrong order
+
+
+def _transposed_tiles(original: Callable[..., Any]) -> Callable[..., Any]:
+    def serve_tiles(vae: Any, padded: torch.Tensor, work: plan_mod.WorkPlan, tiles: Sequence[torch.Tensor]) -> Any:
+        grid = work.tiles
+        assert grid is not None
+        rows, cols = len(grid.y_starts), len(grid.x_starts)
+        per_clip = rows * cols
+
+        def source(t: int) -> int:  # column-major where the grid is square, reversed where it is not
+            return (t % cols) * cols + t // cols if rows == cols else per_clip - 1 - t
+
+        clips = range(len(tiles) // per_clip)
+        swapped = [tiles[clip * per_clip + source(t)] for clip in clips for t in range(per_clip)]
+        return original(vae, padded, work, swapped)
+
+    return serve_tiles
+
+
+ablation(
+    name="decode.tile_stitched_transposed",
+    seam="harness.decode.serve:serve_tiles",
+    replacement=_transposed_tiles,
+    wraps=True,
+    kills=["decode.t37.w8.bitexact", "decode.t22.w2.tiles.bitexact", "decode.t37.w4.gather_dst2.bitexact",
+           "decode.t13.w7.bitexact", "decode.t12.w4.bitexact"],
+    why="tiles gathered row-major but served column-major: tile (0, 1) lands where (1, 0) belongs; every tile has "
+        "the same shape, so only the pixels can tell",
+    kill_mode="tolerance",
+)
+
+# ------------------------------------------------------------------ a tile overlap blended twice
+
+
+def _spatial_blend_twice(original: Callable[[Any, torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def run_post_loop(vae: Any, z: torch.Tensor) -> torch.Tensor:
+        blend = vae._blend
+
+        def blend_twice(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> torch.Tensor:
+            once = blend(a, b, extent, dim)
+            return blend(a, once, extent, dim) if dim in (-1, -2) else once
+
+        with bound(vae, "_blend", blend_twice):
+            return original(vae, z)
+
+    return run_post_loop
+
+
+ablation(
+    name="decode.tile_overlap_blended_twice",
+    seam="harness.decode.serve:run_post_loop",
+    replacement=_spatial_blend_twice,
+    wraps=True,
+    kills=["decode.t37.w2.bitexact", "decode.t22.w8.bitexact", "decode.t9.w8.bitexact", "decode.t30.w4.bitexact",
+           "decode.t37.w8.fp16_autocast.bitexact"],
+    why="stitching served tiles whose overlaps were already cross-faded (a stitch done on the rank and again in the "
+        "post-loop) fades every tile seam twice; the seams' pixels move, nothing else does",
+    kill_mode="tolerance",
+)
+
+# ------------------------------------------------------------------ gather-to-one lands on the wrong rank
+
+
+def _next_rank(dst: int, world_size: int) -> int:
+    return (dst + 1) % world_size
+
+
+ablation(
+    name="decode.gather_destination_wrong",
+    seam="harness.decode.exchange:destination",
+    replacement=_next_rank,
+    kills=["decode.t37.w4.gather_dst2.bitexact", "decode.t22.w2.gather.bitexact",
+           "decode.encode.f40.w3.gather_dst1.bitexact"],
+    why="a group-local rank taken for the next one (or a global one): the video is assembled on a rank that did "
+        "not ask for it and the destination gets None; the bytes are right, the holder is wrong",
+    kill_mode="fact",
+    fact="only the receiving ranks hold the output",
+)
+
+# ------------------------------------------------------------------ encode clips concatenated without the rule
+
+
+def _encode_concat_all(vae: Any, x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every served clip's moments, keeping the token_drop tail the library cuts."""
+    clip_length = vae.config.clip_length
+    frames = x.shape[2]
+    if frames == 1:
+        return vae._encode_clip(x)
+    pad = (-frames) % clip_length
+    padded = torch.cat([x, x[:, :, -1:].repeat(1, 1, pad, 1, 1)], dim=2) if pad else x
+    return torch.cat([vae._encode_clip(padded[:, :, i:i + clip_length])
+                      for i in range(0, padded.shape[2], clip_length)], dim=2)
+
+
+ablation(
+    name="decode.encode_concat_without_drop",
+    seam="harness.decode.serve:run_encode_post_loop",
+    replacement=_encode_concat_all,
+    kills=ENCODES,
+    why="`_encode` concatenates the clips' moments and then drops the token_drop trailing latent frames the "
+        "decoder re-derives as its overlap; a plain concatenation keeps them, one latent video too long",
+    kill_mode="tolerance",
+)
+
+# ------------------------------------------------------------------ gather buffers: the cache key and the refill
+
+
+def _key_without_dtype(world_size: int, slots: int, shape: tuple[int, ...], dtype: torch.dtype,
+                       device: torch.device, receiving: bool) -> tuple[object, ...]:
+    return (world_size, slots, tuple(shape), str(device), receiving)
+
+
+ablation(
+    name="decode.dtype_cache_stale",
+    seam="harness.decode.exchange:buffer_key",
+    replacement=_key_without_dtype,
+    kills=["decode.t22.w2.dtype_switch.bitexact"],
+    why="buffers cached by shape alone: after the model changes dtype the old float32 buffers take the bfloat16 "
+        "pieces (a silent cast), and the post-loop returns a float32 video where the stock one is bfloat16",
+    kill_mode="tolerance",
+)
+
+
+def _stale_payload(original: Callable[..., Any]) -> Callable[..., Any]:
+    from harness.decode import exchange
+
+    def prepare_gather(pieces: Sequence[torch.Tensor], slots: int, shape: tuple[int, ...], dtype: torch.dtype,
+                       device: torch.device, world_size: int, receiving: bool) -> Any:
+        key = exchange.buffer_key(world_size, slots, shape, dtype, device, receiving)
+        cached = exchange._BUFFERS.get(key)
+        return cached if cached is not None else original(pieces, slots, shape, dtype, device, world_size, receiving)
+
+    return prepare_gather
+
+
+ablation(
+    name="decode.cached_payload_not_refilled",
+    seam="harness.decode.exchange:prepare_gather",
+    replacement=_stale_payload,
+    wraps=True,
+    kills=["decode.t37.w4.repeat3.identical"],
+    why="reusing the cached buffers without copying this call's pieces in sends the previous call's pieces: the "
+        "first decode of a geometry is right, and the next decode of another video of that geometry repeats it",
+    kill_mode="tolerance",
+)
+
+# ------------------------------------------------------------------ the plan mislabels the cross-fade (oracle)
+
+
+def _fade_from_offset_zero(plan: plan_mod.ClipPlan, num_frames: int) -> list[tuple[int, ...]]:
+    sources: list[tuple[int, ...]] = []
+    for frame in range(num_frames):
+        clip, offset = divmod(frame, plan.chunk_frames)
+        if clip >= plan.num_clips:
+            sources.append((plan.num_clips - 1,))
+        elif clip > 0 and offset < plan.frame_overlap:
+            sources.append((clip - 1, clip))
+        else:
+            sources.append((clip,))
+    return sources
+
+
+ablation(
+    name="decode.fade_labels_off_by_one",
+    seam="harness.decode.plan:frame_sources",
+    replacement=_fade_from_offset_zero,
+    kills=["decode.oracle.call_sequence"],
+    why="the fade's first frame carries weight 0 on the next clip, so it is the previous clip's alone; a plan that "
+        "counts it as a cross-fade mislabels the frames every failure message points at. No parity comparison "
+        "reads the labels, so only the library-call oracle sees it",
+    kill_mode="fact",
+    fact="every output frame's source clips match the library's cross-fade",
 )

@@ -11,10 +11,9 @@ import torch
 import torch.distributed as dist
 
 from fixtures import decode_models, decode_tasks
-from harness.decode import exchange, serve, sharded
+from harness.decode import exchange, judge, serve, sharded
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import Probe, ProbeStatus, ShardedDecodeError
-from parity import decode_checks
 
 pytestmark = pytest.mark.cpu
 
@@ -86,7 +85,7 @@ def test_world_of_one_and_flag_off_take_the_stock_call_in_a_group(shard, parity_
     ("make", "match"),
     [
         (lambda z: z[0], r"\(batch, channels, frames, height, width\), got \(4, 37, 8, 8\)"),
-        (lambda z: z[:, :3], "latents have 3 channels but the VAE decodes 4"),
+        (lambda z: z[:, :3], "latents have 3 channels but the VAE takes 4"),
         (lambda z: z.long(), "must be a float tensor"),
     ],
     ids=["4d", "channels", "int"],
@@ -138,9 +137,9 @@ def test_clip_server_refuses_a_window_the_plan_did_not_decode():
     clips = [torch.zeros(1) for _ in range(plan.num_clips)]
     server = serve.ClipServer(padded, plan, clips)
     assert server(plan_mod.window_latents(padded, plan, 0)) is clips[0]
-    with pytest.raises(ShardedDecodeError, match=r"clip call 1 .* planned window \[5, 12\)"):
+    with pytest.raises(ShardedDecodeError, match=r"_decode_clip call 1 passed an input .* not the planned one"):
         server(plan_mod.window_latents(padded, plan, 2))
-    with pytest.raises(ShardedDecodeError, match="used 1 of 7 gathered clips"):
+    with pytest.raises(ShardedDecodeError, match="used 1 of the 7 gathered pieces"):
         server.finish()
     with pytest.raises(ShardedDecodeError, match="8 clips were gathered for a plan of 7"):
         serve.ClipServer(padded, plan, [*clips, clips[0]])
@@ -179,12 +178,37 @@ def test_probe_flags_its_own_ragged_clips_and_unsupported_dtypes():
     assert exchange.make_probe([a, b], False, torch.device("cpu"))[0] == ProbeStatus.RAGGED_LOCAL
     assert exchange.make_probe([a.long()], False, torch.device("cpu"))[0] == ProbeStatus.UNSUPPORTED
     assert exchange.make_probe([a], True, torch.device("cpu"))[0] == ProbeStatus.DECODER_RAISED
-    probe = exchange.make_probe([a, a], False, torch.device("cpu"), latent_frames=37)
-    assert probe.tolist()[:10] == [0, 2, 37, 1, 5, 1, 3, 28, 4, 4]
+    probe = exchange.make_probe([a, a], False, torch.device("cpu"), latent_frames=37, units=63)
+    assert probe.tolist()[:11] == [0, 2, 37, 1, 5, 63, 1, 3, 28, 4, 4]
 
 
 def test_frame_sources_name_the_clips_and_cross_fades():
     plan = plan_mod.plan_clips(decode_models.tiny_vae(), 12)
-    labels = decode_checks.frame_sources(plan, 39)
-    assert labels[0] == "0 (clip 0)" and labels[17] == "17 (clips 0/1 cross-fade)"
-    assert labels[22] == "22 (clip 1)" and labels[34] == "34 (clip 1 tail)"
+    labels = judge.frame_labels(plan, 39)
+    assert labels[0] == "0 (clip 0)" and labels[17] == "17 (clip 0)" and labels[18] == "18 (clip 0/1 cross-fade)"
+    assert labels[22] == "22 (clip 1)" and labels[34] == "34 (clip 1)"
+
+
+def test_the_split_leaves_the_busiest_rank_the_smaller_share():
+    assert plan_mod.choose_split(8, 7, 9) == "tiles"  # clips: 1/7 busiest; tiles: 8/63
+    assert plan_mod.choose_split(2, 4, 9) == "clips"  # a tie keeps whole clips
+    assert plan_mod.choose_split(4, 7, 1) == "clips"  # no tiles to split
+    assert plan_mod.busiest_share(63, 8) == 8 / 63 and plan_mod.busiest_share(7, 8) == 1 / 7
+    vae = decode_models.tiny_vae()
+    work = plan_mod.plan_work(vae, (1, 4, 37, 8, 8), 8)
+    assert (work.split, work.num_units, work.decoder_calls, work.unit(10)) == ("tiles", 63, 63, (1, 1))
+    assert plan_mod.tile_latents(torch.arange(64.0).view(1, 1, 1, 8, 8), work.tiles, 4).flatten()[0] == 18.0
+    with pytest.raises(ValueError, match="split must be one of"):
+        plan_mod.plan_work(vae, (1, 4, 37, 8, 8), 2, "rows")
+    with pytest.raises(ValueError, match="needs tiling on"):
+        plan_mod.plan_work(decode_models.tiny_vae(decode_models.VaeSpec(tiling=False)), (1, 4, 37, 8, 8), 2, "tiles")
+    with pytest.raises(ValueError, match="unit 63 is outside"):
+        work.unit(63)
+
+
+def test_ranks_that_planned_different_splits_stop_before_the_payload():
+    probes = [_probe(0), dataclasses.replace(_probe(1), units=63)]
+    with pytest.raises(ShardedDecodeError, match="planned different splits .* rank 1 split the video into 63"):
+        exchange.agree_on_shapes(probes, 0)
+    with pytest.raises(ValueError, match="dst 4 is not a rank of the 4-rank group"):
+        exchange.destination(4, 4)

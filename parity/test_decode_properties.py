@@ -7,10 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fixtures import decode_models, decode_strategies
+from fixtures import decode_models, decode_strategies, decode_tasks
+from harness.decode import judge, serve
 from harness.decode import plan as plan_mod
-from harness.decode import serve
-from parity import decode_checks
 
 pytestmark = pytest.mark.cpu
 
@@ -54,11 +53,11 @@ def test_round_robin_ownership_partitions_the_clips(frames, world):
     assert sum(1 for clips in owned if not clips) == max(0, world - plan.num_clips)
 
 
-@settings(max_examples=20)
+@settings(max_examples=10)
 @given(geometry=decode_strategies.decode_geometries())
 def test_sharded_decode_is_bitwise_the_stock_decode(geometry, parity_ctx):
     """Every rank's video is bitwise rank 0's stock decode, and the right path ran (spies)."""
     world = parity_ctx.world(geometry.world)
-    verdict = decode_checks.compare_sharded_decode(world, geometry.job(), "decode.property.bitexact",
-                                                   timeout_s=parity_ctx.task_timeout_s)
+    verdict = judge.compare_sharded_decode(world, decode_tasks.decode_task, geometry.job(), "decode.property.bitexact",
+                                           sharded=geometry.world > 1, timeout_s=parity_ctx.task_timeout_s)
     assert verdict.passed, f"{geometry}\n{verdict.describe()}"

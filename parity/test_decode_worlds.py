@@ -12,8 +12,8 @@ import pytest
 
 from fixtures import decode_models, decode_tasks
 from harness import ablation, catalogue
+from harness.decode import judge
 from harness.dist import World
-from parity import decode_checks
 
 pytestmark = pytest.mark.cpu
 
@@ -23,13 +23,13 @@ def test_a_world_forked_under_an_ablation_runs_clean_tasks_clean():
     item = ablation.get("decode.rank0_clips_only")
     job = decode_tasks.TinyDecodeJob(decode_models.LatentSpec(22))
     with item.apply():
-        world = World(2).start()  # forked with the ablated gather_clips in place
+        world = World(2).start()  # forked with the ablated collect in place
     try:
         results = world.run(decode_tasks.decode_task, job)
-        verdict = decode_checks.judge_decode("decode.forked_under_ablation.bitexact", results, sharded=True)
+        verdict = judge.judge_decode("decode.forked_under_ablation.bitexact", results, sharded=True)
         assert verdict.passed, verdict.describe()
         with item.apply():  # and the ablation still reaches the ranks when it is applied for a task
             broken = world.run(decode_tasks.decode_task, job)
-        assert not decode_checks.judge_decode("decode.forked_under_ablation.bitexact", broken, sharded=True).passed
+        assert not judge.judge_decode("decode.forked_under_ablation.bitexact", broken, sharded=True).passed
     finally:
         world.close()

@@ -16,7 +16,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["ClipPlan", "owned_clips", "pad_latents", "plan_clips", "window_latents"]
+__all__ = ["SPLITS", "ClipPlan", "TilePlan", "WorkPlan", "busiest_share", "choose_split", "frame_sources",
+           "owned_clips", "owned_units", "pad_latents", "plan_clips", "plan_tiles", "plan_work", "tile_latents",
+           "window_latents"]
+
+SPLITS = ("auto", "clips", "tiles")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,11 @@ class ClipPlan:
     @property
     def padded_latent_frames(self) -> int:
         return self.num_latent_frames + self.pad_tokens
+
+    @property
+    def chunk_frames(self) -> int:
+        """Pixel frames one clip contributes before the cross-fade (its first chunk, pre-padding cut)."""
+        return self.tokens_chunk_size * self.temporal_ratio - self.frame_pre_padding
 
     def window(self, clip: int) -> tuple[int, int]:
         """Latent frames [start, stop) of the padded video that clip ``clip`` decodes."""
@@ -104,10 +113,8 @@ def plan_clips(vae: Any, num_latent_frames: int) -> ClipPlan:
 
 
 def owned_clips(plan: ClipPlan, rank: int, world_size: int) -> tuple[int, ...]:
-    """Round-robin ownership: rank r decodes clips r, r + W, r + 2W, ... (none when r >= clips)."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a world of {world_size} ranks")
-    return tuple(range(rank, plan.num_clips, world_size))
+    """Round-robin clip ownership: rank r decodes clips r, r + W, r + 2W, ... (none when r >= clips)."""
+    return owned_units(plan.num_clips, rank, world_size)
 
 
 def pad_latents(z: torch.Tensor, plan: ClipPlan) -> torch.Tensor:
@@ -124,3 +131,131 @@ def window_latents(padded: torch.Tensor, plan: ClipPlan, clip: int) -> torch.Ten
     """The latent window clip ``clip`` decodes, sliced from the padded video like `_decode` slices it."""
     start, stop = plan.window(clip)
     return padded[:, :, start:stop]
+
+
+def frame_sources(plan: ClipPlan, num_frames: int) -> list[tuple[int, ...]]:
+    """The clip(s) each output pixel frame of `_decode` is made of, in order.
+
+    Clip c's first chunk holds ``chunk_frames`` frames; its first ``frame_overlap`` frames are the
+    cross-fade with clip c - 1's overlap chunk, whose weight on clip c is zero at the fade's first
+    frame, so that frame is clip c - 1's alone. The frames past the last clip are its overlap tail.
+    """
+    sources: list[tuple[int, ...]] = []
+    for frame in range(num_frames):
+        clip, offset = divmod(frame, plan.chunk_frames)
+        if clip >= plan.num_clips:
+            sources.append((plan.num_clips - 1,))
+        elif clip > 0 and offset < plan.frame_overlap:
+            sources.append((clip - 1,) if offset == 0 else (clip - 1, clip))
+        else:
+            sources.append((clip,))
+    return sources
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """The spatial tile grid `_decode_clip` lays over one clip (pixel starts/lengths, as `_split_tiles` does)."""
+
+    ratio: int  # pixels per latent pixel
+    y_starts: tuple[int, ...]
+    y_lengths: tuple[int, ...]
+    x_starts: tuple[int, ...]
+    x_lengths: tuple[int, ...]
+
+    @property
+    def num_tiles(self) -> int:
+        return len(self.y_starts) * len(self.x_starts)
+
+    def latent_window(self, tile: int) -> tuple[slice, slice]:
+        """Latent (row, column) slices of tile ``tile`` (row-major over the grid)."""
+        if not 0 <= tile < self.num_tiles:
+            raise ValueError(f"tile {tile} is outside this plan's {self.num_tiles} tiles")
+        row, col = divmod(tile, len(self.x_starts))
+        y, h = self.y_starts[row] // self.ratio, self.y_lengths[row] // self.ratio
+        x, w = self.x_starts[col] // self.ratio, self.x_lengths[col] // self.ratio
+        return slice(y, y + h), slice(x, x + w)
+
+
+def plan_tiles(vae: Any, latent_height: int, latent_width: int) -> TilePlan | None:
+    """The tile grid of ``vae._decode_clip`` on latents of this size, from the library's own `_split_tiles`;
+    None when tiling is off (a clip is one decoder call)."""
+    if not getattr(vae, "use_tiling", False):
+        return None
+    ratio = int(vae.spatial_compression_ratio)
+    y_starts, y_lengths, _ = type(vae)._split_tiles(vae, latent_height * ratio, vae.tile_sample_min_height,
+                                                    vae.tile_sample_min_overlap_height)
+    x_starts, x_lengths, _ = type(vae)._split_tiles(vae, latent_width * ratio, vae.tile_sample_min_width,
+                                                    vae.tile_sample_min_overlap_width)
+    return TilePlan(ratio, tuple(y_starts), tuple(y_lengths), tuple(x_starts), tuple(x_lengths))
+
+
+def tile_latents(window: torch.Tensor, tiles: TilePlan, tile: int) -> torch.Tensor:
+    """Tile ``tile`` of a clip's latent window, sliced like `_decode_clip` slices it."""
+    rows, cols = tiles.latent_window(tile)
+    return window[..., rows, cols]
+
+
+def busiest_share(units: int, world_size: int) -> float:
+    """The share of ``units`` equal work items the busiest of ``world_size`` round-robin ranks gets."""
+    return math.ceil(units / world_size) / units
+
+
+def choose_split(world_size: int, num_clips: int, num_tiles: int) -> str:
+    """Shard whole clips, or every (clip, tile) pair: whichever leaves the busiest rank the smaller share
+    of the decoder work; whole clips on a tie (fewer pieces to gather, no spatial stitching to serve)."""
+    if num_tiles <= 1:
+        return "clips"
+    clips = busiest_share(num_clips, world_size)
+    tiles = busiest_share(num_clips * num_tiles, world_size)
+    return "tiles" if tiles < clips else "clips"
+
+
+@dataclass(frozen=True)
+class WorkPlan:
+    """What one sharded `_decode` call splits: whole clips, or (clip, tile) units in clip-major order."""
+
+    clips: ClipPlan
+    tiles: TilePlan | None
+    split: str  # "clips" or "tiles"
+
+    @property
+    def tiles_per_clip(self) -> int:
+        return self.tiles.num_tiles if self.tiles is not None else 1
+
+    @property
+    def num_units(self) -> int:
+        return self.clips.num_clips * (self.tiles_per_clip if self.split == "tiles" else 1)
+
+    @property
+    def decoder_calls(self) -> int:
+        """Decoder forwards of the whole video (a clip is ``tiles_per_clip`` of them)."""
+        return self.clips.num_clips * self.tiles_per_clip
+
+    def unit(self, index: int) -> tuple[int, int | None]:
+        """(clip, tile) of unit ``index``; tile None when whole clips are the units."""
+        if not 0 <= index < self.num_units:
+            raise ValueError(f"unit {index} is outside this plan's {self.num_units} units")
+        if self.split == "clips":
+            return index, None
+        return divmod(index, self.tiles_per_clip)
+
+
+def plan_work(vae: Any, z_shape: tuple[int, ...], world_size: int, split: str = "auto") -> WorkPlan:
+    """The clip plan, the tile grid and the split of one `_decode` call on latents of ``z_shape``."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    clips = plan_clips(vae, int(z_shape[2]))
+    tiles = plan_tiles(vae, int(z_shape[3]), int(z_shape[4]))
+    num_tiles = tiles.num_tiles if tiles is not None else 1
+    if split == "tiles" and tiles is None:
+        raise ValueError("split='tiles' needs tiling on (vae.enable_tiling()); with tiling off a clip is one "
+                         "decoder call")
+    chosen = choose_split(world_size, clips.num_clips, num_tiles) if split == "auto" else split
+    return WorkPlan(clips, tiles, chosen)
+
+
+def owned_units(num_units: int, rank: int, world_size: int) -> tuple[int, ...]:
+    """Round-robin ownership of work units: rank r takes r, r + W, r + 2W, ... (none when r >= units)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size} ranks")
+    return tuple(range(rank, num_units, world_size))

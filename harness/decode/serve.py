@@ -1,11 +1,15 @@
-"""Run the library's own `_decode` post-loop over clips that were decoded elsewhere.
+"""Run the library's own post-loops over pieces that were decoded (or encoded) elsewhere.
 
 The stock `_decode` pads, calls `self._decode_clip` once per clip window, cross-fades, trims and
-concatenates. Rather than re-typing that loop, the sharded decode binds a clip server over
-`_decode_clip` on the instance for one call: each call is answered with the next gathered clip,
-after checking that the latent window the stock loop asked for is the one the plan decoded. So the
-blend/trim/concat is the installed library's, and any drift between the plan and the library stops
-with an error instead of a silently misplaced clip.
+concatenates; `_decode_clip` itself splits a clip into spatial tiles, runs
+`self.decoder(self.post_quant_conv(tile))` per tile and stitches them with `_stitch_tiles`/`_blend`;
+`_encode` pads, calls `self._encode_clip` per clip and concatenates under its token-drop rule. Rather
+than re-typing any of that, the sharded path binds a server on the instance for one call: whole
+clips are served in place of `_decode_clip` (or `_encode_clip`), tiles in place of `decoder` (with
+`post_quant_conv` passing the tile through, since it ran where the tile was decoded). Each call is
+answered with the next gathered piece after checking that the input the library passed is the one
+the plan computed; so every blend, stitch, trim and concat is the installed library's, and any drift
+between the plan and the library stops with an error instead of a silently misplaced piece.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import ShardedDecodeError
 
-__all__ = ["ClipServer", "bound", "run_post_loop", "serve_clips"]
+__all__ = ["ClipServer", "PieceServer", "bound", "run_encode_post_loop", "run_post_loop", "serve_clips",
+           "serve_encode_clips", "serve_tiles"]
 
 _MISSING = object()
 
@@ -38,37 +43,46 @@ def bound(obj: Any, name: str, value: Callable[..., Any]) -> Iterator[None]:
             obj.__dict__[name] = previous
 
 
-class ClipServer:
-    """Stands in for `_decode_clip`: answers call i with gathered clip i after verifying its window."""
+class PieceServer:
+    """Stands in for one library call site: answers call i with gathered piece i after checking its input.
+
+    ``expected(i)`` is the input the plan says call i receives; ``what`` names the call site in errors.
+    """
+
+    def __init__(self, expected: Callable[[int], torch.Tensor], pieces: Sequence[torch.Tensor], what: str):
+        self.expected = expected
+        self.pieces = list(pieces)
+        self.what = what
+        self.served = 0
+
+    def __call__(self, given: torch.Tensor) -> torch.Tensor:
+        index = self.served
+        if index >= len(self.pieces):
+            raise ShardedDecodeError(f"the library asked {self.what} for piece {index} but only {len(self.pieces)} "
+                                     "were gathered; the installed VAE no longer matches the plan")
+        expected = self.expected(index)
+        if given.shape != expected.shape or not torch.equal(given, expected):
+            raise ShardedDecodeError(f"the library's {self.what} call {index} passed an input of shape "
+                                     f"{tuple(given.shape)} that is not the planned one of shape "
+                                     f"{tuple(expected.shape)}; the installed VAE no longer matches the plan")
+        self.served += 1
+        return self.pieces[index]
+
+    def finish(self) -> None:
+        if self.served != len(self.pieces):
+            raise ShardedDecodeError(f"the library used {self.served} of the {len(self.pieces)} gathered pieces "
+                                     f"at {self.what}; the installed VAE no longer matches the plan")
+
+
+class ClipServer(PieceServer):
+    """Stands in for `_decode_clip`: answers call i with gathered clip i after verifying its latent window."""
 
     def __init__(self, padded: torch.Tensor, plan: plan_mod.ClipPlan, clips: Sequence[torch.Tensor]):
         if len(clips) != plan.num_clips:
             raise ShardedDecodeError(f"{len(clips)} clips were gathered for a plan of {plan.num_clips} clips; "
                                      "refusing to run the post-loop on them")
-        self.padded = padded
+        super().__init__(lambda clip: plan_mod.window_latents(padded, plan, clip), clips, "_decode_clip")
         self.plan = plan
-        self.clips = list(clips)
-        self.served = 0
-
-    def __call__(self, window: torch.Tensor) -> torch.Tensor:
-        clip = self.served
-        if clip >= self.plan.num_clips:
-            raise ShardedDecodeError(f"the stock _decode asked for clip {clip} but the plan has only "
-                                     f"{self.plan.num_clips}; the installed _decode no longer matches the plan")
-        expected = plan_mod.window_latents(self.padded, self.plan, clip)
-        if window.shape != expected.shape or not torch.equal(window, expected):
-            start, stop = self.plan.window(clip)
-            raise ShardedDecodeError(f"the stock _decode's clip call {clip} passed latents of shape "
-                                     f"{tuple(window.shape)} that are not the planned window [{start}, {stop}) "
-                                     f"of shape {tuple(expected.shape)}; the installed _decode no longer matches "
-                                     "the plan")
-        self.served += 1
-        return self.clips[clip]
-
-    def finish(self) -> None:
-        if self.served != self.plan.num_clips:
-            raise ShardedDecodeError(f"the stock _decode used {self.served} of {self.plan.num_clips} gathered "
-                                     "clips; the installed _decode no longer matches the plan")
 
 
 @contextlib.contextmanager
@@ -81,6 +95,53 @@ def serve_clips(vae: Any, padded: torch.Tensor, plan: plan_mod.ClipPlan,
     server.finish()
 
 
+def _pass_through(tile: torch.Tensor) -> torch.Tensor:
+    return tile
+
+
+@contextlib.contextmanager
+def serve_tiles(vae: Any, padded: torch.Tensor, work: plan_mod.WorkPlan,
+                tiles: Sequence[torch.Tensor]) -> Iterator[PieceServer]:
+    """Serve gathered tiles in place of ``vae.decoder``, in the library's own `_decode_clip` loop order
+    (clip-major, then row-major tiles); ``post_quant_conv`` passes each tile through, since it already ran
+    where the tile was decoded. The library's `_decode_clip` then stitches them with its own `_stitch_tiles`."""
+    grid = work.tiles
+    if grid is None or len(tiles) != work.num_units:
+        raise ShardedDecodeError(f"{len(tiles)} tiles were gathered for a plan of {work.num_units}; refusing to "
+                                 "run the post-loop on them")
+    per_clip = grid.num_tiles
+
+    def expected(index: int) -> torch.Tensor:
+        clip, tile = divmod(index, per_clip)
+        return plan_mod.tile_latents(plan_mod.window_latents(padded, work.clips, clip), grid, tile)
+
+    server = PieceServer(expected, tiles, "decoder (one tile)")
+    with bound(vae, "post_quant_conv", _pass_through), bound(vae, "decoder", server):
+        yield server
+    server.finish()
+
+
+@contextlib.contextmanager
+def serve_encode_clips(vae: Any, padded: torch.Tensor, clip_length: int,
+                       moments: Sequence[torch.Tensor]) -> Iterator[PieceServer]:
+    """Serve gathered clip moments in place of ``vae._encode_clip`` (window i: pixel frames [iL, (i+1)L))."""
+
+    def expected(index: int) -> torch.Tensor:
+        if len(moments) == 1 and padded.shape[2] == 1:
+            return padded  # a single frame goes through `_encode_clip` whole
+        return padded[:, :, index * clip_length:(index + 1) * clip_length]
+
+    server = PieceServer(expected, moments, "_encode_clip")
+    with bound(vae, "_encode_clip", server):
+        yield server
+    server.finish()
+
+
 def run_post_loop(vae: Any, z: torch.Tensor) -> torch.Tensor:
     """The library's own `_decode` (class attribute: an instance binding may be the sharded one)."""
     return type(vae)._decode(vae, z)
+
+
+def run_encode_post_loop(vae: Any, x: torch.Tensor) -> torch.Tensor:
+    """The library's own `_encode` (its concatenation and token-drop rule) over served clip moments."""
+    return type(vae)._encode(vae, x)

@@ -1,0 +1,198 @@
+"""Judges of the decode path: what every rank returned against the stock call, plus the spies of the path.
+
+The parity checks (parity/decode_checks.py) and the gpu tier (gpu/decode.py) both judge here, so a
+real checkpoint over NCCL is held to exactly the CPU tier's rules: every receiving rank's video is
+bitwise the stock ``vae.decode(z)`` (dtype and shape included, equal SHA-256), ranks that receive
+nothing return None, and the counts prove which path ran (each piece decoded exactly once across
+the world and the fail-closed collective sequence on the sharded path; every decoder call on every
+rank and no collective on the stock one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harness.compare import Policy, Verdict, exact, expect
+from harness.decode import exchange
+from harness.decode import plan as plan_mod
+
+__all__ = ["RankDecode", "busiest_shares", "compare_sharded_decode", "expected_collectives", "frame_labels",
+           "judge_decode", "judge_fault_outcomes", "piece_calls"]
+
+
+@dataclass
+class RankDecode:
+    """One rank's answer: its output (None where it receives nothing), its hash, and what the spies saw."""
+
+    rank: int
+    world_size: int
+    output: torch.Tensor | None
+    sha256: str | None
+    decoder_calls: int  # real decoder forwards (tile decodes) on this rank during the call under test
+    clip_calls: int  # real `_decode_clip` (or `_encode_clip`) calls on this rank
+    collectives: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    work: plan_mod.WorkPlan | None = None  # the work plan of one `_decode` call (None for encode)
+    pieces: int = 0  # pieces of one call (clips of an encode)
+    calls: int = 1  # `_decode`/`_encode` calls the library's wrapper makes (one per video when it slices)
+    transport: str = "all_gather"
+    dst: int = 0
+    impl_calls: int | None = None  # calls of a user's implementation under test (conformance mode)
+    stock: torch.Tensor | None = None  # rank 0's stock output, same process, when asked for
+    stock_sha256: str | None = None
+    received_bytes: int = 0  # bytes of gathered pieces this rank received (memory it held for them)
+
+
+def frame_labels(plan: plan_mod.ClipPlan, num_frames: int) -> list[str]:
+    """Name each output pixel frame by the clip(s) it came from, for failure messages."""
+    return [f"{frame} (clip {'/'.join(map(str, src))}{' cross-fade' if len(src) > 1 else ''})"
+            for frame, src in enumerate(plan_mod.frame_sources(plan, num_frames))]
+
+
+def piece_calls(work: plan_mod.WorkPlan, rank: int, world: int) -> tuple[int, int]:
+    """(decoder calls, `_decode_clip` calls) rank ``rank`` makes for one sharded `_decode` on ``work``."""
+    owned = len(plan_mod.owned_units(work.num_units, rank, world))
+    if work.split == "clips":
+        return owned * work.tiles_per_clip, owned
+    return owned, 0
+
+
+def busiest_shares(work: plan_mod.WorkPlan, world: int) -> float:
+    """The busiest rank's share of the decoder work of one call."""
+    return max(piece_calls(work, r, world)[0] for r in range(world)) / work.decoder_calls
+
+
+def expected_collectives(transport: str, calls: int) -> dict[str, int]:
+    """The fail-closed sequence per call: probe, gather status, payload, assemble status."""
+    if transport == "all_gather":
+        return {"all_gather": 4 * calls}
+    return {"all_gather": 3 * calls, "gather": calls}
+
+
+def _with_summary(verdict: Verdict) -> Verdict:
+    """Headline the four numbers seed 003 reports per case: max|d|, max ULP, mismatched / total, rank hashes."""
+    m = verdict.metrics
+    summary = (f"max|d| {m.get('max_abs', '-')}, max ULP {m.get('max_ulp', '-')}, "
+               f"mismatched {m.get('mismatched', '-')}/{m.get('total', '-')} over {m['receivers']} ranks, "
+               f"rank SHA-256 {m['ranks_matching_stock_sha']} = stock {str(m['stock_sha256'])[:12]}")
+    return dataclasses.replace(verdict, headline="parity", metrics={**m, "parity": summary})
+
+
+def judge_decode(check_id: str, results: Sequence[RankDecode], *, sharded: bool,
+                 policy: Policy | None = None, what: str = "decoded video") -> Verdict:
+    """Every receiving rank's output against rank 0's stock output, plus the spies of the path that must have run.
+
+    Works for decode (``work`` set) and encode (``work`` None: the pieces are `_encode_clip` calls).
+    """
+    policy = policy or exact()
+    first = results[0]
+    stock, work, calls = first.stock, first.work, first.calls
+    if stock is None:
+        raise ValueError(f"{check_id}: rank 0 returned no stock reference (run the task with with_stock=True)")
+    world = len(results)
+    transport, dst = first.transport, first.dst
+    receivers = [r for r in results if not sharded or exchange.receives(r.rank, transport, dst)]
+    stock_sha = first.stock_sha256
+    hashes = [r.sha256 for r in receivers]
+    metrics: dict[str, Any] = {
+        "world": world,
+        "receivers": len(receivers),
+        "transport": transport if sharded else "stock",
+        "pieces": first.pieces,
+        "stock_sha256": stock_sha,
+        "rank_sha256": [r.sha256 for r in results],
+        "ranks_matching_stock_sha": f"{sum(h == stock_sha for h in hashes)}/{len(receivers)}",
+        "decoder_calls_per_rank": ", ".join(str(r.decoder_calls) for r in results),
+    }
+    if work is not None:
+        metrics.update(split=work.split, clips=work.clips.num_clips, tiles_per_clip=work.tiles_per_clip,
+                       busiest_share=round(busiest_shares(work, world), 4) if sharded else 1.0)
+    outputs = [r.output for r in receivers]
+    shapes = sorted({tuple(o.shape) if o is not None else () for o in outputs})
+    if shapes != [tuple(stock.shape)]:
+        verdict = Verdict(check_id, False, {**metrics, "shapes": shapes}, policy.describe(), float("inf"),
+                          message=f"{what} shapes {shapes} differ from the stock {tuple(stock.shape)}")
+    else:
+        actual = torch.stack([o for o in outputs if o is not None])
+        expected = stock.unsqueeze(0).expand_as(actual)
+        labels = {"frame": frame_labels(work.clips, stock.shape[2])} if work is not None else None
+        verdict = policy.judge(check_id, actual, expected, dims=("rank", "batch", "channel", "frame"),
+                               labels=labels, what=what)
+        verdict = dataclasses.replace(verdict, metrics={**verdict.metrics, **metrics})
+    verdict = verdict.require(bool(hashes) and all(h == stock_sha for h in hashes),
+                              "every receiving rank's SHA-256 equals the stock output's")
+    decoder = [r.decoder_calls for r in results]
+    seen = [{k: v for k, v in r.collectives.items() if v} for r in results]
+    impl = [r.impl_calls for r in results]
+    foreign = any(c is not None for c in impl)  # a user's implementation: its own ownership and collectives
+    if sharded and foreign:
+        total = (work.decoder_calls if work is not None else first.pieces) * calls
+        counted = decoder if work is not None else [r.clip_calls for r in results]
+        verdict = verdict.require(sum(counted) == total, "each piece decoded exactly once across the world",
+                                  pieces_per_rank=", ".join(map(str, counted)), pieces_total=total)
+        verdict = verdict.require(all(seen), "every rank communicated (a collective ran on every rank)",
+                                  collectives_per_rank="; ".join(str(s or "none") for s in seen))
+    elif sharded:
+        holders = [r.rank for r in results if r.output is not None]
+        verdict = verdict.require(holders == [r.rank for r in receivers],
+                                  "only the receiving ranks hold the output; the others return None",
+                                  ranks_holding_output=holders)
+        if work is not None:
+            owned = [piece_calls(work, r, world)[0] * calls for r in range(world)]
+            verdict = verdict.require(decoder == owned and sum(decoder) == work.decoder_calls * calls,
+                                      "each piece decoded exactly once across the world (round-robin ownership)",
+                                      expected_decoder_calls_per_rank=", ".join(map(str, owned)))
+        else:
+            owned = [len(plan_mod.owned_units(first.pieces, r, world)) * calls for r in range(world)]
+            clip = [r.clip_calls for r in results]
+            verdict = verdict.require(clip == owned, "each clip encoded exactly once across the world",
+                                      encode_clip_calls_per_rank=", ".join(map(str, clip)))
+        wanted = expected_collectives(transport, calls)
+        verdict = verdict.require(seen == [wanted] * world,
+                                  "every rank ran the fail-closed sharded sequence (probe, gather status, payload, "
+                                  "assemble status) per call",
+                                  collectives_per_rank="; ".join(str(s or "none") for s in seen))
+    else:
+        total = (work.decoder_calls if work is not None else first.pieces) * calls
+        counted = decoder if work is not None else [r.clip_calls for r in results]
+        verdict = verdict.require(counted == [total] * world and not any(seen),
+                                  "the stock call was taken: every rank decoded every piece, no collective ran",
+                                  collectives_per_rank="; ".join(str(s or "none") for s in seen))
+    if foreign:
+        verdict = verdict.require(all(c for c in impl), "the implementation under test ran on every rank",
+                                  impl_calls_per_rank=impl)
+    return _with_summary(verdict)
+
+
+def compare_sharded_decode(world: Any, task: Callable[..., Sequence[RankDecode]], job: Any, check_id: str, *,
+                           sharded: bool, policy: Policy | None = None, timeout_s: float = 120.0) -> Verdict:
+    """Run ``task(job)`` on every rank of ``world`` and judge it (the gpu tier calls this with a real model)."""
+    results = world.run(task, job, timeout_s=timeout_s)
+    return judge_decode(check_id, results, sharded=sharded, policy=policy)
+
+
+def judge_fault_outcomes(check_id: str, outcomes: Sequence[Any], size: int, fault_rank: int, cause: str,
+                         follow_up: str | None) -> Verdict:
+    """Every rank must raise ShardedDecodeError naming ``fault_rank`` (whose own error names ``cause``), none may
+    block or hang, and the group must decode bit-exactly again afterwards (``follow_up`` None: it did)."""
+    statuses = [o.status for o in outcomes] or ["ok"] * size
+    raised = [o for o in outcomes if o.status == "raised"]
+    together = [o for o in raised if "ShardedDecodeError" in o.error]
+    stuck = {s: statuses.count(s) for s in ("blocked", "hung", "died") if s in statuses}
+    named = all(f"rank {fault_rank}" in o.error for o in together)
+    cause_here = any(o.rank == fault_rank and cause in o.error for o in together)
+    ok = len(together) == size and not stuck
+    words = f"{len(raised)}/{size} ranks raise; " + ("no hang" if not stuck else
+                                                     ", ".join(f"{n} {s}" for s, n in stuck.items()))
+    verdict = expect(check_id, ok, f"{size}/{size} ranks raise ShardedDecodeError; no hang", outcome=words,
+                     sharded_decode_errors=f"{len(together)}/{size}",
+                     rank_outcomes=[o.line()[:240] for o in outcomes] or ["every rank returned a video"])
+    verdict = verdict.require(named and cause_here,
+                              f"every rank's error names rank {fault_rank}, and rank {fault_rank}'s names the fault")
+    return verdict.require(follow_up is None, "the group decodes again afterwards: no rank was left in a collective",
+                           follow_up=follow_up or "bit-exact on every rank")
