@@ -14,6 +14,8 @@ from harness.checks import register
 register("decode.gpu.bitexact", tier="gpu",
          doc="sharded decode over every visible GPU vs the stock decode: bitwise, rank SHA-256 equal")(
     functools.partial(decode.decode_bitexact, "decode.gpu.bitexact"))
+for _id, (_judge, _doc) in decode.GPU_CHECKS.items():
+    register(_id, tier="gpu", doc=_doc)(functools.partial(_judge, _id))
 
 for _what in replay.GPU_CHECKS:
     _id = f"replay.gpu.cfg2.{_what}"

@@ -41,7 +41,6 @@ SOURCES = {
 # The suite's own kinds. A path that registers its kinds itself (its own register(plugins)) takes its
 # entry out of this tuple: two kinds claiming one class name are an error at detection.
 SHIPPED_KINDS = (
-    CheckpointKind("video_vae", "decode", ("AutoencoderKLMiniMaxH3",), "diffusers"),
     CheckpointKind("causal_lm", "ar", ("*ForCausalLM", "HunyuanImage3ForCausalMM"), "transformers"),
     CheckpointKind("attention_capture", "attention", (CAPTURE_GLOB,), "files"),
 )
@@ -72,7 +71,7 @@ def _validate(kind: Any, origin: str) -> CheckpointKind:
 
 
 # The suite's own plugins that register kinds of their own (pyproject's entry points, mirrored here).
-SUITE_KIND_PLUGINS = ("harness.replay.families",)
+SUITE_KIND_PLUGINS = ("harness.decode.families", "harness.replay.families")
 
 
 def registered_kinds() -> list[CheckpointKind]:

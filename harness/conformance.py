@@ -15,7 +15,8 @@ import importlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["PATHS", "SIGNATURES", "active", "applied", "calls", "clear", "load_callable", "resolve", "specs", "use"]
+__all__ = ["PATHS", "SIGNATURES", "active", "add_calls", "applied", "call_counts", "calls", "clear", "load_callable",
+           "resolve", "specs", "use"]
 
 PATHS = ("replay", "ar", "decode", "attention")
 SIGNATURES = {
@@ -72,6 +73,16 @@ def specs() -> dict[str, str]:
 def calls(path: str) -> int:
     """How many times the implementation under test for ``path`` was called in this process."""
     return _CALLS.get(path, 0)
+
+
+def call_counts() -> dict[str, int]:
+    return dict(_CALLS)
+
+
+def add_calls(made: Mapping[str, int]) -> None:
+    """Count calls made elsewhere (inside a world's rank) as made here."""
+    for path, count in made.items():
+        _CALLS[path] = _CALLS.get(path, 0) + count
 
 
 def resolve(path: str, default: Callable[..., Any]) -> Callable[..., Any]:

@@ -114,6 +114,7 @@ def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg
     import torch.distributed as dist
 
     ablation.drop_inherited()  # a fork under an applied ablation must not keep it for later tasks
+    conformance.clear()  # nor an implementation under test: specs travel with each task
     try:
         if use_cuda:
             torch.cuda.set_device(rank)
@@ -134,9 +135,11 @@ def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg
             break
         task_id, fn, args, kwargs, refs, impls = message
         try:
+            before = conformance.call_counts()
             with ablation.applied(refs), conformance.applied(impls):
                 result = fn(*args, **kwargs)
-            _send(conn, ("ok", task_id, result))
+            made = {p: n - before.get(p, 0) for p, n in conformance.call_counts().items() if n > before.get(p, 0)}
+            _send(conn, ("ok", task_id, (result, made)))
         except BaseException as err:  # noqa: BLE001 - every task failure goes back to the parent
             _send(conn, ("raised", task_id, (f"{type(err).__name__}: {err}", traceback.format_exc())))
     with contextlib.suppress(Exception):
@@ -308,7 +311,8 @@ class World:
                 if got_id != task_id:
                     outcomes[rank] = RankOutcome(rank, "raised", f"answered task {got_id}, expected {task_id}")
                 elif status == "ok":
-                    results[rank] = payload
+                    results[rank], made = payload
+                    conformance.add_calls(made)  # the implementation under test ran inside the rank
                     outcomes[rank] = RankOutcome(rank, "ok")
                 else:
                     error, trace = payload

@@ -141,7 +141,7 @@ ablation(
     name="decode.rank0_clips_only",
     seam="harness.decode.exchange:collect",
     replacement=_rank0_slab_for_all,
-    kills=["decode.gpu.bitexact", "decode.t37.w4.bitexact", "decode.t22.w8.bitexact",
+    kills=["decode.gpu.bitexact", "decode.gpu.fp16_autocast", "decode.t37.w4.bitexact", "decode.t22.w8.bitexact",
            "decode.t22.w2.fp16_autocast.bitexact", "decode.t37.w8.fp16_autocast.bitexact",
            "decode.t22.w2.batch2_sliced.bitexact", "decode.encode.f40.w2.bitexact", "decode.encode.f51.w4.bitexact"],
     why="every piece owned by rank r > 0 is replaced by one of rank 0's, so all but rank 0's frames are wrong on "
@@ -306,7 +306,7 @@ ablation(
     seam="harness.decode.exchange:destination",
     replacement=_next_rank,
     kills=["decode.t37.w4.gather_dst2.bitexact", "decode.t22.w2.gather.bitexact",
-           "decode.encode.f40.w3.gather_dst1.bitexact"],
+           "decode.encode.f40.w3.gather_dst1.bitexact", "decode.gpu.gather_to_one"],
     why="a group-local rank taken for the next one (or a global one): the video is assembled on a rank that did "
         "not ask for it and the destination gets None; the bytes are right, the holder is wrong",
     kill_mode="fact",
@@ -332,7 +332,7 @@ ablation(
     name="decode.encode_concat_without_drop",
     seam="harness.decode.serve:run_encode_post_loop",
     replacement=_encode_concat_all,
-    kills=ENCODES,
+    kills=[*ENCODES, "decode.gpu.encode_bitexact"],
     why="`_encode` concatenates the clips' moments and then drops the token_drop trailing latent frames the "
         "decoder re-derives as its overlap; a plain concatenation keeps them, one latent video too long",
     kill_mode="tolerance",

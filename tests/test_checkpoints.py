@@ -119,8 +119,8 @@ def test_empty_directory_is_not_a_model(tmp_path):
 
 def test_unknown_class_names_what_was_found_and_the_registered_kinds(tmp_path):
     with pytest.raises(CheckpointError, match=r"unsupported model kind \(UNet2DConditionModel\); registered "
-                                              r"checkpoint kinds: .*video_vae \(feeds decode: diffusers "
-                                              r"AutoencoderKLMiniMaxH3\)"):
+                                              r"checkpoint kinds: .*video_vae \(feeds decode, family minimax_h3: "
+                                              r"diffusers AutoencoderKLMiniMaxH3\)"):
         detect(_config(tmp_path, "unet", _class_name="UNet2DConditionModel"))
 
 
