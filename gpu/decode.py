@@ -14,6 +14,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 
 from fixtures import decode_tasks
@@ -132,7 +133,13 @@ def decode_gather_to_one(check_id: str, ctx: CheckContext) -> Verdict:
 
 
 def decode_autocast_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
-    """Stock and sharded decode both under the pipeline's fp16 autocast: bitwise equal."""
+    """Stock and sharded decode both under the pipeline's fp16 autocast: bitwise equal.
+
+    The pipeline autocasts over fp32 weights; bf16 weights under fp16 autocast is no setup anyone runs (and
+    the CPU's autocast refuses it), so the bf16 item skips in the parent, before any rank starts.
+    """
+    if ctx.dtype != torch.float32:
+        pytest.skip(f"fp16 autocast runs over fp32 VAE weights (the pipeline's setup), not {ctx.dtype}")
     world = ctx.world(world_size(ctx))
     return compare_sharded_decode(world, decode_tasks.decode_task, _decode_job(ctx, autocast="float16"), check_id,
                                   sharded=world.size > 1, policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
