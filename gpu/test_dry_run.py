@@ -48,7 +48,7 @@ def test_gpu_tier_dry_run_over_every_checkpoint_kind(tiny_dir, tmp_path):
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"gpu dry run failed:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
     mapped = {kind for kind, path in tiny_dir.items() if f"device map {CPU_SPLIT}: {path} on cpu" in done.stdout}
-    in_process = {kind for kind, path in tiny_dir.items() if detect(path).feeds in ("replay", "ar")}  # not in ranks
+    in_process = {kind for kind, path in tiny_dir.items() if detect(path).feeds in ("replay", "ar", "decode")}
     assert mapped == in_process, f"loaded through the device map: {sorted(mapped)}, expected {sorted(in_process)}"
     data = json.loads(report.read_text())
     catalogue.load()  # the ablation catalogue, which loads the checks first
