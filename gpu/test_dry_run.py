@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fixtures import checkpoints as tiny_checkpoints
-from harness import catalogue, checks
+from harness import catalogue, checks, compat
 from harness import device_map as device_maps
 from harness.checkpoints import KINDS, CheckpointError, detect, load_model
 
@@ -36,7 +36,8 @@ def tiny_dir(tmp_path_factory):
 
 def test_every_kind_is_written_and_detected(tiny_dir):
     kinds = {detect(path).kind for path in tiny_dir.values()}
-    assert kinds == set(KINDS), f"tiny checkpoints cover {sorted(kinds)}, the gpu tier reads {sorted(KINDS)}"
+    readable = {kind for kind, feeds in KINDS.items() if compat.path_unavailable(feeds) is None}
+    assert kinds == readable, f"tiny checkpoints cover {sorted(kinds)}, the gpu tier reads {sorted(readable)}"
 
 
 def test_gpu_tier_dry_run_over_every_checkpoint_kind(tiny_dir, tmp_path):

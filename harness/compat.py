@@ -43,6 +43,7 @@ __all__ = [
     "init_zeros_",
     "lazy_init_arity",
     "lazy_init_layer",
+    "path_unavailable",
     "remote_code_kwargs",
     "removed_module_reason",
     "write_slot_kwargs",
@@ -148,6 +149,25 @@ def diffusers_has(name: str) -> bool:
     import diffusers
 
     return hasattr(diffusers, name)
+
+
+#: The diffusers class a path's models are built from, where some supported stack lacks it.
+PATH_NEEDS_DIFFUSERS: dict[str, str] = {"decode": "AutoencoderKLMiniMaxH3"}
+
+
+def path_unavailable(path: str) -> str | None:
+    """Why ``path`` cannot run on the installed stack (a diffusers class it needs is missing), or None.
+
+    The one test every generated item, decode test and tiny checkpoint asks, in the parent process, so
+    a lane without the class skips the path with this reason instead of failing inside a rank.
+    """
+    import diffusers
+
+    needed = PATH_NEEDS_DIFFUSERS.get(path)
+    if needed is None or diffusers_has(needed):
+        return None
+    return (f"diffusers {diffusers.__version__} has no {needed} (it needs diffusers >=0.40, whose huggingface-hub "
+            f">=1.23 transformers 4.x refuses): the {path} path runs on the latest lock only")
 
 
 # ------------------------------------------------------------------ weight init for fakes' _init_weights

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from harness import ablation as ablation_mod
-from harness import catalogue, checkpoints, checks, conformance, launch, report
+from harness import catalogue, checkpoints, checks, compat, conformance, launch, report
 from harness import device_map as device_maps
 from harness.ablation import KillResult
 from harness.checks import CheckContext
@@ -74,6 +74,13 @@ def parse_dtypes(text: str) -> list[torch.dtype]:
     return [DTYPES[n] for n in names]
 
 
+def skip_unavailable_path(check_id: str) -> None:
+    """Skip, here in the parent before any world starts, a check whose path this stack cannot build."""
+    reason = compat.path_unavailable(checks.get(check_id).path)
+    if reason:
+        pytest.skip(reason)
+
+
 class ParitySession:
     """Runs checks and ablations for a pytest session and keeps what they said for the report."""
 
@@ -102,6 +109,7 @@ class ParitySession:
     def check(self, check_id: str, ctx: CheckContext | None = None, label: str | None = None) -> Verdict:
         """Run a check once per label (cached: the kill matrix reuses the baseline)."""
         key = label or check_id
+        skip_unavailable_path(check_id)
         if key not in self.verdicts:
             with watch_implementation(checks.get(check_id).path) as watch:
                 verdict = checks.run_check(check_id, ctx or self.context())
@@ -112,6 +120,7 @@ class ParitySession:
     def kill(self, ablation_name: str, check_id: str, ctx: CheckContext | None = None,
              label: str | None = None) -> KillResult:
         """Run ``check_id`` under the ablation; ``label`` names the check in the report (gpu: checkpoint, dtype)."""
+        skip_unavailable_path(check_id)
         result = ablation_mod.run_under(ablation_mod.get(ablation_name), check_id, ctx or self.context())
         if label:
             result = dataclasses.replace(result, check=label)

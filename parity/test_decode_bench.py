@@ -17,7 +17,8 @@ import pytest
 from fixtures import decode_models, decode_tasks
 from harness.decode import plan as plan_mod
 
-pytestmark = pytest.mark.bench
+pytestmark = [pytest.mark.bench,
+              pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
 
 WORLD = 2
 LATENTS = decode_models.LatentSpec(37, height=16, width=16)  # 7 clips of 32 x 32 pixel frames, 3 x 3 tiles each

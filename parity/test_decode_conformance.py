@@ -12,7 +12,8 @@ from fixtures import decode_models, decode_tasks
 from harness import conformance, plugins
 from harness.decode import families, judge, sharded
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu,
+              pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
 
 
 def stock_everywhere(vae: Any, z: torch.Tensor, group: Any) -> torch.Tensor:

@@ -9,7 +9,8 @@ from fixtures import decode_models, decode_tasks
 from harness.dist import WorldTaskError
 from parity import decode_checks
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu,
+              pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
 
 CASES = [
     # (world, faulty rank, kind, latent frames, split, transport)

@@ -15,7 +15,8 @@ from harness.decode import exchange, judge, serve, sharded
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import Probe, ProbeStatus, ShardedDecodeError
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu,
+              pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
 
 
 @contextlib.contextmanager

@@ -11,7 +11,8 @@ from fixtures import decode_models, decode_strategies, decode_tasks
 from harness.decode import judge, serve
 from harness.decode import plan as plan_mod
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu,
+              pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
 
 
 def _stock_windows(vae, z: torch.Tensor) -> list[torch.Tensor]:

@@ -15,7 +15,8 @@ from harness import ablation, catalogue
 from harness.decode import judge
 from harness.dist import World
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu,
+              pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
 
 
 def test_a_world_forked_under_an_ablation_runs_clean_tasks_clean():

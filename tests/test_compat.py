@@ -29,6 +29,7 @@ def test_lane_4x_takes_the_4x_branches() -> None:
     assert compat.lazy_init_arity() == 1
     assert compat.has_module("transformers.modeling_attn_mask_utils")
     assert not compat.diffusers_has("AutoencoderKLMiniMaxH3")
+    assert "has no AutoencoderKLMiniMaxH3" in compat.path_unavailable("decode")
 
 
 @pytest.mark.skipif(_MAJOR != 5, reason=f"transformers {transformers.__version__} is not the 5.x lane")
@@ -39,6 +40,7 @@ def test_lane_5x_takes_the_5x_branches() -> None:
     assert compat.lazy_init_arity() == 2
     assert not compat.has_module("transformers.modeling_attn_mask_utils")
     assert compat.diffusers_has("AutoencoderKLMiniMaxH3")
+    assert compat.path_unavailable("decode") is None
 
 
 def test_cache_name_is_what_generation_stores_the_cache_under() -> None:
@@ -86,3 +88,9 @@ def test_init_helpers_write_fresh_tensors() -> None:
     torch.manual_seed(0)
     compat.init_normal_(t, 0.5)
     assert 0.05 < float(t.std()) < 2.0
+
+
+def test_only_paths_built_on_a_missing_diffusers_class_are_unavailable() -> None:
+    for path in ("replay", "ar", "attention", "demo"):
+        assert compat.path_unavailable(path) is None
+    assert (compat.path_unavailable("decode") is None) == compat.diffusers_has("AutoencoderKLMiniMaxH3")

@@ -63,10 +63,10 @@ def cdemo_unwired(ctx):
                          torch.tensor(suite_impl.stock(x)))
 
 
-@register("decode.cdemo.exact")
-def decode_exact(ctx):
+@register("replay.cdemo.exact")
+def replay_exact(ctx):
     x = [1.0]
-    return exact().judge("decode.cdemo.exact", torch.tensor(suite_impl.scale(x)), torch.tensor(suite_impl.stock(x)))
+    return exact().judge("replay.cdemo.exact", torch.tensor(suite_impl.scale(x)), torch.tensor(suite_impl.stock(x)))
 '''
 
 ABLATIONS = '''
@@ -75,8 +75,8 @@ from harness.ablation import ablation
 ablation("attention.cdemo_plus_one", "suite_impl:scale", lambda x: [2 * v + 1 for v in x],
          kills=["attention.cdemo.exact", "attention.cdemo.fallback", "attention.cdemo.unwired"], why="adds one",
          kill_mode="tolerance")
-ablation("decode.cdemo_plus_one", "suite_impl:scale", lambda x: [2 * v + 1 for v in x],
-         kills=["decode.cdemo.exact"], why="adds one", kill_mode="tolerance")
+ablation("replay.cdemo_plus_one", "suite_impl:scale", lambda x: [2 * v + 1 for v in x],
+         kills=["replay.cdemo.exact"], why="adds one", kill_mode="tolerance")
 '''
 
 GENERATED = '''
@@ -108,22 +108,22 @@ def test_every_check_is_claimed():
 
 PATH_TESTS = {
     "test_attention_properties": "import pytest\n\n\n@pytest.mark.cpu\ndef test_attention_property():\n    pass\n",
-    "test_decode_properties": "import pytest\n\n\n@pytest.mark.cpu\ndef test_decode_property():\n    pass\n",
+    "test_replay_properties": "import pytest\n\n\n@pytest.mark.cpu\ndef test_replay_property():\n    pass\n",
 }
 
 
 @pytest.fixture(autouse=True)
 def _clean():
     checks._forget("attention.cdemo.")
-    checks._forget("decode.cdemo.")
+    checks._forget("replay.cdemo.")
     ablation._forget("attention.cdemo")
-    ablation._forget("decode.cdemo")
+    ablation._forget("replay.cdemo")
     conformance.clear()
     yield
     checks._forget("attention.cdemo.")
-    checks._forget("decode.cdemo.")
+    checks._forget("replay.cdemo.")
     ablation._forget("attention.cdemo")
-    ablation._forget("decode.cdemo")
+    ablation._forget("replay.cdemo")
     conformance.clear()
 
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from harness import ablation, catalogue, checks
+from harness import ablation, catalogue, checks, compat
 from harness.checks import CheckContext
 from harness.dist import START_METHODS, World, WorldPool, resolve_start_method
 
@@ -44,6 +44,7 @@ def test_start_method_defaults_and_choices(monkeypatch):
         World(2, start_method="threads")
 
 
+@pytest.mark.skipif(compat.path_unavailable("decode") is not None, reason=str(compat.path_unavailable("decode")))
 def test_spawned_ranks_rebuild_the_catalogue_and_see_the_decode_kill():
     global PARENT_MARK
     catalogue.load()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fixtures import checkpoints as tiny_checkpoints
+from harness import compat
 
 pytestmark = pytest.mark.cpu
 
@@ -42,6 +43,7 @@ def tiny_vae(tmp_path_factory):
     return tiny_checkpoints.write_all(tmp_path_factory.mktemp("torchrun"), ("minimax_h3_vae",))["minimax_h3_vae"]
 
 
+@pytest.mark.skipif(compat.path_unavailable("decode") is not None, reason=str(compat.path_unavailable("decode")))
 def test_gpu_tier_decode_under_torchrun(tiny_vae, tmp_path):
     """Two ranks (a 4-rank launch of the same command is as green; it costs ~2x here, so the lane runs 2)."""
     nproc = 2
