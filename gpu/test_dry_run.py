@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from fixtures import checkpoints as tiny_checkpoints
-from harness import checks
+from harness import catalogue, checks
 from harness.checkpoints import KINDS, CheckpointError, detect, load_model
-from mutation import catalogue
 
 pytestmark = pytest.mark.cpu
 

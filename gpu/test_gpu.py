@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from gpu.decode import world_size as gpu_world_size
-from harness import ablation, checks
+from harness import ablation, catalogue, checks
 from harness.plugin import SESSION_KEY, gpu_device, parse_dtypes
-from mutation import catalogue
 
 catalogue.load()
 

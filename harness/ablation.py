@@ -11,14 +11,19 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from harness import checks
 
-__all__ = ["Ablation", "KillResult", "ablation", "active", "all_ablations", "applied", "drop_inherited", "get",
-           "run_under"]
+__all__ = ["KILL_MODES", "Ablation", "KillResult", "ablation", "active", "all_ablations", "applied",
+           "drop_inherited", "get", "run_under", "validate_claims"]
+
+# How an ablation must be caught. "tolerance": the ablated verdict fails with a number over its tolerance
+# (margin > 1); "fact": it fails on a violated required fact (a spy) naming ``fact``; "raises": one of the
+# declared exception types escapes; "hang": harness.dist.WorldTimeout within ``hang_timeout_s``.
+KILL_MODES = ("tolerance", "fact", "raises", "hang")
 
 
 @dataclass(frozen=True)
@@ -26,9 +31,10 @@ class Ablation:
     """A named bug (``path.bug``) patched over ``seam`` that must kill every check in ``kills``.
 
     ``replacement`` is the buggy function; with ``wraps=True`` it is a factory called with the
-    original function and returning the buggy one. ``raises`` lists the exception types that
-    count as a kill (the crash the bug causes, or harness.dist.WorldTimeout for a hang);
-    ``hang_timeout_s`` bounds distributed tasks while it is applied.
+    original function and returning the buggy one. ``kill_mode`` (one of KILL_MODES) is how every
+    claimed check must catch it; ``modes`` holds the claims caught another way (check id -> mode).
+    ``facts`` maps a claim to the text its violated required fact must contain (a "fact" kill); ``raises`` the
+    exception types of a "raises" kill; ``hang_timeout_s`` bounds distributed tasks for a "hang" kill.
     """
 
     name: str
@@ -36,6 +42,9 @@ class Ablation:
     replacement: Callable[..., Any]
     kills: tuple[str, ...]
     why: str
+    kill_mode: str = "tolerance"
+    modes: dict[str, str] = field(default_factory=dict, compare=False)
+    facts: dict[str, str] = field(default_factory=dict, compare=False)
     wraps: bool = False
     raises: tuple[type[BaseException], ...] = ()
     hang_timeout_s: float | None = None
@@ -44,6 +53,10 @@ class Ablation:
     @property
     def path(self) -> str:
         return self.name.split(".", 1)[0]
+
+    def mode_for(self, check_id: str) -> str:
+        """The kill mode declared for one claimed check."""
+        return self.modes.get(check_id, self.kill_mode)
 
     def resolve(self) -> tuple[Any, str]:
         return resolve_seam(self.seam)
@@ -111,27 +124,78 @@ def resolve_seam(seam: str) -> tuple[Any, str]:
 
 _ABLATIONS: dict[str, Ablation] = {}
 _ACTIVE: list[_Patch] = []
+_LOADER = "harness.catalogue:load"  # what a fresh (spawned) rank calls to rebuild the registries
 
 
 def ablation(name: str, seam: str, replacement: Callable[..., Any], *, kills: Sequence[str], why: str,
+             kill_mode: str, modes: Mapping[str, str] | None = None, fact: str | Mapping[str, str] | None = None,
              wraps: bool = False, raises: Sequence[type[BaseException]] = (),
              hang_timeout_s: float | None = None) -> Ablation:
-    """Register an ablation; unknown check ids or seams fail here, at import, naming them."""
+    """Register an ablation; its claimed check ids are validated when the catalogue loads (validate_claims).
+
+    Every claim in ``kills`` is caught in ``kill_mode`` unless ``modes`` declares another mode for it
+    (every mode is declared, none inferred). ``fact`` is the text the violated spy fact must contain, or
+    a mapping check id -> text where the claims violate different facts.
+    """
     if "." not in name or not name.islower():
         raise ValueError(f"ablation name {name!r} must read 'path.bug' in lowercase")
     if name in _ABLATIONS:
         raise ValueError(f"ablation {name!r} registered twice")
     if not kills:
         raise ValueError(f"ablation {name!r} names no check to kill")
-    unknown = [c for c in kills if not checks.exists(c)]
-    if unknown:
-        raise ValueError(f"ablation {name!r} claims unknown check ids: {unknown}")
-    resolve_seam(seam)
+    claims = dict.fromkeys(kills, kill_mode)
+    stray = sorted(set(modes or {}) - set(claims))
+    if stray:
+        raise ValueError(f"ablation {name!r}: modes given for checks it does not claim: {stray}")
+    claims.update(modes or {})
+    for check_id, mode in {"(kill_mode)": kill_mode, **claims}.items():
+        if mode not in KILL_MODES:
+            raise ValueError(f"ablation {name!r}: kill mode {mode!r} for {check_id} is not one of {KILL_MODES}")
+    used = set(claims.values())
+    missing = [c for c, m in claims.items() if m == "fact" and not (
+        fact.get(c) if isinstance(fact, Mapping) else fact)]
+    if missing:
+        raise ValueError(f"ablation {name!r}: a 'fact' kill must name the spy fact it violates (fact=...): {missing}")
+    if "raises" in used and not raises:
+        raise ValueError(f"ablation {name!r}: a 'raises' kill must declare its exception types (raises=...)")
+    if "hang" in used and hang_timeout_s is None:
+        raise ValueError(f"ablation {name!r}: a 'hang' kill must bound its wait (hang_timeout_s=...)")
+    module, sep, attr = seam.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"seam {seam!r} must read 'package.module:function'")
     frame = inspect.stack()[1]
     origin = frame.frame.f_globals.get("__name__", "")
-    item = Ablation(name, seam, replacement, tuple(kills), why, wraps, tuple(raises), hang_timeout_s, origin)
+    overrides = {c: m for c, m in claims.items() if m != kill_mode}
+    facts = dict(fact) if isinstance(fact, Mapping) else ({c: fact for c in claims} if fact else {})
+    item = Ablation(name, seam, replacement, tuple(claims), why, kill_mode, overrides, facts, wraps, tuple(raises),
+                    hang_timeout_s, origin)
     _ABLATIONS[name] = item
     return item
+
+
+def validate_claims(names: Sequence[str] | None = None) -> None:
+    """Every claimed check exists and every seam resolves; called once the whole catalogue is loaded.
+
+    Validation waits for the catalogue because an ablation may claim checks that another module
+    registers (a decode ablation claims the gpu tier's decode check).
+    """
+    problems = []
+    for item in _ABLATIONS.values() if names is None else [get(n) for n in names]:
+        unknown = [c for c in item.kills if not checks.exists(c)]
+        if unknown:
+            problems.append(f"ablation {item.name!r} claims unknown check ids: {unknown}")
+        try:
+            resolve_seam(item.seam)
+        except ValueError as err:
+            problems.append(f"ablation {item.name!r}: {err}")
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def set_loader(spec: str) -> None:
+    """Name the ``module:function`` a rank calls to rebuild the catalogue before re-applying ablations."""
+    global _LOADER
+    _LOADER = spec
 
 
 def get(name: str) -> Ablation:
@@ -146,17 +210,22 @@ def all_ablations(path: str | None = None) -> list[Ablation]:
 
 
 def active() -> list[tuple[str, str]]:
-    """(name, defining module) of every applied ablation, for re-application inside ranks."""
-    return [(p.item.name, p.item.origin) for p in _ACTIVE]
+    """(name, catalogue loader) of every applied ablation, for re-application inside ranks."""
+    return [(p.item.name, _LOADER) for p in _ACTIVE]
 
 
 @contextlib.contextmanager
 def applied(refs: Sequence[tuple[str, str]]) -> Iterator[None]:
-    """Re-apply ablations by reference (inside a rank process)."""
+    """Re-apply ablations by reference (inside a rank process).
+
+    A spawned rank starts with empty registries: it loads the whole catalogue through the loader the
+    parent named (never one ablation module alone, whose claims may live in another module).
+    """
     with contextlib.ExitStack() as stack:
-        for name, origin in refs:
-            if name not in _ABLATIONS and origin:
-                importlib.import_module(origin)
+        for name, loader in refs:
+            if name not in _ABLATIONS and loader:
+                module_name, _, function = loader.partition(":")
+                getattr(importlib.import_module(module_name), function)()
             stack.enter_context(get(name).apply())
         yield
 
@@ -165,32 +234,50 @@ def applied(refs: Sequence[tuple[str, str]]) -> Iterator[None]:
 class KillResult:
     """What one check did under one ablation.
 
-    ``margin`` is the ablated verdict's error / tolerance when a tolerance was exceeded; a kill by a
-    required fact (a spy) or by a declared exception has none. ``metrics`` are the ablated verdict's.
+    ``mode`` is how the check failed (one of KILL_MODES, "survived", or "wrong exception <Type>");
+    ``killed`` is true only when that is the mode the ablation declared for this check. ``margin`` is the
+    ablated verdict's error / tolerance when a tolerance was exceeded. ``metrics`` are the ablated verdict's.
     """
 
     ablation: str
     check: str
     killed: bool
     margin: float | None
-    how: str  # "tolerance", "required fact", "raised <Type>", "survived", "wrong exception <Type>"
+    how: str  # a readable account: "tolerance", "fact: <text>", "raised <Type>", "survived", ...
     detail: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
     headline: str = ""  # the ablated verdict's headline metric, e.g. "max_abs=1.9e+04"
+    mode: str = ""
+    declared: str = ""
+
+
+def _hang_types() -> tuple[type[BaseException], ...]:
+    from harness.dist import WorldTimeout  # harness.dist imports this module
+
+    return (WorldTimeout,)
 
 
 def run_under(item: Ablation, check_id: str, ctx: checks.CheckContext) -> KillResult:
-    """Run ``check_id`` with ``item`` applied and say whether it was killed, and by how much."""
+    """Run ``check_id`` with ``item`` applied and say whether it was killed in its declared mode."""
+    declared = item.mode_for(check_id)
     previous = ctx.task_timeout_s
     if item.hang_timeout_s is not None:
         ctx.task_timeout_s = item.hang_timeout_s
+    hang = _hang_types()
     try:
         with item.apply():
             verdict = checks.run_check(check_id, ctx)
-    except item.raises as err:  # an empty tuple matches nothing
-        return KillResult(item.name, check_id, True, None, f"raised {type(err).__name__}", str(err)[:500])
-    except Exception as err:  # noqa: BLE001 - an undeclared crash is reported, not a clean kill
-        return KillResult(item.name, check_id, False, None, f"wrong exception {type(err).__name__}", str(err)[:500])
+    except Exception as err:  # noqa: BLE001 - every escape is classified against the declaration
+        name = type(err).__name__
+        if isinstance(err, hang):
+            mode = "hang"
+        elif item.raises and isinstance(err, item.raises):
+            mode = "raises"
+        else:
+            mode = f"wrong exception {name}"
+        killed = mode == declared
+        return KillResult(item.name, check_id, killed, None, f"raised {name}", str(err)[:500], mode=mode,
+                          declared=declared)
     finally:
         ctx.task_timeout_s = previous
     value = verdict.headline_value
@@ -198,10 +285,19 @@ def run_under(item: Ablation, check_id: str, ctx: checks.CheckContext) -> KillRe
         f"{verdict.headline}={value}" if verdict.headline else "")
     if verdict.passed:
         return KillResult(item.name, check_id, False, verdict.margin, "survived", verdict.describe(), verdict.metrics,
-                          headline)
+                          headline, mode="survived", declared=declared)
     exceeded = verdict.margin is not None and verdict.margin > 1.0
-    return KillResult(item.name, check_id, True, verdict.margin if exceeded else None,
-                      "tolerance" if exceeded else "required fact", verdict.describe(), verdict.metrics, headline)
+    violated = verdict.violated_facts
+    if declared == "tolerance" or (exceeded and declared not in ("fact",)):
+        mode = "tolerance" if exceeded else "fact"
+    else:
+        mode = "fact" if violated else ("tolerance" if exceeded else "failed")
+    expected_fact = item.facts.get(check_id)
+    if declared == "fact" and mode == "fact" and expected_fact and not any(expected_fact in f for f in violated):
+        mode = "other fact"
+    how = "tolerance" if mode == "tolerance" else (f"fact: {'; '.join(violated)}" if violated else mode)
+    return KillResult(item.name, check_id, mode == declared, verdict.margin if exceeded else None, how,
+                      verdict.describe(), verdict.metrics, headline, mode=mode, declared=declared)
 
 
 def _forget(prefix: str) -> None:

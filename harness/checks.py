@@ -7,9 +7,8 @@ registry, so a check id is the way in: one search finds the function that define
 
 from __future__ import annotations
 
-import importlib
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 
 from harness.compare import Verdict
 
-__all__ = ["Check", "CheckContext", "all_checks", "get", "load_catalogue", "register", "run_check"]
+__all__ = ["Check", "CheckContext", "all_checks", "get", "register", "restore", "run_check", "snapshot"]
 
 CHECK_ID = re.compile(r"^[a-z][a-z0-9_]*(\.[A-Za-z0-9_\-]+)+$")
 TIERS = frozenset({"cpu", "gpu"})
@@ -57,6 +56,7 @@ class Check:
     tier: str
     doc: str
     module: str
+    where: str = ""  # "module:qualname" of the function that computes it (a partial names its function)
 
     @property
     def path(self) -> str:
@@ -74,11 +74,13 @@ def register(check_id: str, *, tier: str = "cpu", doc: str = "") -> Callable[[Ch
         raise ValueError(f"check {check_id!r}: tier must be one of {sorted(TIERS)}, got {tier!r}")
 
     def decorate(fn: CheckFn) -> CheckFn:
-        module = getattr(getattr(fn, "func", fn), "__module__", "?")  # a functools.partial names its function's
+        target = getattr(fn, "func", fn)  # a functools.partial names its function
+        module = getattr(target, "__module__", "?")
+        where = f"{module}:{getattr(target, '__qualname__', getattr(target, '__name__', '?'))}"
         if check_id in _REGISTRY:
-            raise ValueError(f"check id {check_id!r} registered twice ({_REGISTRY[check_id].module} and {module})")
-        text = doc or next(iter((fn.__doc__ or "").strip().splitlines()), "")
-        _REGISTRY[check_id] = Check(check_id, fn, tier, text, module)
+            raise ValueError(f"check id {check_id!r} registered twice ({_REGISTRY[check_id].where} and {where})")
+        text = doc or next(iter((target.__doc__ or "").strip().splitlines()), "")
+        _REGISTRY[check_id] = Check(check_id, fn, tier, text, module, where)
         return fn
 
     return decorate
@@ -99,10 +101,14 @@ def all_checks(tier: str | None = None, path: str | None = None) -> list[Check]:
     return [c for c in _REGISTRY.values() if (tier is None or c.tier == tier) and (path is None or c.path == path)]
 
 
-def load_catalogue(modules: Iterable[str]) -> None:
-    """Import the modules that register checks (idempotent)."""
-    for name in modules:
-        importlib.import_module(name)
+def snapshot() -> dict[str, Check]:
+    """A copy of the registry, so a failed catalogue load can put it back (harness.catalogue)."""
+    return dict(_REGISTRY)
+
+
+def restore(saved: dict[str, Check]) -> None:
+    _REGISTRY.clear()
+    _REGISTRY.update(saved)
 
 
 def run_check(check_id: str, ctx: CheckContext) -> Verdict:

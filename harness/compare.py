@@ -84,6 +84,15 @@ class Verdict:
             notes=(*self.notes, note),
         )
 
+    def with_metrics(self, **metrics: Any) -> Verdict:
+        """Attach metrics (a measured floor, a spy's counts) without asserting anything."""
+        return dataclasses.replace(self, metrics={**self.metrics, **metrics})
+
+    @property
+    def violated_facts(self) -> list[str]:
+        """The required facts this verdict failed on (their text), in the order they were required."""
+        return [note.split(": ", 1)[1] for note in self.notes if note.startswith("VIOLATED: ")]
+
     def merge(self, other: Verdict) -> Verdict:
         """Combine two verdicts on one check: both must pass; the larger margin is the headline."""
         mine, theirs = self.margin, other.margin
@@ -477,7 +486,8 @@ def expect(check_id: str, ok: bool, fact: str, **metrics: Any) -> Verdict:
     """A boolean check (a guard returned None, a tiled batch has S*cfg*B rows)."""
     return Verdict(check_id, bool(ok), dict(metrics), f"fact: {fact}", None,
                    message="" if ok else f"expected: {fact}; observed: "
-                   + (", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()) or "it does not hold"))
+                   + (", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()) or "it does not hold"),
+                   notes=(f"{'ok' if ok else 'VIOLATED'}: {fact}",))
 
 
 def expect_raises(check_id: str, fn: Callable[[], Any], exc: type[BaseException] | tuple[type[BaseException], ...],

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from harness import ablation
+from harness import ablation, conformance
 
 __all__ = ["RankOutcome", "World", "WorldError", "WorldPool", "WorldTaskError", "WorldTimeout"]
 
@@ -108,9 +108,9 @@ def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg
             break
         if message is None:
             break
-        task_id, fn, args, kwargs, refs = message
+        task_id, fn, args, kwargs, refs, impls = message
         try:
-            with ablation.applied(refs):
+            with ablation.applied(refs), conformance.applied(impls):
                 result = fn(*args, **kwargs)
             _send(conn, ("ok", task_id, result))
         except BaseException as err:  # noqa: BLE001 - every task failure goes back to the parent
@@ -225,14 +225,14 @@ class World:
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
 
-        ``fn`` must be a module-level function (it is pickled by reference). Applied ablations
-        travel with the task and are re-applied inside each rank.
+        ``fn`` must be a module-level function (it is pickled by reference). Applied ablations and the
+        implementations under test (harness.conformance) travel with the task and are re-applied in each rank.
         """
         if not self.alive:
             raise WorldError(f"world of {self.size} ranks is not running (start it, or it was torn down)")
         self._task += 1
         task_id = self._task
-        message = (task_id, fn, args, kwargs, ablation.active())
+        message = (task_id, fn, args, kwargs, ablation.active(), conformance.specs())
         for conn in self._conns:
             _send(conn, message)
         results: dict[int, Any] = {}

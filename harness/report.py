@@ -2,8 +2,8 @@
 
 The JSON shape is a contract for CI tools::
 
-    {"checks": [{"id", "path", "passed", "metrics", "policy", "margin"}],
-     "ablations": [{"name", "path", "kills": [{"check", "killed", "margin"}]}],
+    {"checks": [{"id", "path", "where", "passed", "metrics", "policy", "margin"}],
+     "ablations": [{"name", "path", "kill_mode", "kills": [{"check", "killed", "mode", "declared", "margin"}]}],
      "summary": {"checks", "passed", "ablations", "killed"}}
 
 Nothing time-dependent goes in, so the same run gives the same report.
@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from harness import ablation, checks
 from harness.ablation import KillResult
 from harness.compare import Verdict
 
@@ -39,11 +40,13 @@ def _plain(value: Any) -> Any:
 
 
 def build(verdicts: Iterable[Verdict], kills: Iterable[KillResult]) -> dict[str, Any]:
-    checks = []
+    rows = []
     for v in verdicts:
-        checks.append({
+        registered = checks.get(v.check_id) if checks.exists(v.check_id) else None
+        rows.append({
             "id": v.check_id,
             "path": v.path,
+            "where": registered.where if registered else "",
             "passed": v.passed,
             "metrics": _plain(v.metrics),
             "policy": v.policy,
@@ -55,20 +58,23 @@ def build(verdicts: Iterable[Verdict], kills: Iterable[KillResult]) -> dict[str,
     for k in kills:
         grouped.setdefault(k.ablation, []).append(k)
     ablations = []
-    for name, rows in grouped.items():
+    for name, results in grouped.items():
+        known = ablation.get(name) if name in ablation._ABLATIONS else None
         ablations.append({
             "name": name,
             "path": name.split(".", 1)[0],
-            "kills": [{"check": r.check, "killed": r.killed, "margin": _plain(r.margin), "how": r.how,
-                       "headline": r.headline, "metrics": _plain(r.metrics)} for r in rows],
+            "kill_mode": known.kill_mode if known else "",
+            "kills": [{"check": r.check, "killed": r.killed, "mode": r.mode, "declared": r.declared,
+                       "margin": _plain(r.margin), "how": r.how, "headline": r.headline,
+                       "metrics": _plain(r.metrics)} for r in results],
         })
     summary = {
-        "checks": len(checks),
-        "passed": sum(c["passed"] for c in checks),
+        "checks": len(rows),
+        "passed": sum(c["passed"] for c in rows),
         "ablations": len(ablations),
         "killed": sum(all(k["killed"] for k in a["kills"]) for a in ablations),
     }
-    return {"checks": checks, "ablations": ablations, "summary": summary}
+    return {"checks": rows, "ablations": ablations, "summary": summary}
 
 
 def _num(value: Any) -> str:
@@ -97,7 +103,7 @@ def _smallest_margin(kills: list[dict[str, Any]]) -> str:
         return _num(float(min(margins)))
     if any(k["killed"] and k["margin"] == "inf" for k in kills):
         return "inf"
-    other = sorted({k["how"] for k in kills if k["killed"]})  # "raised <Type>", "required fact"
+    other = sorted({k.get("mode") or k["how"] for k in kills if k["killed"]})  # "raises", "fact", "hang"
     return ", ".join(other) or "-"
 
 
@@ -113,7 +119,8 @@ def _rows(report: dict[str, Any], width: int | None = None) -> tuple[list[list[s
     for a in report["ablations"]:
         killed = sum(k["killed"] for k in a["kills"])
         status = "KILLED" if killed == len(a["kills"]) else "SURVIVED"
-        ablations.append([status, a["name"], f"{killed}/{len(a['kills'])}", _smallest_margin(a["kills"])])
+        ablations.append([status, a["name"], a.get("kill_mode", ""), f"{killed}/{len(a['kills'])}",
+                          _smallest_margin(a["kills"])])
     return checks, ablations
 
 
@@ -131,7 +138,7 @@ def render_terminal(report: dict[str, Any]) -> str:
     if checks:
         lines += _table(["", "check", "headline", "tolerance", "margin"], checks)
     if ablations:
-        lines += ["", *_table(["", "ablation", "killed", "smallest kill margin"], ablations)]
+        lines += ["", *_table(["", "ablation", "kill mode", "killed", "smallest kill margin"], ablations)]
     s = report["summary"]
     lines += ["", f"checks: {s['passed']}/{s['checks']} passed; ablations: {s['killed']}/{s['ablations']} killed all "
               "their checks"]
@@ -152,12 +159,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     if checks:
         lines += ["## Parity checks", "", *md(["status", "check", "headline", "tolerance", "margin"], checks), ""]
     if ablations:
-        lines += ["## Ablations", "", *md(["status", "ablation", "killed", "smallest kill margin"], ablations), ""]
+        header = ["status", "ablation", "kill mode", "killed", "smallest kill margin"]
+        lines += ["## Ablations", "", *md(header, ablations), ""]
     if report["ablations"]:
         lines += ["## What each ablation did to each check it claims", ""]
         for a in report["ablations"]:
             lines.append(f"- **{a['name']}**")
             lines += [f"  - `{k['check']}`: {'killed' if k['killed'] else 'SURVIVED'} by {k['how']}"
+                      + (f" (declared {k['declared']})" if k.get("declared") and k["declared"] != k.get("mode") else "")
                       + (f", {k['headline']}" if k.get("headline") else "")
                       + (f", margin {_num(k['margin'])}" if isinstance(k["margin"], float) else "") for k in a["kills"]]
         lines.append("")

@@ -67,7 +67,9 @@ ablation(
     why=("upstream deletes the gen_text decode mask; over a static cache each row then attends its stale pad KV "
          "and the never-written tail (the transformers models fall back to their own causal mask, which reads the "
          "holes). Prefill is untouched, so prefill_kv / slot0 survive; the fake's B=1 keeps the trimmed dynamic "
-         "cache, where no mask is needed."))
+         "cache, where no mask is needed."),
+    kill_mode="tolerance",
+)
 
 ablation(
     "ar.token_appended_at_tail", "harness.ar.loop:place_token", _append_at_tail,
@@ -75,14 +77,18 @@ ablation(
            "ar.fake.padded_b1.equals_unpadded"],
     why=("upstream re-reads the next input with input_ids.gather(1, position_ids) at real_pos_i + step: appended "
          "tokens feed every short row its own pad. In the transformers hole layout the tail column is the shared "
-         "write slot, so appending is correct there."))
+         "write slot, so appending is correct there."),
+    kill_mode="tolerance",
+)
 
 ablation(
     "ar.position_ids_zero_padded", "harness.ar.batch:pad_positions", _zero_pad_positions,
     kills=_ids(("fake",), ("concat",), CASE_QUANTITIES),
     why=("position_ids are upstream's KV write index: zero-padding writes every pad's KV onto slot 0, last write "
          "wins (seed 001: slot 0 off by ~4). Only concat pads positions; transformers' caches write by their own "
-         "counter, so a zero pad only moves the RoPE of masked-out pads there."))
+         "counter, so a zero pad only moves the RoPE of masked-out pads there."),
+    kill_mode="tolerance",
+)
 
 ablation(
     "ar.dynamic_cache_at_batch", "harness.ar.cache:cache_is_dynamic", _always_dynamic,
@@ -91,29 +97,62 @@ ablation(
     raises=(AssertionError,),
     why=("seed 002's crash: upstream's dynamic cache asserts len(cache_position) == 1 at B > 1 (the declared "
          "AssertionError kills every fake batched check). A transformers DynamicCache still works in the hole "
-         "layout; the checks' forward spy, which requires the static path, kills those."))
+         "layout; the checks' forward spy, which requires the static path, kills those."),
+    kill_mode="raises",
+    modes={
+        "ar.hunyuan_moe.unequal_real_pos.prefill_kv": "fact",
+        "ar.hunyuan_moe.unequal_real_pos.slot0": "fact",
+        "ar.hunyuan_moe.length_skew.prefill_kv": "fact",
+        "ar.hunyuan_moe.length_skew.slot0": "fact",
+        "ar.hunyuan_moe.all_padded.prefill_kv": "fact",
+        "ar.hunyuan_moe.all_padded.slot0": "fact",
+        "ar.hunyuan_moe.concat.prefill_kv": "fact",
+        "ar.hunyuan_moe.concat.slot0": "fact",
+        "ar.qwen3.unequal_real_pos.prefill_kv": "fact",
+        "ar.qwen3.unequal_real_pos.slot0": "fact",
+        "ar.qwen3.length_skew.prefill_kv": "fact",
+        "ar.qwen3.length_skew.slot0": "fact",
+        "ar.qwen3.all_padded.prefill_kv": "fact",
+        "ar.qwen3.all_padded.slot0": "fact",
+        "ar.qwen3.concat.prefill_kv": "fact",
+        "ar.qwen3.concat.slot0": "fact",
+    },
+    fact="batched forwards wrote a static (preallocated) K",
+)
 
 ablation(
     "ar.static_cache_at_b1", "harness.ar.cache:cache_is_dynamic", _never_dynamic,
     kills=[*_ids(MODELS, ("b1",), CASE_QUANTITIES), *[f"ar.{m}.padded_b1.equals_unpadded" for m in MODELS]],
     why=("B=1 must keep upstream's trimmed dynamic cache (the seed's review measured bf16 divergence at token 33 "
-         "from a static cache alone): the fake B=1 log-probs stop being bitwise, and the spy sees a static cache."))
+         "from a static cache alone): the fake B=1 log-probs stop being bitwise, and the spy sees a static cache."),
+    kill_mode="fact",
+    modes={"ar.fake.b1.logp": "tolerance"},
+    fact="B=1 kept the stock dynamic (trimmed) cache",
+)
 
 ablation(
     "ar.first_logits_last_column", "harness.ar.loop:first_logits_column", _last_column,
     kills=["ar.gpu.batched_vs_b1", *_ids(MODELS, _BATCHED, ("tokens", "logp")), *_whole_rollout(MODELS),
            *[f"ar.{m}.padded_b1.equals_unpadded" for m in MODELS]],
     why=("stock generation reads prefill logits at the last column: a right-padded row's first token is then "
-         "sampled from its pad's logits. Rows with real_pos == L (b1) are unaffected."))
+         "sampled from its pad's logits. Rows with real_pos == L (b1) are unaffected."),
+    kill_mode="tolerance",
+)
 
 ablation(
     "ar.finished_rows_keep_writing", "harness.ar.loop:should_write_kv", _keep_writing,
     kills=[f"ar.{m}.finished_rows" for m in MODELS],
     why=("seed 002's unfinished item: a row past EOS keeps writing KV. Its own mask hides the slots, so tokens "
-         "survive; the cache footprint check sees the writes."))
+         "survive; the cache footprint check sees the writes."),
+    kill_mode="fact",
+    fact="finished rows wrote no KV after their EOS (cache",
+)
 
 ablation(
     "ar.real_pos_fallback", "harness.ar.loop:real_positions", _assume_unpadded,
     kills=["ar.missing_real_pos.b1", "ar.missing_real_pos.b4"],
     why=("the removed `real_pos is None` fallback assumed unpadded rows; the seed's review made real_pos required "
-         "at every batch size because B=1 also re-fed the shifted prompt without it."))
+         "at every batch size because B=1 also re-fed the shifted prompt without it."),
+    kill_mode="fact",
+    fact="raises ValueError matching 'real_pos'",
+)

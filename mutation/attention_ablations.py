@@ -69,6 +69,17 @@ ablation(
            "attention.contract.denoise.histogram", "attention.capture.prefill.contract",
            "attention.denoise.decomposed.vs_sdpa", "attention.prefill.flex.vs_sdpa"],
     why="the image block ends one token early: the span rows lose the last image key",
+    kill_mode="fact",
+    modes={"attention.denoise.decomposed.vs_sdpa": "tolerance", "attention.prefill.flex.vs_sdpa": "tolerance",
+           "attention.gpu.prefill.flex": "tolerance"},
+    fact={
+        "attention.contract.prefill.mismatches": "mask == formula with span",
+        "attention.contract.prefill.density": "density rounds to the seed's",
+        "attention.contract.prefill.span": "span detection recovers prefill",
+        "attention.contract.denoise.density": "density rounds to the seed's",
+        "attention.contract.denoise.histogram": "row-visibility histogram == {",
+        "attention.capture.prefill.contract": "build_mask(prefill",
+    },
 )
 ablation(
     "attention.span_start_off_by_one", "harness.attention.masks:span_bounds", _span_start_late, wraps=True,
@@ -77,6 +88,15 @@ ablation(
            "attention.capture.denoise.contract", "attention.prefill.decomposed.vs_sdpa",
            "attention.gqa.flex.vs_sdpa"],
     why="the image block starts one token late: the first image row is treated as a causal text row",
+    kill_mode="fact",
+    modes={"attention.prefill.decomposed.vs_sdpa": "tolerance", "attention.gqa.flex.vs_sdpa": "tolerance"},
+    fact={
+        "attention.contract.prefill.mismatches": "mask == formula with span",
+        "attention.contract.prefill.span": "span detection recovers prefill",
+        "attention.contract.denoise.mismatches": "mask == formula with span",
+        "attention.contract.denoise.span": "span detection recovers denoise",
+        "attention.capture.denoise.contract": "build_mask(denoise",
+    },
 )
 ablation(
     "attention.is_causal_only", "harness.attention.masks:build_mask", _causal_only_mask,
@@ -84,6 +104,14 @@ ablation(
            "attention.contract.denoise.histogram", "attention.capture.prefill.contract",
            "attention.prefill.block_padded.vs_sdpa", "attention.mask_free.detected"],
     why="the structured mask is dropped for is_causal: the image rows lose the bidirectional span block",
+    kill_mode="fact",
+    modes={"attention.prefill.block_padded.vs_sdpa": "tolerance", "attention.mask_free.detected": "tolerance"},
+    fact={
+        "attention.contract.prefill.mismatches": "mask == formula with span",
+        "attention.contract.prefill.density": "density rounds to the seed's",
+        "attention.contract.denoise.histogram": "row-visibility histogram == {",
+        "attention.capture.prefill.contract": "build_mask(prefill",
+    },
 )
 ablation(
     "attention.pad_keys_unmasked", "harness.attention.padded:pad_mask", _pad_keys_visible, wraps=True,
@@ -91,6 +119,7 @@ ablation(
            "attention.prefill.block_padded.vs_sdpa", "attention.denoise.block_padded.vs_sdpa",
            "attention.gqa.block_padded.vs_sdpa"],
     why="the zero pad keys stay visible to real rows: each row's softmax leaks weight onto padding",
+    kill_mode="tolerance",
 )
 ablation(
     "attention.split_wrong_row", "harness.attention.decomposed:split_rows", _split_one_row_late, wraps=True,
@@ -98,6 +127,7 @@ ablation(
            "attention.prefill.decomposed.vs_sdpa", "attention.denoise.decomposed.vs_sdpa",
            "attention.gqa.decomposed.vs_sdpa"],
     why="the decomposition splits one row late: the first span row runs causally and misses the image keys",
+    kill_mode="tolerance",
 )
 ablation(
     "attention.special_rows_image_visibility", "harness.attention.masks:special_row_visibility",
@@ -107,4 +137,14 @@ ablation(
            "attention.capture.denoise.contract", "attention.denoise.flex.vs_sdpa",
            "attention.denoise.block_padded.vs_sdpa"],
     why="the special rows are given the image rows' visibility: at denoise they see the whole span",
+    kill_mode="fact",
+    modes={"attention.denoise.flex.vs_sdpa": "tolerance", "attention.denoise.block_padded.vs_sdpa": "tolerance",
+           "attention.gpu.denoise.flex": "tolerance"},
+    fact={
+        "attention.contract.denoise.mismatches": "mask == formula with span",
+        "attention.contract.denoise.density": "density rounds to the seed's",
+        "attention.contract.denoise.histogram": "row-visibility histogram == {",
+        "attention.contract.denoise.span": "span detection recovers denoise",
+        "attention.capture.denoise.contract": "build_mask(denoise",
+    },
 )

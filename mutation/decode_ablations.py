@@ -38,6 +38,7 @@ ablation(
            "decode.t37.w3.decoded_once"],
     why="round-robin ownership interleaves clips across ranks; concatenating the gathered slabs rank by rank "
         "puts clip r+W right after clip r wherever a rank owns two or more clips",
+    kill_mode="tolerance",
 )
 
 # ------------------------------------------------------------------ an idle rank's zero slab taken as a clip
@@ -59,6 +60,7 @@ ablation(
         "match; taking those zeros as clips hands the post-loop more clips than the plan has, which the clip "
         "server refuses on every rank (ShardedDecodeError -> WorldTaskError, all ranks raised)",
     raises=(WorldTaskError,),
+    kill_mode="raises",
 )
 
 # ------------------------------------------------------------------ one cross-fade skipped
@@ -89,6 +91,7 @@ ablation(
            "decode.t37.w4.bf16.bitexact"],
     why="clips 0 and 1 overlap by frame_overlap pixel frames; taking clip 1's frames unblended changes "
         "exactly those frames, a post-loop that is not the library's",
+    kill_mode="tolerance",
 )
 
 # ------------------------------------------------------------------ shape agreement from the local clip only
@@ -114,6 +117,8 @@ ablation(
         "all-gather when rank 3's decoder raises (they are reported blocked after the grace period), and a "
         "ragged clip makes gloo abort the mismatched gather; either way not '8/8 ranks raise; no hang'",
     hang_timeout_s=10.0,
+    kill_mode="fact",
+    fact="8/8 ranks raise",
 )
 
 # ------------------------------------------------------------------ only rank 0's clips used
@@ -139,6 +144,7 @@ ablation(
        "decode.t12.w8.bf16.bitexact", "decode.t37.w3.decoded_once"],
     why="every clip owned by rank r > 0 is replaced by one of rank 0's clips, so all but rank 0's frames are "
         "wrong on every rank while the shapes, the call counts and the collective count still look right",
+    kill_mode="tolerance",
 )
 
 # ------------------------------------------------------------------ every rank decodes every clip (spy teeth)
@@ -158,6 +164,8 @@ ablation(
     + ["decode.t37.w3.decoded_once", "decode.t30.w4.bitexact", "decode.t22.w2.batch2_sliced.bitexact"],
     why="seed 003's waste itself: every rank decodes the whole video; the gathered video is still bit-exact, "
         "so only the per-rank clip-call spy (each clip exactly once across the world) can catch it",
+    kill_mode="fact",
+    fact="each clip decoded exactly once across the world",
 )
 
 # ------------------------------------------------------------------ the gate ignores the flag and W == 1
@@ -175,4 +183,6 @@ ablation(
            "decode.t37.w4.flag_off.stock_call"],
     why="the flag defaults to off and W == 1 must take the stock call unchanged; a gate that shards whenever a "
         "group exists is bit-exact too, so only the collective and clip-call spies can tell",
+    kill_mode="fact",
+    fact="the stock call was taken: every rank decoded eve",
 )

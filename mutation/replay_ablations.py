@@ -35,6 +35,9 @@ ablation(
            "replay.cfg2.unsorted_targets", "replay.cfg2.list_payloads",
            "replay.flux.cfg2.log_probs", "replay.flux.cfg2.prev_sample_means"],
     why="tiling nests step-major outside branch-major, so the midpoint split mixes cond and uncond rows",
+    kill_mode="tolerance",
+    modes={"replay.tiling.branch_major": "fact"},
+    fact="tiled rows are branch-major with step-major insi",
 )
 
 
@@ -53,6 +56,12 @@ ablation(
            "replay.sd3.cfg1.log_probs", "replay.sd3.cfg1.prev_sample_means", "replay.sd3.cfg2.log_probs",
            "replay.sd3.cfg2.prev_sample_means", "replay.sd3.cfg2.pi_old_ratio", "replay.flux.cfg1.log_probs"],
     why="repeat_interleave instead of block repetition: row k*B+b of the stacked batch gets sample (k*B+b)//S",
+    kill_mode="tolerance",
+    modes={"replay.tiling.branch_major": "fact", "replay.tiling.rope_cache": "fact"},
+    fact={
+        "replay.tiling.branch_major": "tiled rows are branch-major with step-major insi",
+        "replay.tiling.rope_cache": "rope_cache tiled to",
+    },
 )
 
 
@@ -68,6 +77,12 @@ ablation(
     "replay.rope_cache_verbatim", "harness.replay.tiling:tile_field", _rope_verbatim, wraps=True,
     kills=["replay.tiling.rope_cache", "replay.tiling.batch_size", "replay.cfg2.log_probs"],
     why="the per-sample rope_cache is treated like the old shared (cos, sin) table and passed through verbatim",
+    kill_mode="fact",
+    modes={"replay.cfg2.log_probs": "tolerance"},
+    fact={
+        "replay.tiling.rope_cache": "rope_cache tiled to",
+        "replay.tiling.batch_size": "every field of the tiled fused batch has S*cfg*B",
+    },
 )
 
 
@@ -83,6 +98,9 @@ ablation(
     "replay.list_payload_untiled", "harness.replay.tiling:tile_field", _lists_untiled, wraps=True,
     kills=["replay.cfg2.list_payloads", "replay.tiling.batch_size", "replay.cfg2.log_probs"],
     why="list/tuple payloads (it2i conditional images) are left untiled; only tensors are tiled",
+    kill_mode="tolerance",
+    modes={"replay.tiling.batch_size": "fact"},
+    fact="every field of the tiled fused batch has S*cfg*B",
 )
 
 
@@ -97,6 +115,9 @@ ablation(
     kills=["replay.tiling.fused_uncond_cleared", "replay.cfg2.log_probs"],
     raises=(ValueError,),
     why="fused_uncond is not cleared after tiling: a stale B-row uncond cache rides on the S*B batch",
+    kill_mode="fact",
+    modes={"replay.cfg2.log_probs": "raises"},
+    fact="fused_uncond is None after tiling and shared fie",
 )
 
 
@@ -111,6 +132,7 @@ ablation(
            *_ids(FAKE, "log_probs", "prev_sample_means", "pi_old_ratio"), "replay.cfg2.unsorted_targets",
            "replay.sd3.cfg2.log_probs", "replay.flux.cfg2.log_probs", "replay.sd3.cfg2.pi_old_ratio"],
     why="every stacked row uses target[0]'s sigma, though one batch now mixes different steps",
+    kill_mode="tolerance",
 )
 
 
@@ -123,6 +145,16 @@ ablation(
     "replay.log_probs_no_transpose", "harness.replay.tiling:reshape_log_probs", _no_transpose,
     kills=[*_ids(FAKE, "log_probs_shape", "log_probs"), "replay.sd3.cfg1.log_probs"],
     why="log-probs reshaped to [S, B] without the transpose to the public [B, S]",
+    kill_mode="fact",
+    fact={
+        "replay.cfg1.log_probs_shape": "log_probs is [B, S] = [",
+        "replay.cfg1.log_probs": "log_probs has the serial shape [",
+        "replay.cfg2.log_probs_shape": "log_probs is [B, S] = [",
+        "replay.cfg2.log_probs": "log_probs has the serial shape [",
+        "replay.uncond_first.log_probs_shape": "log_probs is [B, S] = [",
+        "replay.uncond_first.log_probs": "log_probs has the serial shape [",
+        "replay.sd3.cfg1.log_probs": "log_probs has the serial shape [",
+    },
 )
 
 
@@ -130,6 +162,9 @@ ablation(
     "replay.guidance_guard_removed", "harness.replay.guards:guidance_is_constant", lambda guidance, steps: True,
     kills=["replay.guard.step_varying_guidance", "replay.cfg2.step_varying_guidance"],
     why="the step-varying-guidance guard is removed: one forward applies target[0]'s scale to every step",
+    kill_mode="fact",
+    modes={"replay.cfg2.step_varying_guidance": "tolerance"},
+    fact="step-varying guidance -> None, no forward",
 )
 
 
@@ -145,12 +180,15 @@ ablation(
     "replay.log_probs_row_major", "harness.replay.tiling:reshape_log_probs", _row_major,
     kills=[*_ids(FAKE, "log_probs"), "replay.sd3.cfg2.log_probs"],
     why="log-probs reshaped straight to [B, S], which reads the step-major batch in the wrong order",
+    kill_mode="tolerance",
 )
 
 ablation(
     "replay.flag_ignored", "harness.replay.guards:batching_enabled", lambda config: True,
     kills=["replay.guard.flag_off"],
     why="the batch_replay_steps flag is ignored: the fast path runs even when a recipe leaves it off",
+    kill_mode="fact",
+    fact="flag off -> None, no forward",
 )
 
 ablation(
@@ -158,12 +196,25 @@ ablation(
     lambda config: bool(getattr(config, "batch_replay", False)),
     kills=[*_ids(FAKE, "returns_result", "forward_count"), "replay.cfg2.log_probs", "replay.sd3.cfg2.log_probs"],
     why="the flag is read under a misspelt key, so the fast path never runs and serial silently answers",
+    kill_mode="fact",
+    fact={
+        "replay.cfg1.returns_result": "batched replay returns a ReplayResult for the re",
+        "replay.cfg1.forward_count": "batched replay ran (flag on, stateless SDE, S >",
+        "replay.cfg2.returns_result": "batched replay returns a ReplayResult for the re",
+        "replay.cfg2.forward_count": "batched replay ran (flag on, stateless SDE, S >",
+        "replay.uncond_first.returns_result": "batched replay returns a ReplayResult for the re",
+        "replay.uncond_first.forward_count": "batched replay ran (flag on, stateless SDE, S >",
+        "replay.cfg2.log_probs": "batched replay returned a result (no silent fall",
+        "replay.sd3.cfg2.log_probs": "batched replay returned a result (no silent fall",
+    },
 )
 
 ablation(
     "replay.single_step_batched", "harness.replay.guards:enough_steps", lambda steps: True,
     kills=["replay.guard.single_step"],
     why="the S <= 1 guard is removed: a single step is pushed through the batched path",
+    kill_mode="fact",
+    fact="S == 1 -> None, no forward",
 )
 
 ablation(
@@ -171,12 +222,15 @@ ablation(
     kills=["replay.guard.stateful_solver"],
     raises=(ValueError,),
     why="the stateless-SDE guard accepts a multistep solver, which needs step_index and history",
+    kill_mode="raises",
 )
 
 ablation(
     "replay.repeats_unchecked", "harness.replay.tiling:check_repeats", lambda repeats: None,
     kills=["replay.tiling.repeats_zero", "replay.tiling.repeats_negative"],
     why="repeats <= 0 is not rejected: 0 empties every field, -1 fails deep inside torch",
+    kill_mode="fact",
+    fact="raises ValueError matching 'repeats must be >",
 )
 
 
@@ -191,4 +245,6 @@ ablation(
     "replay.identity_shortcut_removed", "harness.replay.tiling:tile_conditions", _no_identity_shortcut, wraps=True,
     kills=["replay.tiling.repeats_identity"],
     why="repeats == 1 re-lays-out and copies every field instead of returning the conditions unchanged",
+    kill_mode="fact",
+    fact="tile_conditions(c",
 )

@@ -3,8 +3,7 @@ pass without the ablation and fail with it; every check must be claimed by some 
 
 import pytest
 
-from harness import ablation, checks
-from mutation import catalogue
+from harness import ablation, catalogue, checks
 
 catalogue.load()
 
@@ -20,7 +19,8 @@ def test_ablation_kills_check(ablation_name, check_id, parity_session, parity_ct
     assert baseline.passed, f"{check_id} must pass without {ablation_name} first:\n{baseline.describe()}"
     result = parity_session.kill(ablation_name, check_id, parity_ctx)
     assert result.killed, (f"ablation {ablation_name} ({ablation.get(ablation_name).why}) did not kill "
-                           f"{check_id}: {result.how}\n{result.detail}")
+                           f"{check_id} in its declared mode {result.declared!r}: it was {result.mode!r} "
+                           f"({result.how})\n{result.detail}")
 
 
 @pytest.mark.cpu

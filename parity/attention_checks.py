@@ -112,8 +112,8 @@ def _capture_contract(phase: str, ctx: CheckContext) -> Verdict:
         return expect(check_id, False, f"{path.name} follows the structured layout", error=str(err))
     verdict = parity.formula_verdict(check_id, report).merge(parity.builder_verdict(check_id, loaded.mask, layout))
     histogram = str(report.histogram) if len(report.histogram) <= 8 else f"{len(report.histogram)} distinct counts"
-    verdict = verdict.require(True, f"{path.name}: {layout.describe()}", file=path.name, histogram=histogram,
-                              q_len=report.q_len, kv_len=report.kv_len)
+    verdict = verdict.with_metrics(file=path.name, layout=layout.describe(), histogram=histogram,
+                                   q_len=report.q_len, kv_len=report.kv_len)
     if ctx.capture_dir is None:
         written = seeds.seed_capture(phase)
         same = all(getattr(written, name).equal(getattr(loaded, name)) for name in capture_io.CAPTURE_ARRAYS)

@@ -14,10 +14,9 @@ import pytest
 
 from fixtures import ar_models
 from fixtures.ar_cases import CASES
-from harness import ablation
+from harness import ablation, catalogue
 from harness.ar import loop, verdicts
 from harness.ar.spy import ForwardSpy
-from mutation import catalogue
 from parity import ar_checks
 
 pytestmark = pytest.mark.cpu

@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 
 from fixtures import decode_models, decode_tasks
-from harness import ablation
+from harness import ablation, catalogue
 from harness.dist import World
-from mutation import catalogue
 from parity import decode_checks
 
 pytestmark = pytest.mark.cpu

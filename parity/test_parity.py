@@ -2,8 +2,7 @@
 
 import pytest
 
-from harness import checks
-from parity import catalogue
+from harness import catalogue, checks
 
 catalogue.load()
 

@@ -44,9 +44,9 @@ def double_close(ctx):
 
 GENERATED_TESTS = '''
 import pytest
-import demo_checks
-import demo_ablations
-from harness import ablation, checks
+from harness import ablation, catalogue, checks
+
+catalogue.load(["demo_checks"], ["demo_ablations"])
 
 
 @pytest.mark.cpu
@@ -72,12 +72,13 @@ def test_gpu_only():
 '''
 
 
-def demo_ablations(replacement: str, kills: str = '["demo.double.exact", "demo.double.close"]') -> str:
+def demo_ablations(replacement: str, kills: str = '["demo.double.exact", "demo.double.close"]',
+                   mode: str = "tolerance") -> str:
     return f'''
 from harness.ablation import ablation
 
 ablation("demo.off_by_one", "demo_impl:scale", lambda x: {replacement},
-         kills={kills}, why="adds one to every element")
+         kills={kills}, why="adds one to every element", kill_mode="{mode}")
 '''
 
 
@@ -106,22 +107,24 @@ def test_table_and_both_report_formats(demo):
         "*fastpath-parity report*",
         "PASS*demo.double.exact*max_abs=0*",
         "PASS*demo.double.close*max_abs=0*1.000e-01*",
-        "KILLED*demo.off_by_one*2/2*",
+        "KILLED*demo.off_by_one*tolerance*2/2*",
         "checks: 2/2 passed; ablations: 1/1 killed all their checks",
     ])
     data = json.loads((demo.path / "out/parity.json").read_text())
     assert set(data) == {"checks", "ablations", "summary"}
-    assert {"id", "path", "passed", "metrics", "policy", "margin"} <= set(data["checks"][0])
+    assert {"id", "path", "where", "passed", "metrics", "policy", "margin"} <= set(data["checks"][0])
+    assert data["checks"][0]["where"] == "demo_checks:double_exact"
     assert data["checks"][0]["path"] == "demo"
     kill = data["ablations"][0]
-    assert kill["name"] == "demo.off_by_one" and kill["path"] == "demo"
+    assert kill["name"] == "demo.off_by_one" and kill["path"] == "demo" and kill["kill_mode"] == "tolerance"
+    assert {k["mode"] for k in kill["kills"]} == {"tolerance"}
     assert {k["check"] for k in kill["kills"]} == {"demo.double.exact", "demo.double.close"}
     assert all(k["killed"] for k in kill["kills"])
     close_kill = next(k for k in kill["kills"] if k["check"] == "demo.double.close")
     assert close_kill["margin"] == pytest.approx(10.0)  # |d| = 1 against atol 0.1
     assert data["summary"] == {"checks": 2, "passed": 2, "ablations": 1, "killed": 1}
     markdown = (demo.path / "out/parity.md").read_text()
-    assert "| PASS | demo.double.exact |" in markdown and "| KILLED | demo.off_by_one | 2/2 |" in markdown
+    assert "| PASS | demo.double.exact |" in markdown and "| KILLED | demo.off_by_one | tolerance | 2/2 |" in markdown
 
 
 def test_surviving_ablation_fails_the_kill_matrix(pytester):
@@ -149,28 +152,65 @@ def test_seam_is_restored_even_when_the_check_raises(demo_modules):
 
     original = demo_impl.scale
     item = ablation.ablation("demo.raises", "demo_impl:scale", lambda x: 1 / 0,
-                             kills=["demo.double.exact"], why="crashes", raises=(ZeroDivisionError,))
+                             kills=["demo.double.exact"], why="crashes", kill_mode="raises",
+                             raises=(ZeroDivisionError,))
     result = ablation.run_under(item, "demo.double.exact", checks.CheckContext())
-    assert result.killed and result.how == "raised ZeroDivisionError"
+    assert result.killed and result.mode == "raises" and result.how == "raised ZeroDivisionError"
     assert demo_impl.scale is original
     undeclared = ablation.ablation("demo.raises_undeclared", "demo_impl:scale", lambda x: 1 / 0,
-                                   kills=["demo.double.exact"], why="crashes")
+                                   kills=["demo.double.exact"], why="crashes", kill_mode="tolerance")
     result = ablation.run_under(undeclared, "demo.double.exact", checks.CheckContext())
-    assert not result.killed and result.how == "wrong exception ZeroDivisionError"
+    assert not result.killed and result.mode == "wrong exception ZeroDivisionError"
     assert demo_impl.scale is original
 
 
-def test_unknown_check_id_fails_at_import_naming_it(demo):
+def test_a_kill_in_another_mode_than_declared_is_not_a_kill(demo_modules):
+    """A numeric bug declared 'fact' must not pass because the numbers caught it, and vice versa."""
+    item = ablation.ablation("demo.numeric_declared_fact", "demo_impl:scale", lambda x: [2 * v + 1 for v in x],
+                             kills=["demo.double.close"], why="-", kill_mode="fact", fact="one forward")
+    result = ablation.run_under(item, "demo.double.close", checks.CheckContext())
+    assert not result.killed and result.mode == "tolerance" and result.declared == "fact"
+    with pytest.raises(ValueError, match="must name the spy fact"):
+        ablation.ablation("demo.fact_unnamed", "demo_impl:scale", lambda x: x, kills=["demo.double.close"],
+                          why="-", kill_mode="fact")
+    with pytest.raises(ValueError, match="kill mode 'numbers'"):
+        ablation.ablation("demo.bad_mode", "demo_impl:scale", lambda x: x, kills=["demo.double.close"],
+                          why="-", kill_mode="numbers")
+
+
+def test_a_failed_catalogue_load_leaves_no_half_registry(demo):
+    """Claims are validated when the whole catalogue loads; a failure rolls every registration back."""
+    import sys
+
+    from harness import catalogue
+
+    demo.makepyfile(demo_ablations=demo_ablations("x", kills='["demo.no_such_check"]'))
+    before_checks, before_ablations = len(checks.all_checks()), len(ablation.all_ablations())
+    for _ in range(2):  # a retry meets the same clean state, not "registered twice"
+        with pytest.raises(ValueError, match="claims unknown check ids"):
+            catalogue.load(["demo_checks"], ["demo_ablations"])
+        assert len(checks.all_checks()) == before_checks and len(ablation.all_ablations()) == before_ablations
+        assert "demo_checks" not in sys.modules and "demo_ablations" not in sys.modules
+    demo.makepyfile(demo_ablations=demo_ablations("[2 * v + 1 for v in x]"))
+    catalogue.load(["demo_checks"], ["demo_ablations"])
+    catalogue.load(["demo_checks"], ["demo_ablations"])  # idempotent
+    assert checks.exists("demo.double.exact") and ablation.get("demo.off_by_one").kill_mode == "tolerance"
+    for name in ("demo_impl", "demo_checks", "demo_ablations"):
+        sys.modules.pop(name, None)
+
+
+def test_unknown_check_id_fails_when_the_catalogue_loads_naming_it(demo):
     demo.makepyfile(demo_ablations=demo_ablations("x", kills='["demo.no_such_check"]'))
     result = demo.runpytest("-p", "harness.plugin")
     assert result.ret != 0
     result.stdout.fnmatch_lines(["*claims unknown check ids:*demo.no_such_check*"])
 
 
-def test_unknown_seam_fails_at_import_naming_it(demo):
+def test_unknown_seam_fails_when_the_catalogue_loads_naming_it(demo):
     demo.makepyfile(demo_ablations='''
 from harness.ablation import ablation
-ablation("demo.ghost", "demo_impl:no_such_function", lambda x: x, kills=["demo.double.exact"], why="-")
+ablation("demo.ghost", "demo_impl:no_such_function", lambda x: x, kills=["demo.double.exact"], why="-",
+         kill_mode="tolerance")
 ''')
     result = demo.runpytest("-p", "harness.plugin")
     assert result.ret != 0

@@ -110,9 +110,8 @@ def compare_kernel(kernel: kernels.KernelSpec | str, capture: Capture, policy: P
     if gqa:
         ok, fact, metrics = kernels.gqa_fact(launches, capture.kv_heads)
         verdict = verdict.require(ok, fact, **metrics)
-    return verdict.require(True, f"{spec.name} on {layout.describe()}, {capture.heads} heads "
-                           f"/ {capture.kv_heads} kv heads", kernel=spec.name, heads=capture.heads,
-                           kv_heads=capture.kv_heads)
+    return verdict.with_metrics(kernel=spec.name, layout=layout.describe(), heads=capture.heads,
+                                kv_heads=capture.kv_heads)
 
 
 def _where(first: tuple[int, int] | None) -> str:

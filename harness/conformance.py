@@ -1,0 +1,102 @@
+"""The implementation under test per path: the suite's own fast function, or a user's (``--impl``).
+
+``--impl PATH=MODULE:CALLABLE`` points a path's catalogue at an implementation that lives in a team's
+own framework, with the path's documented signature. Checks fetch the fast function through
+``resolve(path, default)``; the callable that comes back is wrapped so a check can prove the user's
+code ran (a silent fallback to anything else fails). Specs are plain strings so they travel into
+distributed ranks, forked or spawned, and are imported there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+__all__ = ["PATHS", "SIGNATURES", "active", "applied", "calls", "clear", "load_callable", "resolve", "specs", "use"]
+
+PATHS = ("replay", "ar", "decode", "attention")
+SIGNATURES = {
+    "replay": "replay_batched(adapter, conditions, segment, ...)",
+    "ar": "fast_rollout(backend, batch, max_new_tokens, eos)",
+    "decode": "sharded_decode(vae, z, group)",
+    "attention": "kernel(query, key, value, layout, *, scale=None)",
+}
+
+_SPECS: dict[str, str] = {}
+_CALLS: dict[str, int] = {}
+
+
+def load_callable(spec: str) -> Callable[..., Any]:
+    """``"package.module:callable"`` -> the callable; a bad spec says what is wrong with it."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"implementation {spec!r} must read 'package.module:callable'")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"implementation {spec!r}: module {module_name!r} cannot be imported ({err})") from err
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"implementation {spec!r}: {module_name} has no attribute {attr!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"implementation {spec!r}: {attr!r} is not callable")
+    return target
+
+
+def use(path: str, spec: str) -> None:
+    """Put ``spec`` under test for ``path`` (checked now, so a typo stops the run before any check)."""
+    if path not in PATHS:
+        raise ValueError(f"--impl {path}={spec}: unknown path {path!r}; expected one of {', '.join(PATHS)}")
+    load_callable(spec)
+    _SPECS[path] = spec
+
+
+def clear() -> None:
+    _SPECS.clear()
+    _CALLS.clear()
+
+
+def active(path: str) -> str | None:
+    """The spec under test for ``path``, or None when the suite's own implementation is judged."""
+    return _SPECS.get(path)
+
+
+def specs() -> dict[str, str]:
+    return dict(_SPECS)
+
+
+def calls(path: str) -> int:
+    """How many times the implementation under test for ``path`` was called in this process."""
+    return _CALLS.get(path, 0)
+
+
+def resolve(path: str, default: Callable[..., Any]) -> Callable[..., Any]:
+    """The fast function a check must call: the user's (wrapped to count its calls) or ``default``."""
+    spec = _SPECS.get(path)
+    if spec is None:
+        return default
+    user = load_callable(spec)
+
+    @functools.wraps(user)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        _CALLS[path] = _CALLS.get(path, 0) + 1
+        return user(*args, **kwargs)
+
+    return counted
+
+
+@contextlib.contextmanager
+def applied(given: Mapping[str, str]) -> Iterator[None]:
+    """Install the parent's specs inside a rank for one task (a spawned rank starts with none)."""
+    saved = dict(_SPECS)
+    try:
+        for path, spec in given.items():
+            use(path, spec)
+        yield
+    finally:
+        _SPECS.clear()
+        _SPECS.update(saved)
