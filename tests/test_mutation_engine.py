@@ -138,7 +138,7 @@ def _map() -> CoverageMap:
     return CoverageMap(lines={"m.py": {3: ["t.py::slow", "t.py::fast", "u.py::mid"], 9: ["t.py::fast"]}},
                        caches={"m.py": {3: ["cache:a"]}}, cache_users={"cache:a": ["cache:b", "t.py::fast"],
                                                                         "cache:b": ["u.py::mid"]},
-                       durations={"t.py::slow": 9.0, "t.py::fast": 0.1, "u.py::mid": 1.0}, failing=[],
+                       durations={"t.py::slow": 5.0, "t.py::fast": 0.1, "u.py::mid": 1.0}, failing=[],
                        seconds=1.0)
 
 
@@ -200,7 +200,7 @@ def test_runner_reports_killed_survived_and_timeout(tmp_path):
               "timeout": next(m for m in mutants if m.operator == "augassign")}
     tests = {"killed": ["test_demo.py::test_add"], "survived": ["test_demo.py::test_spin_runs"],
              "timeout": ["test_demo.py::test_spin_runs"]}
-    jobs = [{"id": i, "mutant": m.__dict__, "tests": tests[name], "timeout": 2.0}
+    jobs = [{"id": i, "mutant": m.__dict__, "tests": tests[name], "timeout": 1.0 if name == "timeout" else 30.0}
             for i, (name, m) in enumerate(chosen.items())]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path)]),

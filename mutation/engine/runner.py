@@ -14,8 +14,10 @@ its own; a test that fails there cannot kill anything (its kills are re-run with
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -38,13 +40,16 @@ class MutantRunner:
     """The pytest plugin of the runner process (see the module docstring)."""
 
     def __init__(self, jobs: list[dict], results: Path, workers: int, roots: tuple[str, ...],
-                 warm: list[str] | None = None):
+                 warm: list[str] | None = None, log_dir: Path | None = None):
         self.jobs = jobs
+        self.log_dir = log_dir
         self.warm = warm or []
         self.results = results
         self.workers = max(1, workers)
         self.roots = roots
         self.verified: dict[str, bool] = {}
+        self.unverified: dict[str, list[dict]] = {}  # killing test -> the kills waiting for its verification
+        self.killers: dict[tuple[str, str], dict[str, int]] = {}  # (file, function) -> test -> kills
 
     # ------------------------------------------------------------------ child side
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -52,11 +57,15 @@ class MutantRunner:
             _CHILD["failed"].append(report.nodeid)
 
     def _child(self, session: pytest.Session, items: list[pytest.Item], mutant: Mutant | None, stale: list[str],
-               out: Path) -> None:
+               out: Path, *, stop_first: bool, timeout: float) -> None:
         os.setpgid(0, 0)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
+        log = os.open(out.with_suffix(".log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        faulthandler.dump_traceback_later(max(1.0, timeout - 2.0), exit=False)  # where a timeout was stuck
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:  # it writes to the real stdout that capture saved, not to fd 1
+            session.config.pluginmanager.unregister(reporter)
         result: dict[str, Any]
         try:
             if mutant is not None:
@@ -69,7 +78,7 @@ class MutantRunner:
             for position, item in enumerate(items):
                 following = items[position + 1] if position + 1 < len(items) else None
                 item.config.hook.pytest_runtest_protocol(item=item, nextitem=following)
-                if _CHILD["failed"]:
+                if _CHILD["failed"] and stop_first:
                     break
             with contextlib.suppress(Exception):
                 session._setupstate.teardown_exact(None)
@@ -103,9 +112,9 @@ class MutantRunner:
         tmp = Path(tempfile.mkdtemp(prefix="mutrun-"))
         serial = 0
         with self.results.open("a") as sink:
-            while queue or running:
-                while queue and len(running) < self.workers:
-                    job = queue.pop(0)
+            while queue or running or self.unverified:
+                while (queue or self.unverified) and len(running) < self.workers:
+                    job = self._verify_job() if self.unverified else self._ordered(queue.pop(0))
                     if not job["tests"]:
                         self._finish(sink, job, {"status": "survived", "failed": []}, 0.0, queue)
                         continue
@@ -115,7 +124,8 @@ class MutantRunner:
                     items = [by_id[t] for t in job["tests"]]
                     pid = os.fork()
                     if pid == 0:
-                        self._child(session, items, mutant, job.get("stale", ["*"]), out)
+                        self._child(session, items, mutant, job.get("stale", ["*"]), out,
+                                    stop_first=not job.get("verify"), timeout=job["timeout"])
                     running[pid] = (job, time.monotonic(), out)
                 time.sleep(0.02)
                 for pid, (job, began, out) in list(running.items()):
@@ -129,6 +139,9 @@ class MutantRunner:
                         with contextlib.suppress(ChildProcessError):
                             os.waitpid(pid, 0)
                         result = {"status": "timeout", "failed": []}
+                        if self.log_dir is not None and out.with_suffix(".log").is_file():
+                            self.log_dir.mkdir(parents=True, exist_ok=True)
+                            shutil.copy(out.with_suffix(".log"), self.log_dir / f"timeout-{job.get('id')}.log")
                     elif out.is_file():
                         result = json.loads(out.read_text())
                     else:
@@ -137,10 +150,26 @@ class MutantRunner:
                     self._finish(sink, job, result, elapsed, queue)
         return True
 
+    def _ordered(self, job: dict) -> dict:
+        """Tests that already killed a mutant of the same function go first: they are the likeliest killers."""
+        mutant = job.get("mutant")
+        if not mutant:
+            return job
+        counts = self.killers.get((mutant["file"], mutant["qualname"]), {})
+        first = sorted((t for t in job["tests"] if t in counts), key=lambda t: -counts[t])
+        return dict(job, tests=first + [t for t in job["tests"] if t not in counts])
+
+    def _verify_job(self) -> dict:
+        """One unmutated child for every killing test not yet verified (all of them run, no -x)."""
+        tests = sorted(self.unverified)
+        waiting = [w for t in tests for w in self.unverified.pop(t)]
+        return {"verify": True, "tests": tests, "timeout": 60.0 + 5.0 * len(tests), "waiting": waiting}
+
     def _finish(self, sink: Any, job: dict, result: dict, elapsed: float, queue: list[dict]) -> None:
-        if job.get("verify"):  # an unmutated run of one killing test
-            test = job["tests"][0]
-            self.verified[test] = result["status"] == "survived"
+        if job.get("verify"):  # an unmutated run of killing tests
+            failed = set(result.get("failed", []))
+            for test in job["tests"]:
+                self.verified[test] = result["status"] != "timeout" and test not in failed
             for waiting in job["waiting"]:
                 self._finish(sink, waiting["job"], waiting["result"], waiting["elapsed"], queue)
             return
@@ -148,16 +177,15 @@ class MutantRunner:
         if result["status"] == "killed" and killers:
             test = killers[0]
             if test not in self.verified:
-                pending = next((q for q in queue if q.get("verify") and q["tests"] == [test]), None)
-                if pending is None:
-                    pending = {"verify": True, "tests": [test], "timeout": job["timeout"], "waiting": []}
-                    queue.insert(0, pending)
-                pending["waiting"].append({"job": job, "result": result, "elapsed": elapsed})
+                self.unverified.setdefault(test, []).append({"job": job, "result": result, "elapsed": elapsed})
                 return
             if not self.verified[test]:  # the test fails without the mutant: drop it and run again
                 queue.insert(0, dict(job, tests=[t for t in job["tests"] if t != test]))
                 return
         killed_by = killers[:1] if killers else result.get("failed", [])[:1]
+        if killers and job.get("mutant"):
+            counts = self.killers.setdefault((job["mutant"]["file"], job["mutant"]["qualname"]), {})
+            counts[killers[0]] = counts.get(killers[0], 0) + 1
         record = {"id": job["id"], "status": result["status"], "killed_by": killed_by,
                   "seconds": round(elapsed, 2), "tests": len(job["tests"])}
         if result.get("error"):
@@ -168,9 +196,8 @@ class MutantRunner:
 
 def _reset_parity_session(config: pytest.Config) -> None:
     """A fresh parity session (no cached verdict, no started world) in place of the warm-up's one."""
-    try:
-        from harness import plugin as parity_plugin
-    except ImportError:
+    parity_plugin = sys.modules.get("harness.plugin")
+    if parity_plugin is None:  # not this suite's session (the engine's own tests)
         return
     old = config.stash.get(parity_plugin.SESSION_KEY, None)
     if old is None:
@@ -188,7 +215,7 @@ def main(argv: list[str]) -> int:
     if isinstance(spec, list):
         spec = {"jobs": spec}
     plugin = MutantRunner(spec["jobs"], Path(results_file), int(workers), tuple(roots.split(",")),
-                          spec.get("warm"))
+                          spec.get("warm"), Path(spec["log_dir"]) if spec.get("log_dir") else None)
     return int(pytest.main([*argv[split + 1:], "-p", "no:cacheprovider"], plugins=[plugin]))
 
 
