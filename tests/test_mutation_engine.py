@@ -138,7 +138,7 @@ def _map() -> CoverageMap:
     return CoverageMap(lines={"m.py": {3: ["t.py::slow", "t.py::fast", "u.py::mid"], 9: ["t.py::fast"]}},
                        caches={"m.py": {3: ["cache:a"]}}, cache_users={"cache:a": ["cache:b", "t.py::fast"],
                                                                         "cache:b": ["u.py::mid"]},
-                       durations={"t.py::slow": 5.0, "t.py::fast": 0.1, "u.py::mid": 1.0}, failing=[],
+                       durations={"t.py::slow": 4.0, "t.py::fast": 0.1, "u.py::mid": 1.0}, failing=[],
                        seconds=1.0)
 
 

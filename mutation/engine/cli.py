@@ -36,8 +36,8 @@ PATHS: dict[str, list[str]] = {
 ROOTS = ("harness", "fakes", "fixtures", "parity", "mutation", "gpu", "tests")
 DEFAULT_PYTEST = ["-m", "cpu", "-q"]
 SAMPLE_SIZE = 50
-TEST_BUDGET_S = 10.0   # baseline seconds of tests one mutant may run (fastest first)
-MAX_TESTS = 20
+TEST_BUDGET_S = 6.0   # baseline seconds of tests one mutant may run (fastest first)
+MAX_TESTS = 12
 EQUIVALENTS = REPO / "mutation" / "equivalent_mutants.toml"
 
 
@@ -54,11 +54,15 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--sample", action="store_true", help=f"a seeded, stratified sample of {SAMPLE_SIZE}")
     parser.add_argument("--sample-size", type=int, default=SAMPLE_SIZE)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", action="append", default=[], metavar="FILE:LINE[:OPERATOR]",
+                        help="run only the mutants at this place (repeatable): to check that a new test kills them")
     parser.add_argument("--json", type=Path, help="write the JSON report here")
     parser.add_argument("--md", type=Path, help="write the markdown report here")
     parser.add_argument("--fail-under", type=float, default=None,
                         help="exit 1 when the score is below this (the CI gate uses 0.90 with --sample)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="mutants run at once")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="start no mutant after this many seconds; the rest are reported as not run")
     parser.add_argument("--equivalents", type=Path, default=EQUIVALENTS)
     parser.add_argument("--cache-dir", type=Path, default=REPO / "reports" / "mutation-cache",
                         help="where the coverage map is cached (keyed by the hash of the sources)")
@@ -98,6 +102,14 @@ def targets(paths: list[str], modules: list[str]) -> list[tuple[str, str, Path, 
             files = sorted(base.glob("*.py")) if base.is_dir() else [base]
             found += [(path, _module_name(f), f, _display(f)) for f in files]
     return found
+
+
+def _matches(mutant: Mutant, place: str) -> bool:
+    parts = place.split(":")
+    if len(parts) not in (2, 3) or not parts[1].isdigit():
+        raise SystemExit(f"mutation-score: --only {place!r} must read FILE:LINE or FILE:LINE:OPERATOR")
+    return (mutant.file == parts[0] and mutant.line == int(parts[1])
+            and (len(parts) == 2 or mutant.operator == parts[2]))
 
 
 def load_equivalents(path: Path) -> list[dict]:
@@ -185,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     found = targets(paths, args.module)
     roots = tuple(dict.fromkeys([*ROOTS, *(m.split(".")[0] for m in args.module)]))
     env = _environment([])
-    coverage_map = collect(REPO, [str(f) for _, _, f, _ in found], pytest_args, roots, cache_dir=args.cache_dir,
-                           env=env, log=_log)
+    covered = sorted({str(f) for _, _, f, _ in [*targets(sorted(PATHS), []), *found]})  # one map serves every --path
+    coverage_map = collect(REPO, covered, pytest_args, roots, cache_dir=args.cache_dir, env=env, log=_log)
     coverage_map.lines = {(_display(REPO / f) if not Path(f).is_absolute() else _display(Path(f))): ls
                           for f, ls in coverage_map.lines.items()}
     mutants: list[tuple[str, Mutant]] = []
@@ -196,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         source_lines[display] = source.splitlines()
         mutants += [(group, m) for m in find_mutants(source, module=module, file=display)]
     _log(f"{len(mutants)} mutants in {len(found)} modules")
+    if args.only:
+        mutants = [(g, m) for g, m in mutants if any(_matches(m, place) for place in args.only)]
+        _log(f"--only: {len(mutants)} mutants")
     if args.sample:
         mutants = sample(mutants, args.sample_size, args.seed)
         _log(f"sample: {len(mutants)} mutants (seed {args.seed})")
@@ -219,7 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"running {len(jobs)} mutants on {args.jobs} workers "
          f"({sum(1 for r in results.values() if r['status'] == 'survived')} uncovered, "
          f"{sum(1 for r in results.values() if r['status'] == 'equivalent')} equivalent)")
-    spec = {"jobs": jobs, "warm": warm_tests(coverage_map), "log_dir": str(args.cache_dir / "logs")}
+    elapsed = time.perf_counter() - began
+    random.Random(args.seed).shuffle(jobs)  # a run cut by --time-limit still measures a uniform sample
+    warm = warm_tests(coverage_map)
+    spec = {"jobs": jobs, "warm": warm, "log_dir": str(args.cache_dir / "logs"),
+            "baseline": {t: coverage_map.durations.get(t, 0.0) for t in warm},
+            "stop_at": None if args.time_limit is None else time.time() + args.time_limit - elapsed}
     errors = _run(spec, pytest_args, roots, args.jobs, env, results,
                   args.cache_dir / "last-run.jsonl")
     doc = report.document([r for r in results.values() if r["status"] in report.STATUSES])
@@ -235,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
              "a mutant on a line no passing test executes counts as survived"]
     if errors:
         notes.append(f"{errors} mutants could not be put into the live module and are not counted")
+    not_run = sum(1 for r in results.values() if not r["status"])
+    if not_run:
+        notes.append(f"--time-limit {args.time_limit:g} s: {not_run} of {len(results)} mutants were not run and are "
+                     "not counted (jobs run in a seeded random order, so the rest is a uniform sample)")
     _log(f"score {doc['score']:.4f}: {doc['killed']} killed, {doc['survived']} survived, {doc['timeout']} timeout, "
          f"{doc['equivalent']} equivalent in {seconds:.0f} s")
     if args.json:
@@ -285,17 +309,20 @@ def _run(spec: dict, pytest_args: list[str], roots: tuple[str, ...], workers: in
         test_files = sorted({t.split("::")[0] for t in tests})
         command = [sys.executable, "-m", "mutation.engine.runner", str(jobs_file), str(results_file), str(workers),
                    ",".join(roots), "--", *pytest_args, *test_files]
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
-        done, last = 0, time.monotonic()
-        while proc.poll() is None:
-            time.sleep(1.0)
-            lines = results_file.read_text().splitlines()
-            if len(lines) > done and time.monotonic() - last > 30:
-                _log(f"{len(lines)} / {len(jobs)} mutants done")
-                last = time.monotonic()
-            done = len(lines)
-        stderr = proc.stderr.read() if proc.stderr else ""
+        err_file = Path(tmp) / "runner.err"
+        with err_file.open("w") as err:
+            proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
+            shown, last = 0, time.monotonic()
+            while proc.poll() is None:
+                time.sleep(1.0)
+                notes = [n for n in err_file.read_text().splitlines() if n.startswith("runner:")]
+                for note in notes[shown:]:
+                    _log(note)
+                shown = len(notes)
+                if time.monotonic() - last > 30:
+                    _log(f"{len(results_file.read_text().splitlines())} / {len(jobs)} mutants done")
+                    last = time.monotonic()
+        stderr = err_file.read_text()
         records = [json.loads(line) for line in results_file.read_text().splitlines()]
         if log_file is not None:  # per-mutant seconds and test counts, for tuning and debugging
             log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -311,7 +338,7 @@ def _run(spec: dict, pytest_args: list[str], roots: tuple[str, ...], workers: in
         row["status"] = record["status"]
         row["killed_by"] = record["killed_by"]
     missing = [job["id"] for job in jobs if not results[job["id"]]["status"]]
-    if missing:
+    if missing and "time limit reached" not in stderr:
         raise SystemExit(f"mutation-score: the runner stopped before {len(missing)} mutants finished "
                          f"(exit {proc.returncode}):\n{stderr[-4000:]}")
     return errors

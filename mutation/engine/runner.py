@@ -40,8 +40,12 @@ class MutantRunner:
     """The pytest plugin of the runner process (see the module docstring)."""
 
     def __init__(self, jobs: list[dict], results: Path, workers: int, roots: tuple[str, ...],
-                 warm: list[str] | None = None, log_dir: Path | None = None):
+                 warm: list[str] | None = None, log_dir: Path | None = None,
+                 baseline: dict[str, float] | None = None):
         self.jobs = jobs
+        self.baseline = baseline or {}
+        self.stop_at: float | None = None  # wall-clock time after which no new mutant starts
+        self.slowdown = 1.0
         self.log_dir = log_dir
         self.warm = warm or []
         self.results = results
@@ -62,7 +66,7 @@ class MutantRunner:
         log = os.open(out.with_suffix(".log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        faulthandler.dump_traceback_later(max(1.0, timeout - 2.0), exit=False)  # where a timeout was stuck
+        faulthandler.dump_traceback_later(max(1.0, timeout - 2.0), exit=False, file=log)  # where a timeout hung
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:  # it writes to the real stdout that capture saved, not to fd 1
             session.config.pluginmanager.unregister(reporter)
@@ -92,10 +96,18 @@ class MutantRunner:
 
     # ------------------------------------------------------------------ parent side
     def _warm_up(self, session: pytest.Session, by_id: dict[str, pytest.Item]) -> None:
+        """Fill the caches; measure how much slower this machine runs now than the coverage pass did."""
         items = [by_id[t] for t in self.warm if t in by_id]
+        began = time.perf_counter()
         for position, item in enumerate(items):
             following = items[position + 1] if position + 1 < len(items) else None
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=following)
+        spent = time.perf_counter() - began
+        baseline = sum(self.baseline.get(item.nodeid, 0.0) for item in items)
+        if baseline > 1.0:  # deadlines scale with the load of the machine, never below the baseline's
+            self.slowdown = min(8.0, max(1.0, spent / baseline))
+        print(f"runner: warm-up {len(items)} tests in {spent:.1f} s (baseline {baseline:.1f} s); deadlines x "
+              f"{self.slowdown:.2f}", file=sys.__stderr__, flush=True)
         with contextlib.suppress(Exception):
             session._setupstate.teardown_exact(None)
         _reset_parity_session(session.config)
@@ -113,6 +125,10 @@ class MutantRunner:
         serial = 0
         with self.results.open("a") as sink:
             while queue or running or self.unverified:
+                if self.stop_at is not None and time.time() > self.stop_at and queue:
+                    print(f"runner: time limit reached, {len(queue)} mutants not run", file=sys.__stderr__,
+                          flush=True)
+                    queue.clear()
                 while (queue or self.unverified) and len(running) < self.workers:
                     job = self._verify_job() if self.unverified else self._ordered(queue.pop(0))
                     if not job["tests"]:
@@ -125,13 +141,13 @@ class MutantRunner:
                     pid = os.fork()
                     if pid == 0:
                         self._child(session, items, mutant, job.get("stale", ["*"]), out,
-                                    stop_first=not job.get("verify"), timeout=job["timeout"])
+                                    stop_first=not job.get("verify"), timeout=job["timeout"] * self.slowdown)
                     running[pid] = (job, time.monotonic(), out)
                 time.sleep(0.02)
                 for pid, (job, began, out) in list(running.items()):
                     done, _ = os.waitpid(pid, os.WNOHANG)
                     elapsed = time.monotonic() - began
-                    if done == 0 and elapsed < job["timeout"]:
+                    if done == 0 and elapsed < job["timeout"] * self.slowdown:
                         continue
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(pid, signal.SIGKILL)
@@ -215,7 +231,9 @@ def main(argv: list[str]) -> int:
     if isinstance(spec, list):
         spec = {"jobs": spec}
     plugin = MutantRunner(spec["jobs"], Path(results_file), int(workers), tuple(roots.split(",")),
-                          spec.get("warm"), Path(spec["log_dir"]) if spec.get("log_dir") else None)
+                          spec.get("warm"), Path(spec["log_dir"]) if spec.get("log_dir") else None,
+                          spec.get("baseline"))
+    plugin.stop_at = spec.get("stop_at")
     return int(pytest.main([*argv[split + 1:], "-p", "no:cacheprovider"], plugins=[plugin]))
 
 
