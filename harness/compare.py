@@ -24,6 +24,7 @@ __all__ = [
     "Policy",
     "Ulp",
     "Verdict",
+    "bit_patterns",
     "close",
     "exact",
     "expect",
@@ -83,6 +84,24 @@ class Verdict:
             message=message,
             notes=(*self.notes, note),
         )
+
+    def require_bounded(self, tolerance: float, floor: float, *, k_min: float, k_max: float,
+                        what: str = "tolerance") -> Verdict:
+        """The tolerance must sit within [k_min, k_max] x the floor measured on stock code.
+
+        Below k_min the check would flag the stock path's own noise; above k_max it is "too loose" to
+        catch a bug of the floor's size. Both the floor and the bound are recorded beside each other.
+        """
+        low, high = k_min * floor, k_max * floor
+        if tolerance > high:
+            fact = (f"{what} {_fmt(float(tolerance))} is too loose: above {k_max:g} x the stock floor "
+                    f"{_fmt(float(floor))} = {_fmt(float(high))}")
+        elif tolerance < low:
+            fact = (f"{what} {_fmt(float(tolerance))} is too tight: below {k_min:g} x the stock floor "
+                    f"{_fmt(float(floor))} = {_fmt(float(low))}")
+        else:
+            fact = f"{what} within [{k_min:g}, {k_max:g}] x the stock floor {_fmt(float(floor))}"
+        return self.require(low <= tolerance <= high, fact, stock_floor=float(floor), tolerance_bound=float(tolerance))
 
     def with_metrics(self, **metrics: Any) -> Verdict:
         """Attach metrics (a measured floor, a spy's counts) without asserting anything."""
@@ -185,10 +204,24 @@ def ulp_distance(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     return (_ordered_bits(actual) - _ordered_bits(expected)).abs()
 
 
+_SAME_WIDTH_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def bit_patterns(x: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits as integers of the same width: -0.0 and +0.0 differ, NaN payloads count."""
+    if x.dtype == torch.bool:
+        return x.to(torch.uint8)
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    return x.detach().contiguous().view(_SAME_WIDTH_INT[x.element_size()])
+
+
 def mismatched(actual: torch.Tensor, expected: torch.Tensor) -> int:
-    """Number of elements that are not bitwise equal (NaN counts as a mismatch)."""
+    """Number of elements whose bit patterns differ (so -0.0 vs +0.0 and NaN payloads are mismatches)."""
     _same_shape(actual, expected)
-    return int((actual != expected).sum())
+    if actual.dtype != expected.dtype:
+        return actual.numel()
+    return int((bit_patterns(actual) != bit_patterns(expected)).sum())
 
 
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -302,6 +335,7 @@ class Exact(Policy):
             return Verdict(check_id, False, {"actual_dtype": str(actual.dtype), "expected_dtype": str(expected.dtype)},
                            self.describe(), math.inf, message=f"{what}: dtype {actual.dtype} vs {expected.dtype}")
         metrics = _base_metrics(actual, expected)
+        metrics["mismatched"] = mismatched(actual, expected)  # bit patterns, not ==: -0.0 is not +0.0
         if actual.is_floating_point():
             dist = ulp_distance(actual, expected)
             metrics["max_ulp"] = int(dist.max()) if dist.numel() else 0
@@ -311,10 +345,11 @@ class Exact(Policy):
         if metrics["nonfinite"]:
             message = _nonfinite_message(actual, expected, what)
         elif bad:
+            differs = (bit_patterns(actual) != bit_patterns(expected)).double()
             if actual.is_floating_point():
-                diff = (actual.double() - expected.double()).abs()
+                diff = (actual.double() - expected.double()).abs() + differs  # a sign-of-zero flip still shows
             else:
-                diff = (actual != expected).double()
+                diff = differs
             where = locate(_worst(diff), actual.shape, dims, labels)
             share = 100 * bad / max(1, metrics["total"])
             message = (f"{what}: mismatched elements: {bad} / {metrics['total']} ({share:.1f}%); "

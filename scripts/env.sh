@@ -1,17 +1,29 @@
-# Sourced by the quick-start scripts: create .venv if missing and install the CPU lock + the project.
+# Sourced by the quick-start scripts: create the lane's venv if missing and install its CPU lock + the project.
+#   PARITY_LOCK   the lock to install (default requirements/cpu.txt, the latest stack;
+#                 requirements/cpu-lowest.txt is the lowest stack the declared ranges allow)
+#   PARITY_VENV   where that lane's virtual environment lives (default .venv)
+#   PARITY_REPORT_DIR  where the report goes (default reports)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
-stamp=.venv/.installed-$(cat requirements/cpu.txt pyproject.toml | sha256sum | cut -c1-16)
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+PARITY_LOCK="${PARITY_LOCK:-requirements/cpu.txt}"
+PARITY_VENV="${PARITY_VENV:-.venv}"
+PARITY_REPORT_DIR="${PARITY_REPORT_DIR:-reports}"
+if [ ! -f "$PARITY_LOCK" ]; then
+  echo "env.sh: no lock file $PARITY_LOCK (expected requirements/cpu.txt or requirements/cpu-lowest.txt)" >&2
+  exit 2
+fi
+stamp="$PARITY_VENV/.installed-$(cat "$PARITY_LOCK" pyproject.toml | sha256sum | cut -c1-16)"
+if [ ! -x "$PARITY_VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$PARITY_VENV"
 fi
 if [ ! -f "$stamp" ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -r requirements/cpu.txt
-  .venv/bin/python -m pip install --quiet --no-deps -e .
-  rm -f .venv/.installed-*
+  "$PARITY_VENV/bin/python" -m pip install --quiet --upgrade pip
+  "$PARITY_VENV/bin/python" -m pip install --quiet -r "$PARITY_LOCK"
+  "$PARITY_VENV/bin/python" -m pip install --quiet --no-deps -e .
+  rm -f "$PARITY_VENV"/.installed-*
   touch "$stamp"
 fi
-export PATH="$PWD/.venv/bin:$PATH"
+export PATH="$PWD/$PARITY_VENV/bin:$PATH"
+export PARITY_REPORT_DIR

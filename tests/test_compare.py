@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import compare
-from harness.compare import close, exact, expect, expect_raises, noise_floor, ulp, ulp_distance
+from harness.compare import close, exact, expect, expect_raises, mismatched, noise_floor, ulp, ulp_distance
 
 pytestmark = pytest.mark.cpu
 
@@ -166,3 +166,22 @@ def test_sha256_depends_on_bytes_dtype_and_shape():
     y = x.clone()
     y[0] = -0.0
     assert compare.sha256(x) != compare.sha256(y)
+
+
+def test_exact_compares_bit_patterns_not_values():
+    """-0.0 == +0.0 and NaN payloads hide under ==; a bitwise policy sees both."""
+    plus, minus = torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0])
+    verdict = exact().judge("t.signed_zero", minus, plus)
+    assert not verdict.passed and verdict.metrics["mismatched"] == 1
+    assert "element (0,)" in verdict.message
+    assert exact().judge("t.same", plus.clone(), plus).passed
+    assert mismatched(torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([1.0], dtype=torch.bfloat16)) == 0
+
+
+def test_tolerance_bounds_fail_a_loose_or_tight_tolerance():
+    base = exact().judge("t.ok", torch.zeros(2), torch.zeros(2))
+    assert base.require_bounded(4e-6, 1e-6, k_min=2, k_max=10).passed
+    loose = base.require_bounded(5e-5, 1e-6, k_min=2, k_max=10)
+    assert not loose.passed and "too loose" in loose.violated_facts[0]
+    tight = base.require_bounded(1e-6, 1e-6, k_min=2, k_max=10)
+    assert not tight.passed and "too tight" in tight.violated_facts[0]
