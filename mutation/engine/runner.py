@@ -179,7 +179,7 @@ class MutantRunner:
         """One unmutated child for every killing test not yet verified (all of them run, no -x)."""
         tests = sorted(self.unverified)
         waiting = [w for t in tests for w in self.unverified.pop(t)]
-        return {"verify": True, "tests": tests, "timeout": 60.0 + 5.0 * len(tests), "waiting": waiting}
+        return {"verify": True, "tests": tests, "timeout": 60.0 + 5.0 * len(tests), "waiting": waiting, "stale": []}
 
     def _finish(self, sink: Any, job: dict, result: dict, elapsed: float, queue: list[dict]) -> None:
         if job.get("verify"):  # an unmutated run of killing tests
