@@ -1,53 +1,151 @@
 """What kind of checkpoint a path holds, read from its files, and how to load it offline.
 
-The gpu tier runs the checks of the path a checkpoint feeds: a diffusers video VAE feeds decode,
-a diffusers DiT feeds replay, a causal LM (transformers, or HunyuanImage-3 remote code) feeds ar,
-a directory of attention captures feeds attention. Anything else is a clear error naming the path
-and what was expected, never a silently skipped tier.
+The kinds are registrations, not a list here: ``harness.plugins.CHECKPOINT_KINDS`` holds one
+``CheckpointKind`` per kind (the suite's own through ``register`` below, an installed package's
+through the same entry-point group), each naming the path it feeds, the class names it answers to
+and where those names are read (``SOURCES``). Anything no registered kind recognises is a clear
+error listing what is supported, never a silently skipped tier.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
-__all__ = ["KINDS", "Checkpoint", "CheckpointError", "detect", "load_model"]
+from harness import plugins
+from harness.plugins import CheckpointKind
 
-VIDEO_VAE_CLASSES = ("AutoencoderKLMiniMaxH3",)
-DIT_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel")
-REMOTE_CODE_ARCHITECTURES = ("HunyuanImage3ForCausalMM",)
+__all__ = ["KINDS", "SHIPPED_KINDS", "SOURCES", "Checkpoint", "CheckpointError", "detect", "kind_for_family",
+           "load_model", "register", "registered_kinds", "supported"]
+
 CAPTURE_GLOB = "call*_rank*.npz"
+FEEDS = ("replay", "ar", "decode", "attention")
 
-# kind -> the path whose checks it feeds
-KINDS = {"video_vae": "decode", "dit": "replay", "causal_lm": "ar", "attention_capture": "attention"}
+# source -> where a kind's class_names are matched (fnmatch patterns, so "*ForCausalLM" is one kind)
+SOURCES = {
+    "diffusers": "config.json's _class_name",
+    "transformers": "config.json's architectures (loaded as remote code when config.json has an auto_map)",
+    "remote_code": "config.json's architectures; the modeling code ships in the directory (auto_map required)",
+    "files": "file names in the directory (e.g. attention captures)",
+}
 
-EXPECTED = (
-    "a diffusers model directory whose config.json has _class_name in "
-    f"{list(VIDEO_VAE_CLASSES + DIT_CLASSES)}, a transformers directory whose config.json lists a "
-    f"*ForCausalLM (or {list(REMOTE_CODE_ARCHITECTURES)}) in architectures, or a directory of attention "
-    f"captures named {CAPTURE_GLOB}"
+# The suite's own kinds. A path that registers its kinds itself (its own register(plugins)) takes its
+# entry out of this tuple: two kinds claiming one class name are an error at detection.
+SHIPPED_KINDS = (
+    CheckpointKind("video_vae", "decode", ("AutoencoderKLMiniMaxH3",), "diffusers"),
+    CheckpointKind("dit", "replay", ("SD3Transformer2DModel", "FluxTransformer2DModel"), "diffusers"),
+    CheckpointKind("causal_lm", "ar", ("*ForCausalLM", "HunyuanImage3ForCausalMM"), "transformers"),
+    CheckpointKind("attention_capture", "attention", (CAPTURE_GLOB,), "files"),
 )
 
 
+def register(registry: ModuleType) -> None:
+    """Entry point ``checkpoints``: the suite's own checkpoint kinds (idempotent: the same objects)."""
+    for kind in SHIPPED_KINDS:
+        registry.CHECKPOINT_KINDS.register(kind.name, kind, origin="harness.checkpoints")
+
+
 class CheckpointError(ValueError):
-    """The path is missing, is not a model of a known kind, or cannot be loaded."""
+    """The path is missing, is not a model of a registered kind, or cannot be loaded."""
+
+
+def _validate(kind: Any, origin: str) -> CheckpointKind:
+    where = f"checkpoint kind {getattr(kind, 'name', kind)!r} (registered by {origin or 'unknown origin'})"
+    if not isinstance(kind, CheckpointKind):
+        raise CheckpointError(f"{where}: expected a harness.plugins.CheckpointKind, got {type(kind).__name__}")
+    if kind.feeds not in FEEDS:
+        raise CheckpointError(f"{where}: feeds must be one of {list(FEEDS)}, got {kind.feeds!r}")
+    if kind.source not in SOURCES:
+        raise CheckpointError(f"{where}: source must be one of {sorted(SOURCES)}, got {kind.source!r}")
+    names = kind.class_names
+    if not isinstance(names, tuple) or not names or not all(isinstance(n, str) and n for n in names):
+        raise CheckpointError(f"{where}: class_names must be a non-empty tuple of strings, got {names!r}")
+    return kind
+
+
+def registered_kinds() -> list[CheckpointKind]:
+    """Every registered kind, validated, in name order (plugins loaded first).
+
+    The suite's own kinds are registered here too (idempotent), so a source checkout on PYTHONPATH
+    whose installed metadata predates the ``checkpoints`` entry point still knows them.
+    """
+    register(plugins)
+    return [_validate(kind, plugins.CHECKPOINT_KINDS.origin(name)) for name, kind in plugins.CHECKPOINT_KINDS.items()]
+
+
+def _describe(kind: CheckpointKind) -> str:
+    family = f", family {kind.family}" if kind.family else ""
+    return f"{kind.name} (feeds {kind.feeds}{family}: {kind.source} {', '.join(kind.class_names)})"
+
+
+def supported() -> str:
+    """The registered kinds in one line, for error messages."""
+    kinds = registered_kinds()
+    listed = "; ".join(_describe(k) for k in kinds) or "none"
+    return (f"registered checkpoint kinds: {listed}. A package adds one by registering a "
+            f"harness.plugins.CheckpointKind in CHECKPOINT_KINDS from its {plugins.ENTRY_POINT_GROUP!r} entry point")
+
+
+class _Kinds(Mapping[str, str]):
+    """``KINDS[kind name] -> the path it feeds``, read from the registry each time (plugins included)."""
+
+    def _now(self) -> dict[str, str]:
+        return {kind.name: kind.feeds for kind in registered_kinds()}
+
+    def __getitem__(self, name: str) -> str:
+        return self._now()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._now())
+
+    def __len__(self) -> int:
+        return len(self._now())
+
+    def __repr__(self) -> str:
+        return repr(self._now())
+
+
+KINDS: Mapping[str, str] = _Kinds()
+
+
+def kind_for_family(feeds: str, family: str) -> CheckpointKind:
+    """The registered kind whose checkpoints drive ``family`` of path ``feeds``; none is an error listing them."""
+    found = [k for k in registered_kinds() if k.feeds == feeds and k.family == family]
+    if len(found) != 1:
+        what = "no checkpoint kind" if not found else f"{len(found)} checkpoint kinds ({[k.name for k in found]})"
+        raise CheckpointError(f"{feeds} family {family!r}: {what} the gpu tier recognises registers it "
+                              f"(CheckpointKind(..., feeds={feeds!r}, family={family!r})); {supported()}")
+    return found[0]
 
 
 @dataclass(frozen=True)
 class Checkpoint:
     path: Path
-    kind: str  # a key of KINDS
+    kind: str  # a registered CheckpointKind's name
     class_name: str
     config: dict[str, Any] = field(default_factory=dict, compare=False)
     remote_code: bool = False
+    spec: CheckpointKind | None = field(default=None, compare=False)
 
     @property
     def feeds(self) -> str:
-        return KINDS[self.kind]
+        return self.spec.feeds if self.spec is not None else KINDS[self.kind]
+
+    @property
+    def family(self) -> str:
+        """The registry entry of the fed path that drives it ("" when the path has one way to drive it)."""
+        return self.spec.family if self.spec is not None else ""
+
+    @property
+    def source(self) -> str:
+        return self.spec.source if self.spec is not None else ""
 
     @property
     def name(self) -> str:
@@ -62,48 +160,72 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: config.json is not valid JSON ({err})") from err
 
 
+def _candidates(kind: CheckpointKind, root: Path, config: dict[str, Any] | None) -> list[str]:
+    """The names a kind's class_names are matched against, read from where its source says."""
+    if kind.source == "files":
+        return sorted(p.name for p in root.iterdir())
+    if config is None:
+        return []
+    if kind.source == "diffusers":
+        name = config.get("_class_name")
+        return [name] if isinstance(name, str) else []
+    return [a for a in config.get("architectures") or [] if isinstance(a, str)]
+
+
+def _match(kind: CheckpointKind, names: list[str]) -> str | None:
+    for name in names:
+        if any(fnmatchcase(name, pattern) for pattern in kind.class_names):
+            return name
+    return None
+
+
 def detect(path: str | Path) -> Checkpoint:
-    """Read a checkpoint's kind from its files (config.json or capture names); nothing is loaded."""
+    """Read a checkpoint's kind from its files against the registered kinds; nothing is loaded."""
     root = Path(path)
     if not root.exists():
         raise CheckpointError(f"checkpoint {root}: no such file or directory")
     if not root.is_dir():
-        raise CheckpointError(f"checkpoint {root}: expected a directory, got a file; expected {EXPECTED}")
+        raise CheckpointError(f"checkpoint {root}: expected a directory, got a file; {supported()}")
     if (root / "model_index.json").exists() and not (root / "config.json").exists():
         raise CheckpointError(f"checkpoint {root}: this is a diffusers pipeline directory; pass the component "
                               f"directory instead (e.g. {root / 'vae'} or {root / 'transformer'})")
-    if (root / "config.json").exists():
-        config = _read_config(root)
-        class_name = config.get("_class_name")
-        if class_name in VIDEO_VAE_CLASSES:
-            return Checkpoint(root, "video_vae", class_name, config)
-        if class_name in DIT_CLASSES:
-            return Checkpoint(root, "dit", class_name, config)
+    config = _read_config(root) if (root / "config.json").exists() else None
+    kinds = registered_kinds()
+    if config is not None:  # a model directory is read from its config, never from stray files beside it
+        kinds = [k for k in kinds if k.source != "files"] or kinds
+    matches = [(k, name) for k in kinds if (name := _match(k, _candidates(k, root, config))) is not None]
+    if len(matches) > 1:
+        claims = ", ".join(f"{k.name} ({plugins.CHECKPOINT_KINDS.origin(k.name) or 'unknown origin'})"
+                           for k, _ in matches)
+        raise CheckpointError(f"checkpoint {root}: {matches[0][1]} is claimed by several checkpoint kinds: {claims}; "
+                              "exactly one registered kind may claim a class name")
+    if not matches:
+        if config is None:
+            raise CheckpointError(f"checkpoint {root}: not a model (no config.json, and no registered kind's files); "
+                                  f"{supported()}")
         architectures = config.get("architectures") or []
-        for arch in architectures:
-            if arch in REMOTE_CODE_ARCHITECTURES:
-                if "auto_map" not in config:
-                    raise CheckpointError(f"checkpoint {root}: {arch} needs its remote code, but config.json has "
-                                          "no auto_map pointing at the modeling files in the directory")
-                return Checkpoint(root, "causal_lm", arch, config, remote_code=True)
-            if arch.endswith("ForCausalLM"):
-                return Checkpoint(root, "causal_lm", arch, config)
-        found = class_name or (architectures and architectures[0]) or "neither _class_name nor architectures"
-        raise CheckpointError(f"checkpoint {root}: unsupported model kind ({found}); expected {EXPECTED}")
-    if any(root.glob(CAPTURE_GLOB)):
-        return Checkpoint(root, "attention_capture", "capture")
-    raise CheckpointError(f"checkpoint {root}: not a model (no config.json, no {CAPTURE_GLOB}); expected {EXPECTED}")
+        found = config.get("_class_name") or (architectures and architectures[0]) or \
+            "neither _class_name nor architectures"
+        raise CheckpointError(f"checkpoint {root}: unsupported model kind ({found}); {supported()}")
+    kind, class_name = matches[0]
+    if kind.source == "files":
+        return Checkpoint(root, kind.name, class_name, {}, spec=kind)
+    remote = kind.source == "remote_code" or (kind.source == "transformers" and "auto_map" in config)
+    if kind.source == "remote_code" and "auto_map" not in config:
+        raise CheckpointError(f"checkpoint {root}: {class_name} needs its remote code, but config.json has "
+                              "no auto_map pointing at the modeling files in the directory")
+    return Checkpoint(root, kind.name, class_name, config, remote_code=remote, spec=kind)
 
 
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device | str) -> Any:
     """Load a model checkpoint offline in ``dtype`` on ``device``; failures name the path."""
     try:
-        if checkpoint.kind in ("video_vae", "dit"):
+        if checkpoint.source == "diffusers":
             import diffusers
 
             cls = getattr(diffusers, checkpoint.class_name)
             model = cls.from_pretrained(checkpoint.path, torch_dtype=dtype, local_files_only=True)
-        elif checkpoint.kind == "causal_lm":
+        elif checkpoint.source in ("transformers", "remote_code"):
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(

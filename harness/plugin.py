@@ -6,8 +6,13 @@ harness brings it to any pytest run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fnmatch
+import functools
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +20,7 @@ import pytest
 import torch
 
 from harness import ablation as ablation_mod
-from harness import checkpoints, checks, report
+from harness import catalogue, checkpoints, checks, conformance, report
 from harness.ablation import KillResult
 from harness.checks import CheckContext
 from harness.compare import Verdict
@@ -27,6 +32,7 @@ MARKERS = {
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SESSION_KEY = pytest.StashKey["ParitySession"]()
+IMPLS_KEY = pytest.StashKey[dict[str, str]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -42,6 +48,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--capture-dir", default=None, metavar="DIR",
                     help="attention captures (call0_rank0.npz style) to run the attention checks on "
                          "(pytest's own --capture is taken)")
+    group.addoption("--impl", action="append", default=None, metavar="PATH=MODULE:CALLABLE",
+                    help="run PATH's checks against your own implementation (conformance mode); repeatable. "
+                         "Signatures: " + "; ".join(f"{p}: {sig}" for p, sig in conformance.SIGNATURES.items()))
+    group.addoption("--parity-list", nargs="?", const="*", default=None, metavar="PATTERN",
+                    help="list the checks (id, module:qualname, tier, policy, killers) whose id matches the "
+                         "fnmatch PATTERN (default: all), then exit without running tests")
 
 
 def parse_dtypes(text: str) -> list[torch.dtype]:
@@ -64,6 +76,7 @@ class ParitySession:
         self._pools: dict[str, Any] = {}
         self.capture_dir: str | None = config.getoption("capture_dir")
         self.checkpoints: list[checkpoints.Checkpoint] = []
+        self.conformance_problems: list[str] = []
 
     def context(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 checkpoint: str | None = None) -> CheckContext:
@@ -81,7 +94,9 @@ class ParitySession:
         """Run a check once per label (cached: the kill matrix reuses the baseline)."""
         key = label or check_id
         if key not in self.verdicts:
-            verdict = checks.run_check(check_id, ctx or self.context())
+            with watch_implementation(checks.get(check_id).path) as watch:
+                verdict = checks.run_check(check_id, ctx or self.context())
+            verdict = watch.require_ran(verdict)
             self.verdicts[key] = dataclasses.replace(verdict, check_id=key) if label else verdict
         return self.verdicts[key]
 
@@ -97,7 +112,7 @@ class ParitySession:
     def report(self) -> dict[str, Any]:
         order = {c.id: i for i, c in enumerate(checks.all_checks())}
         verdicts = sorted(self.verdicts.values(), key=lambda v: (order.get(v.check_id, len(order)), v.check_id))
-        return report.build(verdicts, self.kills)
+        return report.build(verdicts, self.kills, implementations=conformance.specs())
 
     def close(self) -> None:
         for pool in self._pools.values():
@@ -105,9 +120,145 @@ class ParitySession:
         self._pools.clear()
 
 
+class ImplementationWatch:
+    """What one check did with the implementation under test for its path (conformance mode only)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.spec = conformance.active(path)
+        self.fetched = 0
+        self.calls_before = conformance.calls(path)
+
+    def require_ran(self, verdict: Verdict) -> Verdict:
+        """A check that fetched the implementation under test must have called it: no silent fallback.
+
+        A check that never fetches it (a contract check on captured masks, say) judges no implementation
+        and is left as it is; ``pytest_sessionfinish`` fails a run whose path under test was never called.
+        """
+        if self.spec is None or not self.fetched or conformance.calls(self.path) > self.calls_before:
+            return verdict
+        return verdict.require(False, f"the implementation under test never ran ({self.spec} was fetched through "
+                                      "harness.conformance.resolve but not called)")
+
+
+@contextlib.contextmanager
+def watch_implementation(path: str) -> Iterator[ImplementationWatch]:
+    """Count the check's ``conformance.resolve(path, ...)`` calls while it runs (checks call it by module)."""
+    watch = ImplementationWatch(path)
+    if watch.spec is None:
+        yield watch
+        return
+    original = conformance.resolve
+
+    def resolve(wanted: str, default: Any) -> Any:
+        if wanted == path:
+            watch.fetched += 1
+        return original(wanted, default)
+
+    conformance.resolve = resolve
+    try:
+        yield watch
+    finally:
+        conformance.resolve = original
+
+
+def never_ran(config: pytest.Config, judged_paths: set[str]) -> list[str]:
+    """Paths under test whose checks ran while the user's implementation was never called in this process."""
+    return [f"--impl {path}={spec}: the implementation under test never ran in any {path} check (are the "
+            f"{path} checks fetching it through harness.conformance.resolve?)"
+            for path, spec in (config.stash.get(IMPLS_KEY, None) or {}).items()
+            if path in judged_paths and conformance.calls(path) == 0]
+
+
+def parse_impls(given: list[str] | None) -> dict[str, str]:
+    """``["attention=mod:attend", ...]`` -> {path: spec}; a malformed or unusable spec is a usage error naming it."""
+    found: dict[str, str] = {}
+    for text in given or []:
+        path, sep, spec = text.partition("=")
+        if not sep or not path or not spec:
+            raise pytest.UsageError(f"--impl {text!r}: expected PATH=MODULE:CALLABLE with PATH one of "
+                                    f"{', '.join(conformance.PATHS)} (e.g. --impl attention=my_kernels:attend)")
+        if path in found:
+            raise pytest.UsageError(f"--impl {text!r}: path {path!r} is already under test ({found[path]})")
+        found[path] = spec
+    return found
+
+
+def apply_impls(config: pytest.Config) -> None:
+    """Put each ``--impl`` under test now, so a typo stops the run before any check."""
+    found = parse_impls(config.getoption("impl"))
+    for path, spec in found.items():
+        try:
+            conformance.use(path, spec)
+        except ValueError as err:
+            conformance.clear()
+            raise pytest.UsageError(f"--impl {path}={spec}: {err}") from None
+    config.stash[IMPLS_KEY] = found
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [f"conformance mode: {path} checks judge {spec} ({conformance.SIGNATURES[path]}); other paths deselected"
+            for path, spec in (config.stash.get(IMPLS_KEY, None) or {}).items()]
+
+
+def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    """``--parity-list [PATTERN]``: print the catalogue and exit 0, like ``--fixtures`` and ``--markers``."""
+    pattern = config.getoption("parity_list", None)
+    if pattern is None:
+        return None
+    try:
+        catalogue.load()
+    except ImportError as err:  # the catalogue modules live in the suite's checkout, not the installed package
+        print(f"--parity-list: the check catalogue cannot be imported from {os.getcwd()} ({err}); run it from the "
+              "suite's checkout (its parity/, mutation/ and gpu/ modules must be importable)")
+        return int(pytest.ExitCode.USAGE_ERROR)
+    lines = parity_list(pattern)
+    for line in lines:
+        print(line)
+    if not lines:
+        print(f"no check id matches {pattern!r}")
+    return 0
+
+
+def parity_list(pattern: str = "*") -> list[str]:
+    """One line per check whose id matches ``pattern``: id, module:qualname, tier, policy, killers."""
+    killers: dict[str, list[str]] = {}
+    for item in ablation_mod.all_ablations():
+        for check_id in item.kills:
+            killers.setdefault(check_id, []).append(f"{item.name} ({item.mode_for(check_id)})")
+    lines = []
+    for check in sorted(checks.all_checks(), key=lambda c: c.id):
+        if not fnmatch.fnmatchcase(check.id, pattern):
+            continue
+        policy = getattr(check, "policy", "")  # a check that declares its policy up front shows it here
+        fields = [check.id, check.where or "?", f"tier={check.tier}"]
+        bound = _bound_arguments(check.fn)
+        if bound:
+            fields.append(f"args={bound}")
+        if policy:
+            fields.append(f"policy={policy}")
+        fields.append("killers=" + (", ".join(sorted(killers.get(check.id, []))) or "none"))
+        lines.append("  ".join(fields))
+    return lines
+
+
+def _bound_arguments(fn: Any) -> str:
+    """What a ``functools.partial`` check binds (one function computes several ids), as call arguments."""
+    if not isinstance(fn, functools.partial):
+        return ""
+    def short(value: Any) -> str:  # a case object shows by its name, not its whole repr
+        name = getattr(value, "name", None)
+        return f"{type(value).__name__}({name!r})" if isinstance(name, str) and not isinstance(value, str) \
+            else repr(value)
+
+    shown = [short(a) for a in fn.args] + [f"{k}={short(v)}" for k, v in fn.keywords.items()]
+    return ", ".join(shown)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    apply_impls(config)
     detected = []
     for path in config.getoption("checkpoint") or []:
         try:
@@ -126,10 +277,22 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_KEY] = session
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    parity = session.config.stash.get(SESSION_KEY, None)
+    if parity is None:
+        return
+    problems = never_ran(session.config, {v.path for v in parity.verdicts.values()})
+    if problems:
+        parity.conformance_problems = problems
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     session = config.stash.get(SESSION_KEY, None)
     if session is not None:
         session.close()
+    if config.stash.get(IMPLS_KEY, None):
+        conformance.clear()
 
 
 def gpu_device(config: pytest.Config) -> torch.device:
@@ -150,7 +313,52 @@ def gpu_skip_reason(config: pytest.Config) -> str | None:
     return None
 
 
+_PATH_FILE = re.compile(r"^test_(" + "|".join(conformance.PATHS) + r")[_.]")
+
+
+def item_check(item: pytest.Item) -> tuple[str | None, bool]:
+    """(the check id a generated item runs, whether it runs it under an ablation); (None, False) otherwise."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "gpu_kill" in params:
+        return params["gpu_kill"][1], True
+    if "gpu_case" in params:
+        return params["gpu_case"][0], False
+    if "check_id" in params:
+        return params["check_id"], "ablation_name" in params or "name" in params
+    return None, False
+
+
+def item_path(item: pytest.Item) -> str | None:
+    """The path an item tests: its check id's, else its module's name (test_<path>_*.py); None for machinery."""
+    check_id, _ = item_check(item)
+    if check_id is not None:
+        return str(check_id).split(".", 1)[0]
+    found = _PATH_FILE.match(Path(str(item.path)).name)
+    return found.group(1) if found else None
+
+
+def conformance_items(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Conformance mode: keep only the paths under test, and skip the suite's own ablations for them."""
+    under_test = config.stash.get(IMPLS_KEY, None)
+    if not under_test:
+        return
+    kept, dropped = [], []
+    for item in items:
+        path = item_path(item)
+        (kept if path in under_test else dropped).append(item)
+        if path not in under_test or not item_check(item)[1]:
+            continue
+        spec = under_test[path]
+        module = spec.partition(":")[0]
+        item.add_marker(pytest.mark.skip(reason=f"the suite's ablations patch the suite's seams, not {spec}; "
+                                                f"measure teeth with scripts/mutation-score --module {module}"))
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    conformance_items(config, items)
     reason = gpu_skip_reason(config)
     if reason is None:
         return
@@ -184,6 +392,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     data = session.report()
     terminalreporter.section("fastpath-parity report")
     terminalreporter.write_line(report.render_terminal(data))
+    for problem in session.conformance_problems:
+        terminalreporter.write_line(f"FAILED {problem}", red=True)
     for path in config.getoption("parity_report") or []:
         written = report.write(data, path)
         terminalreporter.write_line(f"parity report written to {os.fspath(written)}")

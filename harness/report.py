@@ -2,7 +2,8 @@
 
 The JSON shape is a contract for CI tools::
 
-    {"checks": [{"id", "path", "where", "passed", "metrics", "policy", "margin"}],
+    {"implementations": {path: "module:callable"},   # only in conformance mode (--impl)
+     "checks": [{"id", "path", "where", "passed", "metrics", "policy", "margin"}],
      "ablations": [{"name", "path", "kill_mode", "kills": [{"check", "killed", "mode", "declared", "margin"}]}],
      "summary": {"checks", "passed", "ablations", "killed"}}
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,9 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def build(verdicts: Iterable[Verdict], kills: Iterable[KillResult]) -> dict[str, Any]:
+def build(verdicts: Iterable[Verdict], kills: Iterable[KillResult],
+          implementations: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The report; ``implementations`` names the implementation under test per path (conformance mode)."""
     rows = []
     for v in verdicts:
         registered = checks.get(v.check_id) if checks.exists(v.check_id) else None
@@ -74,7 +77,10 @@ def build(verdicts: Iterable[Verdict], kills: Iterable[KillResult]) -> dict[str,
         "ablations": len(ablations),
         "killed": sum(all(k["killed"] for k in a["kills"]) for a in ablations),
     }
-    return {"checks": rows, "ablations": ablations, "summary": summary}
+    built: dict[str, Any] = {"checks": rows, "ablations": ablations, "summary": summary}
+    if implementations:
+        built = {"implementations": dict(sorted(implementations.items())), **built}
+    return built
 
 
 def _num(value: Any) -> str:
@@ -132,9 +138,16 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
+def _under_test(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """(path, spec) per path whose checks judged a user's implementation instead of the suite's own."""
+    return list(report.get("implementations", {}).items())
+
+
 def render_terminal(report: dict[str, Any]) -> str:
     checks, ablations = _rows(report, width=88)
-    lines: list[str] = []
+    lines = [f"implementation under test for {path}: {spec}" for path, spec in _under_test(report)]
+    if lines:
+        lines.append("")
     if checks:
         lines += _table(["", "check", "headline", "tolerance", "margin"], checks)
     if ablations:
@@ -154,8 +167,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         return out
 
     s = report["summary"]
-    lines = ["# Parity report", "",
-             f"**checks** {s['passed']}/{s['checks']} passed · **ablations** {s['killed']}/{s['ablations']} killed", ""]
+    lines = ["# Parity report", ""]
+    lines += [f"**implementation under test for {path}**: `{spec}`  " for path, spec in _under_test(report)]
+    lines += [f"**checks** {s['passed']}/{s['checks']} passed · **ablations** {s['killed']}/{s['ablations']} killed",
+              ""]
     if checks:
         lines += ["## Parity checks", "", *md(["status", "check", "headline", "tolerance", "margin"], checks), ""]
     if ablations:

@@ -1,10 +1,12 @@
-"""Checkpoint kinds are read from files; anything else is an error naming the path and what was expected."""
+"""Checkpoint kinds come from the registry; anything unregistered is an error listing what is supported."""
 
 import json
 
 import pytest
 
+from harness import checkpoints, plugins
 from harness.checkpoints import CheckpointError, detect
+from harness.plugins import CheckpointKind
 
 pytestmark = pytest.mark.cpu
 
@@ -14,6 +16,21 @@ def _config(tmp_path, name, **config):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+@pytest.fixture
+def extra_kind():
+    """Register a kind for one test, as an installed package would, and take it out after."""
+    added = []
+
+    def add(kind):
+        plugins.CHECKPOINT_KINDS.register(kind.name, kind, origin="tests.test_checkpoints")
+        added.append(kind.name)
+        return kind
+
+    yield add
+    for name in added:
+        plugins.CHECKPOINT_KINDS.unregister(name)
 
 
 @pytest.mark.parametrize(("config", "kind", "feeds"), [
@@ -28,9 +45,56 @@ def test_kinds_are_read_from_config(tmp_path, config, kind, feeds):
     assert checkpoint.remote_code == ("auto_map" in config)
 
 
+def test_the_shipped_kinds_are_registrations_through_the_entry_point_function():
+    registry = plugins.Registry("checkpoint kind", "")
+    module = type("Plugins", (), {"CHECKPOINT_KINDS": registry})
+    checkpoints.register(module)
+    checkpoints.register(module)  # idempotent: the same objects
+    assert registry.names() == sorted(k.name for k in checkpoints.SHIPPED_KINDS)
+    assert set(checkpoints.KINDS) >= set(registry.names())
+    assert checkpoints.KINDS["dit"] == "replay"
+
+
 def test_capture_directory(tmp_path):
     (tmp_path / "call0_rank0.npz").write_bytes(b"")
-    assert detect(tmp_path).kind == "attention_capture"
+    checkpoint = detect(tmp_path)
+    assert (checkpoint.kind, checkpoint.feeds) == ("attention_capture", "attention")
+
+
+def test_a_registered_kind_is_detected_and_names_its_family(tmp_path, extra_kind):
+    extra_kind(CheckpointKind("qwen_image_test", "replay", ("QwenImageTransformer2DModel",), "diffusers",
+                              family="qwen_image_test"))
+    checkpoint = detect(_config(tmp_path, "qwen", _class_name="QwenImageTransformer2DModel"))
+    assert (checkpoint.kind, checkpoint.feeds, checkpoint.family, checkpoint.source) == (
+        "qwen_image_test", "replay", "qwen_image_test", "diffusers")
+    assert checkpoints.kind_for_family("replay", "qwen_image_test").name == "qwen_image_test"
+
+
+def test_a_family_without_a_kind_is_an_error_listing_the_kinds():
+    with pytest.raises(CheckpointError, match=r"replay family 'nope': no checkpoint kind .*registered checkpoint "
+                                              r"kinds: .*dit \(feeds replay"):
+        checkpoints.kind_for_family("replay", "nope")
+
+
+def test_two_kinds_claiming_one_class_is_an_error_naming_both(tmp_path, extra_kind):
+    extra_kind(CheckpointKind("sd3_again", "replay", ("SD3Transformer2DModel",), "diffusers", family="sd3"))
+    with pytest.raises(CheckpointError, match=r"claimed by several checkpoint kinds: dit \(harness.checkpoints\), "
+                                              r"sd3_again \(tests.test_checkpoints\)"):
+        detect(_config(tmp_path, "sd3", _class_name="SD3Transformer2DModel"))
+
+
+def test_a_malformed_registered_kind_names_its_origin(tmp_path, extra_kind):
+    extra_kind(CheckpointKind("bad_feeds", "video", ("X",), "diffusers"))
+    with pytest.raises(CheckpointError, match=r"'bad_feeds' \(registered by tests.test_checkpoints\): feeds must"):
+        detect(_config(tmp_path, "x", _class_name="X"))
+
+
+def test_remote_code_kind_requires_its_auto_map(tmp_path, extra_kind):
+    extra_kind(CheckpointKind("remote_lm_test", "ar", ("RemoteOnlyForCausalMM",), "remote_code"))
+    with pytest.raises(CheckpointError, match="needs its remote code, but config.json has no auto_map"):
+        detect(_config(tmp_path, "r1", architectures=["RemoteOnlyForCausalMM"]))
+    found = detect(_config(tmp_path, "r2", architectures=["RemoteOnlyForCausalMM"], auto_map={"A": "m.C"}))
+    assert (found.kind, found.remote_code) == ("remote_lm_test", True)
 
 
 def test_missing_path(tmp_path):
@@ -50,8 +114,10 @@ def test_empty_directory_is_not_a_model(tmp_path):
         detect(tmp_path)
 
 
-def test_unknown_class_names_what_was_found(tmp_path):
-    with pytest.raises(CheckpointError, match="unsupported model kind \\(UNet2DConditionModel\\)"):
+def test_unknown_class_names_what_was_found_and_the_registered_kinds(tmp_path):
+    with pytest.raises(CheckpointError, match=r"unsupported model kind \(UNet2DConditionModel\); registered "
+                                              r"checkpoint kinds: .*video_vae \(feeds decode: diffusers "
+                                              r"AutoencoderKLMiniMaxH3\)"):
         detect(_config(tmp_path, "unet", _class_name="UNet2DConditionModel"))
 
 
@@ -59,11 +125,6 @@ def test_pipeline_directory_asks_for_the_component(tmp_path):
     (tmp_path / "model_index.json").write_text("{}")
     with pytest.raises(CheckpointError, match="pipeline directory; pass the component"):
         detect(tmp_path)
-
-
-def test_remote_code_without_auto_map(tmp_path):
-    with pytest.raises(CheckpointError, match="no auto_map"):
-        detect(_config(tmp_path, "hi3", architectures=["HunyuanImage3ForCausalMM"]))
 
 
 def test_invalid_json(tmp_path):

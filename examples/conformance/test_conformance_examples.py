@@ -1,0 +1,56 @@
+"""The conformance examples against the suite's own reference, directly (no --impl): right is right, bugs differ.
+
+Run from the repository root (``fixtures`` is the suite's checkout, not installed).
+"""
+
+import conformance_kernels
+import conformance_replay
+import pytest
+import torch
+
+from fixtures.replay_cases import fake_problem
+from harness.attention.layout import AttentionLayout
+from harness.attention.reference import masked_sdpa
+from harness.compare import close, exact
+from harness.replay.replay import replay_batched as suite_replay_batched
+
+pytestmark = pytest.mark.cpu
+
+LAYOUTS = [AttentionLayout(40, 96, 3, "prefill"), AttentionLayout(40, 96, 3, "denoise")]
+
+
+def _qkv(layout, kv_heads):
+    gen = torch.Generator().manual_seed(layout.q_len)
+    q = torch.randn(1, 4, layout.q_len, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, kv_heads, layout.kv_len, 16, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, kv_heads, layout.kv_len, 16, generator=gen, dtype=torch.float64)
+    return q, k, v
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.phase)
+def test_attend_is_the_reference_and_causal_only_is_not(layout, kv_heads):
+    q, k, v = _qkv(layout, kv_heads)
+    expected = masked_sdpa(q, k, v, layout)
+    policy = close(atol=1e-12, rtol=0.0, reason="fp64: the same masked SDPA, summation order only")
+    right = policy.judge("attention.example.attend", conformance_kernels.attend(q, k, v, layout), expected)
+    assert right.passed, right.describe()
+    wrong = policy.judge("attention.example.causal_only", conformance_kernels.attend_causal_only(q, k, v, layout),
+                         expected)
+    assert not wrong.passed and wrong.metrics["max_abs"] > 1e-3, wrong.describe()
+
+
+@pytest.mark.parametrize("name", ["cfg1", "cfg2", "uncond_first"])
+def test_replay_is_the_suite_replay_and_the_swapped_nesting_is_not_under_cfg(name):
+    problem = fake_problem(name)
+    args = (problem.adapter, problem.conditions, problem.segment, problem.strategy, problem.target,
+            problem.guidance, problem.config)
+    expected = suite_replay_batched(*args)
+    right = conformance_replay.replay_batched(*args)
+    swapped = conformance_replay.replay_batched_nesting_swapped(*args)
+    for what in ("log_probs", "prev_sample_means"):
+        verdict = exact().judge(f"replay.example.{name}.{what}", getattr(right, what), getattr(expected, what))
+        assert verdict.passed, verdict.describe()
+        same = exact().judge(f"replay.example.{name}.{what}", getattr(swapped, what), getattr(expected, what)).passed
+        # fused cond-first CFG splits the batch at its midpoint: only there does the nesting change the rows
+        assert same == (name != "cfg2"), f"{name}: the swapped nesting {'survived' if same else 'differed'}"
