@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"sample: {len(mutants)} mutants (seed {args.seed})")
     equivalents = load_equivalents(args.equivalents)
     results: dict[int, dict] = {}
+    uncovered: set[tuple[str, int]] = set()
     jobs = []
     for position, (_, mutant) in enumerate(mutants):
         row = {"file": mutant.file, "line": mutant.line, "operator": mutant.operator, "diff": mutant.diff,
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         tests = select_tests(mutant, coverage_map, source_lines)
         if not tests:
             row["status"] = "survived"  # no passing test runs this line: nothing can kill it
+            uncovered.add((mutant.file, mutant.line))
             continue
         budget = sum(coverage_map.durations.get(t, 0.0) for t in tests)
         stale = ["*"] if mutant.scope == "global" else coverage_map.stale_caches(mutant.file, mutant.line)
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
     if args.md:
         args.md.parent.mkdir(parents=True, exist_ok=True)
-        args.md.write_text(report.markdown(doc, title="Mutation score", notes=notes))
+        args.md.write_text(report.markdown(doc, title="Mutation score", notes=notes, uncovered=uncovered))
     if args.fail_under is not None and doc["score"] < args.fail_under:
         _log(f"FAIL: score {doc['score']:.4f} is below --fail-under {args.fail_under}")
         return 1

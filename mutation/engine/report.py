@@ -30,7 +30,7 @@ def _group(file: str) -> str:
     return "/".join(parts[:2]) if len(parts) > 2 else file
 
 
-def markdown(doc: dict, *, title: str, notes: list[str]) -> str:
+def markdown(doc: dict, *, title: str, notes: list[str], uncovered: set[tuple[str, int]] | None = None) -> str:
     """A reader's summary: the score, a table per path/module, then every survivor and timeout."""
     out = [f"# {title}", "",
            f"**Score {doc['score']:.4f}** = killed / (killed + survived + timeout) = {doc['killed']} / "
@@ -61,5 +61,6 @@ def markdown(doc: dict, *, title: str, notes: list[str]) -> str:
             out.append("none")
         for m in rows:
             old, new = (part[2:] for part in m["diff"].split("\n", 1))
-            out.append(f"- `{m['file']}:{m['line']}` {m['operator']}: `{old}` -> `{new}`")
+            tag = " (no passing test runs this line)" if uncovered and (m["file"], m["line"]) in uncovered else ""
+            out.append(f"- `{m['file']}:{m['line']}` {m['operator']}: `{old}` -> `{new}`{tag}")
     return "\n".join(out) + "\n"
