@@ -1,11 +1,16 @@
-"""A fake-kernel denoiser for replay parity: row-wise, bitwise batch-shape invariant, and sensitive
-to every conditioning field of its own row.
+"""A fake-kernel denoiser for replay parity: row-wise, bitwise batch-shape invariant, sensitive to
+every conditioning field of its own row, and strict about row counts.
 
 Every output row mixes in that row's value of EVERY row field (embeddings, masks, rope_cache,
 list/tuple payloads), its timestep, and every shared field, so a wrong permutation, a swapped
-nesting or an un-tiled field changes the numbers. A field with fewer rows than the batch is
-broadcast by block repetition (as HunyuanImage-3's concat tensors are expanded), which makes an
-un-tiled field a silent wrong answer rather than a crash, exactly the failure mode to catch.
+nesting or an un-tiled field changes the numbers. The kernel takes exactly one row per forward row
+for every field and raises a ValueError naming expected vs got otherwise: it never broadcasts a
+count that merely divides the batch (that forgiveness would turn a tiling bug into a pass). The
+one exact exception, owned by the adapter, is DESIGN 1.1's branch-independent field: ``batch`` rows
+in a fused two-branch forward of ``2 * batch`` rows, used once per branch.
+In the fused layout the adapter reads the uncond branch of every cached field from ``fused_uncond``
+(the cache the CFG expansion leaves), so a cache that does not describe THIS batch changes the
+numbers, or raises when its row count is not the uncond branch's.
 All per-row arithmetic is IEEE-exact or runs on full latent-shaped tensors, so a row gives the same
 bits in a batch of B or of S*B: batched replay must be bitwise equal to serial.
 """
@@ -17,7 +22,7 @@ from typing import Any
 
 import torch
 
-from harness.replay.conditions import Conditions, payload_rows
+from harness.replay.conditions import Conditions, Payload, concat_payloads, payload_rows, slice_rows
 from harness.replay.denoiser import FUSED_COND_FIRST, DenoiserAdapter
 
 __all__ = ["FakeDenoiser", "FakeKernel", "row_codes"]
@@ -32,11 +37,10 @@ def row_codes(name: str, value: Any, rows: int) -> torch.Tensor:
     else:
         raise TypeError(f"field {name!r}: unsupported payload {type(value).__name__}")
     have = per.shape[0]
-    if have == rows:
-        return per
-    if have and rows % have == 0:
-        return per.repeat(rows // have)
-    raise ValueError(f"field {name!r} has {have} rows, which cannot broadcast to a batch of {rows}")
+    if have != rows:
+        raise ValueError(f"field {name!r} has {have} rows; expected exactly {rows} (one per forward row): "
+                         "the fake kernel never broadcasts rows")
+    return per
 
 
 def shared_code(shared: Mapping[str, Any]) -> float:
@@ -72,21 +76,12 @@ class FakeKernel(torch.nn.Module):
         return torch.tanh(mixed) - 0.3 * hidden_states
 
 
-def _same_rows(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return False
-        return all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) for x, y in zip(a, b, strict=True))
-    return False
-
-
 class FakeDenoiser(DenoiserAdapter):
     """The fake kernel behind either CFG layout; ``module`` is the kernel (spies hook it).
 
-    In the fused layout a set ``fused_uncond`` must describe the uncond half of THIS batch; a stale
-    cache (the untiled B rows left on tiled conditions) is refused with a ValueError.
+    In the fused layout the uncond half of every cached field is read from ``fused_uncond``: a cache
+    with the uncond branch's row count but other rows gives other numbers; one with another row
+    count (the untiled B rows left on tiled conditions) is a ValueError.
     """
 
     def __init__(self, layout: str = FUSED_COND_FIRST, latent_shape: Sequence[int] = (4, 4, 4), seed: int = 0):
@@ -98,18 +93,33 @@ class FakeDenoiser(DenoiserAdapter):
         return self.module.batch_sizes
 
     def forward(self, hidden: torch.Tensor, timestep: torch.Tensor, conditions: Conditions) -> torch.Tensor:
-        if conditions.fused_uncond is not None:
-            self._check_fused_uncond(hidden.shape[0], conditions)
-        return self.module(hidden, timestep, conditions.rows, conditions.shared)
+        rows = self.forward_fields(hidden.shape[0], conditions)
+        return self.module(hidden, timestep, rows, conditions.shared)
+
+    def forward_fields(self, rows: int, conditions: Conditions) -> dict[str, Payload]:
+        """Every row field at exactly ``rows`` rows, the uncond branch of cached fields from ``fused_uncond``."""
+        two_branch = self.cfg_layout == FUSED_COND_FIRST and conditions.cfg_factor == 2
+        fields = {name: self._field_rows(name, value, rows, conditions.batch, two_branch)
+                  for name, value in conditions.rows.items()}
+        if two_branch and conditions.fused_uncond is not None:
+            half = rows // 2
+            for name, cached in conditions.fused_uncond.items():
+                if name not in fields:
+                    raise ValueError(f"fused_uncond caches field {name!r}, which the conditions do not carry "
+                                     f"(fields: {sorted(fields)})")
+                have = payload_rows(cached, f"fused_uncond[{name!r}]")
+                if have != half:
+                    raise ValueError(f"stale fused_uncond: field {name!r} caches {have} uncond rows but this "
+                                     f"batch's uncond branch has {half}")
+                fields[name] = concat_payloads([slice_rows(fields[name], 0, half), cached], f"field {name!r}")
+        return fields
 
     @staticmethod
-    def _check_fused_uncond(rows: int, conditions: Conditions) -> None:
-        half = rows // 2
-        for name, cached in conditions.fused_uncond.items():
-            have = payload_rows(cached, f"fused_uncond[{name!r}]")
-            if have != half:
-                raise ValueError(f"stale fused_uncond: field {name!r} caches {have} uncond rows but this batch's "
-                                 f"uncond branch has {half}")
-            field = conditions.rows.get(name)
-            if field is not None and payload_rows(field) == rows and not _same_rows(field[half:], cached):
-                raise ValueError(f"stale fused_uncond: field {name!r} does not match the uncond half of the batch")
+    def _field_rows(name: str, value: Payload, rows: int, batch: int, two_branch: bool) -> Payload:
+        have = payload_rows(value, f"field {name!r}")
+        if have == rows:
+            return value
+        if two_branch and rows == 2 * batch and have == batch:
+            return concat_payloads([value, value], f"field {name!r}")  # branch-independent: once per branch
+        expected = f"{rows}" + (f" or {batch} (branch-independent, once per branch)" if two_branch else "")
+        raise ValueError(f"field {name!r} has {have} rows; a forward of {rows} rows takes exactly {expected}")

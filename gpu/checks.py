@@ -15,7 +15,7 @@ register("decode.gpu.bitexact", tier="gpu",
          doc="sharded decode over every visible GPU vs the stock decode: bitwise, rank SHA-256 equal")(
     functools.partial(decode.decode_bitexact, "decode.gpu.bitexact"))
 
-for _what in ("log_probs", "prev_sample_means", "pi_old_ratio"):
+for _what in replay.GPU_CHECKS:
     _id = f"replay.gpu.cfg2.{_what}"
     register(_id, tier="gpu", doc=f"batched vs serial replay {_what} on the real DiT")(
         functools.partial(replay.replay_check, _id, _what))

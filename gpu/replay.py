@@ -1,9 +1,11 @@
 """GPU tier of replay: a real diffusers DiT, batched-step replay vs the serial loop, fp32 and bf16.
 
-fp32 is judged against the model's measured batch-shape floor (serial replay at B rows vs the same
-rows inside an S x larger batch); bf16 by ``noise_floor`` against that same control, since bf16 GEMMs
-round differently at every batch shape. The pi_old anchor replayed twice through the batched path
-must give ratio exactly 1 in either dtype.
+The checkpoint's model class picks its replay family through the registries (harness.plugins:
+CHECKPOINT_KINDS -> REPLAY_FAMILIES), so an installed family's checkpoint runs here unchanged.
+Both dtypes are judged by a local-scale bound built from the STOCK batch-shape control (serial
+replay at B rows vs the same rows inside an S x larger batch): k x the control's deviation relative
+to the local magnitude, per row (log-probs) or per row and step (means). The batched replay run
+twice must give ratio exactly 1 in either dtype.
 """
 
 from __future__ import annotations
@@ -13,22 +15,21 @@ from typing import Any
 
 import torch
 
-from fixtures.replay_cases import make_problem
-from fixtures.replay_models import FluxAdapter, SD3Adapter
 from harness import checkpoints
 from harness.checks import CheckContext
-from harness.compare import Policy, Verdict, noise_floor
+from harness.compare import Verdict
 from harness.replay.conditions import Conditions
+from harness.replay.controls import BatchShapeControl, measure_batch_shape_control
 from harness.replay.denoiser import DenoiserAdapter
-from harness.replay.parity import ReplayProblem, batch_shape_floor, compare_pi_old_ratio, compare_replay, floor_policy
+from harness.replay.families import family_for_class
+from harness.replay.parity import compare_replay, compare_replay_determinism
+from harness.replay.policies import LocalScaleBound, local_scale_policy
+from harness.replay.problem import ReplayProblem, make_problem
 
-__all__ = ["DeviceAdapter", "checkpoint_problem", "replay_check", "replay_policy"]
+__all__ = ["GPU_CHECKS", "DeviceAdapter", "checkpoint_problem", "replay_check", "replay_policy"]
 
 BATCH = 2
-FP32_FLOOR_MULTIPLE = 4.0  # as the CPU tier: 4 x the measured floor
-FP32_MINIMUM = 1e-6  # a few fp32 ULPs at the scale of log-probs and means
-BF16_K = 2.0  # bf16: at most 2 x the error the batch shape alone causes
-BF16_FLOOR = 2**-8  # one bf16 ULP at 1.0: the rounding of the stored trajectory itself
+GPU_CHECKS = ("log_probs", "prev_sample_means", "replay_determinism")
 
 
 def _to(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -48,10 +49,15 @@ class DeviceAdapter(DenoiserAdapter):
     def __init__(self, inner: DenoiserAdapter, device: torch.device, dtype: torch.dtype):
         self.inner, self.device, self.dtype = inner, device, dtype
         self.cfg_layout = inner.cfg_layout
+        self.cfg_combine = inner.cfg_combine
+        self.channel_dim = inner.channel_dim
         self.module = inner.module
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         return self.inner.timestep(sigma)
+
+    def combine(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        return self.inner.combine(cond, uncond, guidance_scale)
 
     def forward(self, hidden: torch.Tensor, timestep: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         moved = Conditions(batch=conditions.batch, rows={k: _to(v, self.device, self.dtype)
@@ -71,33 +77,37 @@ def _model(path: str, dtype: torch.dtype, device: str) -> Any:
 
 @functools.cache
 def checkpoint_problem(path: str, dtype: torch.dtype, device: str, cfg: int) -> ReplayProblem:
-    """A seeded rollout on the real DiT (CFG in the model family's own layout)."""
+    """A seeded rollout on the real DiT, driven by the registered family of its model class."""
     checkpoint = checkpoints.detect(path)
-    model = _model(path, dtype, device)
-    if checkpoint.class_name == "SD3Transformer2DModel":
-        inner: DenoiserAdapter = SD3Adapter(model)
-    elif checkpoint.class_name == "FluxTransformer2DModel":
-        inner = FluxAdapter(model)
-    else:
-        raise checkpoints.CheckpointError(f"checkpoint {path}: no replay adapter for {checkpoint.class_name}")
+    try:
+        family = family_for_class(checkpoint.class_name)
+    except LookupError as err:
+        raise checkpoints.CheckpointError(f"checkpoint {path}: {err}") from None
+    inner = family.adapter(_model(path, dtype, device))
     adapter = DeviceAdapter(inner, torch.device(device), dtype)
-    conditions = inner.conditions(BATCH, cfg, torch.Generator().manual_seed(100 + cfg))
+    conditions = inner.example_conditions(BATCH, cfg, torch.Generator().manual_seed(100 + cfg))
     return make_problem(f"{checkpoint.name}.cfg{cfg}", adapter, conditions, seed=cfg,
                         latent_shape=inner.latent_shape)
 
 
-def replay_policy(problem: ReplayProblem, dtype: torch.dtype, what: str) -> Policy:
-    """fp32: close() at 4 x the measured floor; bf16: noise_floor against the batch-shape control."""
-    floor = batch_shape_floor(problem)[what]
-    if dtype == torch.float32:
-        return floor_policy(floor, multiple=FP32_FLOOR_MULTIPLE, minimum=FP32_MINIMUM, what=what)
-    return noise_floor(floor, k=BF16_K, floor=BF16_FLOOR,
-                       reason=f"{dtype} control: serial replay at B rows vs inside an S x larger batch")
+@functools.cache
+def _control(path: str, dtype: torch.dtype, device: str, cfg: int) -> BatchShapeControl:
+    return measure_batch_shape_control(checkpoint_problem(path, dtype, device, cfg))
+
+
+def replay_policy(path: str, dtype: torch.dtype, device: str, what: str) -> LocalScaleBound:
+    """The local-scale bound for ``what`` in ``dtype`` from this checkpoint's stock control (cfg 2)."""
+    return local_scale_policy(_control(path, dtype, device, 2), what, dtype)
 
 
 def replay_check(check_id: str, what: str, ctx: CheckContext) -> Verdict:
-    """Batched vs serial ``what`` (log_probs, prev_sample_means or pi_old_ratio) on the real DiT, cfg 2."""
-    problem = checkpoint_problem(str(ctx.checkpoint), ctx.dtype, str(ctx.device), 2)
-    if what == "pi_old_ratio":
-        return compare_pi_old_ratio(problem, replay_policy(problem, ctx.dtype, "log_probs"), check_id)
-    return compare_replay(problem, replay_policy(problem, ctx.dtype, what), check_id, what)
+    """Batched vs serial ``what`` (log_probs, prev_sample_means) or replay_determinism on the real DiT, cfg 2."""
+    if what not in GPU_CHECKS:
+        raise ValueError(f"what must be one of {GPU_CHECKS}, got {what!r}")
+    args = (str(ctx.checkpoint), ctx.dtype, str(ctx.device))
+    problem = checkpoint_problem(*args, 2)
+    if what == "replay_determinism":
+        return compare_replay_determinism(problem, check_id)
+    policy = replay_policy(*args, what)
+    verdict = compare_replay(problem, policy, check_id, what)
+    return verdict.with_metrics(measured_floor=policy.relative_floor, bound=policy.relative_bound)

@@ -9,6 +9,7 @@ error listing what is supported, never a silently skipped tier.
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -40,7 +41,6 @@ SOURCES = {
 # entry out of this tuple: two kinds claiming one class name are an error at detection.
 SHIPPED_KINDS = (
     CheckpointKind("video_vae", "decode", ("AutoencoderKLMiniMaxH3",), "diffusers"),
-    CheckpointKind("dit", "replay", ("SD3Transformer2DModel", "FluxTransformer2DModel"), "diffusers"),
     CheckpointKind("causal_lm", "ar", ("*ForCausalLM", "HunyuanImage3ForCausalMM"), "transformers"),
     CheckpointKind("attention_capture", "attention", (CAPTURE_GLOB,), "files"),
 )
@@ -70,13 +70,19 @@ def _validate(kind: Any, origin: str) -> CheckpointKind:
     return kind
 
 
+# The suite's own plugins that register kinds of their own (pyproject's entry points, mirrored here).
+SUITE_KIND_PLUGINS = ("harness.replay.families",)
+
+
 def registered_kinds() -> list[CheckpointKind]:
     """Every registered kind, validated, in name order (plugins loaded first).
 
     The suite's own kinds are registered here too (idempotent), so a source checkout on PYTHONPATH
-    whose installed metadata predates the ``checkpoints`` entry point still knows them.
+    whose installed metadata predates the suite's entry points still knows them.
     """
     register(plugins)
+    for module in SUITE_KIND_PLUGINS:
+        importlib.import_module(module).register(plugins)
     return [_validate(kind, plugins.CHECKPOINT_KINDS.origin(name)) for name, kind in plugins.CHECKPOINT_KINDS.items()]
 
 

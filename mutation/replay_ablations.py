@@ -1,7 +1,8 @@
 """Ablations of the replay path: known bugs re-introduced over its seams, each with the checks it kills.
 
 The first eight are the bugs issue 3 names (seed 000's mutation check is the first); the rest give
-every guard and tiling fact a bug of its own, so no check is without teeth.
+every guard, tiling fact, row broadcast and family CFG combine a bug of its own, so no check is
+without teeth. Numeric bugs are declared "tolerance": the numbers must catch them.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import dataclasses
 import torch
 
 from harness.ablation import ablation
-from harness.replay import tiling
-from harness.replay.conditions import concat_payloads
+from harness.replay import cfg, tiling
+from harness.replay.conditions import concat_payloads, payload_rows
 
 FAKE = ("cfg1", "cfg2", "uncond_first")
+FAMILIES = ("sd3", "flux", "qwen_image")
 
 
 def _ids(cases, *whats):
@@ -31,7 +33,7 @@ def _step_major_outside(groups, repeats):
 
 ablation(
     "replay.nesting_swapped", "harness.replay.tiling:tile_branches", _step_major_outside,
-    kills=["replay.tiling.branch_major", *_ids(["cfg2"], "log_probs", "prev_sample_means", "pi_old_ratio"),
+    kills=["replay.tiling.branch_major", *_ids(["cfg2"], "log_probs", "prev_sample_means"),
            "replay.cfg2.unsorted_targets", "replay.cfg2.list_payloads",
            "replay.flux.cfg2.log_probs", "replay.flux.cfg2.prev_sample_means"],
     why="tiling nests step-major outside branch-major, so the midpoint split mixes cond and uncond rows",
@@ -52,9 +54,12 @@ def _repeat_interleave(value, repeats):
 ablation(
     "replay.repeat_interleave", "harness.replay.tiling:repeat_rows", _repeat_interleave,
     kills=["replay.tiling.branch_major", "replay.tiling.rope_cache",
-           *_ids(["cfg1", "uncond_first"], "log_probs", "prev_sample_means", "pi_old_ratio"),
+           *_ids(["cfg1", "uncond_first"], "log_probs", "prev_sample_means"),
            "replay.sd3.cfg1.log_probs", "replay.sd3.cfg1.prev_sample_means", "replay.sd3.cfg2.log_probs",
-           "replay.sd3.cfg2.prev_sample_means", "replay.sd3.cfg2.pi_old_ratio", "replay.flux.cfg1.log_probs"],
+           "replay.sd3.cfg2.prev_sample_means", "replay.flux.cfg1.log_probs",
+           "replay.qwen_image.cfg1.log_probs", "replay.qwen_image.cfg1.prev_sample_means",
+           "replay.qwen_image.cfg2.log_probs", "replay.qwen_image.cfg2.prev_sample_means",
+           "replay.gpu.cfg2.log_probs", "replay.gpu.cfg2.prev_sample_means"],
     why="repeat_interleave instead of block repetition: row k*B+b of the stacked batch gets sample (k*B+b)//S",
     kill_mode="tolerance",
     modes={"replay.tiling.branch_major": "fact", "replay.tiling.rope_cache": "fact"},
@@ -78,11 +83,10 @@ ablation(
     kills=["replay.tiling.rope_cache", "replay.tiling.batch_size", "replay.cfg2.log_probs"],
     why="the per-sample rope_cache is treated like the old shared (cos, sin) table and passed through verbatim",
     kill_mode="fact",
-    modes={"replay.cfg2.log_probs": "tolerance"},
-    fact={
-        "replay.tiling.rope_cache": "rope_cache tiled to",
-        "replay.tiling.batch_size": "every field of the tiled fused batch has S*cfg*B",
-    },
+    # the harness broadcasts row fields and refuses a count that fits neither B nor the forward: fail closed
+    modes={"replay.tiling.batch_size": "raises", "replay.cfg2.log_probs": "raises"},
+    raises=(ValueError,),
+    fact="rope_cache tiled to",
 )
 
 
@@ -98,9 +102,9 @@ ablation(
     "replay.list_payload_untiled", "harness.replay.tiling:tile_field", _lists_untiled, wraps=True,
     kills=["replay.cfg2.list_payloads", "replay.tiling.batch_size", "replay.cfg2.log_probs"],
     why="list/tuple payloads (it2i conditional images) are left untiled; only tensors are tiled",
-    kill_mode="tolerance",
-    modes={"replay.tiling.batch_size": "fact"},
-    fact="every field of the tiled fused batch has S*cfg*B",
+    # an untiled field reaches the harness's row broadcast with B or 2B rows for an S*B batch: a ValueError
+    kill_mode="raises",
+    raises=(ValueError,),
 )
 
 
@@ -128,9 +132,9 @@ def _target0_sigma(sigmas, steps, batch):
 
 ablation(
     "replay.sigma_scalar", "harness.replay.replay:step_sigma_vectors", _target0_sigma,
-    kills=["replay.gpu.cfg2.log_probs", "replay.gpu.cfg2.prev_sample_means", "replay.gpu.cfg2.pi_old_ratio",
-           *_ids(FAKE, "log_probs", "prev_sample_means", "pi_old_ratio"), "replay.cfg2.unsorted_targets",
-           "replay.sd3.cfg2.log_probs", "replay.flux.cfg2.log_probs", "replay.sd3.cfg2.pi_old_ratio"],
+    kills=["replay.gpu.cfg2.log_probs", "replay.gpu.cfg2.prev_sample_means",
+           *_ids(FAKE, "log_probs", "prev_sample_means"), "replay.cfg2.unsorted_targets",
+           "replay.sd3.cfg2.log_probs", "replay.flux.cfg2.log_probs", "replay.qwen_image.cfg2.log_probs"],
     why="every stacked row uses target[0]'s sigma, though one batch now mixes different steps",
     kill_mode="tolerance",
 )
@@ -247,4 +251,80 @@ ablation(
     why="repeats == 1 re-lays-out and copies every field instead of returning the conditions unchanged",
     kill_mode="fact",
     fact="tile_conditions(c",
+)
+
+
+# ------------------------------------------------------- determinism, row broadcasting, family CFG combines
+
+
+ablation(
+    "replay.next_latent_resampled", "harness.replay.replay:stored_next_latents", lambda segment, steps: None,
+    kills=[*_ids(FAKE, "replay_determinism", "log_probs"), "replay.sd3.cfg2.replay_determinism",
+           "replay.qwen_image.cfg2.replay_determinism", "replay.gpu.cfg2.replay_determinism"],
+    why="the batched step draws a fresh x_(i+1) instead of scoring the stored latent: log-probs of new noise",
+    kill_mode="tolerance",
+)
+
+
+def _interleaved_broadcast(name, value, batch, cfg_factor):
+    """A B-row field stretched to the forward by repeating each row in place: [a0, a0, a1, a1, ...]."""
+    if payload_rows(value) != batch or cfg_factor == 1:
+        return value
+    return _repeat_interleave(value, cfg_factor)
+
+
+ablation(
+    "replay.broadcast_interleaved", "harness.replay.conditions:broadcast_field", _interleaved_broadcast,
+    kills=["replay.cfg2.log_probs", "replay.cfg2.prev_sample_means", "replay.flux.cfg2.log_probs",
+           "replay.flux.cfg2.prev_sample_means"],
+    why="a branch-independent B-row field reaches a two-branch forward as [a0, a0, a1, a1, ...], not [a; a]",
+    kill_mode="tolerance",
+)
+
+ablation(
+    "replay.adapter_repeats_rows", "harness.replay.conditions:require_rows", lambda owner, name, value, rows: None,
+    kills=[f"replay.{family}.row_count_refused" for family in FAMILIES],
+    why="adapters stop refusing a short row field, so a missing broadcast reaches the model (or is repeated)",
+    kill_mode="fact",
+    fact="raises ValueError matching 'the harness broadcas",
+)
+
+
+def _no_rescale(cond, uncond, scale, dim):
+    return cfg.standard_cfg(cond, uncond, scale)
+
+
+ablation(
+    "replay.norm_rescale_dropped", "harness.replay.cfg:true_cfg_norm_rescale", _no_rescale,
+    kills=["replay.qwen_image.cfg2.pipeline_combine"],
+    why="Qwen-Image's true-CFG loses its norm rescale: the plain combine overshoots the cond norm",
+    kill_mode="tolerance",
+)
+
+
+def _norm_over_tokens(original):
+    def true_cfg_norm_rescale(cond, uncond, scale, dim):
+        return original(cond, uncond, scale, 1)
+    return true_cfg_norm_rescale
+
+
+ablation(
+    "replay.norm_over_tokens", "harness.replay.cfg:true_cfg_norm_rescale", _norm_over_tokens, wraps=True,
+    kills=["replay.qwen_image.cfg2.pipeline_combine"],
+    why="the true-CFG norms are taken over the token dim of the packed latents instead of the channels",
+    kill_mode="tolerance",
+)
+
+
+def _scale_dropped(original):
+    def combine(kind, cond, uncond, scale, *, channel_dim):
+        return original(kind, cond, uncond, 1.0, channel_dim=channel_dim)
+    return combine
+
+
+ablation(
+    "replay.guidance_scale_dropped", "harness.replay.cfg:combine", _scale_dropped, wraps=True,
+    kills=[f"replay.{family}.cfg2.pipeline_combine" for family in FAMILIES],
+    why="the family's combine never receives g (the old adapter contract): every scale acts as 1",
+    kill_mode="tolerance",
 )

@@ -1,9 +1,12 @@
 """Parity checks of the replay path (registered into harness.checks).
 
 Fake-kernel cases are judged bitwise (the kernel is row-wise and batch-shape invariant, so any
-difference is a layout bug). Tiny random-init diffusers models are judged under an fp32 close()
-whose atol is a stated multiple of the batch-shape rounding floor measured on the stock path.
-Every fast-path check also proves the fast path ran: one transformer forward of S*cfg*B rows.
+difference is a layout bug). Tiny random-init models of every shipped family (sd3, flux, qwen_image,
+found through the family registry) are judged under the local-scale bound of
+harness.replay.policies, built from the batch-shape floor measured on the stock path. Every
+fast-path check also proves the fast path ran: one transformer forward of S*cfg*B rows. Each
+family's CFG combine is held to its pipeline's expression, and its adapter to refusing a row field
+of the wrong count (the harness broadcasts rows, never the adapter).
 """
 
 from __future__ import annotations
@@ -14,29 +17,31 @@ import math
 import torch
 
 from fakes.replay_conditions import HI3_FIELDS, SD3_FIELDS, labelled_conditions, read_labels
-from fixtures.replay_cases import BATCH, UNSORTED_TARGET, fake_problem, real_floor, real_problem
+from fixtures.replay_cases import BATCH, UNSORTED_TARGET, fake_problem, real_control, real_problem
 from harness.checks import CheckContext, register
-from harness.compare import Policy, Verdict, exact, expect, expect_raises
+from harness.compare import Verdict, exact, expect, expect_raises
 from harness.replay import tiling
-from harness.replay.conditions import Conditions, payload_rows
+from harness.replay.conditions import Conditions, broadcast_rows, payload_rows
+from harness.replay.denoiser import UNCOND_FIRST, concat_branches, predict_velocity
 from harness.replay.guards import ReplayConfig
 from harness.replay.parity import (
-    ReplayProblem,
-    compare_pi_old_ratio,
     compare_replay,
-    floor_policy,
+    compare_replay_determinism,
     judge_result,
     require_fast_path,
     run_batched,
     run_both,
     run_serial,
 )
+from harness.replay.policies import LocalScaleBound, local_scale_policy
+from harness.replay.problem import ReplayProblem
 from harness.replay.replay import replay
 from harness.replay.sde import MultistepSDE
 from harness.replay.segment import ReplayResult
 from harness.replay.spy import spy_forwards
 
 FAKE_CASES = ("cfg1", "cfg2", "uncond_first")
+FAMILIES = ("sd3", "flux", "qwen_image")
 REAL_CASES = (
     ("sd3", 1, "log_probs"),
     ("sd3", 1, "prev_sample_means"),
@@ -45,11 +50,13 @@ REAL_CASES = (
     ("flux", 1, "log_probs"),
     ("flux", 2, "log_probs"),
     ("flux", 2, "prev_sample_means"),
+    ("qwen_image", 1, "log_probs"),
+    ("qwen_image", 1, "prev_sample_means"),
+    ("qwen_image", 2, "log_probs"),
+    ("qwen_image", 2, "prev_sample_means"),
 )
+DETERMINISM_FAMILIES = ("sd3", "qwen_image")
 TILE_REPEATS = 4
-FLOOR_MULTIPLE = 4.0
-FLOOR_ULPS = 4.0
-FP32_EPS = float(torch.finfo(torch.float32).eps)
 
 
 def _register(check_id: str, fn, *args, doc: str) -> None:
@@ -94,8 +101,8 @@ def forward_count(case: str, ctx: CheckContext) -> Verdict:
     return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)
 
 
-def pi_old_ratio(case: str, ctx: CheckContext) -> Verdict:
-    return compare_pi_old_ratio(fake_problem(case), exact(), f"replay.{case}.pi_old_ratio")
+def replay_determinism(case: str, ctx: CheckContext) -> Verdict:
+    return compare_replay_determinism(fake_problem(case), f"replay.{case}.replay_determinism")
 
 
 for _case in FAKE_CASES:
@@ -108,8 +115,8 @@ for _case in FAKE_CASES:
               doc="batched transition means == serial, bitwise")
     _register(f"replay.{_case}.forward_count", forward_count, _case,
               doc="batched: one forward of S*cfg*B rows; serial: S forwards of cfg*B")
-    _register(f"replay.{_case}.pi_old_ratio", pi_old_ratio, _case,
-              doc="pi_old replayed through the batched path: ratio == 1 and == the rollout's log-probs")
+    _register(f"replay.{_case}.replay_determinism", replay_determinism, _case,
+              doc="the batched replay run twice: exp(logp_2 - logp_1) == 1 and the means bitwise equal")
 
 
 @register("replay.cfg2.unsorted_targets")
@@ -287,35 +294,97 @@ def tiling_repeats_negative(ctx: CheckContext) -> Verdict:
 # ----------------------------------------------------------------------------- tiny diffusers models (fp32)
 
 
-def real_policy(family: str, cfg: int, what: str) -> Policy:
-    """close(atol = max(4 x measured floor, 4 fp32 ulps at the quantity's scale), rtol = 0)."""
-    problem = real_problem(family, cfg)
-    scale = (problem.segment.log_probs if what == "log_probs" else problem.segment.latents).float().abs().max()
-    return floor_policy(real_floor(family, cfg)[what], multiple=FLOOR_MULTIPLE, what=what,
-                        minimum=FLOOR_ULPS * FP32_EPS * float(scale))
+def real_policy(family: str, cfg: int, what: str) -> LocalScaleBound:
+    """fp32 local-scale bound from the stock batch-shape control (harness.replay.policies)."""
+    return local_scale_policy(real_control(family, cfg), what, torch.float32)
 
 
-def _with_floor(verdict: Verdict, family: str, cfg: int, what: str) -> Verdict:
-    floor = real_floor(family, cfg)[what]
-    return verdict.require(math.isfinite(floor), f"batch-shape floor measured for {what}: {floor:.3e}",
-                           batch_shape_floor=floor, floor_multiple=FLOOR_MULTIPLE)
+def _with_floor(verdict: Verdict, policy: LocalScaleBound) -> Verdict:
+    """Print the measured stock floor beside the bound (and fail on a floor that is not a number)."""
+    return verdict.require(math.isfinite(policy.relative_floor),
+                           f"stock batch-shape floor measured: {policy.relative_floor:.2e} of the local magnitude",
+                           measured_floor=policy.relative_floor, bound=policy.relative_bound)
 
 
 def real_batched_vs_serial(family: str, cfg: int, what: str, ctx: CheckContext) -> Verdict:
     check_id = f"replay.{family}.cfg{cfg}.{what}"
-    verdict = compare_replay(real_problem(family, cfg), real_policy(family, cfg, what), check_id, what)
-    return _with_floor(verdict, family, cfg, what)
+    policy = real_policy(family, cfg, what)
+    return _with_floor(compare_replay(real_problem(family, cfg), policy, check_id, what), policy)
 
 
 for _family, _cfg, _what in REAL_CASES:
     _register(f"replay.{_family}.cfg{_cfg}.{_what}", real_batched_vs_serial, _family, _cfg, _what,
-              doc=f"tiny {_family} cfg={_cfg}: batched {_what} within the measured fp32 batch-shape floor")
+              doc=f"tiny {_family} cfg={_cfg}: batched {_what} within the local-scale bound of the stock floor")
 
 
-@register("replay.sd3.cfg2.pi_old_ratio")
-def sd3_pi_old_ratio(ctx: CheckContext) -> Verdict:
-    """Tiny SD3: pi_old replayed through the batched path gives ratio exactly 1, and the anchor is within
-    the batch-shape floor of the rollout's recorded log-probs."""
-    verdict = compare_pi_old_ratio(real_problem("sd3", 2), real_policy("sd3", 2, "log_probs"),
-                                   "replay.sd3.cfg2.pi_old_ratio")
-    return _with_floor(verdict, "sd3", 2, "log_probs")
+def real_determinism(family: str, ctx: CheckContext) -> Verdict:
+    return compare_replay_determinism(real_problem(family, 2), f"replay.{family}.cfg2.replay_determinism")
+
+
+for _family in DETERMINISM_FAMILIES:
+    _register(f"replay.{_family}.cfg2.replay_determinism", real_determinism, _family,
+              doc=f"tiny {_family} cfg=2: the batched replay run twice gives ratio exactly 1")
+
+
+# ------------------------------------------------------------------------ the family's CFG combine
+
+
+def _branches(problem: ReplayProblem, x: torch.Tensor, sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cond, uncond) velocities from one forward over both branches, split as the layout says."""
+    adapter, conditions = problem.adapter, problem.conditions
+    fused = concat_branches(conditions.negative, conditions) if conditions.negative is not None else conditions
+    timestep = adapter.timestep(torch.full((2 * x.shape[0],), sigma))
+    out = adapter.forward(torch.cat([x, x]), timestep, broadcast_rows(fused))
+    first, second = out.split(x.shape[0])
+    return (second, first) if adapter.cfg_layout == UNCOND_FIRST else (first, second)
+
+
+def _pipeline_combine(family: str, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """The diffusers pipelines' own expressions (QwenImagePipeline rescales to the cond norm over the
+    packed channel dim; the SD3 and Flux pipelines use the plain combine)."""
+    combined = uncond + scale * (cond - uncond)
+    if family != "qwen_image":
+        return combined
+    return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+
+
+def pipeline_combine(family: str, ctx: CheckContext) -> Verdict:
+    """predict_velocity with the family's combine equals the family's pipeline expression, bitwise,
+    on the two branches of one forward."""
+    check_id = f"replay.{family}.cfg2.pipeline_combine"
+    problem = real_problem(family, 2)
+    x = problem.segment.latent_at(problem.target[0]).float()
+    scale = float(problem.guidance)
+    cond, uncond = _branches(problem, x, 0.6)
+    expected = _pipeline_combine(family, cond, uncond, scale)
+    with spy_forwards(problem.adapter.module) as spy:
+        got = predict_velocity(problem.adapter, x, 0.6, problem.conditions, scale)
+    verdict = exact().judge(check_id, got, expected, dims=("row",), what=f"{family} CFG-combined velocity")
+    return verdict.require(spy.batch_sizes == [2 * BATCH], f"one forward of both CFG branches ({2 * BATCH} rows)",
+                           forwards=spy.batch_sizes)
+
+
+for _family in FAMILIES:
+    _register(f"replay.{_family}.cfg2.pipeline_combine", pipeline_combine, _family,
+              doc=f"tiny {_family}: the family's CFG combine is its pipeline's, bitwise")
+
+
+def adapter_refuses_rows(family: str, ctx: CheckContext) -> Verdict:
+    """An adapter handed a row field with fewer rows than its forward raises (it never repeats rows)."""
+    problem = real_problem(family, 2)
+    conditions = problem.conditions
+    fused = concat_branches(conditions.negative, conditions) if conditions.negative is not None else conditions
+    full = broadcast_rows(fused)
+    name = sorted(full.rows)[0]
+    short = Conditions(batch=full.batch, rows={**full.rows, name: full.rows[name][:BATCH]}, shared=full.shared,
+                       cfg_factor=full.cfg_factor)
+    x = problem.segment.latent_at(problem.target[0]).float()
+    timestep = problem.adapter.timestep(torch.full((2 * BATCH,), 0.6))
+    return expect_raises(f"replay.{family}.row_count_refused",
+                         lambda: problem.adapter.forward(torch.cat([x, x]), timestep, short), ValueError,
+                         match="the harness broadcasts row fields")
+
+
+for _family in FAMILIES:
+    _register(f"replay.{_family}.row_count_refused", adapter_refuses_rows, _family,
+              doc=f"the {_family} adapter refuses a row field of the wrong row count (no silent repeat)")

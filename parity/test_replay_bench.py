@@ -16,7 +16,8 @@ import torch
 
 from fixtures.bench_timing import wall_times
 from fixtures.replay_cases import bench_problem
-from harness.replay.parity import ReplayProblem, run_batched, run_serial
+from harness.replay.parity import run_batched, run_serial
+from harness.replay.problem import ReplayProblem
 
 pytestmark = pytest.mark.bench
 

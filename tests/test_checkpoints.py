@@ -35,7 +35,8 @@ def extra_kind():
 
 @pytest.mark.parametrize(("config", "kind", "feeds"), [
     ({"_class_name": "AutoencoderKLMiniMaxH3"}, "video_vae", "decode"),
-    ({"_class_name": "SD3Transformer2DModel"}, "dit", "replay"),
+    ({"_class_name": "SD3Transformer2DModel"}, "sd3_transformer", "replay"),
+    ({"_class_name": "QwenImageTransformer2DModel"}, "qwen_image_transformer", "replay"),
     ({"architectures": ["Qwen3ForCausalLM"]}, "causal_lm", "ar"),
     ({"architectures": ["HunyuanImage3ForCausalMM"], "auto_map": {"AutoModelForCausalLM": "m.C"}}, "causal_lm", "ar"),
 ])
@@ -52,7 +53,8 @@ def test_the_shipped_kinds_are_registrations_through_the_entry_point_function():
     checkpoints.register(module)  # idempotent: the same objects
     assert registry.names() == sorted(k.name for k in checkpoints.SHIPPED_KINDS)
     assert set(checkpoints.KINDS) >= set(registry.names())
-    assert checkpoints.KINDS["dit"] == "replay"
+    assert checkpoints.KINDS["video_vae"] == "decode"
+    assert checkpoints.KINDS["sd3_transformer"] == "replay"  # the replay families register their own kinds
 
 
 def test_capture_directory(tmp_path):
@@ -62,24 +64,25 @@ def test_capture_directory(tmp_path):
 
 
 def test_a_registered_kind_is_detected_and_names_its_family(tmp_path, extra_kind):
-    extra_kind(CheckpointKind("qwen_image_test", "replay", ("QwenImageTransformer2DModel",), "diffusers",
-                              family="qwen_image_test"))
-    checkpoint = detect(_config(tmp_path, "qwen", _class_name="QwenImageTransformer2DModel"))
+    extra_kind(CheckpointKind("pixart_test", "replay", ("PixArtTransformer2DModel",), "diffusers",
+                              family="pixart_test"))
+    checkpoint = detect(_config(tmp_path, "pixart", _class_name="PixArtTransformer2DModel"))
     assert (checkpoint.kind, checkpoint.feeds, checkpoint.family, checkpoint.source) == (
-        "qwen_image_test", "replay", "qwen_image_test", "diffusers")
-    assert checkpoints.kind_for_family("replay", "qwen_image_test").name == "qwen_image_test"
+        "pixart_test", "replay", "pixart_test", "diffusers")
+    assert checkpoints.kind_for_family("replay", "pixart_test").name == "pixart_test"
 
 
 def test_a_family_without_a_kind_is_an_error_listing_the_kinds():
     with pytest.raises(CheckpointError, match=r"replay family 'nope': no checkpoint kind .*registered checkpoint "
-                                              r"kinds: .*dit \(feeds replay"):
+                                              r"kinds: .*sd3_transformer \(feeds replay, family sd3"):
         checkpoints.kind_for_family("replay", "nope")
 
 
 def test_two_kinds_claiming_one_class_is_an_error_naming_both(tmp_path, extra_kind):
     extra_kind(CheckpointKind("sd3_again", "replay", ("SD3Transformer2DModel",), "diffusers", family="sd3"))
-    with pytest.raises(CheckpointError, match=r"claimed by several checkpoint kinds: dit \(harness.checkpoints\), "
-                                              r"sd3_again \(tests.test_checkpoints\)"):
+    with pytest.raises(CheckpointError, match=r"claimed by several checkpoint kinds: sd3_again "
+                                              r"\(tests.test_checkpoints\), sd3_transformer "
+                                              r"\(harness.replay.families\)"):
         detect(_config(tmp_path, "sd3", _class_name="SD3Transformer2DModel"))
 
 

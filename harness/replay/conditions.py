@@ -13,7 +13,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["Conditions", "Payload", "concat_payloads", "payload_rows", "slice_rows"]
+__all__ = [
+    "Conditions",
+    "Payload",
+    "broadcast_field",
+    "broadcast_rows",
+    "concat_payloads",
+    "payload_rows",
+    "require_rows",
+    "slice_rows",
+]
 
 Payload = torch.Tensor | list[Any] | tuple[Any, ...]
 
@@ -126,3 +135,40 @@ class Conditions:
     def forward_rows(self) -> int:
         """Rows of the transformer forward these conditions feed (branches x batch)."""
         return self.branches * self.batch
+
+
+def broadcast_field(name: str, value: Payload, batch: int, cfg_factor: int) -> Payload:
+    """One row field at the forward's ``cfg_factor * batch`` rows.
+
+    A field that already has them passes through; a branch-independent field of ``batch`` rows
+    in a fused two-branch forward is used once per branch (``[value; value]``). Any other count is
+    a ValueError: the harness, never an adapter, decides how rows line up.
+    """
+    rows = payload_rows(value, f"field {name!r}")
+    forward = batch * cfg_factor
+    if rows == forward:
+        return value
+    if rows == batch:
+        return concat_payloads([value] * cfg_factor, f"field {name!r}")
+    raise ValueError(f"field {name!r} has {rows} rows; a forward of {forward} rows (batch={batch}, "
+                     f"cfg_factor={cfg_factor}) takes {batch} (one per sample) or {forward}")
+
+
+def broadcast_rows(conditions: Conditions) -> Conditions:
+    """Every row field broadcast to the forward's row count (``fused_uncond`` and shared fields kept)."""
+    rows = {name: broadcast_field(name, value, conditions.batch, conditions.cfg_factor)
+            for name, value in conditions.rows.items()}
+    return Conditions(batch=conditions.batch, rows=rows, shared=conditions.shared, cfg_factor=conditions.cfg_factor,
+                      fused_uncond=conditions.fused_uncond)
+
+
+def require_rows(owner: str, name: str, value: Any, rows: int) -> None:
+    """Adapters call this on every row field: a forward of ``rows`` rows takes exactly ``rows`` per field.
+
+    An adapter that repeated a short field to fit would hide a harness bug (a missing broadcast,
+    an un-tiled field); refusing it turns that bug into a clear error.
+    """
+    have = payload_rows(value, f"{owner}: field {name!r}")
+    if have != rows:
+        raise ValueError(f"{owner}: field {name!r} has {have} rows but the forward has {rows}; the harness "
+                         "broadcasts row fields to the forward's rows (an adapter never repeats rows)")

@@ -1,9 +1,11 @@
-"""The model adapter contract and the CFG combine around one transformer forward (DESIGN 1.1).
+"""The model adapter contract and the CFG step around one transformer forward (DESIGN 1.1, 6).
 
-An adapter runs ONE transformer forward over all rows it is given (``forward``) and names its CFG
-layout. ``predict_velocity`` builds the CFG batch for that layout, calls ``forward`` once, splits the
-output at the midpoint and combines the branches. Stock and batched replay both go through it, so
-the only difference between them is the batch they hand in.
+An adapter runs ONE transformer forward over all rows it is given (``forward``), names its CFG
+layout and its CFG combine (harness.replay.cfg). ``predict_velocity`` builds the CFG batch for that
+layout, broadcasts every row field to the forward's row count (the harness's job, never the
+adapter's), calls ``forward`` once, splits the output at the midpoint and hands both branches and
+the guidance scale to the family's combine. Stock and batched replay both go through it, so the
+only difference between them is the batch they hand in.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from harness.replay.conditions import Conditions, concat_payloads
+from harness.replay import cfg
+from harness.replay.conditions import Conditions, broadcast_rows, concat_payloads
 from harness.replay.sde import as_rows
 
 __all__ = [
@@ -37,10 +40,14 @@ class DenoiserAdapter:
 
     Subclasses set ``cfg_layout`` and ``module`` (the transformer, which spies hook) and implement
     ``forward(hidden [N, *latent], timestep [N], conditions) -> velocity [N, *latent]`` as exactly one
-    transformer call over the N rows.
+    transformer call over the N rows; every row field they receive has N rows (check it with
+    ``harness.replay.conditions.require_rows``). ``cfg_combine`` names the family's CFG combine and
+    ``channel_dim`` the latent dim a norm-rescaling combine reduces over.
     """
 
     cfg_layout: str = FUSED_COND_FIRST
+    cfg_combine: str = cfg.STANDARD
+    channel_dim: int = 1
     module: torch.nn.Module
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
@@ -50,6 +57,10 @@ class DenoiserAdapter:
     def forward(self, hidden: torch.Tensor, timestep: torch.Tensor,
                 conditions: Conditions) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def combine(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """The family's CFG combine of the two branches' velocities at scale ``guidance_scale``."""
+        return cfg.combine(self.cfg_combine, cond, uncond, guidance_scale, channel_dim=self.channel_dim)
 
 
 def guidance_at(guidance: Guidance, step: int) -> float:
@@ -83,10 +94,11 @@ def _check_layout(adapter: DenoiserAdapter, conditions: Conditions) -> None:
 
 def predict_velocity(adapter: DenoiserAdapter, x: torch.Tensor, sigma: torch.Tensor | float,
                      conditions: Conditions, guidance_scale: float) -> torch.Tensor:
-    """Velocity for ``x [N, *latent]`` at per-row ``sigma``, with CFG in the adapter's layout.
+    """Velocity for ``x [N, *latent]`` at per-row ``sigma``, with CFG in the adapter's layout and combine.
 
     uncond-first: the forward sees ``[uncond; cond]``; fused cond-first: ``[cond; uncond]`` as the
-    conditions arrive. Either way it is one forward, split at its midpoint.
+    conditions arrive. Either way it is one forward over row fields broadcast to its row count,
+    split at its midpoint, and the family's combine gets both halves and ``guidance_scale``.
     """
     rows = x.shape[0]
     if rows != conditions.batch:
@@ -94,9 +106,9 @@ def predict_velocity(adapter: DenoiserAdapter, x: torch.Tensor, sigma: torch.Ten
     _check_layout(adapter, conditions)
     timestep = adapter.timestep(as_rows(sigma, rows))
     if not conditions.guided:
-        return adapter.forward(x, timestep, conditions)
+        return adapter.forward(x, timestep, broadcast_rows(conditions))
     fused = concat_branches(conditions.negative, conditions) if conditions.negative is not None else conditions
-    out = adapter.forward(torch.cat([x, x]), torch.cat([timestep, timestep]), fused)
+    out = adapter.forward(torch.cat([x, x]), torch.cat([timestep, timestep]), broadcast_rows(fused))
     first, second = out[:rows], out[rows:]
     uncond, cond = (first, second) if adapter.cfg_layout == UNCOND_FIRST else (second, first)
-    return uncond + guidance_scale * (cond - uncond)
+    return adapter.combine(cond, uncond, guidance_scale)

@@ -1,72 +1,38 @@
 """Replay parity: run stock and fast on one problem, judge them, prove the fast path ran.
 
 These functions take any adapter and any policy, so the CPU catalogue calls them with fakes and
-tiny random-init models and the GPU tier with real checkpoints and dtype-specific policies.
+tiny random-init models and the GPU tier with real checkpoints and dtype-specific policies. The fast
+call goes through ``harness.conformance.resolve("replay", replay_batched)``: with
+``--impl replay=MODULE:CALLABLE`` a team's own ``replay_batched(adapter, conditions, segment, ...)``
+is judged instead, and the spies on the transformer still prove one batched forward ran.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
-from harness.compare import Close, Policy, Verdict, close, exact, expect, max_abs_diff
-from harness.replay.conditions import Conditions, Payload
-from harness.replay.denoiser import DenoiserAdapter, Guidance
-from harness.replay.guards import ReplayConfig
+from harness import conformance
+from harness.compare import Policy, Verdict, exact, expect
+from harness.replay.controls import QUANTITIES
+from harness.replay.problem import ReplayProblem
 from harness.replay.replay import replay_batched, replay_serial
-from harness.replay.sde import SDEStrategy
-from harness.replay.segment import ReplayResult, TrajectorySegment
+from harness.replay.segment import ReplayResult
 from harness.replay.spy import spy_forwards
 
 __all__ = [
-    "InflatedBatch",
-    "ReplayProblem",
     "ReplayRun",
-    "batch_shape_floor",
-    "compare_pi_old_ratio",
     "compare_replay",
-    "floor_policy",
+    "compare_replay_determinism",
+    "fast_replay",
     "judge_result",
+    "require_fast_path",
+    "run_batched",
     "run_both",
+    "run_serial",
 ]
-
-QUANTITIES = ("log_probs", "prev_sample_means")
-
-
-@dataclass(frozen=True, eq=False)
-class ReplayProblem:
-    """Everything one replay call needs; the batched flag is on (a check wants the fast path)."""
-
-    name: str
-    adapter: DenoiserAdapter
-    conditions: Conditions
-    segment: TrajectorySegment
-    strategy: SDEStrategy
-    target: tuple[int, ...]
-    guidance: Guidance = 1.0
-    config: ReplayConfig = field(default_factory=lambda: ReplayConfig(batch_replay_steps=True))
-
-    @property
-    def steps(self) -> int:
-        return len(self.target)
-
-    @property
-    def serial_rows(self) -> int:
-        """Rows of one stock forward: cfg x B."""
-        return self.conditions.forward_rows
-
-    @property
-    def batched_rows(self) -> int:
-        """Rows of the one fast forward: S x cfg x B."""
-        return self.steps * self.conditions.forward_rows
-
-    def with_(self, **changes: Any) -> ReplayProblem:
-        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,20 +43,21 @@ class ReplayRun:
     batched_forwards: tuple[int, ...]
 
 
-def _args(problem: ReplayProblem) -> tuple[Any, ...]:
-    return (problem.adapter, problem.conditions, problem.segment, problem.strategy, problem.target,
-            problem.guidance, problem.config)
+def fast_replay():
+    """The batched replay under test: the suite's ``replay_batched`` or the ``--impl replay=...`` callable."""
+    return conformance.resolve("replay", replay_batched)
 
 
 def run_serial(problem: ReplayProblem) -> tuple[ReplayResult, tuple[int, ...]]:
     with spy_forwards(problem.adapter.module) as spy:
-        result = replay_serial(*_args(problem))
+        result = replay_serial(*problem.args())
     return result, tuple(spy.batch_sizes)
 
 
 def run_batched(problem: ReplayProblem) -> tuple[ReplayResult | None, tuple[int, ...]]:
+    fast = fast_replay()
     with spy_forwards(problem.adapter.module) as spy:
-        result = replay_batched(*_args(problem))
+        result = fast(*problem.args())
     return result, tuple(spy.batch_sizes)
 
 
@@ -139,71 +106,17 @@ def compare_replay(problem: ReplayProblem, policy: Policy, check_id: str, what: 
     return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)
 
 
-def compare_pi_old_ratio(problem: ReplayProblem, anchor_policy: Policy, check_id: str) -> Verdict:
-    """pi_old replayed through the batched path: ratio exp(new - old) == 1 exactly, and the anchor
-    agrees with the log-probs the rollout recorded (under ``anchor_policy``)."""
-    anchor, anchor_forwards = run_batched(problem)
-    new, _ = run_batched(problem)
-    if anchor is None or new is None:
-        return expect(check_id, False, "batched replay returned a result for the pi_old anchor")
-    ratio = torch.exp(new.log_probs - anchor.log_probs)
-    verdict = judge_result(exact(), check_id, ratio, torch.ones_like(ratio), problem.target, "ratio new/old")
-    recorded = problem.segment.recorded_log_probs(problem.target)
-    verdict = verdict.merge(judge_result(anchor_policy, check_id, anchor.log_probs, recorded, problem.target,
-                                         "anchor log_probs vs rollout"))
-    return require_fast_path(verdict, problem, anchor_forwards)
-
-
-# --------------------------------------------------------------------------------- batch-shape floor
-
-
-def _replicate(value: Payload, factor: int) -> Payload:
-    if isinstance(value, torch.Tensor):
-        return torch.cat([value] * factor)
-    return value * factor
-
-
-class InflatedBatch(DenoiserAdapter):
-    """The stock forward with its N rows replicated ``factor`` times, keeping the first N outputs.
-
-    It changes nothing but the batch shape, so serial replay through it against serial replay
-    through ``inner`` measures the batch-shape rounding floor of the model.
-    """
-
-    def __init__(self, inner: DenoiserAdapter, factor: int):
-        if factor < 1:
-            raise ValueError(f"factor must be >= 1, got {factor}")
-        self.inner, self.factor = inner, factor
-        self.cfg_layout = inner.cfg_layout
-        self.module = inner.module
-
-    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
-        return self.inner.timestep(sigma)
-
-    def forward(self, hidden: torch.Tensor, timestep: torch.Tensor, conditions: Conditions) -> torch.Tensor:
-        rows = hidden.shape[0]
-        grown = Conditions(batch=conditions.batch * self.factor,
-                           rows={k: _replicate(v, self.factor) for k, v in conditions.rows.items()},
-                           shared=conditions.shared, cfg_factor=conditions.cfg_factor)
-        out = self.inner.forward(_replicate(hidden, self.factor), _replicate(timestep, self.factor), grown)
-        return out[:rows]
-
-
-def batch_shape_floor(problem: ReplayProblem, factor: int | None = None) -> dict[str, float]:
-    """max |serial at B rows - serial with the same rows inside a factor x larger batch|, per quantity.
-
-    ``factor`` defaults to S, the batch growth the fast path brings.
-    """
-    base = replay_serial(*_args(problem))
-    grown = replay_serial(*_args(problem.with_(adapter=InflatedBatch(problem.adapter, factor or problem.steps))))
-    return {what: max_abs_diff(getattr(grown, what), getattr(base, what)) for what in QUANTITIES}
-
-
-def floor_policy(floor: float, *, multiple: float, minimum: float, what: str, dtype: str = "fp32") -> Close:
-    """close(atol = max(multiple x floor, minimum), rtol=0) with the measured floor in its reason."""
-    if not math.isfinite(floor) or floor < 0:
-        raise ValueError(f"a batch-shape floor must be finite and >= 0, got {floor}")
-    atol = max(multiple * floor, minimum)
-    return close(atol=atol, rtol=0.0,
-                 reason=f"{dtype} batch-shape rounding: {what} floor {floor:.2e} measured (serial at B rows vs "
-                        f"the same rows in an S*B batch); atol = max({multiple:g} x floor, {minimum:g})")
+def compare_replay_determinism(problem: ReplayProblem, check_id: str) -> Verdict:
+    """The batched replay run twice on the same segment: exp(logp_2 - logp_1) == 1 exactly, and the
+    transition means bitwise equal. A replay that re-samples instead of scoring the stored latent, or
+    carries state between calls, breaks it. (The on-policy ratio against the rollout's recorded
+    log-probs is a separate check.)"""
+    first, first_forwards = run_batched(problem)
+    second, _ = run_batched(problem)
+    if first is None or second is None:
+        return expect(check_id, False, "batched replay returned a result on both runs (no silent fallback)")
+    ratio = torch.exp(second.log_probs - first.log_probs)
+    verdict = judge_result(exact(), check_id, ratio, torch.ones_like(ratio), problem.target, "ratio run2/run1")
+    verdict = verdict.merge(judge_result(exact(), check_id, second.prev_sample_means, first.prev_sample_means,
+                                         problem.target, "prev_sample_means run2 vs run1"))
+    return require_fast_path(verdict, problem, first_forwards)

@@ -19,7 +19,7 @@ from harness.replay.guards import ReplayConfig
 from harness.replay.sde import SDEStrategy, sde_step
 from harness.replay.segment import ReplayResult, TrajectorySegment, validate_targets
 
-__all__ = ["replay", "replay_batched", "replay_serial", "step_sigma_vectors"]
+__all__ = ["replay", "replay_batched", "replay_serial", "step_sigma_vectors", "stored_next_latents"]
 
 
 def _check_inputs(conditions: Conditions, segment: TrajectorySegment, guidance: Guidance,
@@ -58,6 +58,11 @@ def step_sigma_vectors(sigmas: torch.Tensor, steps: Sequence[int], batch: int) -
     return sigmas[index], sigmas[index + 1]
 
 
+def stored_next_latents(segment: TrajectorySegment, steps: Sequence[int]) -> torch.Tensor:
+    """x_(i+1) of every target step, stacked step-major ``[S*B, ...]``: what the batched step scores."""
+    return tiling.stack_step_major([segment.latent_at(step + 1) for step in steps])
+
+
 def replay_batched(adapter: DenoiserAdapter, conditions: Conditions, segment: TrajectorySegment,
                    strategy: SDEStrategy, target: Sequence[int], guidance: Guidance = 1.0,
                    config: ReplayConfig | None = None) -> ReplayResult | None:
@@ -68,7 +73,7 @@ def replay_batched(adapter: DenoiserAdapter, conditions: Conditions, segment: Tr
         return None
     count, rows = len(steps), segment.batch
     x = tiling.stack_step_major([segment.latent_at(step) for step in steps]).float()
-    prev = tiling.stack_step_major([segment.latent_at(step + 1) for step in steps])
+    prev = stored_next_latents(segment, steps)
     sigma, sigma_next = step_sigma_vectors(segment.sigmas, steps, rows)
     tiled = tiling.tile_conditions(conditions, count)
     v = predict_velocity(adapter, x, sigma, tiled, guidance_at(guidance, steps[0]))

@@ -12,10 +12,10 @@ import torch
 
 from harness.replay.conditions import Conditions
 from harness.replay.denoiser import DenoiserAdapter, Guidance, guidance_at, predict_velocity
-from harness.replay.sde import SDEStrategy, sde_step
+from harness.replay.sde import SDEStep, SDEStrategy, sde_step
 from harness.replay.segment import TrajectorySegment
 
-__all__ = ["flow_sigmas", "rollout"]
+__all__ = ["draw_sde_step", "flow_sigmas", "rollout"]
 
 
 def flow_sigmas(steps: int, shift: float = 3.0) -> torch.Tensor:
@@ -26,6 +26,15 @@ def flow_sigmas(steps: int, shift: float = 3.0) -> torch.Tensor:
         raise ValueError(f"shift must be > 0, got {shift}")
     base = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
     return (shift * base / (1.0 + (shift - 1.0) * base)).to(torch.float32)
+
+
+def draw_sde_step(strategy: SDEStrategy, x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor,
+                  sigma_next: torch.Tensor, sigma_max: torch.Tensor, *, trajectory_dtype: torch.dtype,
+                  generator: torch.Generator, step_index: int) -> SDEStep:
+    """Draw x_(i+1) and record its pi_old log-prob, scored on the latent as stored (trajectory dtype),
+    which is what replay will score again."""
+    return sde_step(strategy, x, v, sigma, sigma_next, sigma_max, trajectory_dtype=trajectory_dtype,
+                    generator=generator, step_index=step_index)
 
 
 def rollout(adapter: DenoiserAdapter, conditions: Conditions, strategy: SDEStrategy, sigmas: torch.Tensor,
@@ -56,8 +65,8 @@ def rollout(adapter: DenoiserAdapter, conditions: Conditions, strategy: SDEStrat
         sigma, sigma_next = sigmas[step].expand(rows), sigmas[step + 1].expand(rows)
         v = predict_velocity(adapter, xf, sigma, conditions, guidance_at(guidance, step))
         if step in sde:
-            out = sde_step(strategy, xf, v, sigma, sigma_next, sigma_max, trajectory_dtype=trajectory_dtype,
-                           generator=generator, step_index=step)
+            out = draw_sde_step(strategy, xf, v, sigma, sigma_next, sigma_max, trajectory_dtype=trajectory_dtype,
+                                generator=generator, step_index=step)
             x, log_probs[step] = out.prev_sample, out.log_prob
         else:
             x = (xf + v * (sigmas[step + 1] - sigmas[step])).to(trajectory_dtype)

@@ -22,6 +22,7 @@ __all__ = [
     "as_rows",
     "gaussian_log_prob",
     "sde_step",
+    "step_std",
 ]
 
 LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -52,6 +53,11 @@ def flow_mean(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next:
     return x * _per_row(x_coef, x) + v * _per_row(v_coef, v)
 
 
+def step_std(std_t: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+    """The transition's std: std_t * sqrt(-dt), dt = sigma_next - sigma (per row)."""
+    return std_t * torch.sqrt(sigma - sigma_next)
+
+
 class SDEStrategy:
     """A stochastic sampler step: ``transition`` gives the Gaussian (mean, std) of x_{i+1} | x_i.
 
@@ -76,8 +82,7 @@ class SDEStrategy:
             raise ValueError("an SDE step needs sigma_next < sigma on every row (dt < 0)")
         std_t = self.std_t(sig, torch.as_tensor(sigma_max, dtype=torch.float32))
         mean = flow_mean(x.float(), v.float(), sig, nxt, std_t)
-        std = std_t * torch.sqrt(sig - nxt)
-        return mean, std
+        return mean, step_std(std_t, sig, nxt)
 
 
 @dataclass

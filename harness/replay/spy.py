@@ -1,4 +1,4 @@
-"""Count transformer forwards and their batch sizes, so a check can prove which path ran."""
+"""Count a replay transformer's forwards and their batch sizes, so a check can prove which path ran."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["ForwardSpy", "spy_forwards"]
+__all__ = ["ReplayForwardSpy", "spy_forwards"]
 
 
 @dataclass
-class ForwardSpy:
-    """Batch size (rows of the first tensor argument) of every forward of one module."""
+class ReplayForwardSpy:
+    """Batch size (rows of the first tensor argument) of every forward of one replay transformer."""
 
     batch_sizes: list[int] = field(default_factory=list)
 
@@ -28,9 +28,9 @@ class ForwardSpy:
 
 
 @contextlib.contextmanager
-def spy_forwards(module: torch.nn.Module) -> Iterator[ForwardSpy]:
+def spy_forwards(module: torch.nn.Module) -> Iterator[ReplayForwardSpy]:
     """Record every forward of ``module`` while the block runs."""
-    spy = ForwardSpy()
+    spy = ReplayForwardSpy()
     handle = module.register_forward_pre_hook(spy.hook, with_kwargs=True)
     try:
         yield spy

@@ -18,6 +18,7 @@ import torch
 from harness.replay.conditions import Conditions, Payload, concat_payloads, payload_rows, slice_rows
 
 __all__ = [
+    "branch_groups",
     "check_repeats",
     "repeat_rows",
     "reshape_log_probs",
@@ -50,21 +51,22 @@ def tile_branches(groups: Sequence[Payload], repeats: int) -> Payload:
     return concat_payloads([repeat_rows(group, repeats) for group in groups])
 
 
-def tile_field(name: str, value: Payload, repeats: int, batch: int, cfg_factor: int) -> Payload:
-    """Tile one row-aligned field to ``cfg_factor * repeats * batch`` rows.
-
-    A field of ``cfg_factor * batch`` rows is split into its branch groups first; a field of
-    ``batch`` rows is branch-independent and is used once per branch.
-    """
+def branch_groups(name: str, value: Payload, batch: int, cfg_factor: int) -> list[Payload]:
+    """One ``batch``-row group per CFG branch: a field of ``cfg_factor * batch`` rows is split into its
+    branches; a field of ``batch`` rows is branch-independent and serves every branch (duplicated)."""
     rows = payload_rows(value, f"field {name!r}")
     if rows == batch * cfg_factor:
-        groups = [slice_rows(value, b * batch, (b + 1) * batch) for b in range(cfg_factor)]
-    elif rows == batch:
-        groups = [value] * cfg_factor
-    else:
-        raise ValueError(f"field {name!r} has {rows} rows; expected {batch} (one per sample) or "
-                         f"{batch * cfg_factor} (cfg_factor={cfg_factor} branches of {batch})")
-    return tile_branches(groups, repeats)
+        return [slice_rows(value, b * batch, (b + 1) * batch) for b in range(cfg_factor)]
+    if rows == batch:
+        return [value] * cfg_factor
+    raise ValueError(f"field {name!r} has {rows} rows; expected {batch} (one per sample) or "
+                     f"{batch * cfg_factor} (cfg_factor={cfg_factor} branches of {batch})")
+
+
+def tile_field(name: str, value: Payload, repeats: int, batch: int, cfg_factor: int) -> Payload:
+    """Tile one row-aligned field to ``cfg_factor * repeats * batch`` rows: its branch groups, each
+    repeated ``repeats`` times step-major, branches outside."""
+    return tile_branches(branch_groups(name, value, batch, cfg_factor), repeats)
 
 
 def tile_all(conditions: Conditions, repeats: int) -> Conditions:

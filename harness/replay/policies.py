@@ -1,0 +1,134 @@
+"""How replay results are judged: exact on the fake kernel, local-scale bounds on real models.
+
+A real model's batched replay differs from serial only by the rounding its kernels bring at another
+batch shape. The bound comes from the STOCK control (harness.replay.controls): the largest deviation
+it shows RELATIVE to the local magnitude of the quantity (per row for log-probs, per row and step for
+transition means), floored at the resolution of the fp32 SDE math. The allowed error of an element is then
+``k x that relative floor x its own local magnitude``, so a bound never borrows the size of the
+largest values of the output. ``k`` is bounded on both sides: at least K_MIN (the fast path's rows
+land at other positions of the batch than the control's) and at most K_MAX (looser would stop
+seeing real bugs); a policy outside that band fails its check as mis-set.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from harness.compare import Policy, Verdict, exact, locate
+from harness.replay.controls import BatchShapeControl
+
+__all__ = [
+    "BF16_K",
+    "FP32_K",
+    "K_BY_DTYPE",
+    "K_MAX",
+    "K_MIN",
+    "RESOLUTION",
+    "LocalScaleBound",
+    "exact",
+    "local_scale",
+    "local_scale_policy",
+    "relative_floor",
+]
+
+K_MIN, K_MAX = 2.0, 8.0
+FP32_K = 4.0  # fp32: 4 x the relative floor (the CPU tier's tiny models are often batch-shape exact)
+BF16_K = 2.0  # bf16: 2 x the relative floor; its GEMMs round differently at every batch shape
+# The smallest relative floor a policy uses: 4 fp32 ulps, the resolution of the SDE math (always fp32).
+# The model dtype's rounding enters through the measured control, not through a fixed step: a bf16 ulp
+# of a log-prob (which is dominated by its -log std term) would hide the velocity errors under it.
+RESOLUTION = 4 * torch.finfo(torch.float32).eps
+K_BY_DTYPE = {torch.float32: FP32_K, torch.bfloat16: BF16_K, torch.float16: BF16_K}
+# leading dims that keep their own scale: log_probs [B, S] per row; means [B, S, *latent] per (row, step)
+LOCAL_DIMS = {"log_probs": 1, "prev_sample_means": 2}
+
+
+def local_scale(values: torch.Tensor, what: str) -> torch.Tensor:
+    """max |values| over the non-local dims of ``what``, broadcastable to ``values`` (fp64)."""
+    if what not in LOCAL_DIMS:
+        raise ValueError(f"no local scale is defined for {what!r}; expected one of {sorted(LOCAL_DIMS)}")
+    keep = LOCAL_DIMS[what]
+    magnitude = values.detach().double().abs()
+    reduce = tuple(range(keep, magnitude.dim()))
+    return magnitude.amax(dim=reduce, keepdim=True) if reduce else magnitude
+
+
+def relative_floor(control: BatchShapeControl, what: str) -> float:
+    """The control's largest deviation relative to the local magnitude of the stock values."""
+    scale = local_scale(control.base_values(what), what)
+    deviation = control.deviation(what)
+    ratio = torch.where(scale > 0, deviation / scale, torch.where(deviation > 0, math.inf, 0.0))
+    return float(ratio.max()) if ratio.numel() else 0.0
+
+
+@dataclass(frozen=True)
+class LocalScaleBound(Policy):
+    """|actual - expected| <= k x max(relative_floor, resolution) x local_scale(expected), elementwise."""
+
+    what: str
+    relative_floor: float
+    resolution: float
+    k: float
+    dtype: str = "fp32"
+
+    @property
+    def effective_floor(self) -> float:
+        """The measured relative floor, or the fp32 resolution where the control showed less."""
+        return max(self.relative_floor, self.resolution)
+
+    @property
+    def relative_bound(self) -> float:
+        return self.k * self.effective_floor
+
+    def describe(self) -> str:
+        return (f"local_scale({self.dtype} {self.what}: |d| <= {self.k:g} x max(floor {self.relative_floor:.2e}, "
+                f"resolution {self.resolution:.2e}) x local |{self.what}|; floor = stock serial at B rows vs "
+                f"in an S x larger batch, relative to the local magnitude)")
+
+    def judge(self, check_id, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
+        if actual.shape != expected.shape:
+            raise ValueError(f"{what}: shapes {tuple(actual.shape)} and {tuple(expected.shape)} differ")
+        a, b = actual.detach().double(), expected.detach().double()
+        diff = (a - b).abs()
+        scale = local_scale(b, self.what).expand_as(b)
+        allowed = self.relative_bound * scale
+        finite = bool(torch.isfinite(a).all() and torch.isfinite(b).all() and math.isfinite(self.relative_floor))
+        if not finite:
+            ratio, margin, relative_error = diff, math.inf, math.inf
+        elif diff.numel() == 0:
+            ratio, margin, relative_error = diff, 0.0, 0.0
+        else:
+            ratio = torch.where(allowed > 0, diff / allowed, torch.where(diff > 0, math.inf, 0.0))
+            margin = float(ratio.max())
+            relative_error = margin * self.relative_bound  # max |d| / local magnitude
+        metrics = {"max_abs": float(diff.max()) if diff.numel() else 0.0, "total": actual.numel(),
+                   "nonfinite": int((~torch.isfinite(a)).sum() + (~torch.isfinite(b)).sum()),
+                   "max_relative_to_local": relative_error, "relative_floor": self.relative_floor,
+                   "resolution": self.resolution, "relative_bound": self.relative_bound, "k": self.k}
+        passed = finite and margin <= 1.0
+        message = ""
+        if not finite:
+            message = f"{what}: non-finite values or floor; NaN/Inf never pass"
+        elif not passed:
+            at = int(torch.nan_to_num(ratio, nan=math.inf).reshape(-1).argmax())
+            bad = int((ratio > 1).sum())
+            message = (f"{what}: {bad} / {actual.numel()} elements beyond the local bound; worst at "
+                       f"{locate(at, actual.shape, dims, labels)}: |d| {float(diff.reshape(-1)[at]):.3e} "
+                       f"(up to {float(allowed.reshape(-1)[at]):.3e} allowed = {self.relative_bound:.2e} x local "
+                       f"|{self.what}| {float(scale.reshape(-1)[at]):.3e})")
+        verdict = Verdict(check_id, passed, metrics, self.describe(), margin, headline="max_relative_to_local",
+                          tolerance=self.relative_bound, message=message)
+        return verdict.require_bounded(self.relative_bound, self.effective_floor, k_min=K_MIN, k_max=K_MAX,
+                                       what=f"relative {self.what} bound")
+
+
+def local_scale_policy(control: BatchShapeControl, what: str, dtype: torch.dtype) -> LocalScaleBound:
+    """The policy for ``what`` when the model runs in ``dtype``, from a stock batch-shape control."""
+    if dtype not in K_BY_DTYPE:
+        raise ValueError(f"no replay policy for model dtype {dtype}; expected one of "
+                         f"{sorted(str(d) for d in K_BY_DTYPE)}")
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    return LocalScaleBound(what, relative_floor(control, what), RESOLUTION, K_BY_DTYPE[dtype], name)

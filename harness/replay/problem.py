@@ -1,0 +1,75 @@
+"""One replay problem: an adapter, its conditions, a trajectory rolled out by the stock path, the targets.
+
+``make_problem`` rolls the segment out with the stock path only (no seam an ablation patches), so
+a problem may be cached across a kill matrix. The default geometry (T=8, SDE on 5 steps, every SDE
+step replayed) is what the CPU and GPU tiers share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harness.replay.conditions import Conditions
+from harness.replay.denoiser import DenoiserAdapter, Guidance
+from harness.replay.guards import ReplayConfig
+from harness.replay.rollout import flow_sigmas, rollout
+from harness.replay.sde import FlowGRPOSDE, SDEStrategy
+from harness.replay.segment import TrajectorySegment
+
+__all__ = ["DEFAULT_GUIDANCE", "DEFAULT_SDE_INDICES", "DEFAULT_STEPS", "ReplayProblem", "make_problem"]
+
+DEFAULT_STEPS = 8
+DEFAULT_SDE_INDICES = (0, 1, 3, 4, 6)
+DEFAULT_GUIDANCE = 4.5
+
+
+@dataclass(frozen=True, eq=False)
+class ReplayProblem:
+    """Everything one replay call needs; the batched flag is on (a check wants the fast path)."""
+
+    name: str
+    adapter: DenoiserAdapter
+    conditions: Conditions
+    segment: TrajectorySegment
+    strategy: SDEStrategy
+    target: tuple[int, ...]
+    guidance: Guidance = 1.0
+    config: ReplayConfig = field(default_factory=lambda: ReplayConfig(batch_replay_steps=True))
+
+    @property
+    def steps(self) -> int:
+        return len(self.target)
+
+    @property
+    def serial_rows(self) -> int:
+        """Rows of one stock forward: cfg x B."""
+        return self.conditions.forward_rows
+
+    @property
+    def batched_rows(self) -> int:
+        """Rows of the one fast forward: S x cfg x B."""
+        return self.steps * self.conditions.forward_rows
+
+    def args(self) -> tuple[Any, ...]:
+        """The positional arguments of replay_serial / replay_batched for this problem."""
+        return (self.adapter, self.conditions, self.segment, self.strategy, self.target, self.guidance, self.config)
+
+    def with_(self, **changes: Any) -> ReplayProblem:
+        return dataclasses.replace(self, **changes)
+
+
+def make_problem(name: str, adapter: DenoiserAdapter, conditions: Conditions, *, seed: int,
+                 latent_shape: Sequence[int], target: Sequence[int] = DEFAULT_SDE_INDICES,
+                 sde_indices: Sequence[int] = DEFAULT_SDE_INDICES, steps: int = DEFAULT_STEPS,
+                 guidance: Guidance = DEFAULT_GUIDANCE, strategy: SDEStrategy | None = None) -> ReplayProblem:
+    """Roll out a seeded trajectory with the stock path and wrap it as a replay problem."""
+    strategy = strategy or FlowGRPOSDE(eta=0.7)
+    generator = torch.Generator().manual_seed(seed + 1000)
+    segment = rollout(adapter, conditions, strategy, flow_sigmas(steps), sde_indices, latent_shape,
+                      generator=generator, guidance=guidance)
+    return ReplayProblem(name, adapter, conditions, segment, strategy, tuple(target), guidance)

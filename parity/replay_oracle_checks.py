@@ -1,0 +1,467 @@
+"""Oracle checks of the replay path: what stock and fast share, held to independent references.
+
+Parity (batched == serial) cannot see a bug in code both paths call: the SDE step, its log-prob,
+the rollout's draws, the CFG combine. These checks hold that code to fp64 formulas written from
+DESIGN 1.1 (harness.replay.oracles), to torch.distributions.Normal and to the sampling distribution
+itself. Two more close gaps parity leaves: pi_old replayed through the batched path against the
+log-probs the rollout recorded (the real on-policy ratio), and the per-step error curve over all T
+steps, whose growth is judged against the stock path's own per-step floor.
+
+Tolerances come from a control measured beside the check (the same formula in fp32 against fp64, a
+stock path at two batch shapes, the sample size of the draws) and are bounded on both sides.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fakes.replay_conditions import HI3_FIELDS, SD3_FIELDS, fused_conditions, uncond_first_conditions
+from fakes.replay_kernel import FakeDenoiser
+from fixtures.replay_cases import FAKE_LATENT, GUIDANCE, fake_problem, make_problem, real_floor, real_problem
+from fixtures.replay_models import LATENT_SHAPE, SD3Adapter, tiny_sd3
+from harness.checks import CheckContext, register
+from harness.compare import Close, Verdict, close, expect, max_abs_diff, noise_floor
+from harness.replay import denoiser, oracles
+from harness.replay.conditions import Conditions, payload_rows, slice_rows
+from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
+from harness.replay.parity import (
+    InflatedBatch,
+    ReplayProblem,
+    ReplayRun,
+    batch_shape_floor,
+    judge_result,
+    require_fast_path,
+    run_batched,
+    run_both,
+)
+from harness.replay.replay import replay_serial
+from harness.replay.rollout import flow_sigmas, rollout
+from harness.replay.sde import ConstantStdSDE, FlowGRPOSDE, SDEStrategy, sde_step
+
+__all__ = ["FLAVOURS", "GROWTH_STEPS", "error_curves", "growth_problem", "growth_ratio", "single_step_policy"]
+
+FP32_EPS = float(torch.finfo(torch.float32).eps)
+ORACLE_ROWS = 16
+ORACLE_STEPS = 8
+# An implementation's fp32 error may be at most K x the error of the same formula evaluated in fp32
+# (the control) against fp64; K lies in [K_MIN, K_MAX] or the check fails as too loose / too tight.
+K_ORACLE, K_MIN, K_MAX = 8.0, 2.0, 32.0
+DRAW_SIGMAS = 4.0  # draws: the sample mean / variance within 4 standard errors of n draws
+DRAW_ROWS = 16
+RATIO_FLOOR_MULTIPLE, RATIO_FLOOR_ULPS = 4.0, 4.0
+GROWTH_STEPS = 10  # all T steps replayed at once
+GROWTH_BATCH = 2
+GROWTH_BUDGET = 2.0  # the batched error may grow at most 2x faster than the stock floor grows
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """One stateless SDE flavour and its oracle std_t."""
+
+    strategy: SDEStrategy
+    std_t: Callable[[torch.Tensor, float], torch.Tensor]
+
+
+FLAVOURS = {
+    "flowgrpo": Flavour(FlowGRPOSDE(eta=0.7), lambda sigma, s_max: oracles.flow_grpo_std_t64(sigma, s_max, 0.7)),
+    "constant": Flavour(ConstantStdSDE(eta=0.5), lambda sigma, s_max: oracles.constant_std_t64(sigma, 0.5)),
+}
+
+
+def _register(check_id: str, fn, *args, doc: str) -> None:
+    register(check_id, doc=doc)(functools.partial(fn, *args))
+
+
+# ------------------------------------------------------------------------------------- SDE oracles
+
+
+@dataclass(frozen=True)
+class SDEInputs:
+    """Seeded rows spread over every step of a schedule, step 0 (sigma == 1) included."""
+
+    x: torch.Tensor
+    v: torch.Tensor
+    sigma: torch.Tensor
+    sigma_next: torch.Tensor
+    sigma_max: torch.Tensor
+    noise: torch.Tensor
+
+
+@functools.cache
+def sde_inputs() -> SDEInputs:
+    gen = torch.Generator().manual_seed(123)
+    schedule = flow_sigmas(ORACLE_STEPS)
+    steps = torch.arange(ORACLE_ROWS) % ORACLE_STEPS
+    shape = (ORACLE_ROWS, *FAKE_LATENT)
+    return SDEInputs(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), schedule[steps],
+                     schedule[steps + 1], schedule[1], torch.randn(shape, generator=gen))
+
+
+def _oracle_transition(flavour: Flavour, inputs: SDEInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) from the DESIGN formulas in fp64: the oracle."""
+    std_t = flavour.std_t(inputs.sigma, float(inputs.sigma_max))
+    mean = oracles.flow_mean64(inputs.x, inputs.v, inputs.sigma, inputs.sigma_next, std_t)
+    return mean, oracles.std64(std_t, inputs.sigma, inputs.sigma_next)
+
+
+def _control_transition(flavour: Flavour, inputs: SDEInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) from the same formulas with every operation rounded to fp32: the control."""
+    std_t = flavour.std_t(inputs.sigma, float(inputs.sigma_max)).float()
+    sigma, sigma_next = inputs.sigma.float(), inputs.sigma_next.float()
+    dt = sigma_next - sigma
+    var = std_t * std_t
+    x_coef = (1.0 + var / (2.0 * sigma) * dt).reshape(-1, 1, 1, 1)
+    v_coef = ((1.0 + var * (1.0 - sigma) / (2.0 * sigma)) * dt).reshape(-1, 1, 1, 1)
+    return inputs.x * x_coef + inputs.v * v_coef, std_t * torch.sqrt(sigma - sigma_next)
+
+
+def _prev(inputs: SDEInputs, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """A draw from the oracle's distribution, round-tripped through the trajectory dtype (bf16)."""
+    fp32 = (mean + std.reshape(-1, 1, 1, 1) * inputs.noise.double()).float()
+    return fp32.to(torch.bfloat16)
+
+
+def _bounded(check_id: str, what: str, actual: torch.Tensor, oracle: torch.Tensor, control: float,
+             scale: float) -> Verdict:
+    """error <= K x control; the control is floored at one fp32 eps of the quantity's scale (a
+    formula evaluated exactly in fp32 has error 0), and K must lie in [K_MIN, K_MAX]."""
+    floor = max(control, FP32_EPS * scale)
+    policy = noise_floor(floor, k=K_ORACLE, reason=f"{what}: fp32 rounding; control = the DESIGN formula in fp32 "
+                                                   f"vs fp64 = {control:.2e} (floored at 1 eps x scale {scale:.2e})")
+    verdict = policy.judge(check_id, actual.double(), oracle.double(), dims=("row",), what=what)
+    verdict = verdict.require(floor > 0 and math.isfinite(floor), f"{what}: control floor measured (finite, > 0)",
+                              control=control)
+    return verdict.require_bounded(policy.bound, floor, k_min=K_MIN, k_max=K_MAX, what=f"{what} tolerance")
+
+
+def oracle_mean(name: str, ctx: CheckContext) -> Verdict:
+    check_id = f"replay.oracle.{name}.mean"
+    flavour, inputs = FLAVOURS[name], sde_inputs()
+    mean, _ = flavour.strategy.transition(inputs.x, inputs.v, inputs.sigma, inputs.sigma_next, inputs.sigma_max)
+    oracle, _ = _oracle_transition(flavour, inputs)
+    control, _ = _control_transition(flavour, inputs)
+    return _bounded(check_id, "transition mean", mean, oracle, max_abs_diff(control.double(), oracle),
+                    float(oracle.abs().max()))
+
+
+def oracle_std(name: str, ctx: CheckContext) -> Verdict:
+    check_id = f"replay.oracle.{name}.std"
+    flavour, inputs = FLAVOURS[name], sde_inputs()
+    _, std = flavour.strategy.transition(inputs.x, inputs.v, inputs.sigma, inputs.sigma_next, inputs.sigma_max)
+    _, oracle = _oracle_transition(flavour, inputs)
+    _, control = _control_transition(flavour, inputs)
+    return _bounded(check_id, "transition std", std, oracle, max_abs_diff(control.double(), oracle),
+                    float(oracle.abs().max()))
+
+
+def _scored(flavour: Flavour, inputs: SDEInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(implementation log-prob, prev in bf16, oracle mean, oracle std) for one seeded draw per row."""
+    mean64, std64 = _oracle_transition(flavour, inputs)
+    prev = _prev(inputs, mean64, std64)
+    step = sde_step(flavour.strategy, inputs.x, inputs.v, inputs.sigma, inputs.sigma_next, inputs.sigma_max,
+                    trajectory_dtype=torch.bfloat16, prev=prev.float())
+    return step.log_prob, prev, mean64, std64
+
+
+def oracle_log_prob_fp64(name: str, ctx: CheckContext) -> Verdict:
+    """sde_step's log-prob of a bf16-stored draw against the DESIGN formula in fp64."""
+    check_id = f"replay.oracle.{name}.log_prob_fp64"
+    flavour, inputs = FLAVOURS[name], sde_inputs()
+    log_prob, prev, mean64, std64 = _scored(flavour, inputs)
+    oracle = oracles.gaussian_log_prob64(prev, mean64, std64)
+    control = _control_log_prob(prev, mean64, std64)
+    return _bounded(check_id, "log_prob", log_prob, oracle, max_abs_diff(control.double(), oracle),
+                    float(oracle.abs().max()))
+
+
+def _control_log_prob(prev: torch.Tensor, mean64: torch.Tensor, std64: torch.Tensor) -> torch.Tensor:
+    """The log-prob formula with every operation in fp32 (the control of the fp64 oracle)."""
+    mean, std = mean64.float(), std64.float().reshape(-1, 1, 1, 1).expand_as(mean64).contiguous()
+    diff = prev.float() - mean
+    element = -(diff * diff) / (2.0 * std * std) - torch.log(std) - 0.5 * math.log(2.0 * math.pi)
+    return element.reshape(element.shape[0], -1).mean(dim=1)
+
+
+def oracle_log_prob_normal(name: str, ctx: CheckContext) -> Verdict:
+    """sde_step's log-prob against torch.distributions.Normal, averaged over non-batch dims."""
+    check_id = f"replay.oracle.{name}.log_prob_normal"
+    flavour, inputs = FLAVOURS[name], sde_inputs()
+    log_prob, prev, mean64, std64 = _scored(flavour, inputs)
+    scale64 = std64.reshape(-1, 1, 1, 1).expand_as(mean64)
+    reference = torch.distributions.Normal(mean64, scale64).log_prob(prev.double()).flatten(1).mean(dim=1)
+    control = torch.distributions.Normal(mean64.float(), scale64.float()).log_prob(prev.float()).flatten(1).mean(dim=1)
+    verdict = _bounded(check_id, "log_prob vs Normal", log_prob, reference,
+                       max_abs_diff(control.double(), reference), float(reference.abs().max()))
+    return verdict.require(prev.dtype == torch.bfloat16, "prev scored as stored, round-tripped through bf16")
+
+
+for _name in FLAVOURS:
+    _register(f"replay.oracle.{_name}.mean", oracle_mean, _name,
+              doc=f"{_name} SDE: transition mean against the DESIGN 1.1 formula in fp64")
+    _register(f"replay.oracle.{_name}.std", oracle_std, _name,
+              doc=f"{_name} SDE: transition std against the DESIGN 1.1 formula in fp64")
+    _register(f"replay.oracle.{_name}.log_prob_fp64", oracle_log_prob_fp64, _name,
+              doc=f"{_name} SDE: log-prob of a bf16-stored draw against the fp64 formula")
+    _register(f"replay.oracle.{_name}.log_prob_normal", oracle_log_prob_normal, _name,
+              doc=f"{_name} SDE: log-prob of a bf16-stored draw against torch.distributions.Normal")
+
+
+# ------------------------------------------------------------------------------- the rollout's draws
+
+
+@register("replay.oracle.rollout.draws")
+def rollout_draws(ctx: CheckContext) -> Verdict:
+    """A seeded rollout's SDE draws, standardised by the fp64 oracle's mean and std, have mean 0 and
+    variance 1 within DRAW_SIGMAS standard errors of the number of draws."""
+    check_id = "replay.oracle.rollout.draws"
+    gen = torch.Generator().manual_seed(31)
+    adapter = FakeDenoiser(FUSED_COND_FIRST, FAKE_LATENT, 31)
+    conditions = fused_conditions(DRAW_ROWS, HI3_FIELDS, 1, gen)
+    flavour = FLAVOURS["flowgrpo"]
+    sigmas = flow_sigmas(ORACLE_STEPS)
+    sde = tuple(range(ORACLE_STEPS))
+    segment = rollout(adapter, conditions, flavour.strategy, sigmas, sde, FAKE_LATENT,
+                      generator=torch.Generator().manual_seed(32))
+    z = []
+    for step in sde:
+        x = segment.latent_at(step).float()
+        sigma, sigma_next = sigmas[step].expand(DRAW_ROWS), sigmas[step + 1].expand(DRAW_ROWS)
+        v = denoiser.predict_velocity(adapter, x, sigma, conditions, 1.0)
+        std_t = flavour.std_t(sigma, float(sigmas[1]))
+        mean = oracles.flow_mean64(x, v, sigma, sigma_next, std_t)
+        std = oracles.std64(std_t, sigma, sigma_next).reshape(-1, 1, 1, 1)
+        z.append(((segment.latent_at(step + 1).double() - mean) / std).flatten())
+    draws = torch.cat(z)
+    n = draws.numel()
+    moments = torch.stack([draws.mean(), draws.var()])
+    bounds = torch.tensor([DRAW_SIGMAS / math.sqrt(n), DRAW_SIGMAS * math.sqrt(2.0 / (n - 1))], dtype=torch.float64)
+    error = (moments - torch.tensor([0.0, 1.0], dtype=torch.float64)).abs() / bounds
+    policy = close(atol=1.0, rtol=0.0, reason=f"standardised draws: |mean| <= {DRAW_SIGMAS:g}/sqrt(n), "
+                                              f"|var - 1| <= {DRAW_SIGMAS:g} sqrt(2/(n-1)), n = {n}")
+    verdict = policy.judge(check_id, error, torch.zeros_like(error), dims=("moment",),
+                           labels={"moment": ["mean", "variance"]}, what="moment error in standard errors")
+    return verdict.with_metrics(draws=n, sample_mean=float(moments[0]), sample_var=float(moments[1]),
+                                mean_bound=float(bounds[0]), var_bound=float(bounds[1]))
+
+
+# -------------------------------------------------------------------------------------- CFG combine
+
+
+def _branch(conditions: Conditions, branch: int) -> Conditions:
+    """One branch of fused cond-first conditions: a 2B field's half, a B field as is."""
+    batch = conditions.batch
+    rows = {}
+    for name, value in conditions.rows.items():
+        per_branch = payload_rows(value) == 2 * batch
+        rows[name] = slice_rows(value, branch * batch, (branch + 1) * batch) if per_branch else value
+    return Conditions(batch=batch, rows=rows, shared=conditions.shared)
+
+
+@functools.cache
+def _cfg_case(layout: str) -> tuple[FakeDenoiser, Conditions, Conditions, Conditions]:
+    """(adapter, guided conditions, cond-only, uncond-only) for one CFG layout."""
+    gen = torch.Generator().manual_seed(41)
+    adapter = FakeDenoiser(layout, FAKE_LATENT, 41)
+    if layout == FUSED_COND_FIRST:
+        guided = fused_conditions(3, HI3_FIELDS, 2, gen)
+        return adapter, guided, _branch(guided, 0), _branch(guided, 1)
+    guided = uncond_first_conditions(3, SD3_FIELDS, 2, gen)
+    cond = Conditions(batch=guided.batch, rows=guided.rows, shared=guided.shared)
+    uncond = Conditions(batch=guided.batch, rows=guided.negative.rows, shared=guided.shared)
+    return adapter, guided, cond, uncond
+
+
+def cfg_standard(case: str, layout: str, ctx: CheckContext) -> Verdict:
+    """predict_velocity's guided velocity against uncond + g (cond - uncond) in fp64 of the two
+    branches run alone."""
+    check_id = f"replay.oracle.cfg.{case}"
+    adapter, guided, cond, uncond = _cfg_case(layout)
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randn((guided.batch, *FAKE_LATENT), generator=gen)
+    sigma = torch.full((guided.batch,), 0.6)
+    velocity = denoiser.predict_velocity(adapter, x, sigma, guided, GUIDANCE)
+    timestep = adapter.timestep(sigma)
+    v_cond = adapter.forward(x, timestep, cond)
+    v_uncond = adapter.forward(x, timestep, uncond)
+    oracle = oracles.cfg_standard64(v_cond, v_uncond, GUIDANCE)
+    control = v_uncond + GUIDANCE * (v_cond - v_uncond)
+    return _bounded(check_id, f"CFG velocity (g={GUIDANCE:g})", velocity, oracle,
+                    max_abs_diff(control.double(), oracle), float(oracle.abs().max()))
+
+
+_register("replay.oracle.cfg.fused", cfg_standard, "fused", FUSED_COND_FIRST,
+          doc="fused cond-first CFG combine against uncond + g (cond - uncond) in fp64")
+_register("replay.oracle.cfg.uncond_first", cfg_standard, "uncond_first", UNCOND_FIRST,
+          doc="uncond-first CFG combine against uncond + g (cond - uncond) in fp64")
+
+
+# ------------------------------------------------------------------ pi_old against the rollout's record
+
+
+def fresh_problem(case: str) -> ReplayProblem:
+    """The fake problem rolled out again now (not cached), so the rollout's recording is under test."""
+    base = fake_problem(case)
+    return make_problem(f"{case}.fresh", base.adapter, base.conditions, seed=len(case), latent_shape=FAKE_LATENT,
+                        guidance=base.guidance)
+
+
+def fresh_real_problem(family: str, cfg: int) -> ReplayProblem:
+    """The tiny diffusers problem rolled out again now, with fixtures.replay_cases.real_problem's seed."""
+    base = real_problem(family, cfg)
+    return make_problem(f"{family}.cfg{cfg}.fresh", base.adapter, base.conditions, seed=cfg,
+                        latent_shape=LATENT_SHAPE, guidance=base.guidance)
+
+
+def ratio_floor(problem: ReplayProblem, batch_shape_floor: float) -> tuple[float, float]:
+    """(stock floor, its serial-vs-rollout part): max |exp(serial - recorded) - 1| over every row and
+    step, or the model's batch-shape floor of the log-probs if larger (both measured on stock code).
+
+    Measure it on the cached reference rollout, never on the rollout under test: a rollout bug would
+    otherwise widen its own tolerance."""
+    serial = replay_serial(problem.adapter, problem.conditions, problem.segment, problem.strategy, problem.target,
+                           problem.guidance, problem.config)
+    recorded = problem.segment.recorded_log_probs(problem.target)
+    rollout_floor = max_abs_diff(torch.exp(serial.log_probs.double() - recorded.double()),
+                                 torch.ones_like(recorded, dtype=torch.float64))
+    return max(rollout_floor, batch_shape_floor), rollout_floor
+
+
+@functools.cache
+def fake_ratio_floor(case: str) -> tuple[float, float, float]:
+    """(stock floor, serial vs rollout, batch shape) of a cached fake problem, measured once."""
+    reference = fake_problem(case)
+    shape = batch_shape_floor(reference)["log_probs"]
+    return (*ratio_floor(reference, shape), shape)
+
+
+@functools.cache
+def real_ratio_floor(family: str, cfg: int) -> tuple[float, float, float]:
+    shape = real_floor(family, cfg)["log_probs"]
+    return (*ratio_floor(real_problem(family, cfg), shape), shape)
+
+
+def pi_old_vs_rollout(check_id: str, problem: ReplayProblem, floors: tuple[float, float, float]) -> Verdict:
+    """exp(logp replayed through the batched path - logp recorded at rollout) == 1 per row and step,
+    within a multiple of the stock floor measured on the reference rollout."""
+    floor, rollout_floor, batch_shape_floor = floors
+    recorded = problem.segment.recorded_log_probs(problem.target)
+    minimum = RATIO_FLOOR_ULPS * FP32_EPS * float(recorded.abs().max()) if batch_shape_floor > 0 else 0.0
+    atol = max(RATIO_FLOOR_MULTIPLE * floor, minimum)
+    policy = close(atol=atol, rtol=0.0,
+                   reason=f"stock floor {floor:.2e} (serial replay vs rollout {rollout_floor:.2e}, batch shape "
+                          f"{batch_shape_floor:.2e}); atol = max({RATIO_FLOOR_MULTIPLE:g} x floor, "
+                          f"{RATIO_FLOOR_ULPS:g} fp32 eps x |log_prob| = {minimum:.2e})")
+    result, forwards = run_batched(problem)
+    if result is None:
+        return expect(check_id, False, "batched replay returned a result for pi_old")
+    ratio = torch.exp(result.log_probs.double() - recorded.double())
+    verdict = judge_result(policy, check_id, ratio, torch.ones_like(ratio), problem.target, "pi_old ratio")
+    verdict = verdict.require(math.isfinite(floor), "stock floor of the pi_old ratio measured (finite)",
+                              rollout_floor=rollout_floor, batch_shape_floor=batch_shape_floor)
+    verdict = verdict.require_bounded(atol, max(floor, minimum), k_min=1.0, k_max=RATIO_FLOOR_MULTIPLE,
+                                      what="pi_old ratio atol")
+    return require_fast_path(verdict, problem, forwards)
+
+
+def fake_pi_old_vs_rollout(case: str, ctx: CheckContext) -> Verdict:
+    return pi_old_vs_rollout(f"replay.{case}.pi_old_vs_rollout", fresh_problem(case), fake_ratio_floor(case))
+
+
+for _case in ("cfg2", "uncond_first"):
+    _register(f"replay.{_case}.pi_old_vs_rollout", fake_pi_old_vs_rollout, _case,
+              doc="pi_old replayed through the batched path against the log-probs a fresh rollout recorded")
+
+
+@register("replay.flux.cfg2.pi_old_vs_rollout")
+def flux_pi_old_vs_rollout(ctx: CheckContext) -> Verdict:
+    """Tiny Flux (fused cond-first): the batched pi_old ratio against the rollout's record, within the
+    measured fp32 floor."""
+    return pi_old_vs_rollout("replay.flux.cfg2.pi_old_vs_rollout", fresh_real_problem("flux", 2),
+                             real_ratio_floor("flux", 2))
+
+
+# ------------------------------------------------------------------------------------- error growth
+
+
+@functools.cache
+def growth_problem() -> ReplayProblem:
+    """Tiny SD3 (no CFG), SDE on all T steps, every step replayed at once."""
+    adapter = SD3Adapter(tiny_sd3())
+    conditions = adapter.conditions(GROWTH_BATCH, 1, torch.Generator().manual_seed(5))
+    steps = tuple(range(GROWTH_STEPS))
+    return make_problem("sd3.growth", adapter, conditions, seed=21, latent_shape=LATENT_SHAPE, target=steps,
+                        sde_indices=steps, steps=GROWTH_STEPS, guidance=1.0)
+
+
+def _per_step(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Mean |actual - expected| per step of ``[B, S, ...]`` tensors (fp64, NaN stays NaN)."""
+    diff = (actual.double() - expected.double()).abs()
+    return diff.transpose(0, 1).reshape(diff.shape[1], -1).mean(dim=1)
+
+
+@functools.cache
+def stock_floor_curve() -> tuple[float, ...]:
+    """The stock per-step floor: serial replay at B rows vs the same rows in a 2x batch."""
+    problem = growth_problem()
+    args = (problem.conditions, problem.segment, problem.strategy, problem.target, problem.guidance, problem.config)
+    base = replay_serial(problem.adapter, *args)
+    grown = replay_serial(InflatedBatch(problem.adapter, 2), *args)
+    return tuple(_per_step(grown.prev_sample_means, base.prev_sample_means).tolist())
+
+
+def error_curves(problem: ReplayProblem) -> tuple[ReplayRun, torch.Tensor | None, torch.Tensor]:
+    """(run, batched-vs-serial per-step error of the means or None on a fallback, stock per-step floor)."""
+    run = run_both(problem)
+    curve = None if run.batched is None else _per_step(run.batched.prev_sample_means, run.serial.prev_sample_means)
+    return run, curve, torch.tensor(stock_floor_curve(), dtype=torch.float64)
+
+
+def growth_ratio(curve: torch.Tensor) -> float:
+    """Mean of the last third of a curve over the mean of its first third; inf if any point is not finite."""
+    if not bool(torch.isfinite(curve).all()):
+        return math.inf
+    third = max(1, curve.numel() // 3)
+    early, late = float(curve[:third].mean()), float(curve[-third:].mean())
+    return late / early if early > 0 else (0.0 if late == 0 else math.inf)
+
+
+def single_step_policy(problem: ReplayProblem) -> Close:
+    """The policy a worst-element check would use on this problem: max(4 x the stock max-abs floor,
+    4 fp32 eps x the latents' scale) -- the bound the drift ablation stays under."""
+    args = (problem.conditions, problem.segment, problem.strategy, problem.target, problem.guidance, problem.config)
+    base = replay_serial(problem.adapter, *args)
+    grown = replay_serial(InflatedBatch(problem.adapter, 2), *args)
+    floor = max_abs_diff(grown.prev_sample_means, base.prev_sample_means)
+    scale = float(problem.segment.latents.float().abs().max())
+    return close(atol=max(4.0 * floor, 4.0 * FP32_EPS * scale), rtol=0.0,
+                 reason=f"single-step: max(4 x floor {floor:.2e}, 4 fp32 eps x {scale:.2e})")
+
+
+@register("replay.sd3.growth.prev_sample_means")
+def error_growth(ctx: CheckContext) -> Verdict:
+    """Tiny SD3 over all T steps: the per-step error of the batched means (mean |batched - serial|)
+    may grow at most GROWTH_BUDGET x as fast as the stock floor (serial at two batch shapes) grows."""
+    check_id = "replay.sd3.growth.prev_sample_means"
+    problem = growth_problem()
+    run, curve, floor = error_curves(problem)
+    if curve is None:
+        return expect(check_id, False, "batched replay returned a result (no silent fallback)")
+    grows, floor_grows = growth_ratio(curve), growth_ratio(floor)
+    valid = floor_grows > 0 and math.isfinite(floor_grows)
+    policy = noise_floor(floor_grows if valid else math.inf, k=GROWTH_BUDGET,
+                         reason=f"per-step error growth (mean of the last third / mean of the first third of the "
+                                f"curve) at most {GROWTH_BUDGET:g} x the stock floor's growth {floor_grows:.3f} "
+                                f"(serial at B and 2B rows)")
+    verdict = policy.judge(check_id, torch.tensor([grows], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+                           what="error growth")
+    verdict = verdict.with_metrics(error_curve=[float(c) for c in curve], floor_curve=[float(f) for f in floor],
+                                   error_growth=grows, floor_growth=floor_grows)
+    verdict = verdict.require(bool(torch.isfinite(floor).all()) and float(floor.min()) > 0,
+                              f"stock per-step floor measured on all {GROWTH_STEPS} steps (finite, > 0)")
+    verdict = verdict.require_bounded(policy.bound, floor_grows, k_min=1.5, k_max=4.0, what="growth budget")
+    return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)

@@ -1,0 +1,42 @@
+"""Conformance: the replay checks judge an outside replay_batched named by --impl, through the same spies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures.replay_cases import fake_problem, real_control, real_problem
+from harness import conformance
+from harness.compare import exact
+from harness.replay.parity import compare_replay
+from harness.replay.policies import local_scale_policy
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.fixture
+def impl():
+    def use(spec: str) -> None:
+        conformance.use("replay", spec)
+    yield use
+    conformance.clear()
+
+
+def _judge_all() -> dict[str, bool]:
+    verdicts = {"fake.cfg2": compare_replay(fake_problem("cfg2"), exact(), "c", "log_probs"),
+                "fake.uncond_first": compare_replay(fake_problem("uncond_first"), exact(), "c", "log_probs")}
+    policy = local_scale_policy(real_control("flux", 2), "log_probs", torch.float32)
+    verdicts["flux.cfg2"] = compare_replay(real_problem("flux", 2), policy, "c", "log_probs")
+    return {name: v.passed for name, v in verdicts.items()}
+
+
+def test_a_right_outside_implementation_passes_and_is_the_one_judged(impl):
+    impl("fixtures.replay_impls:branch_major")
+    assert _judge_all() == {"fake.cfg2": True, "fake.uncond_first": True, "flux.cfg2": True}
+    assert conformance.calls("replay") == 3
+
+
+def test_an_outside_implementation_with_the_nesting_swapped_fails(impl):
+    impl("fixtures.replay_impls:nesting_swapped")
+    # uncond-first layouts have one branch per Conditions, so only the fused layouts can show the bug
+    assert _judge_all() == {"fake.cfg2": False, "fake.uncond_first": True, "flux.cfg2": False}
