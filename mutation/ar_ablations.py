@@ -156,3 +156,17 @@ ablation(
     kill_mode="fact",
     fact="raises ValueError matching 'real_pos'",
 )
+
+
+def _logp_sign_flipped(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return -torch.log_softmax(logits, dim=-1).gather(-1, tokens[..., None])[..., 0]
+
+
+ablation(
+    "ar.logp_sign_flipped", "harness.ar.loop:token_logprob", _logp_sign_flipped,
+    kills=[f"ar.{m}.oracle.greedy_logp" for m in MODELS],
+    why=("the recorded log-prob with its sign flipped, in the one function stock and fast both record through: "
+         "the fast-vs-stock logp checks see the same wrong number on both sides; only the fp64 oracle sees it "
+         "(rollout_vs_replay, whose replay computes its own log-probs, sees it too)."),
+    kill_mode="tolerance",
+)

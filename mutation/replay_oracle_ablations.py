@@ -17,7 +17,6 @@ import torch
 
 from harness.ablation import ablation
 from harness.replay.conditions import slice_rows
-from harness.replay.denoiser import DenoiserAdapter
 from harness.replay.sde import LOG_SQRT_2PI, SDEStep, SDEStrategy, gaussian_log_prob
 
 FLAVOURS = ("flowgrpo", "constant")
@@ -100,37 +99,13 @@ ablation(
 # --------------------------------------------------------------------------- shared: the CFG combine
 
 
-class _BranchesSwapped(DenoiserAdapter):
-    """The adapter with its two CFG halves swapped, so the combine guides away from the prompt."""
-
-    def __init__(self, inner: DenoiserAdapter):
-        self.inner = inner
-        self.cfg_layout = inner.cfg_layout
-        self.module = inner.module
-
-    def __getattr__(self, name):  # the family's combine and any other attribute
-        return getattr(self.inner, name)
-
-    def timestep(self, sigma):
-        return self.inner.timestep(sigma)
-
-    def forward(self, hidden, timestep, conditions):
-        out = self.inner.forward(hidden, timestep, conditions)
-        if not conditions.guided or out.shape[0] != 2 * conditions.batch:
-            return out
-        half = conditions.batch
-        return torch.cat([out[half:], out[:half]])
-
-
-def _guidance_on_wrong_branch(original):
-    def predict_velocity(adapter, x, sigma, conditions, guidance_scale):
-        return original(_BranchesSwapped(adapter), x, sigma, conditions, guidance_scale)
-    return predict_velocity
+def _guidance_on_wrong_branch(cond, uncond, scale):
+    """cond + g (uncond - cond): the combine guides away from the prompt, in stock and fast alike."""
+    return cond + scale * (uncond - cond)
 
 
 ablation(
-    "replay.guidance_wrong_branch", "harness.replay.denoiser:predict_velocity", _guidance_on_wrong_branch,
-    wraps=True,
+    "replay.guidance_wrong_branch", "harness.replay.cfg:standard_cfg", _guidance_on_wrong_branch,
     kills=["replay.oracle.cfg.fused", "replay.oracle.cfg.uncond_first"],
     why="guidance applied to the wrong branch: cond + g (uncond - cond) instead of uncond + g (cond - uncond)",
     kill_mode="tolerance",

@@ -20,11 +20,12 @@ from harness.compare import Verdict, close
 MODELS = ar_models.BACKENDS
 CASE_QUANTITIES = ("tokens", "logp", "prefill_kv", "slot0")
 FINISHED_STOPS = {0: 1, 2: 3}  # row -> decode step whose reference token becomes an EOS id
+ORACLE_ATOL = 1e-5  # fp32 log_softmax rounding at these logit magnitudes is ~1e-6
 
 
 @functools.cache
-def _floor(model: str) -> verdicts.BatchShapeFloor:
-    return verdicts.batch_shape_floor(ar_models.backend(model))
+def _floor(model: str) -> verdicts.StockPrefillFloor:
+    return verdicts.stock_prefill_floor(ar_models.backend(model))
 
 
 @functools.cache
@@ -80,6 +81,14 @@ def _nan_unused_slots(model: str, ctx: CheckContext) -> Verdict:
                                           _reference(model, case, attn="read_safe"))
 
 
+def _oracle(model: str, ctx: CheckContext) -> Verdict:
+    case = EXTRA["rollout_vs_replay"]
+    policy = close(atol=ORACLE_ATOL, rtol=0.0, reason=(
+        "fp32 log_softmax vs fp64 over the same logits (|logits| <~ 30 here: a few fp32 ulps)"))
+    return suite.check_greedy_logp_oracle(f"ar.{model}.oracle.greedy_logp", ar_models.backend(model), case.batch(),
+                                          case.max_new_tokens, policy)
+
+
 def _missing_real_pos(case: ARCase, ctx: CheckContext) -> Verdict:
     return suite.check_missing_real_pos(f"ar.missing_real_pos.b{case.batch_size}", ar_models.backend("fake"),
                                         case.batch(), case.max_new_tokens)
@@ -100,6 +109,9 @@ for _model in MODELS:
     register(f"ar.{_model}.finished_rows",
              doc=f"rows past EOS stop sampling and writing KV, equal B=1 stopped at EOS, on {_model}")(
         functools.partial(_finished_rows, _model))
+    register(f"ar.{_model}.oracle.greedy_logp",
+             doc=f"greedy picks and recorded log-probs of both rollouts equal an fp64 softmax, on {_model}")(
+        functools.partial(_oracle, _model))
     register(f"ar.{_model}.nan_unused_slots",
              doc=f"NaN in unused and dead cache slots never reaches an output on {_model}")(
         functools.partial(_nan_unused_slots, _model))

@@ -22,23 +22,17 @@ import torch
 
 from fakes.replay_conditions import HI3_FIELDS, SD3_FIELDS, fused_conditions, uncond_first_conditions
 from fakes.replay_kernel import FakeDenoiser
-from fixtures.replay_cases import FAKE_LATENT, GUIDANCE, fake_problem, make_problem, real_floor, real_problem
-from fixtures.replay_models import LATENT_SHAPE, SD3Adapter, tiny_sd3
+from fixtures.replay_cases import FAKE_LATENT, GUIDANCE, fake_problem, real_control, real_problem
+from fixtures.replay_models import tiny_sd3
 from harness.checks import CheckContext, register
 from harness.compare import Close, Verdict, close, expect, max_abs_diff, noise_floor
 from harness.replay import denoiser, oracles
 from harness.replay.conditions import Conditions, payload_rows, slice_rows
+from harness.replay.controls import InflatedBatch, measure_batch_shape_control
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
-from harness.replay.parity import (
-    InflatedBatch,
-    ReplayProblem,
-    ReplayRun,
-    batch_shape_floor,
-    judge_result,
-    require_fast_path,
-    run_batched,
-    run_both,
-)
+from harness.replay.families.sd3 import SD3Adapter
+from harness.replay.parity import ReplayRun, judge_result, require_fast_path, run_batched, run_both
+from harness.replay.problem import ReplayProblem, make_problem
 from harness.replay.replay import replay_serial
 from harness.replay.rollout import flow_sigmas, rollout
 from harness.replay.sde import ConstantStdSDE, FlowGRPOSDE, SDEStrategy, sde_step
@@ -314,7 +308,7 @@ def fresh_real_problem(family: str, cfg: int) -> ReplayProblem:
     """The tiny diffusers problem rolled out again now, with fixtures.replay_cases.real_problem's seed."""
     base = real_problem(family, cfg)
     return make_problem(f"{family}.cfg{cfg}.fresh", base.adapter, base.conditions, seed=cfg,
-                        latent_shape=LATENT_SHAPE, guidance=base.guidance)
+                        latent_shape=base.adapter.latent_shape, guidance=base.guidance)
 
 
 def ratio_floor(problem: ReplayProblem, batch_shape_floor: float) -> tuple[float, float]:
@@ -335,13 +329,13 @@ def ratio_floor(problem: ReplayProblem, batch_shape_floor: float) -> tuple[float
 def fake_ratio_floor(case: str) -> tuple[float, float, float]:
     """(stock floor, serial vs rollout, batch shape) of a cached fake problem, measured once."""
     reference = fake_problem(case)
-    shape = batch_shape_floor(reference)["log_probs"]
+    shape = measure_batch_shape_control(reference).max_deviation("log_probs")
     return (*ratio_floor(reference, shape), shape)
 
 
 @functools.cache
 def real_ratio_floor(family: str, cfg: int) -> tuple[float, float, float]:
-    shape = real_floor(family, cfg)["log_probs"]
+    shape = real_control(family, cfg).max_deviation("log_probs")
     return (*ratio_floor(real_problem(family, cfg), shape), shape)
 
 
@@ -392,9 +386,9 @@ def flux_pi_old_vs_rollout(ctx: CheckContext) -> Verdict:
 def growth_problem() -> ReplayProblem:
     """Tiny SD3 (no CFG), SDE on all T steps, every step replayed at once."""
     adapter = SD3Adapter(tiny_sd3())
-    conditions = adapter.conditions(GROWTH_BATCH, 1, torch.Generator().manual_seed(5))
+    conditions = adapter.example_conditions(GROWTH_BATCH, 1, torch.Generator().manual_seed(5))
     steps = tuple(range(GROWTH_STEPS))
-    return make_problem("sd3.growth", adapter, conditions, seed=21, latent_shape=LATENT_SHAPE, target=steps,
+    return make_problem("sd3.growth", adapter, conditions, seed=21, latent_shape=adapter.latent_shape, target=steps,
                         sde_indices=steps, steps=GROWTH_STEPS, guidance=1.0)
 
 

@@ -1,9 +1,11 @@
 """A HunyuanImage-3 checkpoint directory loads its own remote code, offline, and drives the ar harness.
 
-``fixtures.ar_checkpoint`` writes the seeded fake upstream the way the real checkpoint ships: safetensors, a
-config.json whose ``auto_map`` points at ``modeling_hunyuan_image_3.py`` beside it. ``harness.checkpoints``
-must load it with ``trust_remote_code=True`` from the directory (the class lives in ``transformers_modules``,
-not in ``fakes``), bit for bit, and ``UpstreamBackend`` must find the directory's ``HunyuanStaticCache``.
+``fixtures.ar_checkpoint`` writes the seeded fake upstream of each generation the way the real checkpoint ships:
+safetensors, a config.json whose ``auto_map`` points at ``modeling_hunyuan_image_3.py`` beside it (plus the
+common module it imports). ``harness.checkpoints`` must load it with ``trust_remote_code=True`` from the directory
+(the class lives in ``transformers_modules``, not in ``fakes``), bit for bit, and ``UpstreamBackend`` must find
+the directory's ``HunyuanStaticCache`` and tell the generation from the loaded model. Generation 1 runs on
+transformers 4.x only (as the real ``hunyuan.py``); on 5.x its cases are skipped with that reason.
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ import huggingface_hub.constants
 import pytest
 import torch
 
-from fakes import ar_hunyuan
+from fakes import ar_hunyuan_common
 from fixtures import ar_models
 from fixtures.ar_cases import prompt_ids
-from fixtures.ar_checkpoint import ARCHITECTURE, AUTO_MAP, MODELING_FILE, write_hunyuan_remote_code
+from fixtures.ar_checkpoint import ARCHITECTURE, AUTO_MAP, MODELING_FILE, source_path, write_hunyuan_remote_code
+from harness import compat
 from harness.ar import loop
 from harness.ar.backends import UpstreamBackend
 from harness.ar.batch import right_padded_batch
-from harness.ar.spy import ForwardSpy
-from harness.ar.verdicts import batch_shape_floor, fp32_policies, judge_logp, judge_tokens, require_path
+from harness.ar.spy import ARForwardSpy
+from harness.ar.verdicts import fp32_policies, judge_logp, judge_tokens, require_path, stock_prefill_floor
 from harness.checkpoints import detect, load_model
 
 pytestmark = pytest.mark.cpu
@@ -44,9 +47,24 @@ def offline():
         yield
 
 
+GEN1_ON_5X = pytest.mark.skipif(not compat.has_module("transformers.modeling_attn_mask_utils"),
+                                reason="HunyuanImage-3 generation 1 imports transformers.modeling_attn_mask_utils, "
+                                       f"removed in transformers {compat.TRANSFORMERS_MAJOR}.x: 4.x only")
+
+
+@pytest.fixture(scope="module", params=[pytest.param(1, marks=GEN1_ON_5X), 2], ids=["gen1", "gen2"])
+def generation(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def hunyuan_dir(tmp_path_factory):
-    return write_hunyuan_remote_code(tmp_path_factory.mktemp("hunyuan_remote") / "HunyuanImage-3")
+def hunyuan_dir(tmp_path_factory, generation):
+    return write_hunyuan_remote_code(tmp_path_factory.mktemp("hunyuan_remote") / "HunyuanImage-3",
+                                     generation=generation)
+
+
+def _fake(generation: int):
+    return ar_models.fake_upstream("moe", generation=generation)
 
 
 @pytest.fixture(scope="module")
@@ -54,31 +72,32 @@ def loaded(hunyuan_dir, offline):
     return load_model(detect(hunyuan_dir), torch.float32, "cpu")
 
 
-def test_directory_is_a_remote_code_checkpoint(hunyuan_dir):
+def test_directory_is_a_remote_code_checkpoint(hunyuan_dir, generation):
     config = json.loads((hunyuan_dir / "config.json").read_text())
     assert config["architectures"] == [ARCHITECTURE]
     assert config["auto_map"] == AUTO_MAP
-    assert config["model_type"] == ar_hunyuan.HunyuanImage3Config.model_type
+    assert config["model_type"] == ar_hunyuan_common.HunyuanImage3Config.model_type
     assert (hunyuan_dir / "model.safetensors").is_file()
-    assert (hunyuan_dir / MODELING_FILE).read_text() == inspect.getsource(ar_hunyuan)
+    assert (hunyuan_dir / MODELING_FILE).read_text() == source_path(generation).read_text()
+    assert (hunyuan_dir / "ar_hunyuan_common.py").read_text() == inspect.getsource(ar_hunyuan_common)
     checkpoint = detect(hunyuan_dir)
     assert (checkpoint.kind, checkpoint.feeds, checkpoint.remote_code) == ("causal_lm", "ar", True)
     assert checkpoint.class_name == ARCHITECTURE
 
 
-def test_loaded_classes_come_from_the_directory(loaded):
+def test_loaded_classes_come_from_the_directory(loaded, generation):
     module = type(loaded).__module__
     assert module.startswith(REMOTE_PREFIX) and module.endswith(MODELING_FILE.removesuffix(".py"))
     assert type(loaded).__name__ == ARCHITECTURE
-    assert not isinstance(loaded, ar_hunyuan.HunyuanImage3ForCausalMM)  # not the in-repo fake
-    assert type(loaded.config).__module__ == module
+    assert not isinstance(loaded, ar_hunyuan_common.HunyuanTextModel)  # not the in-repo fake
+    assert type(loaded.config).__module__.startswith(REMOTE_PREFIX)
     backend = UpstreamBackend(loaded, name="hunyuan_remote")
+    assert backend.generation == generation  # told from what the loaded forward takes
     assert backend.cache_cls.__name__ == "HunyuanStaticCache" and backend.cache_cls.__module__ == module
-    assert backend.cache_cls is not ar_hunyuan.HunyuanStaticCache
 
 
-def test_config_round_trips(loaded):
-    fake = ar_models.fake_upstream("moe").config.to_dict()
+def test_config_round_trips(loaded, generation):
+    fake = _fake(generation).config.to_dict()
     got = loaded.config.to_dict()
     assert got["dtype"] == "float32"  # save_pretrained records the dtype the weights were written in
     for name in ("_name_or_path", "architectures", "auto_map", "dtype", "transformers_version"):  # save/load facts
@@ -87,19 +106,18 @@ def test_config_round_trips(loaded):
     assert got == fake
 
 
-def test_weights_and_buffers_round_trip_bitwise(loaded):
-    fake = ar_models.fake_upstream("moe")
+def test_weights_and_buffers_round_trip_bitwise(loaded, generation):
+    fake = _fake(generation)
     expected = dict(fake.named_parameters()) | dict(fake.named_buffers())
     actual = dict(loaded.named_parameters()) | dict(loaded.named_buffers())
     assert sorted(actual) == sorted(expected)
-    assert "rope_cos" in actual and "rope_sin" in actual  # non-persistent: rebuilt by _init_weights, not loaded
     differ = [name for name, t in expected.items()
               if actual[name].dtype != t.dtype or not torch.equal(actual[name], t)]
     assert not differ, f"not bitwise after save/load: {differ}"
 
 
 @pytest.mark.parametrize("ids", TOKEN_IDS, ids=lambda ids: f"{len(ids)}x{len(ids[0])}")
-def test_logits_equal_the_in_memory_fake_bitwise(loaded, ids):
+def test_logits_equal_the_in_memory_fake_bitwise(loaded, generation, ids):
     # from_pretrained leaves CPU weights as views into the mmap'd safetensors file (8-byte, not 64-byte,
     # aligned), and MKL picks another reduction order for some GEMM shapes on unaligned operands: same weights,
     # last-ulp different logits (seen here at 3.8e-6). A copy puts them in fresh allocator memory, as the gpu
@@ -107,26 +125,26 @@ def test_logits_equal_the_in_memory_fake_bitwise(loaded, ids):
     model = copy.deepcopy(loaded)
     ids = torch.tensor(ids)
     with torch.no_grad():
-        actual = model(input_ids=ids, mode="gen_text").logits
-        expected = ar_models.fake_upstream("moe")(input_ids=ids, mode="gen_text").logits
+        actual = UpstreamBackend(model).stock_prefill(ids)[0]
+        expected = UpstreamBackend(_fake(generation)).stock_prefill(ids)[0]
     assert torch.equal(actual, expected), f"max|d| = {(actual - expected).abs().max():.3e}"
 
 
-def test_batched_equals_b1_on_the_loaded_model(loaded):
+def test_batched_equals_b1_on_the_loaded_model(loaded, generation):
     backend = UpstreamBackend(loaded, name="hunyuan_remote")
     prompts = prompt_ids(ROLLOUT_LENGTHS, seed=71)
-    with torch.no_grad(), ForwardSpy(loaded) as spy:
+    with torch.no_grad(), ARForwardSpy(loaded) as spy:
         fast = loop.fast_rollout(backend, right_padded_batch(prompts, backend.pad_id), NEW_TOKENS)
     reference = loop.stock_rollout(backend, prompts, NEW_TOKENS)
     check_id = "ar.hunyuan_remote.batched_vs_b1"
-    policies = fp32_policies(batch_shape_floor(backend))
+    policies = fp32_policies(stock_prefill_floor(backend))
     verdict = judge_tokens(check_id, fast, reference, policies.tokens).merge(
         judge_logp(check_id, fast, reference, policies.logp))
     verdict = require_path(verdict, spy, len(prompts))
     assert verdict.passed, f"{verdict.message}\n{verdict.metrics}"
     assert fast.tokens.shape == (len(prompts), NEW_TOKENS)
     # and the loaded model generates what the in-memory fake generates
-    in_memory = loop.stock_rollout(ar_models.backend("fake"), prompts, NEW_TOKENS)
+    in_memory = loop.stock_rollout(UpstreamBackend(_fake(generation)), prompts, NEW_TOKENS)
     assert torch.equal(reference.tokens, in_memory.tokens)
 
 

@@ -10,7 +10,7 @@ from fixtures.ar_cases import prompt_ids
 from harness.ar import loop, masks
 from harness.ar.batch import concat, embed_row, pad_positions, right_padded_batch
 from harness.ar.replay import teacher_forced_logp
-from harness.ar.spy import ForwardSpy
+from harness.ar.spy import ARForwardSpy
 from harness.compare import max_abs_diff
 
 pytestmark = pytest.mark.cpu
@@ -157,10 +157,10 @@ def test_stock_rollout_matches_teacher_forced_replay(model: str) -> None:
 def test_spy_sees_batched_static_and_b1_dynamic(model: str) -> None:
     backend = ar_models.backend(model)
     prompts = prompt_ids([4, 9, 6], seed=10)
-    with ForwardSpy(backend.model) as spy:
+    with ARForwardSpy(backend.model) as spy:
         loop.fast_rollout(backend, right_padded_batch(prompts, PAD), 3)
     assert spy.batch_sizes == [3, 3, 3] and spy.static
-    with ForwardSpy(backend.model) as spy:
+    with ARForwardSpy(backend.model) as spy:
         loop.stock_rollout(backend, prompts[:1], 3)
     assert spy.batch_sizes == [1, 1, 1] and spy.dynamic
 
@@ -182,7 +182,18 @@ def test_dense_fake_batched_equals_b1() -> None:
     batch = right_padded_batch(prompt_ids((5, 13, 9), seed=11), PAD)
     fast = loop.fast_rollout(backend, batch, 4)
     reference = loop.stock_rollout(backend, batch.prompts(), 4)
-    policies = verdicts.fp32_policies(verdicts.batch_shape_floor(backend))
+    policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
     for what in ("tokens", "logp", "prefill_kv", "slot0"):
         verdict = verdicts.compare_case(what, f"ar.fake_dense.test.{what}", fast, reference, policies)
         assert verdict.passed, verdict.describe()
+
+
+def test_shipped_backends_are_in_the_registry() -> None:
+    from harness import plugins
+    from harness.ar import plugins as ar_plugins
+    from harness.ar.backends import TransformersBackend, UpstreamBackend
+
+    ar_plugins.register(plugins)
+    ar_plugins.register(plugins)  # idempotent: the same objects
+    assert plugins.AR_BACKENDS.get(ar_plugins.REMOTE_CODE) is UpstreamBackend
+    assert plugins.AR_BACKENDS.get(ar_plugins.TRANSFORMERS) is TransformersBackend

@@ -18,7 +18,7 @@ from fixtures import ar_models
 from fixtures.ar_cases import eos_for_stops
 from fixtures.ar_strategies import ARPlan, ar_plans
 from harness.ar import loop, verdicts
-from harness.ar.spy import ForwardSpy
+from harness.ar.spy import ARForwardSpy
 from harness.compare import max_abs_diff
 
 pytestmark = pytest.mark.cpu
@@ -28,7 +28,7 @@ TIE_MARGIN = 4 * verdicts.LOGP_ATOL  # a top-1/top-2 gap below this is inside th
 
 @functools.cache
 def _policies(model: str) -> verdicts.ARPolicies:
-    return verdicts.fp32_policies(verdicts.batch_shape_floor(ar_models.backend(model)))
+    return verdicts.fp32_policies(verdicts.stock_prefill_floor(ar_models.backend(model)))
 
 
 def _min_margin(rollout: loop.Rollout) -> float:
@@ -49,7 +49,7 @@ def _check_plan(model: str, plan: ARPlan) -> None:
         eos, _ = eos_for_stops(reference.tokens, dict(plan.stops))
         reference = loop.stock_rollout(backend, prompts, case.max_new_tokens, eos)
     assume(_min_margin(reference) > TIE_MARGIN)
-    with ForwardSpy(backend.model) as spy:
+    with ARForwardSpy(backend.model) as spy:
         fast = loop.fast_rollout(backend, case.batch(), case.max_new_tokens, eos)
     policies = _policies(model)
     for what in ("tokens", "logp", "prefill_kv", "slot0"):

@@ -16,7 +16,7 @@ from fixtures import ar_models
 from fixtures.ar_cases import CASES
 from harness import ablation, catalogue
 from harness.ar import loop, verdicts
-from harness.ar.spy import ForwardSpy
+from harness.ar.spy import ARForwardSpy
 from parity import ar_checks
 
 pytestmark = pytest.mark.cpu
@@ -31,12 +31,15 @@ def _reference(model: str, case_name: str) -> loop.Rollout:
     return loop.stock_rollout(ar_models.backend(model), case.prompts(), case.max_new_tokens)
 
 
-def _row(model: str, case, label: str) -> tuple[bool, str]:
+def _row(model: str, case, label: str, fresh_reference: bool = False) -> tuple[bool, str]:
+    """One table row; ``fresh_reference`` recomputes the stock run (under an applied ablation: a seam stock code
+    also runs through, such as ``loop.token_logprob``, then moves both sides, as it would in the check)."""
     backend = ar_models.backend(model)
-    reference = _reference(model, case.name)
+    reference = (loop.stock_rollout(backend, case.prompts(), case.max_new_tokens) if fresh_reference
+                 else _reference(model, case.name))
     policies = ar_checks._policies(model, case)
     try:
-        with ForwardSpy(backend.model) as spy:
+        with ARForwardSpy(backend.model) as spy:
             fast = loop.fast_rollout(backend, case.batch(), case.max_new_tokens)
     except AssertionError as err:
         return False, verdicts.format_seed001(label, False, raised=f"AssertionError {err}".strip())
@@ -64,7 +67,8 @@ def test_seed001_table(model: str, capsys: pytest.CaptureFixture, request: pytes
         for item in ablation.all_ablations(path="ar"):
             claimed = any(k.startswith(f"ar.{model}.{case.name}.") for k in item.kills)
             with item.apply():
-                passed, text = _row(model, case, f"{item.name} -> expect {'FAIL' if claimed else 'PASS'}")
+                passed, text = _row(model, case, f"{item.name} -> expect {'FAIL' if claimed else 'PASS'}",
+                                    fresh_reference=True)
             lines.append(text)
             if passed == claimed:
                 wrong.append(f"{item.name} on {case.name}")

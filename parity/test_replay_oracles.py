@@ -29,7 +29,7 @@ STALE_RECORD = ("replay.cfg1.pi_old_ratio", "replay.cfg2.pi_old_ratio", "replay.
 # tiny-diffusers check per family and quantity (the same shared code path; the full set costs ~10 s each).
 REAL_SAMPLE = ("replay.sd3.cfg2.log_probs", "replay.sd3.cfg2.prev_sample_means", "replay.flux.cfg2.log_probs",
                "replay.flux.cfg2.prev_sample_means", "replay.flux.cfg2.pi_old_vs_rollout")
-REAL_FAMILIES = ("replay.sd3.", "replay.flux.")
+REAL_FAMILIES = ("replay.sd3.", "replay.flux.", "replay.qwen_image.")
 
 
 def _parity_ids() -> list[str]:

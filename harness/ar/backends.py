@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from harness import compat
 from harness.ar import cache as ar_cache
 
 if TYPE_CHECKING:
     from harness.ar.loop import ARState
 
-__all__ = ["StockRun", "TransformersBackend", "UpstreamBackend"]
+__all__ = ["StockRun", "TransformersBackend", "UpstreamBackend", "upstream_generation"]
 
 
 @dataclass(frozen=True)
@@ -49,16 +50,41 @@ def _stops(eos: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(eos), dtype=torch.long, device=device)
 
 
+def upstream_generation(model: Any) -> int:
+    """Which generation of HunyuanImage-3 remote code ``model`` is, from what its ``forward`` takes.
+
+    1: ``hunyuan.py`` (RoPE passed in as ``custom_pos_emb``, built with its module's ``build_batch_2d_rope``);
+    2: the Instruct ``modeling_hunyuan_image_3.py`` (RoPE built inside from ``rope_image_info``).
+    """
+    params = inspect.signature(model.forward).parameters
+    module = sys.modules[type(model).__module__]
+    if "custom_pos_emb" in params:
+        if not callable(getattr(module, "build_batch_2d_rope", None)):
+            raise TypeError(f"{type(model).__name__}.forward takes custom_pos_emb but its module has no "
+                            "build_batch_2d_rope to build it")
+        return 1
+    if "rope_image_info" in params:
+        return 2
+    raise TypeError(f"{type(model).__name__}.forward takes neither custom_pos_emb (HunyuanImage-3 generation 1) "
+                    "nor rope_image_info (generation 2)")
+
+
 class UpstreamBackend:
-    """HunyuanImage-3 remote-code contract: ``HunyuanStaticCache``, per-row 2-D writes, gather at position_ids."""
+    """HunyuanImage-3 remote-code contract: ``HunyuanStaticCache``, per-row 2-D writes, gather at position_ids.
+
+    Drives both generations through upstream's own ``prepare_inputs_for_generation`` /
+    ``_update_model_kwargs_for_generation``; the generation only decides how RoPE reaches the model
+    (``rope_kwargs``). Text-only rows: no image spans.
+    """
 
     layout = "per-row slots (position_ids = KV write index)"
 
     def __init__(self, model: Any, name: str = "upstream", cache_cls: type | None = None) -> None:
         self.model = model
         self.name = name
-        module = sys.modules[type(model).__module__]
-        self.cache_cls = cache_cls or getattr(module, "HunyuanStaticCache", None)
+        self.generation = upstream_generation(model)
+        self._module = sys.modules[type(model).__module__]
+        self.cache_cls = cache_cls or getattr(self._module, "HunyuanStaticCache", None)
         if self.cache_cls is None:
             raise TypeError(f"{type(model).__name__}'s module defines no HunyuanStaticCache; pass cache_cls")
         self.pad_id = int(model.config.pad_id)
@@ -66,10 +92,37 @@ class UpstreamBackend:
         self.kv_heads = int(model.config.num_key_value_heads)
         self.head_dim = int(model.config.attention_head_dim)
 
-    # ------------------------------------------------------------------ cache
+    # ------------------------------------------------------------------ cache and RoPE
     def new_cache(self, batch_size: int, max_cache_len: int, dynamic: bool) -> Any:
         return self.cache_cls(config=self.model.config, max_batch_size=batch_size, max_cache_len=max_cache_len,
                               dtype=self.model.dtype, dynamic=dynamic)
+
+    def rope_kwargs(self, batch_size: int, seq_len: int, device: torch.device) -> dict[str, Any]:
+        """How this generation receives RoPE for ``batch_size`` text-only rows of up to ``seq_len`` positions:
+        generation 1 gets ``custom_pos_emb`` built by its own module; generation 2 gets one (empty)
+        ``rope_image_info`` entry per row (``None`` would build a single table, which only works at B=1)."""
+        if self.generation == 1:
+            cos, sin = self._module.build_batch_2d_rope(
+                seq_len=seq_len, n_elem=self.head_dim, image_infos=[[] for _ in range(batch_size)], device=device,
+                base=self.model.config.rope_theta)
+            return {"custom_pos_emb": (cos, sin)}
+        return {"rope_image_info": [[] for _ in range(batch_size)]}
+
+    def _tokenizer_output(self, real_pos: torch.Tensor) -> SimpleNamespace:
+        """The fields upstream's generation hooks read from ``tokenizer_output`` for text-only rows."""
+        rows = real_pos.shape[0]
+        return SimpleNamespace(real_pos=real_pos, joint_image_slices=[[] for _ in range(rows)],
+                               gen_image_slices=[[] for _ in range(rows)])
+
+    def _step(self, input_ids: torch.Tensor, kwargs: dict[str, Any],
+              mask: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, Any]]:
+        """One forward through upstream's own hooks; ``mask`` replaces what the kwargs carry. Returns the logits
+        and upstream's updated kwargs, its cache entry renamed to what its prepare step reads (compat)."""
+        inputs = self.model.prepare_inputs_for_generation(input_ids, **kwargs)
+        inputs["attention_mask"] = mask
+        outputs = self.model(**inputs)
+        updated = self.model._update_model_kwargs_for_generation(outputs, kwargs)
+        return outputs.logits, compat.remote_code_kwargs(updated)
 
     # ------------------------------------------------------------------ batched loop hooks
     def begin(self, state: ARState) -> None:
@@ -79,17 +132,13 @@ class UpstreamBackend:
             "position_ids": batch.position_ids,
             "past_key_values": state.cache,
             "mode": "gen_text",
-            "rope_image_info": None,
-            "tokenizer_output": SimpleNamespace(real_pos=state.real_pos[:, None]),
+            "tokenizer_output": self._tokenizer_output(state.real_pos[:, None]),
+            **self.rope_kwargs(batch.batch_size, state.max_cache_len, batch.input_ids.device),
         }
 
     def _forward(self, state: ARState, mask: torch.Tensor | None) -> torch.Tensor:
-        kwargs = state.extra["model_kwargs"]
-        inputs = self.model.prepare_inputs_for_generation(state.input_ids, **kwargs)
-        inputs["attention_mask"] = mask
-        outputs = self.model(**inputs)
-        state.extra["model_kwargs"] = self.model._update_model_kwargs_for_generation(outputs, kwargs)
-        return outputs.logits
+        logits, state.extra["model_kwargs"] = self._step(state.input_ids, state.extra["model_kwargs"], mask)
+        return logits
 
     def prefill_key_length(self, state: ARState) -> int:
         if ar_cache.is_dynamic(state.cache):  # upstream trims to row 0's last position + 1
@@ -122,39 +171,78 @@ class UpstreamBackend:
 
     # ------------------------------------------------------------------ stock and replay
     def stock_generate(self, prompt: torch.Tensor, max_new_tokens: int, eos: tuple[int, ...]) -> StockRun:
-        """Upstream's own generate at B=1 on the unpadded prompt, with the cache upstream builds for gen_text."""
+        """Upstream's own generation at B=1 on the unpadded prompt: the cache upstream builds for gen_text
+        (dynamic), the mask its ``_prepare_attention_mask_for_generation`` builds (``generate`` accepts no 4-D
+        mask), its prepare/update hooks each step (so its decode steps run unmasked), greedy argmax appended,
+        as ``GenerationMixin._sample`` does. No harness seam runs."""
         length, device = int(prompt.numel()), prompt.device
-        cache = self.new_cache(1, length + max_new_tokens, dynamic=True)
-        out = self.model.generate(
-            prompt[None], attention_mask=torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None],
-            position_ids=torch.arange(length, device=device)[None], past_key_values=cache, mode="gen_text",
-            rope_image_info=None, tokenizer_output=SimpleNamespace(real_pos=torch.tensor([[length]], device=device)),
-            eos_token_id=list(eos),
-            max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True)
-        tokens = out.sequences[0, length:]
-        fed = tokens.numel() - 1  # the last sampled token is never fed back
-        return StockRun(tokens=tokens, logits=torch.stack(out.logits)[:, 0].float(),
+        total = length + max_new_tokens
+        cache = self.new_cache(1, total, dynamic=True)
+        input_ids = prompt[None]
+        kwargs: dict[str, Any] = {
+            "position_ids": torch.arange(length, device=device)[None], "past_key_values": cache, "mode": "gen_text",
+            "tokenizer_output": self._tokenizer_output(torch.tensor([[length]], device=device)),
+            **self.rope_kwargs(1, total, device)}
+        kwargs["attention_mask"] = getattr(self.model, compat.GENERATE_MASK_BUILDER)(
+            input_ids, self.model.generation_config, kwargs)
+        stops = _stops(eos, device)
+        tokens, steps = [], []
+        while True:
+            logits, kwargs = self._step(input_ids, kwargs, kwargs.get("attention_mask"))
+            steps.append(logits[0, -1])
+            token = logits[0, -1].argmax()
+            tokens.append(token)
+            if len(tokens) == max_new_tokens or bool(torch.isin(token, stops)):
+                break
+            input_ids = torch.cat([input_ids, token.reshape(1, 1)], dim=-1)
+        fed = len(tokens) - 1  # the last sampled token is never fed back
+        return StockRun(tokens=torch.stack(tokens), logits=torch.stack(steps).float(),
                         kv=_stack_kv(cache, 0, torch.arange(length + fed)))
+
+    def stock_padded(self, prompt: torch.Tensor, tokens: torch.Tensor, width: int, max_cache_len: int) -> torch.Tensor:
+        """Teacher-forced stock logits ``[N, V]`` of one prompt right-padded to ``width`` in a static cache of
+        ``max_cache_len`` slots (the batch's): upstream's own hooks and mask builder, the prefill mask's key axis
+        padded with False to the cache length, prefill logits read at the last real column, each decode step
+        under a mask admitting the row's own slots ``[0, real_pos + k]``. Only padding and the longer key axis
+        differ from ``stock_generate``: the legitimate rounding a bf16 policy must allow. No harness loop runs."""
+        length, count, device = int(prompt.numel()), int(tokens.numel()), prompt.device
+        buf = torch.full((1, max(width, length + count)), self.pad_id, dtype=torch.long, device=device)
+        buf[0, :length] = prompt
+        kwargs: dict[str, Any] = {
+            "position_ids": torch.arange(width, device=device)[None], "mode": "gen_text",
+            "past_key_values": self.new_cache(1, max_cache_len, dynamic=False),
+            "tokenizer_output": self._tokenizer_output(torch.tensor([[length]], device=device)),
+            **self.rope_kwargs(1, max_cache_len, device)}
+        causal = getattr(self.model, compat.GENERATE_MASK_BUILDER)(buf[:, :width], self.model.generation_config, kwargs)
+        mask = torch.zeros(1, 1, width, max_cache_len, dtype=torch.bool, device=device)
+        mask[..., :width] = causal
+        logits, kwargs = self._step(buf[:, :width], kwargs, mask)
+        steps = [logits[0, length - 1]]
+        slots = torch.arange(max_cache_len, device=device)
+        for k in range(count - 1):
+            buf[0, length + k] = tokens[k]  # upstream re-reads the input at position_ids = real_pos + k
+            logits, kwargs = self._step(buf, kwargs, (slots <= length + k)[None, None, None])
+            steps.append(logits[0, -1])
+        return torch.stack(steps).float()
 
     def stock_prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Upstream's prefill of equal-length unpadded rows ``ids [B, L]`` into a static cache exactly L long
         (what gen_image does): logits ``[B, L, V]`` and KV ``[B, layers, 2, H, L, hd]``. No harness seam runs."""
         bsz, length = ids.shape
         cache = self.new_cache(bsz, length, dynamic=False)
-        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
-        mask = causal[None, None].expand(bsz, -1, -1, -1)
+        mask = getattr(self.model, compat.GENERATE_MASK_BUILDER)(ids, self.model.generation_config, {})
         positions = torch.arange(length, device=ids.device)[None].expand(bsz, -1)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         mode="gen_text")
+                         mode="gen_text", **self.rope_kwargs(bsz, length, ids.device))
         kv = torch.stack([_stack_kv(cache, i, torch.arange(length)) for i in range(bsz)])
         return out.logits.float().cpu(), kv.float().cpu()
 
     def full_forward(self, ids: torch.Tensor) -> torch.Tensor:
         """One unpadded, cache-free forward over ``ids [T]`` -> logits ``[T, V]``."""
         length = int(ids.numel())
-        mask = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()[None, None]
+        mask = getattr(self.model, compat.GENERATE_MASK_BUILDER)(ids[None], self.model.generation_config, {})
         out = self.model(input_ids=ids[None], attention_mask=mask, position_ids=torch.arange(length, device=ids.device)[
-            None], past_key_values=None, mode="gen_text")
+            None], past_key_values=None, mode="gen_text", **self.rope_kwargs(1, length, ids.device))
         return out.logits[0]
 
 
@@ -171,8 +259,7 @@ class TransformersBackend:
         self.vocab_size = int(config.vocab_size)
         self.kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = compat.forward_cache_kwarg(model.forward)
 
     def new_cache(self, batch_size: int, max_cache_len: int, dynamic: bool) -> Any:
         from transformers import DynamicCache, StaticCache
@@ -182,8 +269,8 @@ class TransformersBackend:
         return StaticCache(config=self.model.config, max_cache_len=max_cache_len)
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
-             cache: Any) -> torch.Tensor:
-        kwargs = {self._cache_kw: cache}
+             cache: Any, slots: torch.Tensor | None = None) -> torch.Tensor:
+        kwargs = {self._cache_kw: cache, **compat.write_slot_kwargs(self.model.forward, slots)}
         return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=cache is not None,
                           **kwargs).logits
 
@@ -194,7 +281,8 @@ class TransformersBackend:
         return state.batch.width if ar_cache.is_dynamic(state.cache) else state.max_cache_len
 
     def prefill(self, state: ARState, mask: torch.Tensor) -> torch.Tensor:
-        return self._run(state.batch.input_ids, mask, state.batch.position_ids, state.cache)
+        slots = torch.arange(state.batch.width, device=state.batch.input_ids.device)
+        return self._run(state.batch.input_ids, mask, state.batch.position_ids, state.cache, slots)
 
     def decode_write_slots(self, state: ARState) -> torch.Tensor:
         slot = state.batch.width + state.step_idx - 1
@@ -209,7 +297,8 @@ class TransformersBackend:
         column = state.batch.width + state.step_idx - 1
         ids = state.input_ids[:, column: column + 1]
         positions = (state.real_pos + state.step_idx - 1)[:, None]
-        return self._run(ids, mask, positions, state.cache)
+        slots = torch.tensor([column], device=ids.device)
+        return self._run(ids, mask, positions, state.cache, slots)
 
     def key_valid(self, state: ARState, generated: torch.Tensor, key_length: int) -> torch.Tensor:
         slots = torch.arange(key_length, device=generated.device)[None]
@@ -243,6 +332,31 @@ class TransformersBackend:
         fed = len(tokens) - 1
         return StockRun(tokens=torch.stack(tokens), logits=torch.stack(steps).float(),
                         kv=_stack_kv(cache, 0, torch.arange(prompt.numel() + fed)))
+
+    def stock_padded(self, prompt: torch.Tensor, tokens: torch.Tensor, width: int, max_cache_len: int) -> torch.Tensor:
+        """Teacher-forced logits ``[N, V]`` of one prompt right-padded to ``width`` in the model's own static cache
+        of ``max_cache_len`` slots, hole layout (token k at slot ``width + k``, RoPE position ``real_pos + k``),
+        every step masked to the row's own keys. Only padding and the longer key axis differ from
+        ``stock_generate``; no harness loop runs."""
+        from transformers import StaticCache
+
+        length, count, device = int(prompt.numel()), int(tokens.numel()), prompt.device
+        ids = torch.full((1, width), self.pad_id, dtype=torch.long, device=device)
+        ids[0, :length] = prompt
+        cache = StaticCache(config=self.model.config, max_cache_len=max_cache_len)
+        slots = torch.arange(max_cache_len, device=device)
+        rows = torch.arange(width, device=device)[:, None]
+        prefill = ((slots[None] <= rows) & (slots[None] < length))[None, None]
+        logits = self._run(ids, prefill, torch.arange(width, device=device)[None], cache,
+                           torch.arange(width, device=device))
+        steps = [logits[0, length - 1]]
+        for k in range(count - 1):
+            valid = (slots < length) | ((slots >= width) & (slots <= width + k))
+            logits = self._run(tokens[k].reshape(1, 1), valid[None, None, None],
+                               torch.tensor([[length + k]], device=device), cache,
+                               torch.tensor([width + k], device=device))
+            steps.append(logits[0, -1])
+        return torch.stack(steps).float()
 
     def stock_prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own prefill of equal-length unpadded rows ``ids [B, L]`` (default cache, no mask):

@@ -165,12 +165,19 @@ def step(state: ARState) -> None:
     state.step_idx += 1
 
 
+def token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The recorded log-prob: full-softmax, T=1 log-prob of ``tokens [...]`` under ``logits [..., V]``.
+
+    Stock and fast both record through this one function, so parity cannot see a bug in it; the fp64 oracle
+    check (``ar.<model>.oracle.greedy_logp``) can."""
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[..., None])[..., 0]
+
+
 def _sample(state: ARState, row_logits: torch.Tensor) -> None:
     k = state.step_idx
     emitting = ~state.finished
-    logprobs = torch.log_softmax(row_logits, dim=-1)
     token = row_logits.argmax(dim=-1)
-    token_logp = logprobs.gather(1, token[:, None])[:, 0]
+    token_logp = token_logprob(row_logits, token)
     emitted = torch.where(emitting, token, state.backend.pad_id)
     state.tokens[:, k] = emitted
     state.logp[:, k] = torch.where(emitting, token_logp, 0.0)
@@ -241,7 +248,7 @@ def stock_rollout(backend: Any, prompts: Sequence[torch.Tensor], max_new_tokens:
         run_tokens, run_logits = run.tokens.cpu(), run.logits.float().cpu()
         tokens[i, :n] = run_tokens
         logits[i, :n] = run_logits
-        logp[i, :n] = torch.log_softmax(run_logits, dim=-1).gather(1, run_tokens[:, None])[:, 0]
+        logp[i, :n] = token_logprob(run_logits, run_tokens)
         lengths[i] = n
         kv.append(run.kv.float().cpu())
     real_pos = torch.tensor([int(p.numel()) for p in prompts], dtype=torch.long)

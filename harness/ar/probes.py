@@ -20,7 +20,7 @@ import torch
 from harness.ar import cache as ar_cache
 from harness.ar.batch import ARBatch
 from harness.ar.loop import ARState, Rollout, collect, init_state, step
-from harness.ar.spy import ForwardSpy
+from harness.ar.spy import ARForwardSpy
 
 __all__ = ["ProbedRun", "dead_slots", "footprint_rollout", "nan_probe_rollout"]
 
@@ -28,7 +28,7 @@ __all__ = ["ProbedRun", "dead_slots", "footprint_rollout", "nan_probe_rollout"]
 @dataclass
 class ProbedRun:
     rollout: Rollout
-    spy: ForwardSpy
+    spy: ARForwardSpy
     static: bool
     poisoned_slots: int = 0
     nonfinite_logits: int = 0
@@ -47,7 +47,7 @@ def dead_slots(state: ARState) -> torch.Tensor:
 
 def nan_probe_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()) -> ProbedRun:
     """Run the batched loop with NaN in every unused and dead slot; count non-finite logits of emitting rows."""
-    with ForwardSpy(backend.model) as spy:
+    with ARForwardSpy(backend.model) as spy:
         state = init_state(backend, batch, max_new_tokens, eos)
         static = not ar_cache.is_dynamic(state.cache)
         if static:
@@ -65,7 +65,7 @@ def nan_probe_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Se
 
 def footprint_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()) -> ProbedRun:
     """Run the batched loop and find every slot a row wrote after the prefill outside its generated tokens."""
-    with ForwardSpy(backend.model) as spy:
+    with ARForwardSpy(backend.model) as spy:
         state = init_state(backend, batch, max_new_tokens, eos)
         step(state)
         static = not ar_cache.is_dynamic(state.cache)

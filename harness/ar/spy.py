@@ -11,7 +11,7 @@ from typing import Any
 
 from harness.ar import cache as ar_cache
 
-__all__ = ["ForwardCall", "ForwardSpy"]
+__all__ = ["ARForwardSpy", "ForwardCall"]
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class ForwardCall:
 
 
 @dataclass
-class ForwardSpy:
+class ARForwardSpy:
     """Context manager recording every forward of ``model`` (a forward pre-hook; nothing inside is patched)."""
 
     model: Any
@@ -38,7 +38,7 @@ class ForwardSpy:
             cache="none" if cache is None else type(cache).__name__,
             dynamic=None if cache is None else ar_cache.is_dynamic(cache)))
 
-    def __enter__(self) -> ForwardSpy:
+    def __enter__(self) -> ARForwardSpy:
         self.calls.clear()
         self._handle = self.model.register_forward_pre_hook(self._hook, with_kwargs=True)
         return self

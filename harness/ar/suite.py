@@ -11,13 +11,15 @@ from typing import Any
 
 import torch
 
+from harness import conformance
 from harness.ar import loop, probes, verdicts
 from harness.ar.batch import ARBatch
 from harness.ar.replay import teacher_forced_logp
-from harness.ar.spy import ForwardSpy
+from harness.ar.spy import ARForwardSpy
 from harness.compare import Policy, Verdict, expect_raises
 
 __all__ = [
+    "check_greedy_logp_oracle",
     "check_missing_real_pos",
     "compare_batched",
     "compare_finished_rows",
@@ -28,8 +30,11 @@ __all__ = [
 
 
 def _fast(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()):
-    with ForwardSpy(backend.model) as spy:
-        rollout = loop.fast_rollout(backend, batch, max_new_tokens, eos)
+    """The implementation under test (the suite's ``fast_rollout`` or a user's, via ``--impl ar=...``) under the
+    forward spy: a user's callable that never runs the model's forwards at the batch fails the path facts."""
+    fast_rollout = conformance.resolve("ar", loop.fast_rollout)
+    with ARForwardSpy(backend.model) as spy:
+        rollout = fast_rollout(backend, batch, max_new_tokens, eos)
     return rollout, spy
 
 
@@ -100,3 +105,34 @@ def check_missing_real_pos(check_id: str, backend: Any, batch: ARBatch, max_new_
     """Without tokenizer_output.real_pos the loop refuses to start, naming real_pos (at any batch size)."""
     return expect_raises(check_id, lambda: loop.init_state(backend, batch.without_real_pos(), max_new_tokens),
                          ValueError, match="real_pos")
+
+
+def _oracle_errors(rollout: loop.Rollout) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Recorded vs fp64 oracle over every emitted step: (recorded logp, oracle logp, tokens off the fp64 argmax)."""
+    recorded, oracle, off = [], [], 0
+    for row in range(rollout.tokens.shape[0]):
+        n = int(rollout.lengths[row])
+        logits64 = rollout.logits[row, :n].double()
+        tokens = rollout.tokens[row, :n]
+        logp64 = torch.log_softmax(logits64, dim=-1)
+        oracle.append(logp64.gather(-1, tokens[:, None])[:, 0])
+        recorded.append(rollout.logp[row, :n].double())
+        off += int((logits64.argmax(dim=-1) != tokens).sum())
+    return torch.cat(recorded), torch.cat(oracle), off
+
+
+def check_greedy_logp_oracle(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int,
+                             policy: Policy) -> Verdict:
+    """Both rollouts' greedy picks and recorded log-probs against an fp64 softmax of their own logits.
+
+    Parity compares fast with stock, and both record through ``loop.token_logprob``; this is the independent
+    oracle for that shared piece. The stock run is made here, uncached, so an ablation cannot poison a cache."""
+    fast, spy = _fast(backend, batch, max_new_tokens)
+    stock = loop.stock_rollout(backend, batch.prompts(), max_new_tokens)
+    fast_rec, fast_oracle, fast_off = _oracle_errors(fast)
+    stock_rec, stock_oracle, stock_off = _oracle_errors(stock)
+    verdict = policy.judge(check_id, torch.cat([fast_rec, stock_rec]), torch.cat([fast_oracle, stock_oracle]),
+                           dims=("step",), what="recorded log-prob vs fp64 softmax")
+    verdict = verdict.require(fast_off == 0 and stock_off == 0, "every token is the fp64 argmax of its logits",
+                              fast_tokens_off_argmax=fast_off, stock_tokens_off_argmax=stock_off)
+    return verdicts.require_path(verdict, spy, batch.batch_size)

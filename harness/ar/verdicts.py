@@ -17,15 +17,14 @@ from typing import Any
 import torch
 
 from harness.ar.loop import Rollout
-from harness.ar.spy import ForwardSpy
+from harness.ar.spy import ARForwardSpy
 from harness.compare import Policy, Verdict, close, exact, max_abs_diff
 
 __all__ = [
     "KV_ATOL",
     "LOGP_ATOL",
     "ARPolicies",
-    "BatchShapeFloor",
-    "batch_shape_floor",
+    "StockPrefillFloor",
     "compare_case",
     "divergences",
     "exact_policies",
@@ -37,9 +36,10 @@ __all__ = [
     "judge_tokens",
     "require_path",
     "seed001_metrics",
+    "stock_prefill_floor",
 ]
 
-# fp32 tolerances on the tiny CPU models. The batch-shape control (``batch_shape_floor``: 4 unpadded prompts
+# fp32 tolerances on the tiny CPU models. The batch-shape control (``stock_prefill_floor``: 4 unpadded prompts
 # of 6 tokens prefilled together vs alone, no harness code involved) measures up to ~8e-6 on full log-probs and
 # ~2e-6 on KV here: MKL takes other GEMM kernels for the few rows of a short B=1 prompt (or a small expert
 # group) than for the batch. Seed 001 saw 4.8e-7 / 1.2e-6 at hidden 128 on its GPU. The tolerances sit above
@@ -50,7 +50,7 @@ FLOOR_HEADROOM = 4.0  # a tolerance must stay at least this many times the measu
 
 
 @dataclass(frozen=True)
-class BatchShapeFloor:
+class StockPrefillFloor:
     """The fp32 rounding a batch shape alone causes: the same prompts prefilled batched vs one by one."""
 
     logp: float
@@ -63,7 +63,7 @@ class BatchShapeFloor:
 
 
 @torch.no_grad()
-def batch_shape_floor(backend: Any, seed: int = 0, rows: int = 4, length: int = 6) -> BatchShapeFloor:
+def stock_prefill_floor(backend: Any, seed: int = 0, rows: int = 4, length: int = 6) -> StockPrefillFloor:
     """Measure the batch-shape floor with the backend's stock prefill only (no harness seam runs)."""
     gen = torch.Generator().manual_seed(seed)
     low = 1 if backend.pad_id == 0 else 0
@@ -74,7 +74,7 @@ def batch_shape_floor(backend: Any, seed: int = 0, rows: int = 4, length: int = 
     alone_logits = torch.cat([a[0] for a in alone])
     alone_kv = torch.cat([a[1] for a in alone])
     logp = max_abs_diff(torch.log_softmax(batched_logits, -1), torch.log_softmax(alone_logits, -1))
-    return BatchShapeFloor(logp=logp, kv=max_abs_diff(batched_kv, alone_kv), backend=backend.name)
+    return StockPrefillFloor(logp=logp, kv=max_abs_diff(batched_kv, alone_kv), backend=backend.name)
 
 
 @dataclass(frozen=True)
@@ -83,10 +83,10 @@ class ARPolicies:
     logp: Policy
     kv: Policy
     slot0: Policy
-    floor: BatchShapeFloor | None = None
+    floor: StockPrefillFloor | None = None
 
 
-def fp32_policies(floor: BatchShapeFloor) -> ARPolicies:
+def fp32_policies(floor: StockPrefillFloor) -> ARPolicies:
     """Tokens exact; log-probs and KV ``close`` at fp32 batch-shape tolerances, with the measured floor."""
     logp = close(atol=LOGP_ATOL, rtol=0.0, reason=f"fp32 batch-shape rounding; {floor.describe()}; seed 001: 4.8e-7")
     kv = close(atol=KV_ATOL, rtol=0.0, reason=f"fp32 batch-shape rounding; {floor.describe()}; seed 001: 1.2e-6")
@@ -219,7 +219,7 @@ def compare_case(what: str, check_id: str, fast: Rollout, ref: Rollout, policies
     return verdict
 
 
-def require_path(verdict: Verdict, spy: ForwardSpy, batch_size: int) -> Verdict:
+def require_path(verdict: Verdict, spy: ARForwardSpy, batch_size: int) -> Verdict:
     """Prove the path that ran: every forward at the full batch, static cache at B > 1, dynamic at B == 1."""
     sizes = spy.batch_sizes
     verdict = verdict.require(bool(sizes) and all(s == batch_size for s in sizes),

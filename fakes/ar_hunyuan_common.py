@@ -1,48 +1,54 @@
-"""A contract-faithful fake of the HunyuanImage-3 upstream text path (remote code), CPU-sized.
+"""The parts both fake HunyuanImage-3 upstream generations share (text path, CPU-sized).
 
-It keeps upstream's names and the behaviours seed 001 found load-bearing, so one harness adapter drives
-either this fake or the real ``modeling_hunyuan_image_3``:
+Held to the real remote code by docs/ar-contract.md; each generation's module (``ar_hunyuan_gen1``: ``hunyuan.py``,
+``ar_hunyuan_gen2``: the Instruct ``modeling_hunyuan_image_3.py``) adds its RoPE plumbing, its cache's lazy-init
+call and its generation hooks. Shared here, as both upstream generations have them:
 
-- ``HunyuanStaticCache`` subclasses transformers' ``StaticCache`` with a ``dynamic`` flag; a 2-D
-  ``cache_position`` writes row by row (index-copy: duplicates, last write wins); when dynamic it then asserts the
-  batch is 1 (seed 002's crash) and returns KV trimmed to row 0's last position + 1; when static it returns all
-  ``max_cache_len`` slots, unwritten zeros included.
-- ``position_ids`` is both the RoPE row index (tables gathered per row) and the KV write index.
-- decode steps carry no attention mask (``_update_model_kwargs_for_generation`` drops it), the next input is
-  re-read with ``input_ids.gather(1, position_ids)`` and ``generate`` reads logits at the last column.
+- ``HunyuanStaticCacheBase``: transformers' ``StaticCache`` with a ``dynamic`` flag; a 2-D ``cache_position``
+  writes row by row (index-copy: duplicates, last write wins); when dynamic it then asserts the batch is 1 (seed
+  002's crash) and returns KV trimmed to row 0's last position + 1; when static it returns all ``max_cache_len``
+  slots, unwritten zeros included.
+- ``position_ids`` is both the RoPE row index and the KV write index.
+- text-row RoPE tables as upstream's 2-D RoPE builds them (fp32 tables; rotation applied in fp32, then cast).
+- attention through torch's ``scaled_dot_product_attention`` over the whole returned key axis, as upstream calls
+  it (so bf16 results depend on the key length exactly as upstream's do); ``attention_kernel="read_safe"``
+  swaps in a kernel that never reads a masked slot, for the NaN probes only.
 - zero pad embedding, GQA, a dense SwiGLU MLP or a per-token top-k MoE that never drops tokens.
 
-Only ``mode="gen_text"`` exists here; image spans, VAE and ViT are out of scope.
-
-Like upstream, the model is a transformers ``PreTrainedModel`` (``HunyuanImage3PreTrainedModel`` base, ``config_class``,
-``base_model_prefix = ""``, ``_no_split_modules``) so ``save_pretrained`` / ``from_pretrained`` round-trip it. The
-module imports only torch, transformers and the standard library: ``fixtures/ar_checkpoint.py`` copies it into a
-checkpoint directory as ``modeling_hunyuan_image_3.py`` and loads it back as remote code (trust_remote_code=True).
+The model output is transformers' ``CausalLMOutputWithPast`` with the cache under the field name of the installed
+major (``past_key_values`` on 4.x, ``cache`` on 5.x), which is what upstream's kwargs update looks up.
+Only ``mode="gen_text"`` exists; image spans, VAE and ViT are out of scope. The module imports only torch,
+transformers, the standard library and ``harness.compat`` (installed with the project).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, StaticCache
-from transformers import initialization as init
+from transformers import PreTrainedModel, StaticCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from harness import compat
 
 __all__ = [
-    "GenerateOutput",
     "HunyuanImage3Config",
-    "HunyuanImage3ForCausalMM",
     "HunyuanImage3PreTrainedModel",
-    "HunyuanStaticCache",
-    "build_rope_table",
+    "HunyuanStaticCacheBase",
+    "HunyuanTextModel",
+    "build_batch_2d_rope",
+    "causal_generation_mask",
+    "masked_attention",
+    "text_rope_table",
 ]
 
+KERNELS = ("sdpa", "read_safe")
 
-class HunyuanImage3Config(PreTrainedConfig):
+
+class HunyuanImage3Config(compat.config_base()):
     """The text-path fields of upstream's config (``attention_head_dim``, ``moe_topk``, ``pad_id`` ...)."""
 
     model_type = "fake_hunyuan_image_3"
@@ -62,21 +68,26 @@ class HunyuanImage3Config(PreTrainedConfig):
     moe_topk: int = 1
     use_mixed_mlp_moe: bool = True
     initializer_range: float = 0.02
+    attention_kernel: str = "sdpa"
 
 
-class HunyuanStaticCache(StaticCache):
-    """Upstream's cache: per-row 2-D writes; ``dynamic`` trims the returned KV (and only works at batch 1)."""
+class HunyuanStaticCacheBase(StaticCache):
+    """Upstream's cache: per-row 2-D writes; ``dynamic`` trims the returned KV (and only works at batch 1).
+    Each generation's subclass makes its own ``lazy_initialization`` call (``_lazy_init``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.dynamic = kwargs.pop("dynamic", False)
         super().__init__(*args, **kwargs)
 
+    def _lazy_init(self, layer: Any, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise NotImplementedError
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         cache_position = (cache_kwargs or {}).get("cache_position")
         layer = self.layers[layer_idx]
-        if not layer.is_initialized:
-            layer.lazy_initialization(key_states, value_states)
+        if getattr(layer, "keys", None) is None:
+            self._lazy_init(layer, key_states, value_states)
         k_out, v_out = layer.keys, layer.values
         if cache_position is None:
             k_out.copy_(key_states)
@@ -102,12 +113,34 @@ class HunyuanStaticCache(StaticCache):
         return k_out, v_out
 
 
-def build_rope_table(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """1-D RoPE tables ``(cos, sin)`` of shape ``[1, seq_len, head_dim]`` (text rows of upstream's 2-D RoPE)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    freqs = torch.arange(seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float()[None], emb.sin().float()[None]
+def text_rope_table(seq_len: int, head_dim: int, base: float,
+                    device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin) [seq_len, head_dim]`` in fp32 for a text-only row of upstream's 2-D RoPE: both axes at the
+    token index, so pair k rotates by ``t * base^(-2k/d)`` (upstream computes theta and angles in fp32)."""
+    if head_dim % 4:
+        raise ValueError(f"head_dim must be divisible by 4 for the 2-D RoPE, got {head_dim}")
+    theta = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles = (torch.arange(seq_len, device=device)[:, None] * theta[None, :]).repeat(1, 2)
+    return torch.cos(angles), torch.sin(angles)
+
+
+def build_batch_2d_rope(seq_len: int, n_elem: int, image_infos: list | None = None,
+                        device: torch.device | None = None, base: float = 10000) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upstream's batched builder: one table per entry of ``image_infos`` (``None`` -> one table), stacked to
+    ``[len, seq_len, n_elem]``. Text-only rows only: an image span raises."""
+    infos = [None] if image_infos is None else list(image_infos)
+    if any(info for info in infos):
+        raise NotImplementedError("the fake implements text-only rows; image spans need upstream's 2-D RoPE")
+    tables = [text_rope_table(seq_len, n_elem, base, device) for _ in infos]
+    return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
+
+
+def causal_generation_mask(inputs_tensor: torch.Tensor) -> torch.Tensor:
+    """What upstream's ``_prepare_attention_mask_for_generation`` builds for text-only rows: bool
+    ``[B, 1, L, L]``, causal (image spans would add full-attention blocks)."""
+    bsz, seq_len = inputs_tensor.shape
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=inputs_tensor.device).tril()
+    return causal.repeat(bsz, 1, 1)[:, None]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -194,10 +227,13 @@ class HunyuanMoE(nn.Module):
 
 
 class HunyuanImage3SDPAAttention(nn.Module):
-    """GQA attention; RoPE from ``custom_pos_emb``; ``position_ids`` passed to the cache as ``cache_position``."""
+    """GQA attention; RoPE ``(cos, sin)`` per row; ``position_ids`` passed to the cache as ``cache_position``."""
 
     def __init__(self, config: HunyuanImage3Config, layer_idx: int) -> None:
         super().__init__()
+        if config.attention_kernel not in KERNELS:
+            raise ValueError(f"attention_kernel must be one of {KERNELS}, got {config.attention_kernel!r}")
+        self.kernel = config.attention_kernel
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv = config.num_key_value_heads
@@ -209,20 +245,23 @@ class HunyuanImage3SDPAAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-                past_key_value: HunyuanStaticCache | None,
-                custom_pos_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                past_key_value: HunyuanStaticCacheBase | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, q_len, _ = hidden.shape
         q, k, v = self.qkv_proj(hidden).split(
             [self.num_heads * self.head_dim, self.num_kv * self.head_dim, self.num_kv * self.head_dim], dim=-1)
         q = q.reshape(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.reshape(bsz, q_len, self.num_kv, self.head_dim).transpose(1, 2)
         v = v.reshape(bsz, q_len, self.num_kv, self.head_dim).transpose(1, 2)
-        q, k = _apply_rotary(q, k, *custom_pos_emb)
+        q, k = _apply_rotary(q, k, cos, sin)
+        q, k = q.to(v.dtype), k.to(v.dtype)  # upstream rotates in the tables' fp32, then casts back
         if past_key_value is not None:
             k, v = past_key_value.update(k, v, self.layer_idx, {"cache_position": position_ids})
         groups = self.num_heads // self.num_kv
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = masked_attention(q, k, v, attention_mask)
+        if self.kernel == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=0.0)
+        else:
+            out = masked_attention(q, k, v, attention_mask)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
@@ -236,26 +275,10 @@ class HunyuanImage3DecoderLayer(nn.Module):
         self.mlp = HunyuanMoE(config) if moe else HunyuanMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
-                past_key_value: HunyuanStaticCache | None,
-                custom_pos_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                past_key_value: HunyuanStaticCacheBase | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), attention_mask, position_ids,
-                                         past_key_value, custom_pos_emb)
+                                         past_key_value, cos, sin)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-@dataclass
-class CausalMMOutputWithPast:
-    logits: torch.Tensor
-    past_key_values: HunyuanStaticCache | None = None
-
-
-@dataclass
-class GenerateOutput:
-    """The subset of transformers' ``GenerateDecoderOnlyOutput`` the harness reads."""
-
-    sequences: torch.Tensor
-    logits: tuple[torch.Tensor, ...]
-    past_key_values: HunyuanStaticCache | None
 
 
 class HunyuanImage3PreTrainedModel(PreTrainedModel):
@@ -268,32 +291,21 @@ class HunyuanImage3PreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """Default init for fresh parameters, and the RoPE tables.
-
-        The tables are non-persistent buffers: ``from_pretrained`` builds the model on the meta device, loads the
-        saved weights (marked initialized, so the ``transformers.initialization`` helpers skip them) and leaves the
-        buffers as uninitialized memory for this hook to fill, so they must be recomputed here, not only in
-        ``__init__``.
-        """
-        if isinstance(module, HunyuanImage3ForCausalMM):
-            cos, sin = build_rope_table(self.config.max_position_embeddings, self.config.attention_head_dim,
-                                        self.config.rope_theta)
-            init.copy_(module.rope_cos, cos)
-            init.copy_(module.rope_sin, sin)
-            return
+        """Default init for fresh parameters (5.x re-runs this over loaded weights; compat's helpers skip them)."""
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
-            init.normal_(module.weight, mean=0.0, std=std)
+            compat.init_normal_(module.weight, std)
         elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=std)
+            compat.init_normal_(module.weight, std)
             if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
-                init.zeros_(module.weight[module.padding_idx])
+                compat.init_zeros_(module.weight[module.padding_idx])
         elif isinstance(module, HunyuanRMSNorm):
-            init.ones_(module.weight)
+            compat.init_ones_(module.weight)
 
 
-class HunyuanImage3ForCausalMM(HunyuanImage3PreTrainedModel, GenerationMixin):
-    """The text path of upstream's causal multimodal model."""
+class HunyuanTextModel(HunyuanImage3PreTrainedModel):
+    """The text path both generations share; each generation's ``forward`` resolves its RoPE, then calls
+    ``text_forward``."""
 
     def __init__(self, config: HunyuanImage3Config) -> None:
         super().__init__(config)
@@ -302,9 +314,6 @@ class HunyuanImage3ForCausalMM(HunyuanImage3PreTrainedModel, GenerationMixin):
         self.layers = nn.ModuleList(HunyuanImage3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.ln_f = HunyuanRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        cos, sin = build_rope_table(config.max_position_embeddings, config.attention_head_dim, config.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
         self.post_init()
 
     @property
@@ -315,84 +324,13 @@ class HunyuanImage3ForCausalMM(HunyuanImage3PreTrainedModel, GenerationMixin):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather each row's ``(cos, sin)`` at its own ``position_ids`` -> ``[B, S, head_dim]`` (CachedRoPE)."""
-        if int(position_ids.max()) >= self.rope_cos.shape[1]:
-            raise ValueError(f"position {int(position_ids.max())} beyond max_position_embeddings "
-                             f"{self.rope_cos.shape[1]}")
-        bsz, _ = position_ids.shape
-        index = position_ids[..., None].expand(-1, -1, self.rope_cos.shape[-1])
-        cos = torch.gather(self.rope_cos.expand(bsz, -1, -1), 1, index)
-        sin = torch.gather(self.rope_sin.expand(bsz, -1, -1), 1, index)
-        return cos.to(self.dtype), sin.to(self.dtype)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, past_key_values: HunyuanStaticCache | None = None,
-                custom_pos_emb: tuple[torch.Tensor, torch.Tensor] | None = None, mode: str = "gen_text",
-                **kwargs: Any) -> CausalMMOutputWithPast:
+    def text_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                     position_ids: torch.Tensor, past_key_values: HunyuanStaticCacheBase | None,
+                     cos: torch.Tensor, sin: torch.Tensor, mode: str) -> CausalLMOutputWithPast:
         if mode != "gen_text":
             raise ValueError(f"this fake implements mode='gen_text' only, got mode={mode!r}")
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
-        if custom_pos_emb is None:
-            custom_pos_emb = self.rope(position_ids)
         hidden = self.wte(input_ids)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask, position_ids, past_key_values, custom_pos_emb)
-        return CausalMMOutputWithPast(self.lm_head(self.ln_f(hidden)).float(), past_key_values)
-
-    # ------------------------------------------------------------------ upstream's generation hooks
-
-    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values=None, attention_mask=None,
-                                      inputs_embeds=None, tokenizer_output=None, **kwargs: Any) -> dict[str, Any]:
-        position_ids = kwargs.get("position_ids")
-        assert position_ids is not None, "position_ids must be provided in kwargs."
-        if input_ids.shape[1] != position_ids.shape[1]:  # decode steps re-read the input at position_ids
-            input_ids = torch.gather(input_ids, dim=1, index=position_ids)
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "past_key_values": past_key_values,
-            "rope_image_info": kwargs["rope_image_info"],
-            "mode": kwargs["mode"],
-        }
-
-    def _update_model_kwargs_for_generation(self, outputs: CausalMMOutputWithPast, model_kwargs: dict[str, Any],
-                                            is_encoder_decoder: bool = False,
-                                            num_new_tokens: int = 1) -> dict[str, Any]:
-        mode = model_kwargs["mode"]
-        updated: dict[str, Any] = {"mode": mode, "rope_image_info": model_kwargs["rope_image_info"],
-                                   "past_key_values": outputs.past_key_values}
-        if "tokenizer_output" in model_kwargs:  # after prefill: decode starts at each row's first pad index
-            updated["position_ids"] = model_kwargs["tokenizer_output"].real_pos.to(self.device)
-        else:  # after a decode step; the mask is dropped ("full attention of 1 x seqlen")
-            updated["position_ids"] = model_kwargs["position_ids"] + 1
-        return updated
-
-    @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int | list[int] | None = None,
-                 do_sample: bool = False, output_logits: bool = True, return_dict_in_generate: bool = True,
-                 pad_token_id: int | None = None, **model_kwargs: Any) -> GenerateOutput:
-        """Greedy generation driven the way transformers' ``GenerationMixin._sample`` drives upstream."""
-        if do_sample:
-            raise ValueError("the fake upstream implements greedy decoding only (do_sample=False)")
-        pad = self.config.pad_id if pad_token_id is None else pad_token_id
-        stops = torch.tensor([] if eos_token_id is None else
-                             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
-                             dtype=torch.long, device=input_ids.device)
-        unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        kwargs = dict(model_kwargs)
-        logits_out = []
-        for _ in range(max_new_tokens):
-            inputs = self.prepare_inputs_for_generation(input_ids, **kwargs)
-            outputs = self(**inputs)
-            next_logits = outputs.logits[:, -1, :]
-            logits_out.append(next_logits)
-            next_tokens = torch.where(unfinished, next_logits.argmax(dim=-1), pad)
-            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-            kwargs = self._update_model_kwargs_for_generation(outputs, kwargs)
-            unfinished &= ~torch.isin(next_tokens, stops)
-            if not unfinished.any():
-                break
-        return GenerateOutput(input_ids, tuple(logits_out), kwargs.get("past_key_values"))
+            hidden = layer(hidden, attention_mask, position_ids, past_key_values, cos, sin)
+        logits = self.lm_head(self.ln_f(hidden)).float()
+        return CausalLMOutputWithPast(logits=logits, **{compat.cache_kwarg_name(): past_key_values})

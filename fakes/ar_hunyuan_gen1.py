@@ -1,0 +1,101 @@
+"""Fake HunyuanImage-3 upstream, generation 1 (``hunyuan_image_3/hunyuan.py``, the code seeds 001/002 cite).
+
+What sets this generation apart (each row of docs/ar-contract.md, checked against the real file):
+
+- RoPE comes in as ``custom_pos_emb = (cos, sin)``, built by the caller with ``build_batch_2d_rope`` (one table
+  per row, ``[B, S, D]``) and gathered per row at ``position_ids`` by ``real_batched_index_select``; forward
+  without it fails (upstream unpacks it unconditionally).
+- ``HunyuanStaticCache`` calls ``lazy_initialization(key_states)`` with one argument: transformers 4.x's arity.
+- Upstream's modules import ``transformers.modeling_attn_mask_utils`` (gone in 5.x), so this generation only
+  loads on transformers 4.x; this fake imports it the same way and fails on 5.x just as the real code does.
+- ``prepare_inputs_for_generation`` forwards ``custom_pos_emb`` and ``use_cache``; the kwargs update keeps
+  ``custom_pos_emb``, stores the cache under the first ``ALL_CACHE_NAMES`` name found in the outputs, and after
+  the prefill drops ``tokenizer_output`` and the mask (decode steps run unmasked).
+- ``generate`` gets its 4-D mask from ``_prepare_attention_mask_for_generation`` (a passed mask must be 2-D).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers.modeling_attn_mask_utils  # noqa: F401  (as upstream: 4.x only)
+from transformers import GenerationMixin
+from transformers.generation.utils import ALL_CACHE_NAMES
+
+from .ar_hunyuan_common import (
+    HunyuanImage3Config,
+    HunyuanStaticCacheBase,
+    HunyuanTextModel,
+    build_batch_2d_rope,
+    causal_generation_mask,
+)
+
+__all__ = [
+    "HunyuanImage3Config",
+    "HunyuanImage3ForCausalMM",
+    "HunyuanStaticCache",
+    "build_batch_2d_rope",
+    "real_batched_index_select",
+]
+
+
+class HunyuanStaticCache(HunyuanStaticCacheBase):
+    """Generation 1's cache: lazy init with the key only (transformers 4.x's ``StaticLayer`` arity)."""
+
+    def _lazy_init(self, layer: Any, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        layer.lazy_initialization(key_states)
+
+
+def real_batched_index_select(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+    """Per-row ``index_select``: row i of ``t`` at ``idx[i]`` (the batch sizes must match)."""
+    assert t.ndim >= 2 and idx.ndim >= 2, f"{t.ndim=} {idx.ndim=}"
+    assert len(t) == len(idx), f"{len(t)=} != {len(idx)=}"
+    return torch.stack([torch.index_select(t[i], dim - 1, idx[i]) for i in range(len(t))])
+
+
+class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
+    """Generation 1's text path: RoPE passed in as ``custom_pos_emb``."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values: HunyuanStaticCache | None = None,
+                use_cache: bool | None = None, custom_pos_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mode: str = "gen_text", **kwargs: Any):
+        cos, sin = custom_pos_emb  # upstream's get_pos_emb: no default
+        cos = real_batched_index_select(cos, dim=1, idx=position_ids)
+        sin = real_batched_index_select(sin, dim=1, idx=position_ids)
+        return self.text_forward(input_ids, attention_mask, position_ids, past_key_values, cos, sin, mode)
+
+    def _prepare_attention_mask_for_generation(self, inputs_tensor: torch.Tensor, generation_config: Any,
+                                               model_kwargs: dict[str, Any]) -> torch.Tensor:
+        return causal_generation_mask(inputs_tensor)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values=None, attention_mask=None,
+                                      inputs_embeds=None, tokenizer_output=None, batch_gen_image_info=None,
+                                      generator=None, **kwargs: Any) -> dict[str, Any]:
+        if input_ids.shape[1] != kwargs["position_ids"].shape[1]:  # decode steps re-read the input
+            input_ids = torch.gather(input_ids, dim=1, index=kwargs["position_ids"])
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": kwargs["position_ids"],
+            "past_key_values": past_key_values,
+            "use_cache": kwargs.get("use_cache"),
+            "custom_pos_emb": kwargs["custom_pos_emb"],
+            "mode": kwargs["mode"],
+        }
+
+    def _update_model_kwargs_for_generation(self, outputs: Any, model_kwargs: dict[str, Any],
+                                            is_encoder_decoder: bool = False,
+                                            num_new_tokens: int = 1) -> dict[str, Any]:
+        updated: dict[str, Any] = {"mode": model_kwargs["mode"], "custom_pos_emb": model_kwargs["custom_pos_emb"]}
+        for name in ALL_CACHE_NAMES:
+            if name in outputs:
+                updated["past_key_values" if name in ("past_buckets_states", "mems") else name] = getattr(
+                    outputs, name)
+                break
+        if "tokenizer_output" in model_kwargs:  # after the prefill: decode starts at each row's first pad index
+            updated["position_ids"] = model_kwargs["tokenizer_output"].real_pos.to(self.device)
+        else:  # after a decode step; the mask is dropped ("full attention of 1 x seqlen")
+            updated["position_ids"] = model_kwargs["position_ids"] + 1
+        return updated
