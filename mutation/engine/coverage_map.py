@@ -99,6 +99,9 @@ def collect(repo: Path, files: list[str], pytest_args: list[str], roots: tuple[s
         if not result.is_file():
             raise RuntimeError(f"the coverage pass failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
         data = json.loads(result.read_text())
+    if data["exit"] not in (0, 1) or not data["durations"]:  # 1: some tests failed (they never kill); else broken
+        raise RuntimeError(f"the coverage pass ran {len(data['durations'])} tests and pytest exited {data['exit']} "
+                           f"(a collection or usage error?):\n{proc.stdout[-4000:]}")
     data["seconds"] = time.perf_counter() - began
     coverage_map = CoverageMap.from_json(data)
     coverage_map.lines = {_relative(repo, f): ls for f, ls in coverage_map.lines.items()}
