@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from fixtures.ar_models import BACKENDS as MODELS
 from harness.ablation import ablation
 from harness.ar.batch import pad_seq
-from parity.ar_checks import CASE_QUANTITIES, MODELS
+from harness.ar.suite import CASE_QUANTITIES
 
 _BATCHED = ("unequal_real_pos", "length_skew", "all_padded", "concat")
 _TRANSFORMERS = tuple(m for m in MODELS if m != "fake")

@@ -18,7 +18,6 @@ from harness.checks import CheckContext, register
 from harness.compare import Verdict, close
 
 MODELS = ar_models.BACKENDS
-CASE_QUANTITIES = ("tokens", "logp", "prefill_kv", "slot0")
 FINISHED_STOPS = {0: 1, 2: 3}  # row -> decode step whose reference token becomes an EOS id
 ORACLE_ATOL = 1e-5  # fp32 log_softmax rounding at these logit magnitudes is ~1e-6
 
@@ -96,7 +95,7 @@ def _missing_real_pos(case: ARCase, ctx: CheckContext) -> Verdict:
 
 for _model in MODELS:
     for _case in CASES:
-        for _what in CASE_QUANTITIES:
+        for _what in suite.CASE_QUANTITIES:
             register(f"ar.{_model}.{_case.name}.{_what}",
                      doc=f"{_what} of the batched {_case.name} rollout vs per-row B=1 on {_model}")(
                 functools.partial(_case_check, _model, _case, _what))

@@ -19,6 +19,7 @@ from harness.ar.spy import ARForwardSpy
 from harness.compare import Policy, Verdict, expect_raises
 
 __all__ = [
+    "CASE_QUANTITIES",
     "check_greedy_logp_oracle",
     "check_missing_real_pos",
     "compare_batched",
@@ -27,6 +28,10 @@ __all__ = [
     "compare_padded_b1",
     "compare_rollout_vs_replay",
 ]
+
+
+# what compare_batched judges of one case: the sampled tokens, their log-probs, the prefill KV, the first slot
+CASE_QUANTITIES = ("tokens", "logp", "prefill_kv", "slot0")
 
 
 def _fast(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()):

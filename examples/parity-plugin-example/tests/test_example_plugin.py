@@ -39,8 +39,8 @@ def test_a_saved_checkpoint_is_detected_and_loaded_as_the_family(tmp_path):
 @pytest.mark.parametrize("cfg", [1, 2])
 def test_batched_replay_matches_serial_on_every_row_and_step(cfg):
     family = pixart.FAMILY
-    adapter = family.adapter(family.tiny_model())
-    conditions = adapter.conditions(BATCH, cfg, torch.Generator().manual_seed(cfg))
+    adapter = family.adapter(pixart.tiny_pixart())
+    conditions = adapter.example_conditions(BATCH, cfg, torch.Generator().manual_seed(cfg))
     strategy = FlowGRPOSDE(eta=0.7)
     segment = rollout(adapter, conditions, strategy, flow_sigmas(STEPS), SDE_INDICES, adapter.latent_shape,
                       generator=torch.Generator().manual_seed(10 + cfg), guidance=4.5)

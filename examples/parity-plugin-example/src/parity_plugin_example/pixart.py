@@ -4,23 +4,23 @@ The adapter translates replay rows into one PixArt forward; the harness does the
 S target steps, the CFG batch, the SDE step). PixArt's pipeline batches ``[uncond; cond]`` and
 passes a prompt attention mask, so the family is uncond-first with a padded ``encoder_attention_mask``.
 
-The replay family contract is the one on the suite's main branch when this example was written
-(``harness.replay.denoiser.DenoiserAdapter`` + ``Conditions``); where the suite's family type grows
-(a CFG combine chosen by the family, harness-side broadcasting of row fields), adapt ``PixArtFamily``.
+A family is ``harness.replay.families.ReplayFamily``: an adapter class (``ModelAdapter``: CFG layout and
+CFG combine, latent shape, seeded example conditions) and the checkpoint kind that recognises a saved
+PixArt. The harness spreads per-sample fields to the forward's row count; the adapter only checks them.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from diffusers import PixArtTransformer2DModel
 
 from harness.plugins import CheckpointKind
+from harness.replay import cfg as cfg_combines
 from harness.replay.conditions import Conditions
-from harness.replay.denoiser import UNCOND_FIRST, DenoiserAdapter
+from harness.replay.denoiser import UNCOND_FIRST
+from harness.replay.families import ModelAdapter, ReplayFamily
 
-__all__ = ["CHECKPOINT_KIND", "FAMILY", "PixArtAdapter", "PixArtFamily", "tiny_pixart"]
+__all__ = ["CHECKPOINT_KIND", "FAMILY", "PixArtAdapter", "tiny_pixart"]
 
 TEXT_TOKENS = 6
 
@@ -34,13 +34,12 @@ def tiny_pixart(seed: int = 0) -> PixArtTransformer2DModel:
                                     use_additional_conditions=False).eval()
 
 
-class PixArtAdapter(DenoiserAdapter):
+class PixArtAdapter(ModelAdapter):
     """PixArt's calling convention: caption embeddings and their padding mask per row, uncond-first CFG."""
 
     cfg_layout = UNCOND_FIRST
-
-    def __init__(self, transformer: PixArtTransformer2DModel):
-        self.module = transformer
+    cfg_combine = cfg_combines.STANDARD
+    channel_dim = 1
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -49,11 +48,12 @@ class PixArtAdapter(DenoiserAdapter):
 
     def forward(self, hidden: torch.Tensor, timestep: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         rows = conditions.rows
+        self.require_rows(conditions, ("encoder_hidden_states", "encoder_attention_mask"), hidden.shape[0])
         return self.module(hidden, encoder_hidden_states=rows["encoder_hidden_states"],
                            encoder_attention_mask=rows["encoder_attention_mask"], timestep=timestep,
                            added_cond_kwargs={"resolution": None, "aspect_ratio": None}, return_dict=False)[0]
 
-    def conditions(self, batch: int, cfg: int, generator: torch.Generator) -> Conditions:
+    def example_conditions(self, batch: int, cfg: int, generator: torch.Generator) -> Conditions:
         """Seeded caption embeddings with unequal padded lengths; cfg=2 adds the uncond branch as ``negative``."""
         channels = self.module.config.caption_channels
 
@@ -68,21 +68,6 @@ class PixArtAdapter(DenoiserAdapter):
         return Conditions(batch=batch, rows=cond.rows, negative=branch()) if cfg == 2 else cond
 
 
-@dataclass(frozen=True)
-class PixArtFamily:
-    """What the suite needs to drive the family: a tiny model, the adapter, seeded conditions, a checkpoint kind."""
-
-    name: str
-    checkpoint_kind: str
-    cfg_layout: str = UNCOND_FIRST
-
-    def tiny_model(self, seed: int = 0) -> PixArtTransformer2DModel:
-        return tiny_pixart(seed)
-
-    def adapter(self, model: PixArtTransformer2DModel) -> PixArtAdapter:
-        return PixArtAdapter(model)
-
-
-FAMILY = PixArtFamily("pixart_example", checkpoint_kind="pixart_example")
 CHECKPOINT_KIND = CheckpointKind("pixart_example", "replay", ("PixArtTransformer2DModel",), "diffusers",
-                                 family=FAMILY.name)
+                                 family="pixart_example")
+FAMILY = ReplayFamily("pixart_example", PixArtAdapter, CHECKPOINT_KIND)
