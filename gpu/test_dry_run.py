@@ -22,7 +22,8 @@ from harness import catalogue, checks, compat
 from harness import device_map as device_maps
 from harness.checkpoints import KINDS, CheckpointError, detect, load_model
 
-pytestmark = pytest.mark.cpu
+# the launchers (spawned ranks, torchrun, the gpu tier's dry run) are marked `launch`: scripts/test-all runs
+# them; the rest of this file is CPU-tier machinery
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_SPLIT = '{"cpu": "8GiB"}'  # a max-memory split the CPU can honour: the device-map code path without a GPU
@@ -34,12 +35,14 @@ def tiny_dir(tmp_path_factory):
     return tiny_checkpoints.write_all(tmp_path_factory.mktemp("checkpoints"))
 
 
+@pytest.mark.cpu
 def test_every_kind_is_written_and_detected(tiny_dir):
     kinds = {detect(path).kind for path in tiny_dir.values()}
     readable = {kind for kind, feeds in KINDS.items() if compat.path_unavailable(feeds) is None}
     assert kinds == readable, f"tiny checkpoints cover {sorted(kinds)}, the gpu tier reads {sorted(readable)}"
 
 
+@pytest.mark.launch
 def test_gpu_tier_dry_run_over_every_checkpoint_kind(tiny_dir, tmp_path):
     report = tmp_path / "gpu.json"
     args = [sys.executable, "-m", "pytest", "-m", "gpu", "--device", "cpu", "--dtype", "fp32,bf16", "-q",
@@ -67,6 +70,7 @@ def test_gpu_tier_dry_run_over_every_checkpoint_kind(tiny_dir, tmp_path):
     assert data["summary"]["killed"] == data["summary"]["ablations"] > 0
 
 
+@pytest.mark.cpu
 def test_a_checkpoint_that_does_not_load_names_the_path(tmp_path):
     target = tmp_path / "broken_sd3"
     target.mkdir()
@@ -75,6 +79,7 @@ def test_a_checkpoint_that_does_not_load_names_the_path(tmp_path):
         load_model(detect(target), torch.float32, "cpu")
 
 
+@pytest.mark.cpu
 def test_wrong_kind_is_a_usage_error_naming_the_path(tmp_path):
     target = tmp_path / "unet"
     target.mkdir()
@@ -86,6 +91,7 @@ def test_wrong_kind_is_a_usage_error_naming_the_path(tmp_path):
     assert f"checkpoint {target}: unsupported model kind (UNet2DConditionModel)" in done.stderr
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("text", ["balanced", "auto", "sequential", CPU_SPLIT, '{"0": "70GiB", "1": "70GiB"}',
                                   '{"0": 1000000, "cpu": "1.5 GB"}'])
 def test_device_map_accepts_strategies_and_memory_splits(text):
@@ -105,11 +111,13 @@ def test_device_map_accepts_strategies_and_memory_splits(text):
     ('{"0": -5}', "memory -5 for device '0'"),
     ('{"0": true}', "memory True for device '0'"),
 ])
+@pytest.mark.cpu
 def test_device_map_rejects_bad_text_naming_what_is_accepted(text, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         device_maps.parse(text)
 
 
+@pytest.mark.cpu
 def test_default_placement_keeps_one_gpu_where_the_weights_fit():
     gpu0 = torch.device("cuda", 0)
     free = {0: 80 * GIB, 1: 80 * GIB}
@@ -122,6 +130,7 @@ def test_default_placement_keeps_one_gpu_where_the_weights_fit():
     assert device_maps.choose(asked, gpu0, 1, free) is asked
 
 
+@pytest.mark.cpu
 def test_weight_bytes_read_from_safetensors_headers(tiny_dir):
     for kind in ("sd3_transformer", "qwen3_lm"):
         model = load_model(detect(tiny_dir[kind]), torch.float32, "cpu")
@@ -130,6 +139,7 @@ def test_weight_bytes_read_from_safetensors_headers(tiny_dir):
         assert device_maps.weight_bytes(tiny_dir[kind], torch.float32) == 4 * stored, kind
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("kind", ["flux_transformer", "qwen3_lm", "hunyuan_image3"])
 def test_device_mapped_load_places_the_model_and_changes_no_weight(tiny_dir, kind, monkeypatch):
     monkeypatch.setattr(device_maps, "_PLACEMENTS", [])  # keep this run's own placement summary clean

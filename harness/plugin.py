@@ -30,6 +30,7 @@ MARKERS = {
     "cpu": "CPU tier: fake kernels and tiny random-init models, every parity check and ablation",
     "gpu": "GPU tier: real checkpoints (needs CUDA and --checkpoint)",
     "bench": "pytest-benchmark measurements of a fast path against its stock path",
+    "launch": "the launchers on the CPU: spawned ranks, torchrun, the gpu tier's dry run (scripts/test-all runs them)",
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SESSION_KEY = pytest.StashKey["ParitySession"]()

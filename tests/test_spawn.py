@@ -14,7 +14,8 @@ from harness import ablation, catalogue, checks, compat
 from harness.checks import CheckContext
 from harness.dist import START_METHODS, World, WorldPool, resolve_start_method
 
-pytestmark = pytest.mark.cpu
+# the launchers (spawned ranks, torchrun, the gpu tier's dry run) are marked `launch`: scripts/test-all runs
+# them; the rest of this file is CPU-tier machinery
 
 CHECK = "decode.t12.w2.bitexact"
 ABLATION = "decode.crossfade_skipped"
@@ -26,6 +27,7 @@ def rank_state() -> tuple[int | None, bool, int]:
     return PARENT_MARK, catalogue.loaded(), os.getpid()
 
 
+@pytest.mark.cpu
 def test_start_method_defaults_and_choices(monkeypatch):
     monkeypatch.delenv("PARITY_START_METHOD", raising=False)
     assert resolve_start_method("cuda") == "spawn"
@@ -44,6 +46,7 @@ def test_start_method_defaults_and_choices(monkeypatch):
         World(2, start_method="threads")
 
 
+@pytest.mark.launch
 @pytest.mark.skipif(compat.path_unavailable("decode") is not None, reason=str(compat.path_unavailable("decode")))
 def test_spawned_ranks_rebuild_the_catalogue_and_see_the_decode_kill():
     global PARENT_MARK

@@ -16,7 +16,8 @@ import pytest
 from fixtures import checkpoints as tiny_checkpoints
 from harness import compat
 
-pytestmark = pytest.mark.cpu
+# the launchers (spawned ranks, torchrun, the gpu tier's dry run) are marked `launch`: scripts/test-all runs
+# them; the rest of this file is CPU-tier machinery
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -43,6 +44,7 @@ def tiny_vae(tmp_path_factory):
     return tiny_checkpoints.write_all(tmp_path_factory.mktemp("torchrun"), ("minimax_h3_vae",))["minimax_h3_vae"]
 
 
+@pytest.mark.launch
 @pytest.mark.skipif(compat.path_unavailable("decode") is not None, reason=str(compat.path_unavailable("decode")))
 def test_gpu_tier_decode_under_torchrun(tiny_vae, tmp_path):
     """Two ranks (a 4-rank launch of the same command is as green; it costs ~2x here, so the lane runs 2)."""
@@ -64,6 +66,7 @@ def test_gpu_tier_decode_under_torchrun(tiny_vae, tmp_path):
     assert data["summary"]["killed"] == data["summary"]["ablations"] == 2
 
 
+@pytest.mark.launch
 def test_a_failure_on_one_rank_fails_every_rank(tmp_path):
     """Four ranks (no model: this launch is light): world tasks agree, and an item failing on one rank fails on all."""
     nproc = 4
@@ -77,6 +80,7 @@ def test_a_failure_on_one_rank_fails_every_rank(tmp_path):
     assert "injected item failure on rank 1" in ranks[1]
 
 
+@pytest.mark.cpu
 def test_a_partial_or_garbled_torchrun_environment_is_a_clear_error(monkeypatch):
     from harness import launch
     from harness.dist import World
