@@ -20,7 +20,7 @@ from harness.checks import CheckContext
 from harness.compare import Verdict
 from harness.replay.conditions import Conditions
 from harness.replay.controls import BatchShapeControl, measure_batch_shape_control
-from harness.replay.denoiser import DenoiserAdapter
+from harness.replay.denoiser import DenoiserAdapter, WrappedAdapter
 from harness.replay.families import family_for_class
 from harness.replay.parity import compare_replay, compare_replay_determinism
 from harness.replay.policies import LocalScaleBound, local_scale_policy
@@ -40,24 +40,15 @@ def _to(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return value
 
 
-class DeviceAdapter(DenoiserAdapter):
+class DeviceAdapter(WrappedAdapter):
     """Runs an adapter's forward on the model's device and dtype; replay math stays fp32 on the CPU.
 
     Only the transformer call moves, so stock and fast replay differ in nothing but the batch shape.
     """
 
     def __init__(self, inner: DenoiserAdapter, device: torch.device, dtype: torch.dtype):
-        self.inner, self.device, self.dtype = inner, device, dtype
-        self.cfg_layout = inner.cfg_layout
-        self.cfg_combine = inner.cfg_combine
-        self.channel_dim = inner.channel_dim
-        self.module = inner.module
-
-    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
-        return self.inner.timestep(sigma)
-
-    def combine(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-        return self.inner.combine(cond, uncond, guidance_scale)
+        super().__init__(inner)
+        self.device, self.dtype = device, dtype
 
     def forward(self, hidden: torch.Tensor, timestep: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         moved = Conditions(batch=conditions.batch, rows={k: _to(v, self.device, self.dtype)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.replay.conditions import Conditions, Payload
-from harness.replay.denoiser import DenoiserAdapter
+from harness.replay.denoiser import DenoiserAdapter, WrappedAdapter
 from harness.replay.problem import ReplayProblem
 from harness.replay.replay import replay_serial
 from harness.replay.segment import ReplayResult
@@ -29,7 +29,7 @@ def _replicate(value: Payload, factor: int) -> Payload:
     return value * factor
 
 
-class InflatedBatch(DenoiserAdapter):
+class InflatedBatch(WrappedAdapter):
     """The stock forward with its N rows replicated ``factor`` times, keeping the first N outputs.
 
     It receives row fields already broadcast to N rows and replicates them block-wise with the
@@ -39,17 +39,8 @@ class InflatedBatch(DenoiserAdapter):
     def __init__(self, inner: DenoiserAdapter, factor: int):
         if factor < 1:
             raise ValueError(f"factor must be >= 1, got {factor}")
-        self.inner, self.factor = inner, factor
-        self.cfg_layout = inner.cfg_layout
-        self.cfg_combine = inner.cfg_combine
-        self.channel_dim = inner.channel_dim
-        self.module = inner.module
-
-    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
-        return self.inner.timestep(sigma)
-
-    def combine(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-        return self.inner.combine(cond, uncond, guidance_scale)
+        super().__init__(inner)
+        self.factor = factor
 
     def forward(self, hidden: torch.Tensor, timestep: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         rows = hidden.shape[0]

@@ -23,6 +23,7 @@ __all__ = [
     "UNCOND_FIRST",
     "DenoiserAdapter",
     "Guidance",
+    "WrappedAdapter",
     "concat_branches",
     "guidance_at",
     "predict_velocity",
@@ -61,6 +62,24 @@ class DenoiserAdapter:
     def combine(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
         """The family's CFG combine of the two branches' velocities at scale ``guidance_scale``."""
         return cfg.combine(self.cfg_combine, cond, uncond, guidance_scale, channel_dim=self.channel_dim)
+
+
+class WrappedAdapter(DenoiserAdapter):
+    """Another adapter behind a changed ``forward`` (a batch-shape control, a device move): its layout,
+    combine, timestep and transformer are the inner adapter's, so nothing but the forward can differ."""
+
+    def __init__(self, inner: DenoiserAdapter):
+        self.inner = inner
+        self.cfg_layout = inner.cfg_layout
+        self.cfg_combine = inner.cfg_combine
+        self.channel_dim = inner.channel_dim
+        self.module = inner.module
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        return self.inner.timestep(sigma)
+
+    def combine(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        return self.inner.combine(cond, uncond, guidance_scale)
 
 
 def guidance_at(guidance: Guidance, step: int) -> float:
