@@ -23,8 +23,17 @@ from harness.checks import CheckContext
 from harness.compare import Verdict, exact
 from harness.decode.judge import compare_sharded_decode
 
-__all__ = ["GPU_CHECKS", "CheckpointDecodeJob", "CheckpointEncodeJob", "decode_autocast_bitexact", "decode_bitexact",
-           "decode_gather_to_one", "encode_bitexact", "world_size"]
+__all__ = [
+    "FP32_ONLY_CHECKS",
+    "GPU_CHECKS",
+    "CheckpointDecodeJob",
+    "CheckpointEncodeJob",
+    "decode_autocast_bitexact",
+    "decode_bitexact",
+    "decode_gather_to_one",
+    "encode_bitexact",
+    "world_size",
+]
 
 DRY_RUN_WORLD = 2
 LATENT_FRAMES = 22  # 4 clips on a GPU node: cross-fades exercised, 16 tile decodes to spread
@@ -154,6 +163,9 @@ def encode_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
     return compare_sharded_decode(world, decode_tasks.encode_task, job, check_id, sharded=world.size > 1,
                                   policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
 
+
+# checks whose bf16 item skips (fp16 autocast runs over fp32 weights: decode_autocast_bitexact)
+FP32_ONLY_CHECKS = ("decode.gpu.fp16_autocast",)
 
 # the gpu catalogue's further decode checks (gpu/checks.py registers each as functools.partial(judge, id))
 GPU_CHECKS = {

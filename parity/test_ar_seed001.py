@@ -15,7 +15,7 @@ import pytest
 from fixtures import ar_models
 from fixtures.ar_cases import CASES
 from harness import ablation, catalogue
-from harness.ar import loop, verdicts
+from harness.ar import loop, suite, verdicts
 from harness.ar.spy import ARForwardSpy
 from parity import ar_checks
 
@@ -44,7 +44,7 @@ def _row(model: str, case, label: str, fresh_reference: bool = False) -> tuple[b
     except AssertionError as err:
         return False, verdicts.format_seed001(label, False, raised=f"AssertionError {err}".strip())
     passed, violated = True, []
-    for what in ar_checks.CASE_QUANTITIES:
+    for what in suite.CASE_QUANTITIES:
         verdict = verdicts.compare_case(what, f"ar.{model}.{case.name}.{what}", fast, reference, policies)
         verdict = verdicts.require_path(verdict, spy, case.batch_size)
         passed &= verdict.passed
