@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, StaticCache
+from transformers.generation.utils import ALL_CACHE_NAMES
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from harness import compat
@@ -40,6 +41,7 @@ __all__ = [
     "HunyuanStaticCacheBase",
     "HunyuanTextModel",
     "build_batch_2d_rope",
+    "carry_cache_and_positions",
     "causal_generation_mask",
     "masked_attention",
     "text_rope_table",
@@ -334,3 +336,20 @@ class HunyuanTextModel(HunyuanImage3PreTrainedModel):
             hidden = layer(hidden, attention_mask, position_ids, past_key_values, cos, sin)
         logits = self.lm_head(self.ln_f(hidden)).float()
         return CausalLMOutputWithPast(logits=logits, **{compat.cache_kwarg_name(): past_key_values})
+
+
+def carry_cache_and_positions(outputs: Any, model_kwargs: dict[str, Any], updated: dict[str, Any],
+                              device: torch.device) -> dict[str, Any]:
+    """What both generations' ``_update_model_kwargs_for_generation`` carry to the next step, as upstream does:
+    the cache under the first ``ALL_CACHE_NAMES`` name the outputs hold (``use_cache`` is dropped), then the
+    positions: each row's first pad index after the prefill, +1 after a decode step (the mask is dropped:
+    "full attention of 1 x seqlen")."""
+    for name in ALL_CACHE_NAMES:
+        if name in outputs:
+            updated["past_key_values" if name in ("past_buckets_states", "mems") else name] = getattr(outputs, name)
+            break
+    if "tokenizer_output" in model_kwargs:
+        updated["position_ids"] = model_kwargs["tokenizer_output"].real_pos.to(device)
+    else:
+        updated["position_ids"] = model_kwargs["position_ids"] + 1
+    return updated

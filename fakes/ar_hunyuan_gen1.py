@@ -21,13 +21,13 @@ from typing import Any
 import torch
 import transformers.modeling_attn_mask_utils  # noqa: F401  (as upstream: 4.x only)
 from transformers import GenerationMixin
-from transformers.generation.utils import ALL_CACHE_NAMES
 
 from .ar_hunyuan_common import (
     HunyuanImage3Config,
     HunyuanStaticCacheBase,
     HunyuanTextModel,
     build_batch_2d_rope,
+    carry_cache_and_positions,
     causal_generation_mask,
 )
 
@@ -88,14 +88,5 @@ class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
     def _update_model_kwargs_for_generation(self, outputs: Any, model_kwargs: dict[str, Any],
                                             is_encoder_decoder: bool = False,
                                             num_new_tokens: int = 1) -> dict[str, Any]:
-        updated: dict[str, Any] = {"mode": model_kwargs["mode"], "custom_pos_emb": model_kwargs["custom_pos_emb"]}
-        for name in ALL_CACHE_NAMES:
-            if name in outputs:
-                updated["past_key_values" if name in ("past_buckets_states", "mems") else name] = getattr(
-                    outputs, name)
-                break
-        if "tokenizer_output" in model_kwargs:  # after the prefill: decode starts at each row's first pad index
-            updated["position_ids"] = model_kwargs["tokenizer_output"].real_pos.to(self.device)
-        else:  # after a decode step; the mask is dropped ("full attention of 1 x seqlen")
-            updated["position_ids"] = model_kwargs["position_ids"] + 1
-        return updated
+        kept = {"mode": model_kwargs["mode"], "custom_pos_emb": model_kwargs["custom_pos_emb"]}
+        return carry_cache_and_positions(outputs, model_kwargs, kept, self.device)
