@@ -8,7 +8,18 @@ import pytest
 import torch
 
 from fixtures.replay_cases import real_control
-from harness.replay.policies import K_MAX, K_MIN, RESOLUTION, LocalScaleBound, local_scale, local_scale_policy
+from harness.replay.controls import BatchShapeControl
+from harness.replay.policies import (
+    K_MAX,
+    K_MIN,
+    RESOLUTION,
+    LocalScaleBound,
+    k_for,
+    local_scale,
+    local_scale_policy,
+    relative_floor,
+)
+from harness.replay.segment import ReplayResult
 
 pytestmark = pytest.mark.cpu
 
@@ -61,3 +72,126 @@ def test_policy_is_built_from_the_stock_control():
         (control.deviation("log_probs") / local_scale(control.base_values("log_probs"), "log_probs")).max()))
     with pytest.raises(ValueError, match="no replay policy for model dtype torch.int8"):
         local_scale_policy(control, "log_probs", torch.int8)
+
+
+# ------------------------------------------------------------------ exact bounds on hand-made inputs
+
+def _control(base_lp, grown_lp) -> BatchShapeControl:
+    """A control built by hand: log-probs [B, S] at B rows and in the bigger batch (means unused: zeros)."""
+    base, grown = (torch.as_tensor(v, dtype=torch.float32) for v in (base_lp, grown_lp))
+    means = torch.zeros(*base.shape, 2)
+    target = tuple(range(base.shape[1]))
+    return BatchShapeControl(ReplayResult(base, means, target), ReplayResult(grown, means.clone(), target), 2)
+
+
+# rows of scale 2, 0.5 and 0 (all zero): relative deviations 0.25, 0.5 and 0 / 0 = 0
+HAND_BASE = [[-2.0, 1.0], [0.5, 0.25], [0.0, 0.0]]
+HAND_GROWN = [[-2.5, 1.0], [0.5, 0.0], [0.0, 0.0]]
+
+
+def test_control_deviation_is_the_absolute_fp64_difference():
+    control = _control(HAND_BASE, HAND_GROWN)
+    deviation = control.deviation("log_probs")
+    assert deviation.dtype == torch.float64
+    assert deviation.tolist() == [[0.5, 0.0], [0.0, 0.25], [0.0, 0.0]]
+    assert control.max_deviation("log_probs") == 0.5
+    assert control.base_values("log_probs").tolist() == HAND_BASE
+    with pytest.raises(ValueError, match=r"what must be one of \('log_probs', 'prev_sample_means'\), got 'ratio'"):
+        control.deviation("ratio")
+
+
+def test_relative_floor_is_the_largest_deviation_over_its_row_scale():
+    """0.5 / 2 on row 0, 0.25 / 0.5 on row 1 (a scale below 1 still divides), 0 on the all-zero row."""
+    assert relative_floor(_control(HAND_BASE, HAND_GROWN), "log_probs") == 0.5
+    assert relative_floor(_control(HAND_BASE, HAND_BASE), "log_probs") == 0.0
+
+
+def test_relative_floor_of_a_deviation_on_an_all_zero_row_is_infinite():
+    assert relative_floor(_control([[0.0, 0.0], [1.0, 1.0]], [[0.0, 1e-6], [1.0, 1.0]]), "log_probs") == math.inf
+
+
+def test_relative_floor_of_an_empty_control_is_zero():
+    empty = torch.zeros(0, 2)
+    assert relative_floor(_control(empty, empty), "log_probs") == 0.0
+
+
+def test_local_scale_is_a_detached_fp64_constant():
+    values = torch.tensor([[-1.0, -3.0], [0.5, 0.25]], requires_grad=True)
+    scale = local_scale(values, "log_probs")
+    assert scale.dtype == torch.float64 and not scale.requires_grad
+    assert scale.tolist() == [[3.0], [0.5]]
+
+
+# k = 4 x floor 0.25: relative bound exactly 1.0, so |d| may reach the local magnitude
+HAND_POLICY = LocalScaleBound("log_probs", relative_floor=0.25, resolution=RESOLUTION, k=4.0)
+EXPECTED_LP = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0]])
+
+
+def _metrics(max_abs, total, nonfinite, relative, **more):
+    return {"max_abs": max_abs, "total": total, "nonfinite": nonfinite, "max_relative_to_local": relative,
+            "relative_floor": 0.25, "resolution": RESOLUTION, "relative_bound": 1.0, "k": 4.0,
+            "stock_floor": 0.25, "tolerance_bound": 1.0, **more}
+
+
+def test_policy_description_names_dtype_k_floor_and_resolution():
+    assert HAND_POLICY.describe() == (
+        "local_scale(fp32 log_probs: |d| <= 4 x max(floor 2.50e-01, resolution 4.77e-07) x local |log_probs|; "
+        "floor = stock serial at B rows vs in an S x larger batch, relative to the local magnitude)")
+    assert HAND_POLICY.effective_floor == 0.25 and HAND_POLICY.relative_bound == 1.0
+
+
+def test_a_pass_reports_every_metric_and_an_all_zero_row_needs_zero_error():
+    actual = EXPECTED_LP + torch.tensor([[0.5, 0.0, -0.25], [0.0, 0.0, 0.0]])
+    verdict = HAND_POLICY.judge("t", actual, EXPECTED_LP, dims=("row", "step"), what="log_probs")
+    assert (verdict.passed, verdict.margin, verdict.tolerance, verdict.headline, verdict.message) == (
+        True, 0.5, 1.0, "max_relative_to_local", "")
+    assert verdict.metrics == _metrics(0.5, 6, 0, 0.5)
+    assert verdict.policy == HAND_POLICY.describe()
+
+
+def test_an_error_at_the_bound_passes_and_only_errors_beyond_it_are_counted():
+    """|d| == allowed (ratio 1) passes; ratio 2 and any error on the all-zero row (ratio inf) fail."""
+    at_bound = EXPECTED_LP + torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert HAND_POLICY.judge("t", at_bound, EXPECTED_LP).margin == 1.0
+    assert HAND_POLICY.judge("t", at_bound, EXPECTED_LP).passed
+    actual = EXPECTED_LP + torch.tensor([[1.0, 2.0, 0.0], [0.0, 0.5, 0.0]])
+    verdict = HAND_POLICY.judge("t", actual, EXPECTED_LP, dims=("row", "step"), labels={"step": [0, 3, 6]},
+                                what="log_probs")
+    assert (verdict.passed, verdict.margin) == (False, math.inf)
+    assert verdict.metrics == _metrics(2.0, 6, 0, math.inf)
+    assert verdict.message == ("log_probs: 2 / 6 elements beyond the local bound; worst at row 1, step 3: |d| "
+                               "5.000e-01 (up to 0.000e+00 allowed = 1.00e+00 x local |log_probs| 0.000e+00)")
+
+
+def test_non_finite_values_on_either_side_are_counted_and_fail():
+    actual, expected = EXPECTED_LP.clone(), EXPECTED_LP.clone()
+    actual[0, 0] = math.nan
+    expected[1, 1], expected[1, 2] = math.inf, -math.inf
+    verdict = HAND_POLICY.judge("t", actual, expected, what="log_probs")
+    assert (verdict.passed, verdict.margin) == (False, math.inf)
+    assert verdict.metrics["nonfinite"] == 3 and verdict.metrics["max_relative_to_local"] == math.inf
+    assert verdict.message == "log_probs: non-finite values or floor; NaN/Inf never pass"
+
+
+def test_empty_outputs_pass_with_zero_error():
+    verdict = HAND_POLICY.judge("t", torch.zeros(0, 3), torch.zeros(0, 3))
+    assert (verdict.passed, verdict.margin) == (True, 0.0)
+    assert verdict.metrics == _metrics(0.0, 0, 0, 0.0)
+
+
+def test_shape_mismatch_is_an_error():
+    with pytest.raises(ValueError, match=r"log_probs: shapes \(2, 3\) and \(3, 2\) differ"):
+        HAND_POLICY.judge("t", EXPECTED_LP, EXPECTED_LP.T, what="log_probs")
+
+
+def test_k_per_model_dtype():
+    assert [k_for(d) for d in (torch.float32, torch.bfloat16, torch.float16)] == [4.0, 2.0, 2.0]
+    with pytest.raises(ValueError, match=r"no replay policy for model dtype torch.float64; expected one of "
+                                         r"\['torch.bfloat16', 'torch.float16', 'torch.float32'\]"):
+        k_for(torch.float64)
+
+
+@pytest.mark.parametrize(("dtype", "k", "name"), [(torch.float32, 4.0, "fp32"), (torch.float16, 2.0, "fp16")])
+def test_policy_from_a_hand_made_control(dtype, k, name):
+    policy = local_scale_policy(_control(HAND_BASE, HAND_GROWN), "log_probs", dtype)
+    assert policy == LocalScaleBound("log_probs", 0.5, RESOLUTION, k, name)

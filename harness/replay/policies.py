@@ -23,12 +23,13 @@ from harness.replay.controls import BatchShapeControl
 __all__ = [
     "BF16_K",
     "FP32_K",
-    "K_BY_DTYPE",
     "K_MAX",
     "K_MIN",
+    "MODEL_DTYPES",
     "RESOLUTION",
     "LocalScaleBound",
     "exact",
+    "k_for",
     "local_scale",
     "local_scale_policy",
     "relative_floor",
@@ -41,7 +42,7 @@ BF16_K = 2.0  # bf16: 2 x the relative floor; its GEMMs round differently at eve
 # The model dtype's rounding enters through the measured control, not through a fixed step: a bf16 ulp
 # of a log-prob (which is dominated by its -log std term) would hide the velocity errors under it.
 RESOLUTION = 4 * torch.finfo(torch.float32).eps
-K_BY_DTYPE = {torch.float32: FP32_K, torch.bfloat16: BF16_K, torch.float16: BF16_K}
+MODEL_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # leading dims that keep their own scale: log_probs [B, S] per row; means [B, S, *latent] per (row, step)
 LOCAL_DIMS = {"log_probs": 1, "prev_sample_means": 2}
 
@@ -125,10 +126,15 @@ class LocalScaleBound(Policy):
                                        what=f"relative {self.what} bound")
 
 
+def k_for(dtype: torch.dtype) -> float:
+    """k for a model running in ``dtype``: FP32_K for fp32, BF16_K for both 16-bit dtypes."""
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"no replay policy for model dtype {dtype}; expected one of "
+                         f"{sorted(str(d) for d in MODEL_DTYPES)}")
+    return FP32_K if dtype == torch.float32 else BF16_K
+
+
 def local_scale_policy(control: BatchShapeControl, what: str, dtype: torch.dtype) -> LocalScaleBound:
     """The policy for ``what`` when the model runs in ``dtype``, from a stock batch-shape control."""
-    if dtype not in K_BY_DTYPE:
-        raise ValueError(f"no replay policy for model dtype {dtype}; expected one of "
-                         f"{sorted(str(d) for d in K_BY_DTYPE)}")
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    return LocalScaleBound(what, relative_floor(control, what), RESOLUTION, K_BY_DTYPE[dtype], name)
+    k = k_for(dtype)
+    return LocalScaleBound(what, relative_floor(control, what), RESOLUTION, k, MODEL_DTYPES[dtype])

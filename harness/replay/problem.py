@@ -64,10 +64,19 @@ class ReplayProblem:
 
 
 def make_problem(name: str, adapter: DenoiserAdapter, conditions: Conditions, *, seed: int,
-                 latent_shape: Sequence[int], target: Sequence[int] = DEFAULT_SDE_INDICES,
-                 sde_indices: Sequence[int] = DEFAULT_SDE_INDICES, steps: int = DEFAULT_STEPS,
-                 guidance: Guidance = DEFAULT_GUIDANCE, strategy: SDEStrategy | None = None) -> ReplayProblem:
-    """Roll out a seeded trajectory with the stock path and wrap it as a replay problem."""
+                 latent_shape: Sequence[int], target: Sequence[int] | None = None,
+                 sde_indices: Sequence[int] | None = None, steps: int | None = None,
+                 guidance: Guidance | None = None, strategy: SDEStrategy | None = None) -> ReplayProblem:
+    """Roll out a seeded trajectory with the stock path and wrap it as a replay problem.
+
+    Left out: T = DEFAULT_STEPS, SDE on DEFAULT_SDE_INDICES, every SDE step replayed (``target`` =
+    ``sde_indices``), CFG scale DEFAULT_GUIDANCE, Flow-GRPO with eta 0.7. The noise comes from its own
+    stream, ``seed + 1000``, so it shares no draws with conditions built from ``seed``.
+    """
+    steps = DEFAULT_STEPS if steps is None else steps
+    sde_indices = DEFAULT_SDE_INDICES if sde_indices is None else tuple(sde_indices)
+    target = sde_indices if target is None else target
+    guidance = DEFAULT_GUIDANCE if guidance is None else guidance
     strategy = strategy or FlowGRPOSDE(eta=0.7)
     generator = torch.Generator().manual_seed(seed + 1000)
     segment = rollout(adapter, conditions, strategy, flow_sigmas(steps), sde_indices, latent_shape,
