@@ -1,0 +1,126 @@
+"""The SDE math and its fp64 oracles at their edges: the dtypes they promise whatever arrives, the
+multistep solver's extrapolation and its history, sampling without a generator."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from harness.replay import oracles
+from harness.replay.sde import FlowGRPOSDE, MultistepSDE, gaussian_log_prob, sde_step
+
+pytestmark = pytest.mark.cpu
+
+ROWS = 3
+
+
+def _rows(seed: int, low: float, high: float, *shape: int) -> torch.Tensor:
+    """fp32 values drawn in [low, high): their fp32 sums and products round, so fp32 math shows."""
+    gen = torch.Generator().manual_seed(seed)
+    return low + (high - low) * torch.rand((ROWS, *shape), generator=gen, dtype=torch.float32)
+
+
+def _shared(values: torch.Tensor) -> torch.Tensor:
+    """The first value of ``values`` as a 0-d tensor: one value every row shares."""
+    return values.reshape(-1)[0]
+
+
+SIGMA, SIGMA_NEXT, STD_T = _rows(1, 0.55, 0.95), _rows(2, 0.05, 0.45), _rows(3, 0.3, 0.9)
+X, V = _rows(4, -1.0, 1.0, 2, 2), _rows(5, -1.0, 1.0, 2, 2)
+SUBSETS = [c for n in range(1, 4) for c in itertools.combinations(range(3), n)]
+
+
+def _both(fn, per_row: tuple[torch.Tensor, ...], scalar: tuple[int, ...], before=(), after=()):
+    """fn on fp32 inputs with the arguments in ``scalar`` as 0-d tensors, and on the same values in fp64,
+    expanded per row: an fp64 oracle must give the same bits either way."""
+    mixed = [_shared(a) if i in scalar else a for i, a in enumerate(per_row)]
+    wide = [(_shared(a).expand_as(a) if i in scalar else a).double() for i, a in enumerate(per_row)]
+    got, want = fn(*before, *mixed, *after), fn(*[b.double() for b in before], *wide, *after)
+    return torch.broadcast_to(got, want.shape), want
+
+
+@pytest.mark.parametrize("scalar", SUBSETS)
+def test_flow_mean_oracle_computes_in_fp64_for_scalar_or_per_row_sigmas(scalar):
+    got, want = _both(oracles.flow_mean64, (SIGMA, SIGMA_NEXT, STD_T), scalar, before=(X, V))
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("scalar", SUBSETS)
+def test_std_oracle_computes_in_fp64_for_scalar_or_per_row_inputs(scalar):
+    got, want = _both(oracles.std64, (STD_T, SIGMA, SIGMA_NEXT), scalar)
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
+def test_flow_mean_oracle_squares_std_t_in_fp64():
+    """One hand-checked row: x (1 + s^2/(2 sigma) dt) + v (1 + s^2 (1 - sigma)/(2 sigma)) dt, s = 0.1 (fp32)."""
+    s = float(torch.tensor(0.1, dtype=torch.float32))
+    dt = 0.25 - 0.75
+    want = 2.0 * (1.0 + s * s / 1.5 * dt) + 4.0 * (1.0 + s * s * 0.25 / 1.5) * dt
+    got = oracles.flow_mean64(torch.tensor([[2.0]]), torch.tensor([[4.0]]), torch.tensor([0.75]),
+                              torch.tensor([0.25]), torch.tensor([0.1]))
+    assert got.dtype == torch.float64 and float(got) == pytest.approx(want, rel=1e-15, abs=0)
+
+
+def test_constant_std_oracle_is_eta_in_fp64():
+    got = oracles.constant_std_t64(torch.tensor([0.5, 0.25]), 0.7)
+    assert got.dtype == torch.float64 and got.tolist() == [0.7, 0.7]
+
+
+@pytest.mark.parametrize("scalar", [(1,), (0, 1)])
+def test_log_prob_oracle_computes_in_fp64_for_a_shared_std_or_mean_and_std(scalar):
+    got, want = _both(oracles.gaussian_log_prob64, (V, STD_T), scalar, before=(X,))
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("scalar", [(0,), (1,)])
+def test_cfg_oracle_computes_in_fp64_for_a_shared_branch(scalar):
+    got, want = _both(oracles.cfg_standard64, (X, V), scalar, after=(4.5,))
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
+# ----------------------------------------------------------------------------------- sde.py
+
+
+def test_transition_and_log_prob_are_fp32_whatever_the_inputs_dtype():
+    strategy = FlowGRPOSDE()
+    mean, std = strategy.transition(X.double(), V.double(), SIGMA, SIGMA_NEXT, 0.9)
+    want_mean, want_std = strategy.transition(X, V, SIGMA, SIGMA_NEXT, 0.9)
+    assert (mean.dtype, std.dtype) == (torch.float32, torch.float32)
+    assert torch.equal(mean, want_mean) and torch.equal(std, want_std)
+    log_prob = gaussian_log_prob(X.double(), mean, std)
+    assert log_prob.dtype == torch.float32 and torch.equal(log_prob, gaussian_log_prob(X, mean, std))
+
+
+def test_multistep_drift_extrapolates_the_previous_step_velocity():
+    """Adams-Bashforth: 1.5 v_i - 0.5 v_(i-1) when step i-1 ran just before; v alone otherwise."""
+    flow = FlowGRPOSDE(eta=0.7)
+    solver = MultistepSDE(eta=0.7)
+    first = solver.transition(X, V, SIGMA, SIGMA_NEXT, 0.9, step_index=2)
+    assert torch.equal(first[0], flow.transition(X, V, SIGMA, SIGMA_NEXT, 0.9)[0])
+    v3 = _rows(6, -1.0, 1.0, 2, 2)
+    mean, _ = solver.transition(X, v3, SIGMA, SIGMA_NEXT, 0.9, step_index=3)
+    assert torch.equal(mean, flow.transition(X, 1.5 * v3 - 0.5 * V, SIGMA, SIGMA_NEXT, 0.9)[0])
+    skipped, _ = solver.transition(X, v3, SIGMA, SIGMA_NEXT, 0.9, step_index=5)
+    assert torch.equal(skipped, flow.transition(X, v3, SIGMA, SIGMA_NEXT, 0.9)[0])
+
+
+def test_multistep_history_carries_no_gradient_into_the_previous_step():
+    solver = MultistepSDE()
+    v2, v3 = V.clone().requires_grad_(), (V * 0.5).requires_grad_()
+    solver.transition(X, v2, SIGMA, SIGMA_NEXT, 0.9, step_index=2)
+    mean, _ = solver.transition(X, v3, SIGMA, SIGMA_NEXT, 0.9, step_index=3)
+    mean.sum().backward()
+    assert v2.grad is None and v3.grad is not None
+    assert not solver.history[2].requires_grad
+
+
+def test_sampling_without_a_generator_draws_from_the_default_stream():
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        out = sde_step(FlowGRPOSDE(), X, V, SIGMA, SIGMA_NEXT, 0.9, trajectory_dtype=torch.float32)
+        torch.manual_seed(0)
+        noise = torch.randn(X.shape)
+    mean, std = FlowGRPOSDE().transition(X, V, SIGMA, SIGMA_NEXT, 0.9)
+    assert torch.equal(out.prev_sample, mean + std.reshape(-1, 1, 1) * noise)
