@@ -1,0 +1,125 @@
+"""The replay's small pieces on hand-made inputs: one-sample conditions, the smallest segment, the
+timestep convention, guidance schedules, the forward spy, step-major unstacking, the batch-shape control
+on the fake kernel, and the determinism check's refusal of a fast path that declines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures.replay_cases import BATCH, fake_problem
+from harness import conformance
+from harness.replay import tiling
+from harness.replay.conditions import Conditions
+from harness.replay.controls import InflatedBatch, measure_batch_shape_control
+from harness.replay.denoiser import DenoiserAdapter, guidance_at
+from harness.replay.parity import compare_replay_determinism
+from harness.replay.replay import replay_batched, replay_serial
+from harness.replay.rollout import flow_sigmas
+from harness.replay.sde import MultistepSDE
+from harness.replay.segment import TrajectorySegment
+from harness.replay.spy import spy_forwards
+
+pytestmark = pytest.mark.cpu
+
+
+def test_one_sample_conditions():
+    one = Conditions(batch=1, rows={"e": torch.zeros(1, 2)}, negative=Conditions(batch=1, rows={"e": torch.ones(1, 2)}))
+    assert (one.batch, one.guided, one.branches, one.forward_rows) == (1, True, 2, 2)
+    assert one.validate() is one
+
+
+def test_smallest_segment_one_step_of_a_one_dim_latent():
+    segment = TrajectorySegment(torch.zeros(2, 2, 4), (0, 1), flow_sigmas(1), (0,), torch.zeros(2, 1))
+    assert (segment.batch, segment.num_steps, segment.latent_shape, segment.dtype) == (2, 1, (4,), torch.float32)
+    assert float(segment.sigma_max) == 0.0 and segment.recorded_log_probs((0,)).shape == (2, 1)
+
+
+def test_timestep_is_sigma_times_1000():
+    assert DenoiserAdapter().timestep(torch.tensor([1.0, 0.5, 0.0])).tolist() == [1000.0, 500.0, 0.0]
+
+
+def test_guidance_at_reads_a_constant_or_the_step_entry():
+    assert (guidance_at(3, 7), guidance_at((1.0, 2.5), 1), guidance_at([4.0], 0)) == (3.0, 2.5, 4.0)
+    assert type(guidance_at(3, 0)) is float
+
+
+class _Echo(torch.nn.Module):
+    def forward(self, *args, **kwargs):
+        return args
+
+
+def test_spy_counts_rows_of_the_first_tensor_and_stops_at_exit():
+    module = _Echo()
+    with spy_forwards(module) as spy:
+        module(torch.zeros(3, 2))
+        module(7, torch.zeros(5))
+        module(x=torch.zeros(2, 1))
+        module(torch.tensor(1.0))
+        module("no tensor")
+    assert (spy.batch_sizes, spy.calls) == ([3, 5, 2, -1, -1], 5)
+    module(torch.zeros(4))
+    assert spy.calls == 5 and not module._forward_pre_hooks
+
+
+def test_unstack_step_major_is_a_contiguous_row_step_layout():
+    flat = torch.arange(12.0).reshape(6, 2)  # S=3 steps of B=2 rows
+    out = tiling.unstack_step_major(flat, 3, 2)
+    assert out.is_contiguous() and out.tolist() == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7], [10, 11]]]
+    log_probs = tiling.reshape_log_probs(torch.arange(6.0), 3, 2)
+    assert log_probs.is_contiguous() and log_probs.tolist() == [[0, 2, 4], [1, 3, 5]]
+
+
+def test_replay_results_are_contiguous_on_both_paths():
+    problem = fake_problem("cfg1")
+    for result in (replay_serial(*problem.args()), replay_batched(*problem.args())):
+        assert result.log_probs.is_contiguous() and result.prev_sample_means.is_contiguous()
+
+
+def test_serial_replay_forgets_a_stateful_strategy_history():
+    problem = fake_problem("cfg1")
+    used = MultistepSDE()
+    replay_serial(*problem.with_(strategy=used, target=(3, 4)).args())
+    again = replay_serial(*problem.with_(strategy=used, target=(4,)).args())
+    fresh = replay_serial(*problem.with_(strategy=MultistepSDE(), target=(4,)).args())
+    assert torch.equal(again.log_probs, fresh.log_probs)
+
+
+def test_inflated_batch_keeps_the_first_rows_of_the_grown_forward():
+    """The fake kernel is batch-shape invariant: the kept rows are bitwise the plain forward's."""
+    problem = fake_problem("cfg1")
+    x, t = torch.randn(BATCH, 4, 4, 4, generator=torch.Generator().manual_seed(0)), torch.full((BATCH,), 500.0)
+    for factor in (1, 3):
+        with spy_forwards(problem.adapter.module) as spy:
+            out = InflatedBatch(problem.adapter, factor).forward(x, t, problem.conditions)
+        assert spy.batch_sizes == [factor * BATCH]
+        assert torch.equal(out, problem.adapter.forward(x, t, problem.conditions))
+
+
+def test_control_on_the_fake_kernel_measures_a_zero_floor():
+    problem = fake_problem("cfg1")
+    default, two = measure_batch_shape_control(problem), measure_batch_shape_control(problem, 2)
+    assert (default.factor, two.factor) == (problem.steps, 2)
+    assert default.max_deviation("log_probs") == 0.0 and two.max_deviation("prev_sample_means") == 0.0
+
+
+_RUNS: list[int] = []
+
+
+def second_call_declines(*args):
+    """A fast replay that answers its first call and declines (None) on the next."""
+    _RUNS.append(1)
+    return replay_batched(*args) if len(_RUNS) % 2 else None
+
+
+def test_determinism_check_fails_when_one_run_declines():
+    if conformance.active("replay") is not None:
+        pytest.skip("--impl replay: this test drives the conformance slot itself")
+    _RUNS.clear()
+    conformance.use("replay", f"{__name__}:second_call_declines")
+    try:
+        verdict = compare_replay_determinism(fake_problem("cfg1"), "c")
+    finally:
+        conformance.clear()
+    assert not verdict.passed
+    assert verdict.violated_facts == ["batched replay returned a result on both runs (no silent fallback)"]
