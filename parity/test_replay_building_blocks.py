@@ -1,6 +1,6 @@
-"""The replay's small pieces on hand-made inputs: one-sample conditions, the smallest segment, the
-timestep convention, guidance schedules, the forward spy, step-major unstacking, the batch-shape control
-on the fake kernel, and the determinism check's refusal of a fast path that declines."""
+"""The replay's small pieces: the timestep convention, the forward spy, step-major unstacking, the serial
+loop's fresh solver state, the batch-shape control on the fake kernel, and the determinism check's
+refusal of a fast path that declines."""
 
 from __future__ import annotations
 
@@ -10,38 +10,18 @@ import torch
 from fixtures.replay_cases import BATCH, fake_problem
 from harness import conformance
 from harness.replay import tiling
-from harness.replay.conditions import Conditions
 from harness.replay.controls import InflatedBatch, measure_batch_shape_control
-from harness.replay.denoiser import DenoiserAdapter, guidance_at
+from harness.replay.denoiser import DenoiserAdapter
 from harness.replay.parity import compare_replay_determinism
 from harness.replay.replay import replay_batched, replay_serial
-from harness.replay.rollout import flow_sigmas
 from harness.replay.sde import MultistepSDE
-from harness.replay.segment import TrajectorySegment
 from harness.replay.spy import spy_forwards
 
 pytestmark = pytest.mark.cpu
 
 
-def test_one_sample_conditions():
-    one = Conditions(batch=1, rows={"e": torch.zeros(1, 2)}, negative=Conditions(batch=1, rows={"e": torch.ones(1, 2)}))
-    assert (one.batch, one.guided, one.branches, one.forward_rows) == (1, True, 2, 2)
-    assert one.validate() is one
-
-
-def test_smallest_segment_one_step_of_a_one_dim_latent():
-    segment = TrajectorySegment(torch.zeros(2, 2, 4), (0, 1), flow_sigmas(1), (0,), torch.zeros(2, 1))
-    assert (segment.batch, segment.num_steps, segment.latent_shape, segment.dtype) == (2, 1, (4,), torch.float32)
-    assert float(segment.sigma_max) == 0.0 and segment.recorded_log_probs((0,)).shape == (2, 1)
-
-
 def test_timestep_is_sigma_times_1000():
     assert DenoiserAdapter().timestep(torch.tensor([1.0, 0.5, 0.0])).tolist() == [1000.0, 500.0, 0.0]
-
-
-def test_guidance_at_reads_a_constant_or_the_step_entry():
-    assert (guidance_at(3, 7), guidance_at((1.0, 2.5), 1), guidance_at([4.0], 0)) == (3.0, 2.5, 4.0)
-    assert type(guidance_at(3, 0)) is float
 
 
 class _Echo(torch.nn.Module):

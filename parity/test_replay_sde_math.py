@@ -68,9 +68,10 @@ def test_constant_std_oracle_is_eta_in_fp64():
     assert got.dtype == torch.float64 and got.tolist() == [0.7, 0.7]
 
 
-@pytest.mark.parametrize("scalar", [(1,), (0, 1)])
-def test_log_prob_oracle_computes_in_fp64_for_a_shared_std_or_mean_and_std(scalar):
-    got, want = _both(oracles.gaussian_log_prob64, (V, STD_T), scalar, before=(X,))
+@pytest.mark.parametrize("scalar", [(2,), (1, 2), (0,), (0, 2), (0, 1, 2)])
+def test_log_prob_oracle_computes_in_fp64_for_a_shared_sample_mean_or_std(scalar):
+    """A 0-d mean needs a 0-d std (a per-row std shapes itself to the mean)."""
+    got, want = _both(oracles.gaussian_log_prob64, (X, V, STD_T), scalar)
     assert got.dtype == torch.float64 and torch.equal(got, want)
 
 
@@ -104,6 +105,17 @@ def test_multistep_drift_extrapolates_the_previous_step_velocity():
     assert torch.equal(mean, flow.transition(X, 1.5 * v3 - 0.5 * V, SIGMA, SIGMA_NEXT, 0.9)[0])
     skipped, _ = solver.transition(X, v3, SIGMA, SIGMA_NEXT, 0.9, step_index=5)
     assert torch.equal(skipped, flow.transition(X, v3, SIGMA, SIGMA_NEXT, 0.9)[0])
+
+
+def test_multistep_history_keeps_fp32_velocities():
+    """The drift is the fp32 SDE math's: a velocity arriving in fp64 is extrapolated from as fp32."""
+    solver, flow = MultistepSDE(eta=0.7), FlowGRPOSDE(eta=0.7)
+    x, v3 = _rows(8, -1.0, 1.0, 256), _rows(9, -1.0, 1.0, 256)
+    v2 = torch.rand(v3.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 2 - 1
+    solver.transition(x, v2, SIGMA, SIGMA_NEXT, 0.9, step_index=2)
+    assert solver.history[2].dtype == torch.float32
+    mean, _ = solver.transition(x, v3, SIGMA, SIGMA_NEXT, 0.9, step_index=3)
+    assert torch.equal(mean, flow.transition(x, 1.5 * v3 - 0.5 * v2.float(), SIGMA, SIGMA_NEXT, 0.9)[0])
 
 
 def test_multistep_history_carries_no_gradient_into_the_previous_step():

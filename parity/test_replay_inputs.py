@@ -1,0 +1,101 @@
+"""Replay inputs checked where they enter, on hand-made values (no replay runs here): conditions,
+payload kinds, segments and targets, guidance schedules, CFG layouts. One test per entry point, so each
+asserts every edge of its own checks (exact messages, the smallest valid input)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from harness.replay.conditions import Conditions, concat_payloads
+from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST, DenoiserAdapter, guidance_at, predict_velocity
+from harness.replay.rollout import flow_sigmas
+from harness.replay.segment import TrajectorySegment, validate_targets
+
+pytestmark = pytest.mark.cpu
+
+
+def _refused(exc, message, make):
+    with pytest.raises(exc, match=re.escape(message)):
+        make()
+
+
+def test_conditions_accept_one_sample_and_refuse_every_bad_layout():
+    one = Conditions(batch=1, rows={"e": torch.zeros(1, 2)}, negative=Conditions(batch=1, rows={"e": torch.ones(1, 2)}))
+    assert (one.batch, one.guided, one.branches, one.forward_rows) == (1, True, 2, 2)
+    assert one.validate() is one
+    for batch in (0, -1, True, 1.0):
+        _refused(ValueError, f"Conditions.batch must be a positive int, got {batch!r}",
+                 lambda b=batch: Conditions(batch=b, rows={}))
+    plain = "Conditions.negative must be a plain single-branch Conditions (cfg_factor=1, no negative of its own)"
+    fused = Conditions(batch=2, rows={}, cfg_factor=2)
+    _refused(ValueError, plain, lambda: Conditions(batch=2, rows={}, negative=fused))
+    nested = Conditions(batch=2, rows={}, negative=Conditions(batch=2, rows={}))
+    _refused(ValueError, plain, lambda: Conditions(batch=2, rows={}, negative=nested))
+    _refused(ValueError, "Conditions.negative has batch 3, expected 2",
+             lambda: Conditions(batch=2, rows={}, negative=Conditions(batch=3, rows={})))
+
+
+def test_payloads_of_one_kind_concatenate_and_other_kinds_do_not():
+    assert concat_payloads([[1], [2, 3]]) == [1, 2, 3] and concat_payloads([(1,), (2,)]) == (1, 2)
+    for parts, kinds in (([[1], (2,)], "['list', 'tuple']"), ([(1,), [2]], "['tuple', 'list']"),
+                         ([{"a": 1}, {"b": 2}], "['dict', 'dict']")):
+        _refused(TypeError, f"field 'f': cannot concatenate payload kinds {kinds}",
+                 lambda p=parts: concat_payloads(p, "field 'f'"))
+    _refused(TypeError, "field 'f': cannot concatenate a tensor payload with ['Tensor', 'list']",
+             lambda: concat_payloads([torch.zeros(1), [1]], "field 'f'"))
+    _refused(ValueError, "field 'f': nothing to concatenate", lambda: concat_payloads([], "field 'f'"))
+
+
+def test_segment_and_targets_validation():
+    """The smallest segment (one step, 1-d latent) is valid; bad latent steps and targets are named."""
+    segment = TrajectorySegment(torch.zeros(2, 2, 4), (0, 1), flow_sigmas(1), (0,), torch.zeros(2, 1))
+    assert (segment.batch, segment.num_steps, segment.latent_shape, segment.dtype) == (2, 1, (4,), torch.float32)
+    assert float(segment.sigma_max) == 0.0 and validate_targets(segment, [0]) == (0,)
+    for steps in ((0,), (0, 1, 2), (1, 1)):
+        _refused(ValueError, f"latent_steps {steps} must name 2 distinct steps (one per stored latent)",
+                 lambda s=steps: TrajectorySegment(torch.zeros(2, 2, 4), s, flow_sigmas(1), (0,), torch.zeros(2, 1)))
+    _refused(ValueError, "latents must be [B, K, *latent], got shape (2, 2)",
+             lambda: TrajectorySegment(torch.zeros(2, 2), (0, 1), flow_sigmas(1), (0,), torch.zeros(2, 1)))
+    for target, kind in (({0}, "set"), (0, "int"), (None, "NoneType"), ("0", "str"), (b"0", "bytes")):
+        _refused(TypeError, f"target must be a sequence of step indices, got {kind}",
+                 lambda t=target: validate_targets(segment, t))
+    for target in ((True,), (0, False), (0.0,)):
+        _refused(TypeError, f"target steps must be ints, got [{target[-1]!r}]",
+                 lambda t=target: validate_targets(segment, t))
+    _refused(ValueError, "target steps [0] appear more than once in [0, 0]", lambda: validate_targets(segment, (0, 0)))
+
+
+def test_guidance_schedule_lookup():
+    assert (guidance_at(3, 7), guidance_at((1.0, 2.5), 1), guidance_at([4.0], 0)) == (3.0, 2.5, 4.0)
+    assert type(guidance_at(3, 0)) is float
+    for step in (2, 3, -1):
+        _refused(ValueError, f"guidance schedule has 2 entries; no scale for step {step}",
+                 lambda s=step: guidance_at((1.0, 2.0), s))
+    _refused(TypeError, "guidance must be a float or a per-step sequence of floats, got bool",
+             lambda: guidance_at(True, 0))
+
+
+class _Rows(DenoiserAdapter):
+    """Returns its input: enough to reach the layout check and the forward."""
+
+    def __init__(self, layout: str):
+        self.cfg_layout, self.module = layout, torch.nn.Identity()
+
+    def forward(self, hidden, timestep, conditions):
+        return self.module(hidden)
+
+
+def test_cfg_layout_is_checked_before_the_forward():
+    x, fused = torch.ones(1, 2), Conditions(batch=1, rows={}, cfg_factor=2)
+    uncond_first = Conditions(batch=1, rows={}, negative=Conditions(batch=1, rows={}))
+    _refused(ValueError, "adapter _Rows has cfg_layout 'cond_last'; expected one of "
+                         "('fused_cond_first', 'uncond_first')",
+             lambda: predict_velocity(_Rows("cond_last"), x, 0.5, fused, 1.0))
+    _refused(ValueError, "adapter _Rows is uncond-first (SD3 style): pass the uncond branch as Conditions.negative",
+             lambda: predict_velocity(_Rows(UNCOND_FIRST), x, 0.5, fused, 1.0))
+    _refused(ValueError, "adapter _Rows is fused cond-first (HunyuanImage-3 style): pass [cond_B; uncond_B] rows",
+             lambda: predict_velocity(_Rows(FUSED_COND_FIRST), x, 0.5, uncond_first, 1.0))
+    assert predict_velocity(_Rows(UNCOND_FIRST), x, 0.5, uncond_first, 2.0).tolist() == [[1.0, 1.0]]
