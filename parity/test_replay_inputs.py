@@ -1,6 +1,6 @@
-"""Replay inputs checked where they enter, on hand-made values (no replay runs here): conditions,
-payload kinds, segments and targets, guidance schedules, CFG layouts. One test per entry point, so each
-asserts every edge of its own checks (exact messages, the smallest valid input)."""
+"""Replay inputs checked where they enter, on hand-made values (no replay runs here): conditions, payload
+kinds, CFG layouts, sigma schedules, segments and targets, guidance schedules. One test per entry point,
+so each asserts every edge of its own checks (exact messages, the smallest valid input)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,18 @@ def _refused(exc, message, make):
         make()
 
 
-def test_conditions_accept_one_sample_and_refuse_every_bad_layout():
+class _Rows(DenoiserAdapter):
+    """Returns its input: enough to reach the layout check and the forward."""
+
+    def __init__(self, layout: str):
+        self.cfg_layout, self.module = layout, torch.nn.Identity()
+
+    def forward(self, hidden, timestep, conditions):
+        return self.module(hidden)
+
+
+def test_conditions_and_cfg_layouts_take_one_sample_and_refuse_bad_ones():
+    """Construction checks first, then the adapter's CFG layout against the conditions' before any forward."""
     one = Conditions(batch=1, rows={"e": torch.zeros(1, 2)}, negative=Conditions(batch=1, rows={"e": torch.ones(1, 2)}))
     assert (one.batch, one.guided, one.branches, one.forward_rows) == (1, True, 2, 2)
     assert one.validate() is one
@@ -36,6 +47,16 @@ def test_conditions_accept_one_sample_and_refuse_every_bad_layout():
     _refused(ValueError, plain, lambda: Conditions(batch=2, rows={}, negative=nested))
     _refused(ValueError, "Conditions.negative has batch 3, expected 2",
              lambda: Conditions(batch=2, rows={}, negative=Conditions(batch=3, rows={})))
+    x, fused = torch.ones(1, 2), Conditions(batch=1, rows={}, cfg_factor=2)  # one sample from here on
+    uncond_first = Conditions(batch=1, rows={}, negative=Conditions(batch=1, rows={}))
+    _refused(ValueError, "adapter _Rows has cfg_layout 'cond_last'; expected one of "
+                         "('fused_cond_first', 'uncond_first')",
+             lambda: predict_velocity(_Rows("cond_last"), x, 0.5, fused, 1.0))
+    _refused(ValueError, "adapter _Rows is uncond-first (SD3 style): pass the uncond branch as Conditions.negative",
+             lambda: predict_velocity(_Rows(UNCOND_FIRST), x, 0.5, fused, 1.0))
+    _refused(ValueError, "adapter _Rows is fused cond-first (HunyuanImage-3 style): pass [cond_B; uncond_B] rows",
+             lambda: predict_velocity(_Rows(FUSED_COND_FIRST), x, 0.5, uncond_first, 1.0))
+    assert predict_velocity(_Rows(UNCOND_FIRST), x, 0.5, uncond_first, 2.0).tolist() == [[1.0, 1.0]]
 
 
 def test_payloads_of_one_kind_concatenate_and_other_kinds_do_not():
@@ -49,8 +70,18 @@ def test_payloads_of_one_kind_concatenate_and_other_kinds_do_not():
     _refused(ValueError, "field 'f': nothing to concatenate", lambda: concat_payloads([], "field 'f'"))
 
 
-def test_segment_and_targets_validation():
-    """The smallest segment (one step, 1-d latent) is valid; bad latent steps and targets are named."""
+def test_schedule_segment_and_targets_validation():
+    """The shifted schedule and its refusals; the smallest segment (one step, 1-d latent) is valid; bad
+    latent steps and targets are named."""
+    assert flow_sigmas(1).tolist() == [1.0, 0.0]
+    assert flow_sigmas(2).tolist() == [1.0, 0.75, 0.0]  # 3 * 0.5 / (1 + 2 * 0.5)
+    assert flow_sigmas(4, shift=1.0).tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert flow_sigmas(2).dtype == torch.float32
+    for steps, shift, message in ((0, 3.0, "a schedule needs at least one step, got 0"),
+                                  (-2, 3.0, "a schedule needs at least one step, got -2"),
+                                  (4, 0.0, "shift must be > 0, got 0.0"), (4, -1.0, "shift must be > 0, got -1.0")):
+        with pytest.raises(ValueError, match=message):
+            flow_sigmas(steps, shift)
     segment = TrajectorySegment(torch.zeros(2, 2, 4), (0, 1), flow_sigmas(1), (0,), torch.zeros(2, 1))
     assert (segment.batch, segment.num_steps, segment.latent_shape, segment.dtype) == (2, 1, (4,), torch.float32)
     assert float(segment.sigma_max) == 0.0 and validate_targets(segment, [0]) == (0,)
@@ -76,26 +107,3 @@ def test_guidance_schedule_lookup():
                  lambda s=step: guidance_at((1.0, 2.0), s))
     _refused(TypeError, "guidance must be a float or a per-step sequence of floats, got bool",
              lambda: guidance_at(True, 0))
-
-
-class _Rows(DenoiserAdapter):
-    """Returns its input: enough to reach the layout check and the forward."""
-
-    def __init__(self, layout: str):
-        self.cfg_layout, self.module = layout, torch.nn.Identity()
-
-    def forward(self, hidden, timestep, conditions):
-        return self.module(hidden)
-
-
-def test_cfg_layout_is_checked_before_the_forward():
-    x, fused = torch.ones(1, 2), Conditions(batch=1, rows={}, cfg_factor=2)
-    uncond_first = Conditions(batch=1, rows={}, negative=Conditions(batch=1, rows={}))
-    _refused(ValueError, "adapter _Rows has cfg_layout 'cond_last'; expected one of "
-                         "('fused_cond_first', 'uncond_first')",
-             lambda: predict_velocity(_Rows("cond_last"), x, 0.5, fused, 1.0))
-    _refused(ValueError, "adapter _Rows is uncond-first (SD3 style): pass the uncond branch as Conditions.negative",
-             lambda: predict_velocity(_Rows(UNCOND_FIRST), x, 0.5, fused, 1.0))
-    _refused(ValueError, "adapter _Rows is fused cond-first (HunyuanImage-3 style): pass [cond_B; uncond_B] rows",
-             lambda: predict_velocity(_Rows(FUSED_COND_FIRST), x, 0.5, uncond_first, 1.0))
-    assert predict_velocity(_Rows(UNCOND_FIRST), x, 0.5, uncond_first, 2.0).tolist() == [[1.0, 1.0]]

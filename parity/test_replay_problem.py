@@ -1,4 +1,4 @@
-"""Replay problems: the defaults the CPU and GPU tiers share, the seeded noise stream, the schedule."""
+"""Replay problems: the defaults the CPU and GPU tiers share and the seeded noise stream."""
 
 from __future__ import annotations
 
@@ -46,15 +46,3 @@ def test_make_problem_defaults_and_noise_stream():
     assert (given.target, given.segment.sde_indices, given.segment.num_steps) == ((2, 0), (2, 0), 3)
     assert given.guidance == 1.5
     assert _problem(sde_indices=(2, 0), steps=3, target=(2,)).target == (2,)
-
-
-def test_flow_sigmas_shift_the_linear_schedule_and_refuse_bad_ones():
-    assert flow_sigmas(1).tolist() == [1.0, 0.0]
-    assert flow_sigmas(2).tolist() == [1.0, 0.75, 0.0]  # 3 * 0.5 / (1 + 2 * 0.5)
-    assert flow_sigmas(4, shift=1.0).tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]
-    assert flow_sigmas(2).dtype == torch.float32
-    for steps, shift, message in ((0, 3.0, "a schedule needs at least one step, got 0"),
-                                  (-2, 3.0, "a schedule needs at least one step, got -2"),
-                                  (4, 0.0, "shift must be > 0, got 0.0"), (4, -1.0, "shift must be > 0, got -1.0")):
-        with pytest.raises(ValueError, match=message):
-            flow_sigmas(steps, shift)
