@@ -88,6 +88,9 @@ def test_schedule_segment_and_targets_validation():
     for steps in ((0,), (0, 1, 2), (1, 1)):
         _refused(ValueError, f"latent_steps {steps} must name 2 distinct steps (one per stored latent)",
                  lambda s=steps: TrajectorySegment(torch.zeros(2, 2, 4), s, flow_sigmas(1), (0,), torch.zeros(2, 1)))
+    for sigmas in (torch.tensor([1.0]), torch.tensor([[1.0, 0.0]])):
+        _refused(ValueError, f"sigmas must be a [T+1] schedule with T >= 1, got shape {tuple(sigmas.shape)}",
+                 lambda s=sigmas: TrajectorySegment(torch.zeros(2, 2, 4), (0, 1), s, (0,), torch.zeros(2, 1)))
     _refused(ValueError, "latents must be [B, K, *latent], got shape (2, 2)",
              lambda: TrajectorySegment(torch.zeros(2, 2), (0, 1), flow_sigmas(1), (0,), torch.zeros(2, 1)))
     for target, kind in (({0}, "set"), (0, "int"), (None, "NoneType"), ("0", "str"), (b"0", "bytes")):

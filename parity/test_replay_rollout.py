@@ -8,6 +8,7 @@ import torch
 
 from harness.replay.conditions import Conditions
 from harness.replay.denoiser import DenoiserAdapter
+from harness.replay.replay import replay_serial
 from harness.replay.rollout import flow_sigmas, rollout
 from harness.replay.sde import FlowGRPOSDE, MultistepSDE
 
@@ -37,7 +38,8 @@ def test_rollout_refuses_sde_steps_outside_the_schedule_or_repeated():
 
 def test_rollout_takes_euler_steps_between_sde_steps_and_forgets_solver_state():
     """Steps 1 and 2 are ODE steps: x_(i+1) = x_i + v(x_i, sigma_i) (sigma_(i+1) - sigma_i), fp64 here.
-    The solver comes from an earlier rollout: step 3 must not extrapolate from that rollout's step 2."""
+    The solver comes from an earlier rollout: step 3 must not extrapolate from that rollout's step 2.
+    Replaying the stored steps recomputes the recorded log-probs exactly (step 0 uses s' = sigmas[1])."""
     used = MultistepSDE()
     _rollout(used, (2, 3))
     segment = _rollout(used, (0, 3), steps=4, trajectory_dtype=torch.float32)
@@ -50,3 +52,6 @@ def test_rollout_takes_euler_steps_between_sde_steps_and_forgets_solver_state():
         v = x.roll(1, dims=1) - 0.5 * x + sigmas[step]
         x = x + v * (sigmas[step + 1] - sigmas[step])
     assert torch.allclose(segment.latent_at(3).double(), x, rtol=1e-6, atol=1e-6)
+    flow = _rollout(FlowGRPOSDE(), (0, 3), steps=4)
+    replayed = replay_serial(_Curl(), Conditions(batch=2, rows={}), flow, FlowGRPOSDE(), (0, 3))
+    assert torch.equal(replayed.log_probs, flow.log_probs)
