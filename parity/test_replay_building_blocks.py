@@ -9,11 +9,13 @@ import torch
 
 from fixtures.replay_cases import BATCH, fake_problem
 from harness import conformance
+from harness.compare import exact
 from harness.replay import tiling
 from harness.replay.controls import InflatedBatch, measure_batch_shape_control
 from harness.replay.denoiser import DenoiserAdapter
-from harness.replay.parity import compare_replay_determinism
-from harness.replay.replay import replay_batched, replay_serial
+from harness.replay.guards import ReplayConfig
+from harness.replay.parity import compare_replay, compare_replay_determinism, judge_result
+from harness.replay.replay import replay, replay_batched, replay_serial
 from harness.replay.sde import MultistepSDE
 from harness.replay.spy import spy_forwards
 
@@ -103,3 +105,24 @@ def test_determinism_check_fails_when_one_run_declines():
         conformance.clear()
     assert not verdict.passed
     assert verdict.violated_facts == ["batched replay returned a result on both runs (no silent fallback)"]
+
+
+def test_replay_takes_the_batched_path_when_it_may_and_the_serial_loop_otherwise():
+    problem = fake_problem("cfg1")
+    for config, forwards in ((ReplayConfig(True), [problem.batched_rows]),
+                             (ReplayConfig(), [problem.serial_rows] * problem.steps)):
+        with spy_forwards(problem.adapter.module) as spy:
+            result = replay(*problem.with_(config=config).args())
+        assert spy.batch_sizes == forwards
+        assert torch.equal(result.log_probs, replay_serial(*problem.args()).log_probs)
+
+
+def test_compare_replay_fails_a_declined_fast_path_and_a_wrong_shape():
+    problem = fake_problem("cfg1")
+    declined = compare_replay(problem.with_(config=ReplayConfig()), exact(), "c")
+    assert not declined.passed
+    assert declined.violated_facts == ["batched replay returned a result (no silent fallback)"]
+    assert declined.metrics["batched_forwards"] == "[]"
+    shape = judge_result(exact(), "c", torch.zeros(2, 3), torch.zeros(3, 2), (0, 1), "log_probs")
+    assert not shape.passed and shape.violated_facts == ["log_probs has the serial shape [3, 2]"]
+    assert (shape.metrics["actual_shape"], shape.metrics["expected_shape"]) == ("[2, 3]", "[3, 2]")

@@ -45,6 +45,9 @@ def test_conditions_and_cfg_layouts_take_one_sample_and_refuse_bad_ones():
     _refused(ValueError, plain, lambda: Conditions(batch=2, rows={}, negative=fused))
     nested = Conditions(batch=2, rows={}, negative=Conditions(batch=2, rows={}))
     _refused(ValueError, plain, lambda: Conditions(batch=2, rows={}, negative=nested))
+    two_rows = Conditions(batch=1, rows={"e": torch.zeros(2, 2)})
+    short = Conditions(batch=1, rows={"e": torch.zeros(1, 2)}, negative=two_rows)
+    _refused(ValueError, "field 'e' has 2 rows; expected 1 (batch=1, cfg_factor=1)", short.validate)
     _refused(ValueError, "Conditions.negative has batch 3, expected 2",
              lambda: Conditions(batch=2, rows={}, negative=Conditions(batch=3, rows={})))
     x, fused = torch.ones(1, 2), Conditions(batch=1, rows={}, cfg_factor=2)  # one sample from here on
@@ -91,6 +94,10 @@ def test_schedule_segment_and_targets_validation():
     for sigmas in (torch.tensor([1.0]), torch.tensor([[1.0, 0.0]])):
         _refused(ValueError, f"sigmas must be a [T+1] schedule with T >= 1, got shape {tuple(sigmas.shape)}",
                  lambda s=sigmas: TrajectorySegment(torch.zeros(2, 2, 4), (0, 1), s, (0,), torch.zeros(2, 1)))
+    _refused(ValueError, "sigmas must decrease strictly, got [1.0, 1.0]",
+             lambda: TrajectorySegment(torch.zeros(2, 2, 4), (0, 1), torch.ones(2), (0,), torch.zeros(2, 1)))
+    _refused(ValueError, "sde_indices [1] lie outside [0, 0] (T=1 steps)",
+             lambda: TrajectorySegment(torch.zeros(2, 2, 4), (0, 1), flow_sigmas(1), (1,), torch.zeros(2, 1)))
     _refused(ValueError, "latents must be [B, K, *latent], got shape (2, 2)",
              lambda: TrajectorySegment(torch.zeros(2, 2), (0, 1), flow_sigmas(1), (0,), torch.zeros(2, 1)))
     for target, kind in (({0}, "set"), (0, "int"), (None, "NoneType"), ("0", "str"), (b"0", "bytes")):

@@ -147,6 +147,9 @@ def test_a_pass_reports_every_metric_and_an_all_zero_row_needs_zero_error():
         True, 0.5, 1.0, "max_relative_to_local", "")
     assert verdict.metrics == _metrics(0.5, 6, 0, 0.5)
     assert verdict.policy == HAND_POLICY.describe()
+    half = LocalScaleBound("log_probs", relative_floor=0.25, resolution=RESOLUTION, k=2.0)  # bound 0.5
+    halved = half.judge("t", actual, EXPECTED_LP)
+    assert (halved.passed, halved.margin, halved.metrics["max_relative_to_local"]) == (True, 1.0, 0.5)
 
 
 def test_an_error_at_the_bound_passes_and_only_errors_beyond_it_are_counted():
@@ -154,6 +157,9 @@ def test_an_error_at_the_bound_passes_and_only_errors_beyond_it_are_counted():
     at_bound = EXPECTED_LP + torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     assert HAND_POLICY.judge("t", at_bound, EXPECTED_LP).margin == 1.0
     assert HAND_POLICY.judge("t", at_bound, EXPECTED_LP).passed
+    for error in (1.5, -1.5):
+        beyond = HAND_POLICY.judge("t", EXPECTED_LP + torch.tensor([[error, 0.0, 0.0], [0.0, 0.0, 0.0]]), EXPECTED_LP)
+        assert (beyond.passed, beyond.margin, beyond.metrics["max_abs"]) == (False, 1.5, 1.5)
     actual = EXPECTED_LP + torch.tensor([[1.0, 2.0, 0.0], [0.0, 0.5, 0.0]])
     verdict = HAND_POLICY.judge("t", actual, EXPECTED_LP, dims=("row", "step"), labels={"step": [0, 3, 6]},
                                 what="log_probs")
@@ -195,3 +201,4 @@ def test_k_per_model_dtype():
 def test_policy_from_a_hand_made_control(dtype, k, name):
     policy = local_scale_policy(_control(HAND_BASE, HAND_GROWN), "log_probs", dtype)
     assert policy == LocalScaleBound("log_probs", 0.5, RESOLUTION, k, name)
+    assert policy.resolution == 4 * torch.finfo(torch.float32).eps  # 4 fp32 ulps, the SDE math's resolution

@@ -3,6 +3,8 @@ stateful solver's history forgotten between rollouts."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -30,9 +32,10 @@ def _rollout(strategy, sde_indices, steps=8, **kwargs):
                    generator=torch.Generator().manual_seed(5), **kwargs)
 
 
-def test_rollout_refuses_sde_steps_outside_the_schedule_or_repeated():
-    for sde in ((0, 8), (-1, 3), (2, 2)):
-        with pytest.raises(ValueError, match=rf"sde_indices \[{sde[0]}, {sde[1]}\] must be distinct steps in \[0, 7\]"):
+def test_rollout_refuses_sde_steps_outside_the_schedule_repeated_or_none():
+    for sde in ((0, 8), (-1, 3), (2, 2), ()):
+        with pytest.raises(ValueError, match=re.escape(f"sde_indices {list(sde)} must be distinct steps in [0, 7] "
+                                                       "(at least one)")):
             _rollout(FlowGRPOSDE(), sde)
 
 
@@ -52,6 +55,7 @@ def test_rollout_takes_euler_steps_between_sde_steps_and_forgets_solver_state():
         v = x.roll(1, dims=1) - 0.5 * x + sigmas[step]
         x = x + v * (sigmas[step + 1] - sigmas[step])
     assert torch.allclose(segment.latent_at(3).double(), x, rtol=1e-6, atol=1e-6)
+    assert _rollout(FlowGRPOSDE(), (1,), steps=2).latent_steps == (1, 2)  # x_0 is kept only for step 0
     flow = _rollout(FlowGRPOSDE(), (0, 3), steps=4)
     replayed = replay_serial(_Curl(), Conditions(batch=2, rows={}), flow, FlowGRPOSDE(), (0, 3))
     assert torch.equal(replayed.log_probs, flow.log_probs)

@@ -4,6 +4,7 @@ multistep solver's extrapolation and its history, sampling without a generator."
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -70,9 +71,16 @@ def test_constant_std_oracle_is_eta_in_fp64():
 
 @pytest.mark.parametrize("scalar", [(2,), (1, 2), (0,), (0, 2), (0, 1, 2)])
 def test_log_prob_oracle_computes_in_fp64_for_a_shared_sample_mean_or_std(scalar):
-    """A 0-d mean needs a 0-d std (a per-row std shapes itself to the mean)."""
+    """A 0-d mean needs a 0-d std (a per-row std shapes itself to the mean). Row by row, by hand:
+    mean over elements of -(p - m)^2 / (2 s^2) - log s - log sqrt(2 pi)."""
     got, want = _both(oracles.gaussian_log_prob64, (X, V, STD_T), scalar)
     assert got.dtype == torch.float64 and torch.equal(got, want)
+    wide = [(_shared(a).expand_as(a) if i in scalar else a).double() for i, a in enumerate((X, V, STD_T))]
+    for row in range(ROWS):
+        p, m, s = wide[0][row].flatten().tolist(), wide[1][row].flatten().tolist(), float(wide[2][row])
+        terms = [-((a - b) ** 2) / (2 * s * s) - math.log(s) - 0.5 * math.log(2 * math.pi)
+                 for a, b in zip(p, m, strict=True)]
+        assert float(want[row]) == pytest.approx(sum(terms) / len(terms), rel=1e-12)
 
 
 @pytest.mark.parametrize("scalar", [(0,), (1,)])
@@ -84,6 +92,18 @@ def test_cfg_oracle_computes_in_fp64_for_a_shared_branch(scalar):
 # ----------------------------------------------------------------------------------- sde.py
 
 
+def _matches_oracle(x, v, mean, std, prev=None, eta=0.7, sigma=SIGMA, sigma_next=SIGMA_NEXT):
+    """The fp32 Flow-GRPO transition (and the log-prob of ``prev``) against the fp64 oracles, to fp32 rounding."""
+    std_t = oracles.flow_grpo_std_t64(sigma, 0.9, eta)
+    want_std = oracles.std64(std_t, sigma, sigma_next)
+    ok = torch.allclose(mean.double(), oracles.flow_mean64(x, v, sigma, sigma_next, std_t), rtol=1e-5, atol=1e-6)
+    ok = ok and torch.allclose(std.double(), want_std, rtol=1e-5, atol=0)
+    if prev is not None:
+        got = gaussian_log_prob(prev, mean, std).double()
+        ok = ok and torch.allclose(got, oracles.gaussian_log_prob64(prev, mean, want_std), rtol=1e-5, atol=1e-5)
+    return ok
+
+
 def test_transition_and_log_prob_are_fp32_whatever_the_inputs_dtype():
     strategy = FlowGRPOSDE()
     mean, std = strategy.transition(X.double(), V.double(), SIGMA, SIGMA_NEXT, 0.9)
@@ -92,6 +112,9 @@ def test_transition_and_log_prob_are_fp32_whatever_the_inputs_dtype():
     assert torch.equal(mean, want_mean) and torch.equal(std, want_std)
     log_prob = gaussian_log_prob(X.double(), mean, std)
     assert log_prob.dtype == torch.float32 and torch.equal(log_prob, gaussian_log_prob(X, mean, std))
+    assert _matches_oracle(X, V, mean, std, prev=V)
+    with pytest.raises(ValueError, match="an SDE step needs sigma_next < sigma on every row"):
+        strategy.transition(X, V, SIGMA, torch.cat([SIGMA_NEXT[:2], SIGMA[2:]]), 0.9)
 
 
 def test_multistep_drift_extrapolates_the_previous_step_velocity():
@@ -100,9 +123,11 @@ def test_multistep_drift_extrapolates_the_previous_step_velocity():
     solver = MultistepSDE(eta=0.7)
     first = solver.transition(X, V, SIGMA, SIGMA_NEXT, 0.9, step_index=2)
     assert torch.equal(first[0], flow.transition(X, V, SIGMA, SIGMA_NEXT, 0.9)[0])
+    assert _matches_oracle(X, V, *first, prev=X)
     v3 = _rows(6, -1.0, 1.0, 2, 2)
-    mean, _ = solver.transition(X, v3, SIGMA, SIGMA_NEXT, 0.9, step_index=3)
+    mean, std = solver.transition(X, v3, SIGMA, SIGMA_NEXT, 0.9, step_index=3)
     assert torch.equal(mean, flow.transition(X, 1.5 * v3 - 0.5 * V, SIGMA, SIGMA_NEXT, 0.9)[0])
+    assert _matches_oracle(X, 1.5 * v3.double() - 0.5 * V.double(), mean, std, prev=v3)
     skipped, _ = solver.transition(X, v3, SIGMA, SIGMA_NEXT, 0.9, step_index=5)
     assert torch.equal(skipped, flow.transition(X, v3, SIGMA, SIGMA_NEXT, 0.9)[0])
 
@@ -114,18 +139,20 @@ def test_multistep_history_keeps_fp32_velocities():
     v2 = torch.rand(v3.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 2 - 1
     solver.transition(x, v2, SIGMA, SIGMA_NEXT, 0.9, step_index=2)
     assert solver.history[2].dtype == torch.float32
-    mean, _ = solver.transition(x, v3, SIGMA, SIGMA_NEXT, 0.9, step_index=3)
+    mean, std = solver.transition(x, v3, SIGMA, SIGMA_NEXT, 0.9, step_index=3)
     assert torch.equal(mean, flow.transition(x, 1.5 * v3 - 0.5 * v2.float(), SIGMA, SIGMA_NEXT, 0.9)[0])
+    assert _matches_oracle(x, 1.5 * v3.double() - 0.5 * v2, mean, std, prev=x)
 
 
 def test_multistep_history_carries_no_gradient_into_the_previous_step():
     solver = MultistepSDE()
     v2, v3 = V.clone().requires_grad_(), (V * 0.5).requires_grad_()
     solver.transition(X, v2, SIGMA, SIGMA_NEXT, 0.9, step_index=2)
-    mean, _ = solver.transition(X, v3, SIGMA, SIGMA_NEXT, 0.9, step_index=3)
+    mean, std = solver.transition(X, v3, SIGMA, SIGMA_NEXT, 0.9, step_index=3)
     mean.sum().backward()
     assert v2.grad is None and v3.grad is not None
     assert not solver.history[2].requires_grad
+    assert _matches_oracle(X, 1.5 * v3.detach().double() - 0.5 * V.double(), mean.detach(), std, prev=X)
 
 
 def test_sampling_without_a_generator_draws_from_the_default_stream():
@@ -136,3 +163,4 @@ def test_sampling_without_a_generator_draws_from_the_default_stream():
         noise = torch.randn(X.shape)
     mean, std = FlowGRPOSDE().transition(X, V, SIGMA, SIGMA_NEXT, 0.9)
     assert torch.equal(out.prev_sample, mean + std.reshape(-1, 1, 1) * noise)
+    assert _matches_oracle(X, V, out.mean, out.std, prev=out.prev_sample)

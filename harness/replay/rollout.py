@@ -49,8 +49,8 @@ def rollout(adapter: DenoiserAdapter, conditions: Conditions, strategy: SDEStrat
     steps = int(sigmas.numel()) - 1
     sde = tuple(sde_indices)
     bad = [i for i in sde if not 0 <= i < steps]
-    if bad or len(set(sde)) != len(sde):
-        raise ValueError(f"sde_indices {list(sde)} must be distinct steps in [0, {steps - 1}]")
+    if not sde or bad or len(set(sde)) != len(sde):
+        raise ValueError(f"sde_indices {list(sde)} must be distinct steps in [0, {steps - 1}] (at least one)")
     rows = conditions.validate().batch
     sigmas = sigmas.to(device)
     sigma_max = sigmas[1]
@@ -78,5 +78,5 @@ def rollout(adapter: DenoiserAdapter, conditions: Conditions, strategy: SDEStrat
         latent_steps=tuple(order),
         sigmas=sigmas,
         sde_indices=sde,
-        log_probs=torch.stack([log_probs[i] for i in sde], dim=1) if sde else torch.zeros(rows, 0),
+        log_probs=torch.stack([log_probs[i] for i in sde], dim=1),
     )
