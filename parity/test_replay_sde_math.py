@@ -42,16 +42,16 @@ def _both(fn, per_row: tuple[torch.Tensor, ...], scalar: tuple[int, ...], before
     return torch.broadcast_to(got, want.shape), want
 
 
-@pytest.mark.parametrize("scalar", SUBSETS)
-def test_flow_mean_oracle_computes_in_fp64_for_scalar_or_per_row_sigmas(scalar):
-    got, want = _both(oracles.flow_mean64, (SIGMA, SIGMA_NEXT, STD_T), scalar, before=(X, V))
-    assert got.dtype == torch.float64 and torch.equal(got, want)
+def test_flow_mean_oracle_computes_in_fp64_for_scalar_or_per_row_sigmas():
+    for scalar in SUBSETS:
+        got, want = _both(oracles.flow_mean64, (SIGMA, SIGMA_NEXT, STD_T), scalar, before=(X, V))
+        assert got.dtype == torch.float64 and torch.equal(got, want), scalar
 
 
-@pytest.mark.parametrize("scalar", SUBSETS)
-def test_std_oracle_computes_in_fp64_for_scalar_or_per_row_inputs(scalar):
-    got, want = _both(oracles.std64, (STD_T, SIGMA, SIGMA_NEXT), scalar)
-    assert got.dtype == torch.float64 and torch.equal(got, want)
+def test_std_oracle_computes_in_fp64_for_scalar_or_per_row_inputs():
+    for scalar in SUBSETS:
+        got, want = _both(oracles.std64, (STD_T, SIGMA, SIGMA_NEXT), scalar)
+        assert got.dtype == torch.float64 and torch.equal(got, want), scalar
 
 
 def test_flow_mean_oracle_squares_std_t_in_fp64():
@@ -69,24 +69,24 @@ def test_constant_std_oracle_is_eta_in_fp64():
     assert got.dtype == torch.float64 and got.tolist() == [0.7, 0.7]
 
 
-@pytest.mark.parametrize("scalar", [(2,), (1, 2), (0,), (0, 2), (0, 1, 2)])
-def test_log_prob_oracle_computes_in_fp64_for_a_shared_sample_mean_or_std(scalar):
+def test_log_prob_oracle_computes_in_fp64_for_a_shared_sample_mean_or_std():
     """A 0-d mean needs a 0-d std (a per-row std shapes itself to the mean). Row by row, by hand:
     mean over elements of -(p - m)^2 / (2 s^2) - log s - log sqrt(2 pi)."""
-    got, want = _both(oracles.gaussian_log_prob64, (X, V, STD_T), scalar)
-    assert got.dtype == torch.float64 and torch.equal(got, want)
-    wide = [(_shared(a).expand_as(a) if i in scalar else a).double() for i, a in enumerate((X, V, STD_T))]
-    for row in range(ROWS):
-        p, m, s = wide[0][row].flatten().tolist(), wide[1][row].flatten().tolist(), float(wide[2][row])
-        terms = [-((a - b) ** 2) / (2 * s * s) - math.log(s) - 0.5 * math.log(2 * math.pi)
-                 for a, b in zip(p, m, strict=True)]
-        assert float(want[row]) == pytest.approx(sum(terms) / len(terms), rel=1e-12)
+    for scalar in ((2,), (1, 2), (0,), (0, 2), (0, 1, 2)):
+        got, want = _both(oracles.gaussian_log_prob64, (X, V, STD_T), scalar)
+        assert got.dtype == torch.float64 and torch.equal(got, want), scalar
+        wide = [(_shared(a).expand_as(a) if i in scalar else a).double() for i, a in enumerate((X, V, STD_T))]
+        for row in range(ROWS):
+            p, m, s = wide[0][row].flatten().tolist(), wide[1][row].flatten().tolist(), float(wide[2][row])
+            terms = [-((a - b) ** 2) / (2 * s * s) - math.log(s) - 0.5 * math.log(2 * math.pi)
+                     for a, b in zip(p, m, strict=True)]
+            assert float(want[row]) == pytest.approx(sum(terms) / len(terms), rel=1e-12)
 
 
-@pytest.mark.parametrize("scalar", [(0,), (1,)])
-def test_cfg_oracle_computes_in_fp64_for_a_shared_branch(scalar):
-    got, want = _both(oracles.cfg_standard64, (X, V), scalar, after=(4.5,))
-    assert got.dtype == torch.float64 and torch.equal(got, want)
+def test_cfg_oracle_computes_in_fp64_for_a_shared_branch():
+    for scalar in ((0,), (1,)):
+        got, want = _both(oracles.cfg_standard64, (X, V), scalar, after=(4.5,))
+        assert got.dtype == torch.float64 and torch.equal(got, want), scalar
 
 
 # ----------------------------------------------------------------------------------- sde.py
@@ -102,6 +102,36 @@ def _matches_oracle(x, v, mean, std, prev=None, eta=0.7, sigma=SIGMA, sigma_next
         got = gaussian_log_prob(prev, mean, std).double()
         ok = ok and torch.allclose(got, oracles.gaussian_log_prob64(prev, mean, want_std), rtol=1e-5, atol=1e-5)
     return ok
+
+
+def test_transition_by_hand_and_at_its_edges():
+    """Row 0: sigma 0.75 -> 0.25; row 1: sigma 1 -> 0.5, where Flow-GRPO uses s' = sigma_max = 0.9. Hand
+    values: std_t = eta sqrt(sigma / (1 - s')), mean = x (1 + std_t^2 dt / (2 sigma)) + v (1 + std_t^2
+    (1 - sigma) / (2 sigma)) dt, std = std_t sqrt(-dt), log N(prev; mean, std^2) averaged over the row.
+    Equal sigmas are refused; fp64 inputs give the same fp32 results as fp32 ones."""
+    x, v, prev = [[2.0, -1.0], [0.5, 1.5]], [[4.0, 0.5], [-2.0, 1.0]], [[1.0, 0.0], [0.25, 2.0]]
+    sigma, sigma_next = torch.tensor([0.75, 1.0]), torch.tensor([0.25, 0.5])
+    strategy = FlowGRPOSDE(eta=0.7)
+    mean, std = strategy.transition(torch.tensor(x), torch.tensor(v), sigma, sigma_next, 0.9)
+    log_prob = gaussian_log_prob(torch.tensor(prev), mean, std)
+    for row, (sig, nxt, s_prime) in enumerate(((0.75, 0.25, 0.75), (1.0, 0.5, 0.9))):
+        std_t, dt = 0.7 * math.sqrt(sig / (1 - s_prime)), nxt - sig
+        want_mean = [a * (1 + std_t**2 * dt / (2 * sig)) + b * (1 + std_t**2 * (1 - sig) / (2 * sig)) * dt
+                     for a, b in zip(x[row], v[row], strict=True)]
+        want_std = std_t * math.sqrt(-dt)
+        want_lp = sum(-((p - m) ** 2) / (2 * want_std**2) - math.log(want_std) - 0.5 * math.log(2 * math.pi)
+                      for p, m in zip(prev[row], want_mean, strict=True)) / 2
+        assert mean[row].tolist() == pytest.approx(want_mean, rel=1e-6)
+        assert float(std[row]) == pytest.approx(want_std, rel=1e-6)
+        assert float(log_prob[row]) == pytest.approx(want_lp, rel=1e-6)
+    wide = (torch.tensor(x).double(), torch.tensor(v).double())
+    wide_mean, wide_std = strategy.transition(*wide, sigma, sigma_next, 0.9)
+    assert (wide_mean.dtype, wide_std.dtype) == (torch.float32, torch.float32)
+    assert torch.equal(wide_mean, mean) and torch.equal(wide_std, std)
+    wide_lp = gaussian_log_prob(torch.tensor(prev).double(), mean, std)
+    assert wide_lp.dtype == torch.float32 and torch.equal(wide_lp, log_prob)
+    with pytest.raises(ValueError, match="an SDE step needs sigma_next < sigma on every row"):
+        strategy.transition(torch.tensor(x), torch.tensor(v), sigma, torch.tensor([0.25, 1.0]), 0.9)
 
 
 def test_transition_and_log_prob_are_fp32_whatever_the_inputs_dtype():
