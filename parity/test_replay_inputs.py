@@ -11,7 +11,9 @@ import torch
 
 from harness.replay.conditions import Conditions, concat_payloads
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST, DenoiserAdapter, guidance_at, predict_velocity
+from harness.replay.replay import replay_batched, replay_serial
 from harness.replay.rollout import flow_sigmas
+from harness.replay.sde import FlowGRPOSDE
 from harness.replay.segment import TrajectorySegment, validate_targets
 
 pytestmark = pytest.mark.cpu
@@ -117,3 +119,15 @@ def test_guidance_schedule_lookup():
                  lambda s=step: guidance_at((1.0, 2.0), s))
     _refused(TypeError, "guidance must be a float or a per-step sequence of floats, got bool",
              lambda: guidance_at(True, 0))
+
+
+def test_replay_checks_its_inputs_before_any_forward():
+    """Both replays validate the conditions (row counts, batch) before the adapter is ever called."""
+    segment = TrajectorySegment(torch.zeros(2, 2, 4), (0, 1), flow_sigmas(1), (0,), torch.zeros(2, 1))
+    adapter = _Rows(FUSED_COND_FIRST)
+    for replay_fn in (replay_serial, replay_batched):
+        _refused(ValueError, "field 'e' has 3 rows; expected 2 (batch=2, cfg_factor=1)",
+                 lambda f=replay_fn: f(adapter, Conditions(batch=2, rows={"e": torch.zeros(3, 1)}), segment,
+                                       FlowGRPOSDE(), (0,)))
+        _refused(ValueError, "conditions are for batch 1 but the segment holds 2 samples",
+                 lambda f=replay_fn: f(adapter, Conditions(batch=1, rows={}), segment, FlowGRPOSDE(), (0,)))

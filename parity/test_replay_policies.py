@@ -140,7 +140,7 @@ def test_policy_description_names_dtype_k_floor_and_resolution():
     assert HAND_POLICY.effective_floor == 0.25 and HAND_POLICY.relative_bound == 1.0
 
 
-def test_a_pass_reports_every_metric_and_an_all_zero_row_needs_zero_error():
+def _a_pass_reports_every_metric_and_an_all_zero_row_needs_zero_error():
     actual = EXPECTED_LP + torch.tensor([[0.5, 0.0, -0.25], [0.0, 0.0, 0.0]])
     verdict = HAND_POLICY.judge("t", actual, EXPECTED_LP, dims=("row", "step"), what="log_probs")
     assert (verdict.passed, verdict.margin, verdict.tolerance, verdict.headline, verdict.message) == (
@@ -152,7 +152,7 @@ def test_a_pass_reports_every_metric_and_an_all_zero_row_needs_zero_error():
     assert (halved.passed, halved.margin, halved.metrics["max_relative_to_local"]) == (True, 1.0, 0.5)
 
 
-def test_an_error_at_the_bound_passes_and_only_errors_beyond_it_are_counted():
+def _an_error_at_the_bound_passes_and_only_errors_beyond_it_are_counted():
     """|d| == allowed (ratio 1) passes; ratio 2 and any error on the all-zero row (ratio inf) fail."""
     at_bound = EXPECTED_LP + torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     assert HAND_POLICY.judge("t", at_bound, EXPECTED_LP).margin == 1.0
@@ -169,7 +169,7 @@ def test_an_error_at_the_bound_passes_and_only_errors_beyond_it_are_counted():
                                "5.000e-01 (up to 0.000e+00 allowed = 1.00e+00 x local |log_probs| 0.000e+00)")
 
 
-def test_non_finite_values_on_either_side_are_counted_and_fail():
+def _non_finite_values_on_either_side_are_counted_and_fail():
     actual, expected = EXPECTED_LP.clone(), EXPECTED_LP.clone()
     actual[0, 0] = math.nan
     expected[1, 1], expected[1, 2] = math.inf, -math.inf
@@ -179,15 +179,24 @@ def test_non_finite_values_on_either_side_are_counted_and_fail():
     assert verdict.message == "log_probs: non-finite values or floor; NaN/Inf never pass"
 
 
-def test_empty_outputs_pass_with_zero_error():
+def _empty_outputs_pass_with_zero_error():
     verdict = HAND_POLICY.judge("t", torch.zeros(0, 3), torch.zeros(0, 3))
     assert (verdict.passed, verdict.margin) == (True, 0.0)
     assert verdict.metrics == _metrics(0.0, 0, 0, 0.0)
 
 
-def test_shape_mismatch_is_an_error():
+def _shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match=r"log_probs: shapes \(2, 3\) and \(3, 2\) differ"):
         HAND_POLICY.judge("t", EXPECTED_LP, EXPECTED_LP.T, what="log_probs")
+
+
+def test_judge_on_hand_made_log_probs():
+    """Every judged case in one test, so a mutation of the judge meets all of them."""
+    for case in (_a_pass_reports_every_metric_and_an_all_zero_row_needs_zero_error,
+                 _an_error_at_the_bound_passes_and_only_errors_beyond_it_are_counted,
+                 _non_finite_values_on_either_side_are_counted_and_fail, _empty_outputs_pass_with_zero_error,
+                 _shape_mismatch_is_an_error):
+        case()
 
 
 def test_k_per_model_dtype():
