@@ -20,7 +20,10 @@ def test_max_abs_diff_and_rel_l2_values():
     empty = torch.zeros(0)
     assert max_abs_diff(empty, empty) == 0.0 and isinstance(max_abs_diff(empty, empty), float)
     assert max_abs_diff(torch.tensor([1.0]), torch.tensor([3.0])) == 2.0
+    assert max_abs_diff(torch.tensor([1.0, -1.0]), torch.tensor([0.5, 1.0])) == 2.0
     assert max_abs_diff(torch.tensor([1.0, math.inf]), torch.tensor([1.0, 2.0])) == math.inf
+    assert max_abs_diff(torch.tensor([1.0, 2.0]), torch.tensor([1.0, math.nan])) == math.inf
+    assert max_abs_diff(torch.tensor([True, False]), torch.tensor([True, True])) == 1.0  # masks compare too
     assert rel_l2(torch.zeros(2), torch.zeros(2)) == 0.0
     assert rel_l2(torch.ones(2), torch.zeros(2)) == math.inf
     assert rel_l2(torch.tensor([1.5]), torch.tensor([1.0])) == 0.5  # ||b|| == 1
@@ -59,6 +62,9 @@ def test_bit_patterns_mismatched_and_nonfinite():
     assert bit_patterns(torch.tensor([-0.0, 1.0])).tolist() == [_f32_bits(-0.0), _f32_bits(1.0)]
     assert bit_patterns(torch.tensor([1.0 + 2.0j])).tolist() == [[_f32_bits(1.0), _f32_bits(2.0)]]
     assert mismatched(torch.zeros(3), torch.zeros(3, dtype=torch.float64)) == 3
+    wide = bit_patterns(torch.tensor([-0.0, 1.0], dtype=torch.float64))
+    assert wide.dtype == torch.int64 and wide.tolist() == [-(2**63), 0x3FF0000000000000]
+    assert bit_patterns(torch.tensor([1.0], requires_grad=True)).tolist() == [_f32_bits(1.0)]
     assert mismatched(torch.tensor([0.0, 1.0, 2.0]), torch.tensor([-0.0, 1.0, 3.0])) == 2
     assert nonfinite(torch.tensor([1, 2])) == 0
     assert nonfinite(torch.tensor([math.nan, 1.0, -math.inf, math.inf])) == 3
@@ -70,6 +76,7 @@ def test_sha256_hashes_dtype_shape_and_bytes_in_logical_order():
     raw = struct.pack("<4f", 1.0, 3.0, 2.0, 4.0)
     assert sha256(transposed) == hashlib.sha256(b"torch.float32:(2, 2):" + raw).hexdigest()
     assert sha256(torch.zeros(0)) == hashlib.sha256(b"torch.float32:(0,):").hexdigest()
+    assert sha256(x.clone().requires_grad_()) == sha256(x)  # a tensor in a graph hashes like its values
 
 
 def test_locate_names_dims_labels_and_the_rest():

@@ -36,6 +36,14 @@ def test_exact_verdicts():
                 "element (1,) (0 allowed)")
     assert exact().judge("t.x", expected, expected.clone()) == Verdict(
         "t.x", True, _metrics(0.0, 0, 4, 0.0, max_ulp=0), "exact (bitwise)", 0.0, headline="max_abs", tolerance=0.0)
+    several = exact().judge("t.x", torch.tensor([0.0, 1.0, 5.0]), torch.tensor([-0.0, 1.0, 1.0]))
+    assert several.message == ("output: mismatched elements: 2 / 3 (66.7%); greatest absolute difference "
+                               "4.000e+00 at element (2,) (0 allowed)")
+    single = exact().judge("t.x", torch.tensor([1.0], dtype=torch.float64), torch.tensor([2.0], dtype=torch.float64))
+    assert single == Verdict("t.x", False, _metrics(1.0, 1, 1, 0.5, max_ulp=0x4000000000000000 - 0x3FF0000000000000),
+                             "exact (bitwise)", math.inf, headline="max_abs", tolerance=0.0,
+                             message="output: mismatched elements: 1 / 1 (100.0%); greatest absolute difference "
+                                     "1.000e+00 at element (0,) (0 allowed)")
     empty = torch.zeros(0, 3)
     assert exact().judge("t.x", empty, empty) == Verdict(
         "t.x", True, _metrics(0.0, 0, 0, 0.0, max_ulp=0), "exact (bitwise)", 0.0, headline="max_abs", tolerance=0.0)
@@ -66,6 +74,8 @@ def test_ulp_verdicts():
         "t.u", False, metrics, "ulp(1)", 2.0, headline="max_ulp", tolerance=1.0,
         message="output: 1 / 3 elements beyond 1 ULP; greatest ULP distance 2 at row 0 (up to 1 allowed)")
     assert ulp(0).judge("t.u", x, x.clone()).margin == 0.0 and ulp(0).judge("t.u", y, x).margin == math.inf
+    assert ulp(0).judge("t.u", torch.zeros(0), torch.zeros(0)) == Verdict(
+        "t.u", True, _metrics(0.0, 0, 0, 0.0, max_ulp=0), "ulp(0)", 0.0, headline="max_ulp", tolerance=0.0)
     bad = ulp(5).judge("t.u", torch.tensor([math.inf]), torch.tensor([1.0]))
     assert (bad.passed, bad.margin, bad.message) == (False, math.inf, NAN_MESSAGE.format(1, 0))
 
@@ -79,7 +89,7 @@ def test_close_verdicts():
     assert close(atol=0.5, rtol=0).judge("t.c", tie, zeros) == Verdict(
         "t.c", True, _metrics(0.5, 1, 2, math.inf, atol=0.5, rtol=0.0), "close(atol=0.5, rtol=0)", 1.0,
         headline="max_abs", tolerance=0.5)
-    above = torch.tensor([0.0, math.nextafter(0.5, 1.0)], dtype=torch.float64)
+    above = torch.tensor([0.5, math.nextafter(0.5, 1.0)], dtype=torch.float64)  # one on the bound, one over
     over = close(atol=0.5, rtol=0).judge("t.c", above, zeros, dims=("row",))
     assert (over.passed, over.margin, over.message) == (
         False, math.nextafter(0.5, 1.0) / 0.5,
@@ -94,6 +104,11 @@ def test_close_verdicts():
     strict = close(atol=0, rtol=0)
     assert strict.judge("t.c", torch.tensor([0.0, 2.0]), torch.tensor([0.0, 2.0])).margin == 0.0
     assert strict.judge("t.c", torch.tensor([0.5]), torch.tensor([0.0])).margin == math.inf
+    assert strict.judge("t.c", zeros, zeros) == Verdict(
+        "t.c", True, _metrics(0.0, 0, 2, 0.0, atol=0.0, rtol=0.0), "close(atol=0, rtol=0)", 0.0, headline="max_abs",
+        tolerance=0.0)
+    mask = close().judge("t.c", torch.tensor([True, False]), torch.tensor([True, True]))  # bool: zero tolerance
+    assert (mask.passed, mask.margin, mask.metrics["max_abs"]) == (False, math.inf, 1.0)
     assert close().judge("t.c", torch.zeros(0), torch.zeros(0)) == Verdict(
         "t.c", True, _metrics(0.0, 0, 0, 0.0, atol=1e-05, rtol=1.3e-06), "close(atol=1e-05, rtol=1.3e-06)", 0.0,
         headline="max_abs", tolerance=1e-05)
@@ -115,6 +130,7 @@ def test_noise_floor_verdicts():
     assert (over.passed, over.margin, over.message) == (
         False, 1.5, "output: max_abs 1.500e+00 exceeds 2 x control 2.500e-01 + floor 5.000e-01 = 1.000e+00; "
                     "worst element at row 2")
+    assert noise_floor(0.25, k=0.5).bound == 0.125  # any k > 0, also below 1
     exact_control = noise_floor(0.0)  # a zero bound: only a zero error passes, with margin 0
     assert exact_control.judge("t.n", tie, tie.clone()).margin == 0.0
     mask = exact_control.judge("t.n", torch.tensor([True, False]), torch.tensor([True, True]))

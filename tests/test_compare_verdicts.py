@@ -36,6 +36,12 @@ def test_path_and_headline_value():
     assert (no_headline.path, no_headline.headline_value) == ("attention", None)
 
 
+def test_with_metrics_attaches_without_a_fact():
+    v = Verdict("t.m", False, {"a": 1}, "p", 2.0, message="m", notes=("VIOLATED: f",))
+    assert v.with_metrics(a=3, floor=1e-6) == Verdict("t.m", False, {"a": 3, "floor": 1e-6}, "p", 2.0, message="m",
+                                                      notes=("VIOLATED: f",))
+
+
 def test_merge_keeps_the_first_lead_on_a_tied_margin_and_joins_policies():
     first = Verdict("r.c.w", True, {"a": 1}, "p", 0.5, headline="a", tolerance=0.1, message="m1", notes=("ok: f1",))
     second = Verdict("r.c.w", False, {"b": 2}, "q", 0.5, headline="b", tolerance=2.0, message="m2",
@@ -79,5 +85,10 @@ def test_expect_and_expect_raises_report_what_was_observed():
 
     raised = expect_raises("t.r", raise_value_error, ValueError, match="x+")
     assert raised.passed and raised.metrics == {"raised": "ValueError", "error": "x" * 300}
+    assert raised.policy == "fact: raises ValueError matching 'x+'"
+    unmatched = expect_raises("t.r", raise_value_error, (KeyError, ValueError), match="y")
+    assert not unmatched.passed and unmatched.policy == "fact: raises KeyError/ValueError matching 'y'"
+    any_text = expect_raises("t.r", raise_value_error, ValueError)
+    assert any_text.passed and any_text.policy == "fact: raises ValueError"
     wrong = expect_raises("t.r", raise_key_error, ValueError)
     assert not wrong.passed and wrong.metrics == {"raised": "KeyError", "error": "'" + "x" * 299}
