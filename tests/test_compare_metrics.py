@@ -8,12 +8,9 @@ import pytest
 import torch
 
 from harness.compare import bit_patterns, locate, max_abs_diff, mismatched, nonfinite, rel_l2, sha256, ulp_distance
+from tests.compare_expectations import f32_bits
 
 pytestmark = pytest.mark.cpu
-
-
-def _f32_bits(value: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def test_max_abs_diff_and_rel_l2_values():
@@ -34,7 +31,7 @@ def test_max_abs_diff_and_rel_l2_values():
     av, bv = a.tolist(), b.tolist()
     want = math.sqrt(sum((x - y) ** 2 for x, y in zip(av, bv, strict=True))) / math.sqrt(sum(y * y for y in bv))
     assert rel_l2(a, b) == pytest.approx(want, rel=1e-13)
-    for metric in (max_abs_diff, rel_l2, ulp_distance, mismatched):
+    for metric in (max_abs_diff, rel_l2):
         with pytest.raises(ValueError, match=r"shape mismatch: actual \(2,\) vs expected \(1,\)"):
             metric(torch.zeros(2), torch.zeros(1))
 
@@ -46,26 +43,30 @@ def test_ulp_distance_in_int_order_of_each_dtype():
     assert tiny.item() > 0 and ulp_distance(tiny, torch.tensor([0.0])).tolist() == [1]
     assert ulp_distance(torch.tensor([0.0]), tiny).tolist() == [1]
     assert ulp_distance(one, above).tolist() == [1] and ulp_distance(above, one).tolist() == [1]
-    assert ulp_distance(-one, one).tolist() == [2 * _f32_bits(1.0)]
+    assert ulp_distance(-one, one).tolist() == [2 * f32_bits(1.0)]
     assert ulp_distance(-one, one).dtype == torch.int64
     bf = torch.tensor([1.0, -1.0, -0.0], dtype=torch.bfloat16)
     assert ulp_distance(bf, -bf).tolist() == [2 * 0x3F80, 2 * 0x3F80, 0]
+    with pytest.raises(ValueError, match=r"shape mismatch: actual \(2,\) vs expected \(1,\)"):
+        ulp_distance(torch.zeros(2), torch.zeros(1))
     grid = torch.arange(6.0).reshape(2, 3)
     assert torch.equal(ulp_distance(grid.t(), grid.t().contiguous()), torch.zeros(3, 2, dtype=torch.int64))
     assert ulp_distance(grid.t() + 1, grid.t()).tolist() == [
-        [_f32_bits(i + 1.0) - _f32_bits(float(i)) for i in row] for row in grid.t().tolist()]
+        [f32_bits(i + 1.0) - f32_bits(float(i)) for i in row] for row in grid.t().tolist()]
 
 
 def test_bit_patterns_mismatched_and_nonfinite():
     mask = bit_patterns(torch.tensor([True, False]))
     assert mask.dtype == torch.uint8 and mask.tolist() == [1, 0]
-    assert bit_patterns(torch.tensor([-0.0, 1.0])).tolist() == [_f32_bits(-0.0), _f32_bits(1.0)]
-    assert bit_patterns(torch.tensor([1.0 + 2.0j])).tolist() == [[_f32_bits(1.0), _f32_bits(2.0)]]
+    assert bit_patterns(torch.tensor([-0.0, 1.0])).tolist() == [f32_bits(-0.0), f32_bits(1.0)]
+    assert bit_patterns(torch.tensor([1.0 + 2.0j])).tolist() == [[f32_bits(1.0), f32_bits(2.0)]]
     assert mismatched(torch.zeros(3), torch.zeros(3, dtype=torch.float64)) == 3
     wide = bit_patterns(torch.tensor([-0.0, 1.0], dtype=torch.float64))
     assert wide.dtype == torch.int64 and wide.tolist() == [-(2**63), 0x3FF0000000000000]
-    assert bit_patterns(torch.tensor([1.0], requires_grad=True)).tolist() == [_f32_bits(1.0)]
+    assert bit_patterns(torch.tensor([1.0], requires_grad=True)).tolist() == [f32_bits(1.0)]
     assert mismatched(torch.tensor([0.0, 1.0, 2.0]), torch.tensor([-0.0, 1.0, 3.0])) == 2
+    with pytest.raises(ValueError, match=r"shape mismatch: actual \(2,\) vs expected \(1,\)"):
+        mismatched(torch.zeros(2), torch.zeros(1))
     assert nonfinite(torch.tensor([1, 2])) == 0
     assert nonfinite(torch.tensor([math.nan, 1.0, -math.inf, math.inf])) == 3
 
