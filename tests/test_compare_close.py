@@ -48,5 +48,9 @@ def test_close_verdicts():
         headline="max_abs", tolerance=1e-05)
     nan = close(atol=1.0).judge("t.c", torch.tensor([1.0, 2.0]), torch.tensor([math.nan, 2.0]))
     assert (nan.passed, nan.margin, nan.message) == (False, math.inf, NAN_MESSAGE.format(0, 1))
+    assert nan.metrics == base_metrics(math.inf, 1, 2, math.inf, 1, atol=1.0, rtol=1.3e-06)
+    # float32 inputs: the allowed bound is formed in float64 (0.1 * 3 = 0.30000000000000004, not float32's 0.3)
+    scaled = close(atol=0, rtol=0.1).judge("t.c", torch.tensor([3.25]), torch.tensor([3.0]))
+    assert scaled.passed and scaled.margin == pytest.approx(0.25 / (0.1 * 3.0), rel=1e-12)
     with pytest.raises(ValueError, match=r"shape mismatch: actual \(2,\) vs expected \(1,\)"):
         close().judge("t.shape", torch.zeros(2), torch.zeros(1))  # no broadcasting

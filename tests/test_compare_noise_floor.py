@@ -37,5 +37,8 @@ def test_noise_floor_verdicts():
                          "element (1,)")
     unknown = noise_floor(math.inf).judge("t.n", tie, tie.clone())
     assert (unknown.passed, unknown.margin, unknown.message) == (False, math.inf, NAN_MESSAGE.format(0, 0))
+    both = policy.judge("t.n", torch.tensor([math.nan, 1.0]), torch.tensor([math.inf, 1.0]))
+    assert both == Verdict("t.n", False, base_metrics(math.inf, 1, 2, math.inf, 2, control=0.25, bound=1.0), text,
+                           math.inf, headline="max_abs", tolerance=1.0, message=NAN_MESSAGE.format(1, 1))
     with pytest.raises(ValueError, match=r"shape mismatch: actual \(2,\) vs expected \(1,\)"):
         noise_floor(1.0).judge("t.shape", torch.zeros(2), torch.zeros(1))  # no broadcasting
