@@ -1,0 +1,61 @@
+"""Without a world: the probe's wire format round trip, the plan for another token_drop, and input guards."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from fixtures import decode_models
+from harness.decode import exchange, sharded
+from harness.decode import plan as plan_mod
+from harness.decode.exchange import Probe, ProbeStatus
+
+pytestmark = [pytest.mark.cpu,
+              pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
+
+CPU = torch.device("cpu")
+
+
+def test_every_decoder_dtype_survives_the_probe_round_trip():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        clip = torch.zeros(1, 3, 5, 2, 2, dtype=dtype)
+        raw = exchange.make_probe([clip, clip.clone()], False, CPU, latent_frames=22, units=4)
+        assert exchange.read_probe(3, raw) == Probe(3, ProbeStatus.OK, 2, dtype, (1, 3, 5, 2, 2), 22, 4)
+    # the probe is 6 header slots and PROBE_DIMS shape slots, whatever the clip: a fixed-size collective
+    widest = torch.zeros((1,) * exchange.PROBE_DIMS)
+    raw = exchange.make_probe([widest], False, CPU)
+    assert raw.tolist() == [0, 1, 0, 1, exchange.PROBE_DIMS, 0] + [1] * exchange.PROBE_DIMS
+    assert exchange.read_probe(0, raw) == Probe(0, ProbeStatus.OK, 1, torch.float32, (1,) * exchange.PROBE_DIMS)
+    too_wide = exchange.make_probe([widest[None]], False, CPU)
+    assert too_wide.tolist() == [int(ProbeStatus.UNSUPPORTED), 1] + [0] * (4 + exchange.PROBE_DIMS)
+    assert exchange.read_probe(1, exchange.make_probe([], False, CPU)) == Probe(1, ProbeStatus.OK, 0, None, ())
+
+
+def test_plan_for_a_token_drop_of_one_matches_the_stock_decode():
+    """diffusers' AutoencoderKLMiniMaxH3(token_drop=1) decodes 1 clip for 5..9 latent frames and 2 for 10..12;
+    with fewer than 5 its `_decode` has no clip at all (measured on the upstream class)."""
+    config = {**decode_models.tiny_vae().config, "token_drop": 1}
+    vae = types.SimpleNamespace(config=types.SimpleNamespace(**config))
+    counts = {frames: plan_mod.plan_clips(vae, frames).num_clips for frames in (5, 9, 10, 12)}
+    assert counts == {5: 1, 9: 1, 10: 2, 12: 2}
+    with pytest.raises(ValueError, match="a latent video of 4 frames holds no whole clip .* at least 5 latent frames"):
+        plan_mod.plan_clips(vae, 4)
+
+
+def test_plan_and_decode_inputs_are_checked():
+    vae = decode_models.tiny_vae()
+    for bad in (True, 2.0, 0):
+        with pytest.raises(ValueError, match=f"num_latent_frames must be a positive int, got {bad!r}"):
+            plan_mod.plan_clips(vae, bad)
+    with pytest.raises(ValueError, match="a latent video of 1 frames holds no whole clip"):
+        plan_mod.plan_clips(vae, 1)
+    no_clip_length = types.SimpleNamespace(config=types.SimpleNamespace(token_drop=3))
+    with pytest.raises(TypeError, match="plan_clips needs an AutoencoderKLMiniMaxH3 .* got SimpleNamespace"):
+        plan_mod.plan_clips(no_clip_length, 5)
+    z = decode_models.latents(decode_models.LatentSpec(12, height=2, width=2))
+    partial = types.SimpleNamespace(decode=vae.decode, config=vae.config)  # no _decode_clip to serve clips with
+    with pytest.raises(TypeError, match=r"expected an AutoencoderKLMiniMaxH3 \(decode, _decode_clip"):
+        sharded.stock_decode(partial, z)
+    assert (sharded.takes_sharded_path(True), sharded.takes_sharded_path(False)) == (False, False)  # no group
