@@ -6,6 +6,7 @@ import types
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from fixtures import decode_models
 from harness.decode import exchange, sharded
@@ -33,15 +34,28 @@ def test_every_decoder_dtype_survives_the_probe_round_trip():
     assert exchange.read_probe(1, exchange.make_probe([], False, CPU)) == Probe(1, ProbeStatus.OK, 0, None, ())
 
 
-def test_plan_for_a_token_drop_of_one_matches_the_stock_decode():
-    """diffusers' AutoencoderKLMiniMaxH3(token_drop=1) decodes 1 clip for 5..9 latent frames and 2 for 10..12;
-    with fewer than 5 its `_decode` has no clip at all (measured on the upstream class)."""
+def test_plan_for_token_drop_one_and_zero_matches_the_stock_decode():
+    """Clip counts measured on diffusers' AutoencoderKLMiniMaxH3 built with the tiny VAE's arguments: with
+    token_drop=1 its `_decode` asks for 1 clip at 5..9 latent frames, 2 at 10..12, and has none below 5; with
+    token_drop=0 it asks for 1 clip at 1 and 5 frames and 2 at 6, with no overlap. The plan reads only the config."""
     config = {**decode_models.tiny_vae().config, "token_drop": 1}
     vae = types.SimpleNamespace(config=types.SimpleNamespace(**config))
     counts = {frames: plan_mod.plan_clips(vae, frames).num_clips for frames in (5, 9, 10, 12)}
     assert counts == {5: 1, 9: 1, 10: 2, 12: 2}
     with pytest.raises(ValueError, match="a latent video of 4 frames holds no whole clip .* at least 5 latent frames"):
         plan_mod.plan_clips(vae, 4)
+    no_drop = types.SimpleNamespace(config=types.SimpleNamespace(**{**config, "token_drop": 0}))
+    plans = {frames: plan_mod.plan_clips(no_drop, frames) for frames in (1, 5, 6)}
+    assert {f: (p.num_clips, p.pad_tokens, p.token_overlap) for f, p in plans.items()} == {
+        1: (1, 4, 0), 5: (1, 0, 0), 6: (2, 4, 0)}
+
+
+def test_the_gate_shards_only_when_asked_in_a_group_of_more_than_one(monkeypatch):
+    assert (sharded.takes_sharded_path(True), sharded.takes_sharded_path(False)) == (False, False)  # no group
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # the gate's view of an initialised group
+    for world, flag, shards in ((2, True, True), (2, False, False), (1, True, False), (1, False, False)):
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None, world=world: world)
+        assert sharded.takes_sharded_path(flag) is shards, (world, flag)
 
 
 def test_plan_and_decode_inputs_are_checked():
@@ -58,4 +72,3 @@ def test_plan_and_decode_inputs_are_checked():
     partial = types.SimpleNamespace(decode=vae.decode, config=vae.config)  # no _decode_clip to serve clips with
     with pytest.raises(TypeError, match=r"expected an AutoencoderKLMiniMaxH3 \(decode, _decode_clip"):
         sharded.stock_decode(partial, z)
-    assert (sharded.takes_sharded_path(True), sharded.takes_sharded_path(False)) == (False, False)  # no group

@@ -16,6 +16,9 @@ pytestmark = pytest.mark.cpu
 
 def test_close_verdicts():
     assert str(close()) == "close(atol=default, rtol=default)"
+    for bad in ({"atol": -1e-9}, {"rtol": math.inf}, {"atol": math.nan}):
+        with pytest.raises(ValueError, match=f"close\\(\\) needs a finite {next(iter(bad))} >= 0"):
+            close(**bad)
     assert close(1e-3, 0.02, reason="bf16 floor").describe() == "close(atol=0.001, rtol=0.02) [bf16 floor]"
     assert close().describe(torch.float32) == "close(atol=1e-05, rtol=1.3e-06)"
     zeros = torch.zeros(2, dtype=torch.float64)
@@ -24,10 +27,10 @@ def test_close_verdicts():
         "t.c", True, base_metrics(0.5, 1, 2, math.inf, atol=0.5, rtol=0.0), "close(atol=0.5, rtol=0)", 1.0,
         headline="max_abs", tolerance=0.5)
     above = torch.tensor([0.5, math.nextafter(0.5, 1.0)], dtype=torch.float64)  # one on the bound, one over
-    over = close(atol=0.5, rtol=0).judge("t.c", above, zeros, dims=("row",))
+    over = close(atol=0.5, rtol=0).judge("t.c", above, zeros, dims=("row",), labels={"row": [7, 9]})
     assert (over.passed, over.margin, over.message) == (
         False, math.nextafter(0.5, 1.0) / 0.5,
-        "output: mismatched elements: 1 / 2 (50.0%); greatest absolute difference 5.000e-01 at row 1 "
+        "output: mismatched elements: 1 / 2 (50.0%); greatest absolute difference 5.000e-01 at row 9 "
         "(up to 5.000e-01 allowed)")
     # rtol scales |expected|: a negative reference still allows rtol * 10
     negative = close(atol=0, rtol=0.1).judge("t.c", torch.tensor([-10.5, 1.0], dtype=torch.float64),

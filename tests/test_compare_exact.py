@@ -28,6 +28,10 @@ def test_exact_verdicts():
     several = exact().judge("t.x", torch.tensor([0.0, 1.0, 5.0]), torch.tensor([-0.0, 1.0, 1.0]))
     assert several.message == ("output: mismatched elements: 2 / 3 (66.7%); greatest absolute difference "
                                "4.000e+00 at element (2,) (0 allowed)")
+    # the worst element is the largest |difference| (+1 for any bit flip), never an equal one
+    located = exact().judge("t.x", torch.tensor([1.0, 4.0, 2.0]), torch.tensor([1.0, 4.5, 3.0]))
+    assert located.message == ("output: mismatched elements: 2 / 3 (66.7%); greatest absolute difference "
+                               "1.000e+00 at element (2,) (0 allowed)")
     single = exact().judge("t.x", torch.tensor([1.0], dtype=torch.float64), torch.tensor([2.0], dtype=torch.float64))
     one_binade = 0x4000000000000000 - 0x3FF0000000000000  # float64 steps from 1.0 to 2.0
     assert single == Verdict("t.x", False, base_metrics(1.0, 1, 1, 0.5, max_ulp=one_binade),

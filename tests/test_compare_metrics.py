@@ -64,6 +64,9 @@ def test_bit_patterns_mismatched_and_nonfinite():
     wide = bit_patterns(torch.tensor([-0.0, 1.0], dtype=torch.float64))
     assert wide.dtype == torch.int64 and wide.tolist() == [-(2**63), 0x3FF0000000000000]
     assert bit_patterns(torch.tensor([1.0], requires_grad=True)).tolist() == [f32_bits(1.0)]
+    half = bit_patterns(torch.tensor([-2.0], dtype=torch.float16))
+    byte = bit_patterns(torch.tensor([-1], dtype=torch.int8))
+    assert (half.dtype, half.tolist(), byte.dtype, byte.tolist()) == (torch.int16, [-0x4000], torch.uint8, [255])
     assert mismatched(torch.tensor([0.0, 1.0, 2.0]), torch.tensor([-0.0, 1.0, 3.0])) == 2
     with pytest.raises(ValueError, match=r"shape mismatch: actual \(2,\) vs expected \(1,\)"):
         mismatched(torch.zeros(2), torch.zeros(1))

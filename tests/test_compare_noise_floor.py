@@ -29,6 +29,11 @@ def test_noise_floor_verdicts():
         False, 1.5, "output: max_abs 1.500e+00 exceeds 2 x control 2.500e-01 + floor 5.000e-01 = 1.000e+00; "
                     "worst element at row 2")
     assert noise_floor(0.25, k=0.5).bound == 0.125  # any k > 0, also below 1
+    half = noise_floor(0.125, k=2.0, floor=0.25).judge("t.n", torch.tensor([1.5]), torch.tensor([0.0]))
+    assert (half.passed, half.margin, half.tolerance) == (False, 3.0, 0.5)  # margin = error / bound
+    for k, floor in ((0.0, 0.0), (-1.0, 0.0), (1.0, -1e-9)):
+        with pytest.raises(ValueError, match=f"noise_floor needs k > 0 and floor >= 0, got k={k}, floor={floor}"):
+            noise_floor(0.25, k=k, floor=floor)
     exact_control = noise_floor(0.0)  # a zero bound: only a zero error passes, with margin 0
     assert exact_control.judge("t.n", tie, tie.clone()).margin == 0.0
     mask = exact_control.judge("t.n", torch.tensor([True, False]), torch.tensor([True, True]))

@@ -88,6 +88,9 @@ def test_expect_and_expect_raises_report_what_was_observed():
     assert raised.policy == "fact: raises ValueError matching 'x+'"
     unmatched = expect_raises("t.r", raise_value_error, (KeyError, ValueError), match="y")
     assert not unmatched.passed and unmatched.policy == "fact: raises KeyError/ValueError matching 'y'"
+    silent = expect_raises("t.r", lambda: None, ValueError)
+    assert (silent.passed, silent.metrics, silent.message) == (
+        False, {"raised": "nothing"}, "expected: raises ValueError; observed: raised=nothing")
     any_text = expect_raises("t.r", raise_value_error, ValueError)
     assert any_text.passed and any_text.policy == "fact: raises ValueError"
     wrong = expect_raises("t.r", raise_key_error, ValueError)
