@@ -12,6 +12,7 @@ from fixtures import decode_models
 from harness.decode import exchange, sharded
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import Probe, ProbeStatus
+from harness.decode.serve import bound as serve_bound
 
 pytestmark = [pytest.mark.cpu,
               pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
@@ -72,3 +73,35 @@ def test_plan_and_decode_inputs_are_checked():
     partial = types.SimpleNamespace(decode=vae.decode, config=vae.config)  # no _decode_clip to serve clips with
     with pytest.raises(TypeError, match=r"expected an AutoencoderKLMiniMaxH3 \(decode, _decode_clip"):
         sharded.stock_decode(partial, z)
+
+
+def test_a_reused_payload_slab_is_zero_after_this_rank_s_pieces():
+    shape = (1, 2)
+    first, _ = exchange.prepare_gather([torch.full(shape, 7.0), torch.full(shape, 8.0)], 3, shape, torch.float32,
+                                       CPU, 2, False)
+    again, received = exchange.prepare_gather([torch.full(shape, 5.0)], 3, shape, torch.float32, CPU, 2, False)
+    assert again is first and received is None  # the same key reuses the slab
+    assert again.tolist() == [[[5.0, 5.0]], [[0.0, 0.0]], [[0.0, 0.0]]]
+
+
+def test_untiled_plans_count_one_decoder_call_per_clip():
+    assert plan_mod.plan_tiles(types.SimpleNamespace(), 4, 4) is None  # no tiling switch: not tiled
+    vae = decode_models.tiny_vae()
+    with serve_bound(vae, "use_tiling", False):
+        work = plan_mod.plan_work(vae, (1, 4, 37, 8, 8), 2)
+    assert (work.split, work.num_units, work.decoder_calls, work.tiles) == ("clips", 7, 7, None)
+
+
+def test_sharded_entries_check_the_vae_and_the_destination_before_any_collective(monkeypatch):
+    vae = decode_models.tiny_vae()
+    video = torch.zeros(1, vae.config.in_channels, 5, 4, 4)
+    partial = types.SimpleNamespace(encode=vae.encode, decode=vae.decode, config=vae.config)
+    with pytest.raises(TypeError, match="expected an AutoencoderKLMiniMaxH3"):
+        sharded.sharded_encode(partial, video)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # a 4-rank group, as the entries see it
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    z = decode_models.latents(decode_models.LatentSpec(12, height=2, width=2))
+    for dst in (4, -1, True):
+        for entry, x in ((sharded.sharded_decode, z), (sharded.sharded_encode, video)):
+            with pytest.raises(ValueError, match=f"dst must be a rank of the 4-rank group, got {dst!r}"):
+                entry(vae, x, transport="gather", dst=dst)
