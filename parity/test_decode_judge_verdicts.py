@@ -1,0 +1,62 @@
+"""judge_decode on hand-made rank answers: the verdict's metrics and facts for a sharded, a stock and a user's run.
+
+No world: the RankDecode values are what a 2-rank run of 12 latent frames (2 clips of 9 tiles) reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fixtures import decode_models
+from harness.compare import sha256
+from harness.decode import judge
+from harness.decode import plan as plan_mod
+
+pytestmark = [pytest.mark.cpu,
+              pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
+
+
+def _answers(sharded: bool, *, impl_calls: int | None = None) -> list[judge.RankDecode]:
+    work = plan_mod.plan_work(decode_models.tiny_vae(), (1, 4, 12, 8, 8), 2)  # clips split: 9 tiles per clip
+    stock = torch.arange(39.0).reshape(1, 1, 39, 1, 1)
+    digest = sha256(stock)
+    calls = 9 if sharded else 18  # each rank owns one clip of 9 tiles, or decodes both
+    seen = {"all_gather": 4} if sharded else {}
+    return [judge.RankDecode(rank, 2, stock.clone(), digest, calls, 1 if sharded else 2, dict(seen), work=work,
+                             stock=stock if rank == 0 else None, stock_sha256=digest, impl_calls=impl_calls)
+            for rank in range(2)]
+
+
+def test_sharded_and_stock_runs_report_their_transport_share_and_facts():
+    sharded = judge.judge_decode("decode.t12.w2.bitexact", _answers(True), sharded=True)
+    assert sharded.passed, sharded.describe()
+    picked = {k: sharded.metrics[k] for k in ("world", "receivers", "transport", "ranks_matching_stock_sha",
+                                              "decoder_calls_per_rank", "split", "clips", "busiest_share")}
+    assert picked == {"world": 2, "receivers": 2, "transport": "all_gather", "ranks_matching_stock_sha": "2/2",
+                      "decoder_calls_per_rank": "9, 9", "split": "clips", "clips": 2, "busiest_share": 0.5}
+    stock = judge.judge_decode("decode.t12.w2.flag_off", _answers(False), sharded=False)
+    assert stock.passed, stock.describe()
+    assert (stock.metrics["transport"], stock.metrics["busiest_share"]) == ("stock", 1.0)
+    assert stock.violated_facts == [] and len(stock.notes) == 2
+    # a sharded verdict on a run that decoded everything everywhere fails on the ownership fact
+    everywhere = judge.judge_decode("decode.t12.w2.bitexact", _answers(False), sharded=True)
+    assert "each piece decoded exactly once across the world (round-robin ownership)" in everywhere.violated_facts
+
+
+def test_wrong_shapes_hashes_and_a_user_run_without_collectives_fail():
+    answers = _answers(True)
+    short = dataclasses.replace(answers[1], output=answers[1].output[:, :, :38], sha256="0" * 64)
+    verdict = judge.judge_decode("decode.t12.w2.bitexact", [answers[0], short], sharded=True)
+    assert not verdict.passed and verdict.margin == float("inf")
+    assert verdict.message.startswith("decoded video shapes [(1, 1, 38, 1, 1), (1, 1, 39, 1, 1)] differ from the "
+                                      "stock (1, 1, 39, 1, 1)")
+    assert verdict.violated_facts == ["every receiving rank's SHA-256 equals the stock output's"]
+    user = _answers(True, impl_calls=1)  # a user's implementation under test: rank 1 ran no collective
+    user[1] = dataclasses.replace(user[1], collectives={})
+    verdict = judge.judge_decode("decode.conformance", user, sharded=True)
+    assert verdict.violated_facts == ["every rank communicated (a collective ran on every rank)"]
+    assert verdict.metrics["collectives_per_rank"] == "{'all_gather': 4}; none"
+    assert (verdict.metrics["pieces_per_rank"], verdict.metrics["pieces_total"]) == ("9, 9", 18)
