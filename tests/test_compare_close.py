@@ -40,7 +40,10 @@ def test_close_verdicts():
     assert (below.passed, below.margin) == (False, 2.0)
     strict = close(atol=0, rtol=0)
     assert strict.judge("t.c", torch.tensor([0.0, 2.0]), torch.tensor([0.0, 2.0])).margin == 0.0
-    assert strict.judge("t.c", torch.tensor([0.5]), torch.tensor([0.0])).margin == math.inf
+    no_room = strict.judge("t.c", torch.tensor([0.5]), torch.tensor([0.0]))
+    assert (no_room.margin, no_room.message) == (
+        math.inf, "output: mismatched elements: 1 / 1 (100.0%); greatest absolute difference 5.000e-01 at element (0,) "
+                  "(up to 0.0 allowed)")
     assert strict.judge("t.c", zeros, zeros) == Verdict(
         "t.c", True, base_metrics(0.0, 0, 2, 0.0, atol=0.0, rtol=0.0), "close(atol=0, rtol=0)", 0.0, headline="max_abs",
         tolerance=0.0)
