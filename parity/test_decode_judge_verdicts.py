@@ -12,7 +12,7 @@ import torch
 
 from fixtures import decode_models
 from harness.compare import sha256
-from harness.decode import judge
+from harness.decode import judge, oracle
 from harness.decode import plan as plan_mod
 
 pytestmark = [pytest.mark.cpu,
@@ -60,3 +60,21 @@ def test_wrong_shapes_hashes_and_a_user_run_without_collectives_fail():
     assert verdict.violated_facts == ["every rank communicated (a collective ran on every rank)"]
     assert verdict.metrics["collectives_per_rank"] == "{'all_gather': 4}; none"
     assert (verdict.metrics["pieces_per_rank"], verdict.metrics["pieces_total"]) == ("9, 9", 18)
+
+
+def test_the_plan_oracle_passes_the_plan_and_names_same_shaped_wrong_windows(monkeypatch):
+    z = decode_models.latents(decode_models.LatentSpec(9, height=2, width=2))  # 2 clips, one cross-fade
+    cases = [(decode_models.tiny_vae(), z)]
+    verdict = oracle.judge_plan_against_library("decode.oracle.tiny", cases)
+    assert verdict.passed, verdict.describe()
+    assert verdict.metrics == {"cases": 1, "window_mismatches": "none", "tile_mismatches": "none",
+                               "source_mismatches": "none"}
+    # windows and tiles of the right shape but read backwards in time must not pass
+    window, tile = plan_mod.window_latents, plan_mod.tile_latents
+    monkeypatch.setattr(plan_mod, "window_latents", lambda padded, plan, c: window(padded, plan, c).flip(2))
+    flipped = oracle.judge_plan_against_library("decode.oracle.tiny", cases)
+    assert flipped.metrics["window_mismatches"] == ["t9 (2, 2) tiling=on: plan 2 clips, library 2"]
+    monkeypatch.setattr(plan_mod, "window_latents", window)
+    monkeypatch.setattr(plan_mod, "tile_latents", lambda w, tiles, t: tile(w, tiles, t).flip(2))
+    flipped = oracle.judge_plan_against_library("decode.oracle.tiny", cases)
+    assert flipped.metrics["tile_mismatches"] == ["t9 (2, 2) tiling=on: plan 2 tiles, library 2"]
