@@ -19,14 +19,16 @@ pytestmark = [pytest.mark.cpu,
               pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
 
 
-def _answers(sharded: bool, *, impl_calls: int | None = None) -> list[judge.RankDecode]:
+def _answers(sharded: bool, *, impl_calls: int | None = None, calls: int = 1) -> list[judge.RankDecode]:
+    """``calls`` `_decode` calls per video (a sliced batch): every count scales with it."""
     work = plan_mod.plan_work(decode_models.tiny_vae(), (1, 4, 12, 8, 8), 2)  # clips split: 9 tiles per clip
     stock = torch.arange(39.0).reshape(1, 1, 39, 1, 1)
     digest = sha256(stock)
-    calls = 9 if sharded else 18  # each rank owns one clip of 9 tiles, or decodes both
-    seen = {"all_gather": 4} if sharded else {}
-    return [judge.RankDecode(rank, 2, stock.clone(), digest, calls, 1 if sharded else 2, dict(seen), work=work,
-                             stock=stock if rank == 0 else None, stock_sha256=digest, impl_calls=impl_calls)
+    decoder = (9 if sharded else 18) * calls  # each rank owns one clip of 9 tiles, or decodes both
+    seen = {"all_gather": 4 * calls} if sharded else {}
+    return [judge.RankDecode(rank, 2, stock.clone(), digest, decoder, (1 if sharded else 2) * calls, dict(seen),
+                             work=work, calls=calls, stock=stock if rank == 0 else None, stock_sha256=digest,
+                             impl_calls=impl_calls)
             for rank in range(2)]
 
 
@@ -44,22 +46,34 @@ def test_sharded_and_stock_runs_report_their_transport_share_and_facts():
     # a sharded verdict on a run that decoded everything everywhere fails on the ownership fact
     everywhere = judge.judge_decode("decode.t12.w2.bitexact", _answers(False), sharded=True)
     assert "each piece decoded exactly once across the world (round-robin ownership)" in everywhere.violated_facts
+    sliced = judge.judge_decode("decode.t12.w2.sliced", _answers(True, calls=2), sharded=True)
+    assert sliced.passed and sliced.metrics["expected_decoder_calls_per_rank"] == "18, 18"
+    assert judge.judge_decode("decode.t12.w2.flag_off", _answers(False, calls=2), sharded=False).passed
+    # the right total on the wrong ranks: rank 0 decoded both clips and rank 1 sat idle, without collectives
+    first, second = _answers(True)
+    lopsided = [dataclasses.replace(first, decoder_calls=18), dataclasses.replace(second, decoder_calls=0,
+                                                                                  collectives={})]
+    verdict = judge.judge_decode("decode.t12.w2.bitexact", lopsided, sharded=True)
+    assert "each piece decoded exactly once across the world (round-robin ownership)" in verdict.violated_facts
+    assert verdict.metrics["collectives_per_rank"] == "{'all_gather': 4}; none"
 
 
 def test_wrong_shapes_hashes_and_a_user_run_without_collectives_fail():
     answers = _answers(True)
-    short = dataclasses.replace(answers[1], output=answers[1].output[:, :, :38], sha256="0" * 64)
+    short = dataclasses.replace(answers[1], output=answers[1].output[:, :, :38])  # its reported hash is stale
     verdict = judge.judge_decode("decode.t12.w2.bitexact", [answers[0], short], sharded=True)
-    assert not verdict.passed and verdict.margin == float("inf")
+    assert not verdict.passed and verdict.margin == float("inf") and verdict.violated_facts == []  # shapes alone
     assert verdict.message.startswith("decoded video shapes [(1, 1, 38, 1, 1), (1, 1, 39, 1, 1)] differ from the "
                                       "stock (1, 1, 39, 1, 1)")
+    rehashed = dataclasses.replace(short, sha256=sha256(short.output))
+    verdict = judge.judge_decode("decode.t12.w2.bitexact", [answers[0], rehashed], sharded=True)
     assert verdict.violated_facts == ["every receiving rank's SHA-256 equals the stock output's"]
-    user = _answers(True, impl_calls=1)  # a user's implementation under test: rank 1 ran no collective
+    user = _answers(True, impl_calls=1, calls=2)  # a user's implementation under test: rank 1 ran no collective
     user[1] = dataclasses.replace(user[1], collectives={})
     verdict = judge.judge_decode("decode.conformance", user, sharded=True)
     assert verdict.violated_facts == ["every rank communicated (a collective ran on every rank)"]
-    assert verdict.metrics["collectives_per_rank"] == "{'all_gather': 4}; none"
-    assert (verdict.metrics["pieces_per_rank"], verdict.metrics["pieces_total"]) == ("9, 9", 18)
+    assert verdict.metrics["collectives_per_rank"] == "{'all_gather': 8}; none"
+    assert (verdict.metrics["pieces_per_rank"], verdict.metrics["pieces_total"]) == ("18, 18", 36)
 
 
 def test_the_plan_oracle_passes_the_plan_and_names_same_shaped_wrong_windows(monkeypatch):

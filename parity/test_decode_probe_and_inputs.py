@@ -101,6 +101,7 @@ def test_sharded_entries_check_the_vae_and_the_destination_before_any_collective
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # a 4-rank group, as the entries see it
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
     z = decode_models.latents(decode_models.LatentSpec(12, height=2, width=2))
+    assert [sharded._check_transport("gather", dst, None) for dst in (0, 3)] == [None, None]  # every rank may be dst
     for dst in (4, -1, True):
         for entry, x in ((sharded.sharded_decode, z), (sharded.sharded_encode, video)):
             with pytest.raises(ValueError, match=f"dst must be a rank of the 4-rank group, got {dst!r}"):
