@@ -48,6 +48,13 @@ def test_sharded_and_stock_runs_report_their_transport_share_and_facts():
     assert "each piece decoded exactly once across the world (round-robin ownership)" in everywhere.violated_facts
     sliced = judge.judge_decode("decode.t12.w2.sliced", _answers(True, calls=2), sharded=True)
     assert sliced.passed and sliced.metrics["expected_decoder_calls_per_rank"] == "18, 18"
+    # 3 ranks split the 18 tiles 6 / 6 / 6 (no clip calls): the share is rounded to 4 digits
+    three = [dataclasses.replace(a, rank=r, world_size=3, decoder_calls=6, clip_calls=0,
+                                 work=plan_mod.plan_work(decode_models.tiny_vae(), (1, 4, 12, 8, 8), 3))
+             for r, a in enumerate([*_answers(True), _answers(True)[1]])]
+    tiled = judge.judge_decode("decode.t12.w3.bitexact", three, sharded=True)
+    assert tiled.passed, tiled.describe()
+    assert (tiled.metrics["split"], tiled.metrics["busiest_share"]) == ("tiles", 0.3333)
     assert judge.judge_decode("decode.t12.w2.flag_off", _answers(False, calls=2), sharded=False).passed
     # the right total on the wrong ranks: rank 0 decoded both clips and rank 1 sat idle, without collectives
     first, second = _answers(True)
