@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from fixtures import decode_models
-from harness.decode import exchange, sharded
+from harness.decode import exchange, serve, sharded
 from harness.decode import plan as plan_mod
-from harness.decode.exchange import Probe, ProbeStatus
+from harness.decode.exchange import Probe, ProbeStatus, ShardedDecodeError
 from harness.decode.serve import bound as serve_bound
 
 pytestmark = [pytest.mark.cpu,
@@ -106,3 +106,19 @@ def test_sharded_entries_check_the_vae_and_the_destination_before_any_collective
         for entry, x in ((sharded.sharded_decode, z), (sharded.sharded_encode, video)):
             with pytest.raises(ValueError, match=f"dst must be a rank of the 4-rank group, got {dst!r}"):
                 entry(vae, x, transport="gather", dst=dst)
+
+
+def test_the_encode_clip_server_checks_windows_and_that_every_gathered_moment_was_used():
+    vae = decode_models.tiny_vae()
+    length = vae.config.clip_length
+    padded = torch.arange(2.0 * length).reshape(1, 1, 2 * length, 1, 1)
+    moments = [torch.zeros(1), torch.ones(1)]
+    with serve.serve_encode_clips(vae, padded, length, moments):
+        assert [vae._encode_clip(padded[:, :, :length]), vae._encode_clip(padded[:, :, length:])] == moments
+    unused = pytest.raises(ShardedDecodeError, match="used 1 of the 2 gathered pieces at _encode_clip")
+    with unused, serve.serve_encode_clips(vae, padded, length, moments):
+        vae._encode_clip(padded[:, :, :length])
+    frame = padded[:, :, :1]  # a one-frame video: `_encode_clip` sees it whole
+    with serve.serve_encode_clips(vae, frame, length, moments[:1]):
+        assert vae._encode_clip(frame) is moments[0]
+    assert "_encode_clip" not in vae.__dict__
