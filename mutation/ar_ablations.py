@@ -177,11 +177,11 @@ ablation(
 )
 
 
-DRIFT_FROM = 33  # the picked logit rises by 2^(k - 33) of its magnitude at decode step k: 3.8e-6 at step 15
+DRIFT_FROM = 34  # the picked logit rises by 2^(k - 34) of its magnitude at decode step k: 1.9e-6 at step 15
 
 
 def _relative_drift(step: int) -> float:
-    """fp32(1 + 2^(step - 33)) - 1: exactly 0 up to step 9, then doubling every step."""
+    """fp32(1 + 2^(step - 34)) - 1: exactly 0 up to step 10, then doubling every step."""
     return float(torch.tensor(1.0 + math.ldexp(1.0, step - DRIFT_FROM), dtype=torch.float32)) - 1.0
 
 
@@ -202,8 +202,8 @@ def _logit_drift(original):
 ablation(
     "ar.logit_drift_per_step", "harness.ar.loop:step", _logit_drift, wraps=True,
     kills=[f"ar.{m}.growth.logp" for m in MODELS],
-    why=("the batched path's picked-token logit rises by 2^(k - 33) of its magnitude at decode step k (a "
-         "per-step state compounding): exactly 0 up to step 9, so the <= 7-token rollouts stay bitwise; under the "
+    why=("the batched path's picked-token logit rises by 2^(k - 34) of its magnitude at decode step k (a "
+         "per-step state compounding): exactly 0 up to step 10, so the <= 7-token rollouts stay bitwise; under the "
          "worst-element logp tolerance on all 16 steps of the growth case, yet its per-step error curve grows far "
          "faster than the stock floor's. The raised argmax stays the token, and logits and log-probs are recorded "
          "consistently, so the fp64 oracle sees nothing either."),
