@@ -4,6 +4,12 @@ Every case verdict carries seed 001's row as metrics (``tokens_equal``, ``logp_m
 ``prefill_kv_max_abs``, ``slot0_max_abs``), whichever quantity it judges, so a kill-matrix report prints the
 table seed 001 printed. Token verdicts read like vLLM's ``check_logprobs_close``: the first divergence per row.
 These functions take the policies as arguments so the GPU tier can reuse them with dtype-specific ones.
+
+fp32 tolerances are TOLERANCE_K x a floor measured on stock code on the same model (``stock_prefill_floor``,
+never below one fp32 eps of the values' magnitude), and a verdict fails when its tolerance leaves
+[K_MIN, K_MAX] x that floor. ``judge_growth`` judges the per-step error curve over all decode steps against the
+growth of a stock per-step floor curve (``padded_control_logp``): a bug that starts below the worst-element
+tolerance and compounds step by step is not judged like noise.
 """
 
 from __future__ import annotations
