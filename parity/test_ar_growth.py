@@ -117,6 +117,33 @@ def test_growth_judge_floors_bitwise_curves_at_the_resolution():
 
 
 @pytest.mark.cpu
+def test_growth_ratio_and_step_curve_values():
+    assert verdicts.growth_ratio(torch.tensor([1.0, 1, 1, 2, 2, 2, 4, 4, 4])) == 4.0
+    assert verdicts.growth_ratio(torch.tensor([0.0, 0, 0, 0, 0, 0])) == 0.0
+    assert verdicts.growth_ratio(torch.tensor([0.0, 0, 1, 1, 1, 1])) == math.inf
+    assert verdicts.growth_ratio(torch.tensor([1.0, math.nan, 1, 1, 1, 1])) == math.inf
+    actual = torch.tensor([[1.0, 2.0, 3.0], [1.0, 4.0, 0.0]])
+    expected = torch.zeros(2, 3)
+    curve = verdicts.step_curve(actual, expected, torch.tensor([3, 2]))  # row 1 stopped after two steps
+    assert curve.tolist() == [1.0, 3.0, 3.0] and curve.dtype == torch.float64
+    reference = _rollout(torch.tensor([[-1.0, -2.0, -4.0], [-3.0, -2.0, -4.0]]))
+    assert verdicts.resolution_curve(reference).tolist() == [verdicts.FP32_EPS * v for v in (2.0, 2.0, 4.0)]
+
+
+@pytest.mark.cpu
+def test_growth_judge_reads_a_shrinking_floor_as_flat_and_requires_equal_tokens():
+    reference = _rollout(torch.full((2, 9), -1.0))
+    shrinking = reference.logp + torch.logspace(-5, -7, 9)[None]
+    error = reference.logp + 1.5e-6 * torch.tensor([1.0, -1.0] * 4 + [1.0])[None]  # flat, growth 1
+    verdict = verdicts.judge_growth("g", _rollout(error), reference, shrinking)
+    assert verdict.metrics["floor_growth"] < 0.1 and verdict.tolerance == verdicts.GROWTH_BUDGET
+    assert verdict.passed, verdict.describe()
+    other = dataclasses.replace(_rollout(error), tokens=torch.full((2, 9), 2))
+    verdict = verdicts.judge_growth("g", other, reference, shrinking)
+    assert any("batched tokens equal B=1" in fact for fact in verdict.violated_facts)
+
+
+@pytest.mark.cpu
 def test_growth_judge_refuses_short_curves():
     reference = _rollout(torch.full((2, 5), -1.0))
     with pytest.raises(ValueError, match=">= 6 steps"):
