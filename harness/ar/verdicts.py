@@ -107,7 +107,9 @@ class StockPrefillFloor:
 
 
 def _model_device(backend: Any) -> torch.device:
-    param = next(iter(backend.model.parameters()), None)
+    """Where the backend's model lives (the CPU for a backend without a torch model)."""
+    parameters = getattr(getattr(backend, "model", None), "parameters", None)
+    param = next(iter(parameters()), None) if callable(parameters) else None
     return torch.device("cpu") if param is None else param.device
 
 
