@@ -33,6 +33,7 @@ from harness.ar.verdicts import (
     require_floor_bounds,
     require_path,
     seed001_metrics,
+    step_curve,
     stock_prefill_floor,
 )
 from harness.checks import CheckContext
@@ -104,5 +105,7 @@ def ar_check(check_id: str, ctx: CheckContext) -> Verdict:
                                       width + NEW_TOKENS)
         verdict = judge_bf16(check_id, fast, reference, control, k=BF16_KL_K, floor=BF16_KL_FLOOR,
                              flip_margin=FLIP_MARGIN, dtype=ctx.dtype)
-    verdict = dataclasses.replace(verdict, metrics={**verdict.metrics, **seed001_metrics(fast, reference)})
+    curve = step_curve(fast.logp, reference.logp, reference.lengths)  # reported: 8 steps are too few for thirds
+    verdict = dataclasses.replace(verdict, metrics={**verdict.metrics, **seed001_metrics(fast, reference),
+                                                    "logp_error_curve": [float(f"{float(c):.4g}") for c in curve]})
     return require_path(verdict, spy, len(prompts))
