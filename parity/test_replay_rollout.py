@@ -1,5 +1,5 @@
-"""The rollout on a one-op denoiser: its refusal of bad SDE steps, its Euler steps between SDE steps, and a
-stateful solver's history forgotten between rollouts."""
+"""The sigma schedule, and the rollout on a one-op denoiser: its refusal of bad SDE steps, its Euler
+steps between SDE steps, and a stateful solver's history forgotten between rollouts."""
 
 from __future__ import annotations
 
@@ -32,7 +32,17 @@ def _rollout(strategy, sde_indices, steps=8, **kwargs):
                    generator=torch.Generator().manual_seed(5), **kwargs)
 
 
-def test_rollout_refuses_sde_steps_outside_the_schedule_repeated_or_none():
+def test_schedule_and_rollout_refusals():
+    """The shifted flow schedule (and its refusals); SDE steps outside it, repeated or none are refused."""
+    assert flow_sigmas(1).tolist() == [1.0, 0.0]
+    assert flow_sigmas(2).tolist() == [1.0, 0.75, 0.0]  # 3 * 0.5 / (1 + 2 * 0.5)
+    assert flow_sigmas(4, shift=1.0).tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert flow_sigmas(2).dtype == torch.float32
+    for steps, shift, message in ((0, 3.0, "a schedule needs at least one step, got 0"),
+                                  (-2, 3.0, "a schedule needs at least one step, got -2"),
+                                  (4, 0.0, "shift must be > 0, got 0.0"), (4, -1.0, "shift must be > 0, got -1.0")):
+        with pytest.raises(ValueError, match=message):
+            flow_sigmas(steps, shift)
     for sde in ((0, 8), (-1, 3), (2, 2), ()):
         with pytest.raises(ValueError, match=re.escape(f"sde_indices {list(sde)} must be distinct steps in [0, 7] "
                                                        "(at least one)")):
