@@ -4,6 +4,7 @@ runs the bf16 control uses, the transformers hole layout and each stock loop's f
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import importlib
 import sys
@@ -204,3 +205,44 @@ def test_stock_generate_runs_one_forward_per_token(name: str, monkeypatch: pytes
         stopped = backend.stock_generate(prompt, 4, (int(run.tokens[1]),))
     assert len(calls) == 2 and torch.equal(stopped.tokens, run.tokens[:2])
     assert stopped.kv.shape[-2] == prompt.numel() + 1  # the last sampled token is never fed back
+
+
+def test_stock_padded_writes_at_b1_where_the_layout_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upstream: one B=1 static cache of the batch's length. Transformers: prefill slots [0, width), then
+    teacher-forced token k at shared slot ``width + k`` (the hole layout's write index)."""
+    prompt, tokens = prompt_ids([5], seed=47)[0], torch.tensor([3, 4, 6, 8])
+    fake = ar_models.backend("fake")
+    made = []
+    real_new_cache = fake.new_cache
+    monkeypatch.setattr(fake, "new_cache", lambda *args, **kw: made.append((args, kw)) or real_new_cache(*args, **kw))
+    with torch.no_grad():
+        fake.stock_padded(prompt, tokens, 8, 12)
+    assert made == [((1, 12), {"dynamic": False})]
+    qwen = ar_models.backend("qwen3")
+    slots = []
+    real_run = qwen._run
+    monkeypatch.setattr(qwen, "_run", lambda ids, mask, positions, cache, write=None: slots.append(
+        (write.tolist(), positions.tolist())) or real_run(ids, mask, positions, cache, write))
+    with torch.no_grad():
+        qwen.stock_padded(prompt, tokens, 8, 12)
+    assert slots == [(list(range(8)), [list(range(8))]), ([8], [[5]]), ([9], [[6]]), ([10], [[7]])]
+
+
+def test_stock_runs_hand_back_fp32_logits_whatever_dtype_the_model_returns() -> None:
+    """Remote code may return its lm_head's bf16 logits; the stock runs' logits are fp32 either way."""
+    backend = bf16_backend("fake")
+
+    def bf16_logits(module, args, kwargs, out):
+        return dataclasses.replace(out, logits=out.logits.bfloat16())
+
+    handle = backend.model.register_forward_hook(bf16_logits, with_kwargs=True)
+    try:
+        prompt = prompt_ids([6], seed=48)[0]
+        with torch.no_grad():
+            assert backend.full_forward(prompt).dtype == torch.bfloat16  # the hook took effect
+            run = backend.stock_generate(prompt, 2, ())
+            padded = backend.stock_padded(prompt, run.tokens, 8, 10)
+            logits, _ = backend.stock_prefill(prompt[None])
+    finally:
+        handle.remove()
+    assert (run.logits.dtype, padded.dtype, logits.dtype) == (torch.float32,) * 3
