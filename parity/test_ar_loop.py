@@ -1,0 +1,241 @@
+"""The batched loop's bookkeeping, the cache helpers, the probes and the suite's facts, on tiny inputs.
+
+bf16 runs show what the fp32 parity runs cannot: every recorded quantity leaves the loop in fp32, computed
+from fp32 logits. Small wrapper backends make one thing go wrong on purpose (a finished row's logits turn
+NaN, a stray NaN write, a probe that plants nothing) to show the probes and facts see it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import signal
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from fixtures import ar_models
+from fixtures.ar_cases import eos_for_stops, prompt_ids
+from harness.ar import cache as ar_cache
+from harness.ar import loop, probes, suite, verdicts
+from harness.ar.backends import StockRun, UpstreamBackend
+from harness.ar.batch import embed_row, right_padded_batch
+from harness.ar.spy import ARForwardSpy
+
+pytestmark = pytest.mark.cpu
+
+PAD = ar_models.PAD_ID
+V = ar_models.VOCAB
+
+
+@functools.cache
+def bf16_fake() -> UpstreamBackend:
+    return UpstreamBackend(copy.deepcopy(ar_models.fake_upstream("moe")).to(torch.bfloat16), name="fake_bf16")
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fail instead of hanging: a loop that never advances must not stall the tier."""
+    def expired(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"did not finish within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Wrapped:
+    """A backend that delegates everything to ``inner`` (subclasses override one hook)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+# --------------------------------------------------------------------------------------------- batch and loop
+
+
+def test_embed_row_names_the_empty_prompt() -> None:
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        embed_row([])
+
+
+def test_real_positions_are_long_and_the_state_owns_its_token_buffer() -> None:
+    batch = right_padded_batch(prompt_ids((3, 5), seed=51), PAD)
+    batch = type(batch)(batch.input_ids, batch.position_ids, batch.attention_mask,
+                        batch.real_pos.to(torch.int32), PAD)
+    real_pos = loop.real_positions(batch)
+    assert real_pos.dtype == torch.long and real_pos.tolist() == [3, 5]
+    state = loop.init_state(ar_models.backend("fake"), batch, 2)
+    assert torch.equal(state.input_ids, batch.input_ids)
+    assert state.input_ids.data_ptr() != batch.input_ids.data_ptr()  # writing the buffer never edits the batch
+
+
+def test_rollout_prefill_kv_is_the_prompt_slots() -> None:
+    kv = torch.arange(2 * 3 * 2 * 1 * 6 * 1, dtype=torch.float32).reshape(2, 3, 2, 1, 6, 1)
+    rollout = loop.Rollout(torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(2, 2, 3), torch.tensor([2, 2]),
+                           torch.tensor([4, 2]), (kv[0], kv[1]))
+    assert torch.equal(rollout.prefill_kv(0), kv[0][..., :4, :])
+    assert torch.equal(rollout.prefill_kv(1), kv[1][..., :2, :])
+
+
+def test_bf16_fast_rollout_records_fp32_log_probs_of_fp32_logits() -> None:
+    backend = bf16_fake()
+    fast = loop.fast_rollout(backend, right_padded_batch(prompt_ids((4, 7), seed=52), PAD), 3)
+    assert (fast.logits.dtype, fast.logp.dtype) == (torch.float32, torch.float32)
+    assert all(kv.dtype == torch.float32 for kv in fast.kv)
+    want = torch.log_softmax(fast.logits.double(), dim=-1).gather(-1, fast.tokens[..., None])[..., 0]
+    # the fp32 softmax of the fp32 logits (a bf16 softmax would be off by ~1e-2)
+    torch.testing.assert_close(fast.logp, want.float(), rtol=0.0, atol=2e-6)
+
+
+class Bf16StockRun(Wrapped):
+    """A backend whose stock run hands back bf16 logits and KV (what a bf16 model's own output is)."""
+
+    def stock_generate(self, prompt: torch.Tensor, max_new_tokens: int, eos: tuple[int, ...]) -> StockRun:
+        run = self.inner.stock_generate(prompt, max_new_tokens, eos)
+        return StockRun(run.tokens, run.logits.bfloat16(), run.kv.bfloat16())
+
+
+def test_stock_rollout_records_fp32_whatever_the_stock_run_returns() -> None:
+    prompts = prompt_ids((4, 7), seed=53)
+    stock = loop.stock_rollout(Bf16StockRun(ar_models.backend("fake")), prompts, 3)
+    assert all(kv.dtype == torch.float32 for kv in stock.kv)
+    want = torch.log_softmax(stock.logits.double(), dim=-1).gather(-1, stock.tokens[..., None])[..., 0]
+    torch.testing.assert_close(stock.logp, want.float(), rtol=0.0, atol=2e-6)
+
+
+def test_fast_rollout_finishes_in_max_new_tokens_forwards() -> None:
+    backend = ar_models.backend("fake")
+    with deadline(8.0), ARForwardSpy(backend.model) as spy:
+        fast = loop.fast_rollout(backend, right_padded_batch(prompt_ids((4, 6), seed=54), PAD), 3)
+    assert spy.batch_sizes == [2, 2, 2] and fast.lengths.tolist() == [3, 3]
+
+
+# --------------------------------------------------------------------------------------------- cache helpers
+
+
+def test_layer_buffers_refuse_a_layer_without_keys() -> None:
+    key = torch.zeros(1)
+    without_keys = SimpleNamespace(layers=[SimpleNamespace(keys=key, values=key), SimpleNamespace(keys=None)])
+    with pytest.raises(ValueError, match="cache layer 1 holds no KV yet"):
+        ar_cache.layer_buffers(without_keys)
+    with pytest.raises(ValueError, match="cache layer 0 holds no KV yet"):
+        ar_cache.layer_buffers(SimpleNamespace(layers=[SimpleNamespace(keys=key, values=key, is_initialized=False)]))
+
+
+def test_preallocate_and_fill_slots_write_keys_and_values() -> None:
+    backend = ar_models.backend("fake")
+    cache = backend.new_cache(2, 5, dynamic=False)
+    ar_cache.preallocate(cache, 2, backend.kv_heads, backend.head_dim, torch.float32, torch.device("cpu"), 3.0)
+    slots = torch.tensor([[True, False, False, False, True], [False, False, True, False, False]])
+    assert ar_cache.fill_slots(cache, slots, -1.0) == 3
+    for k, v in ar_cache.layer_buffers(cache):
+        for buf in (k, v):
+            assert buf.shape == (2, backend.kv_heads, 5, backend.head_dim)
+            want = torch.where(slots[:, None, :, None], -1.0, 3.0).expand_as(buf)
+            assert torch.equal(buf, want)
+
+
+# --------------------------------------------------------------------------------------------- probes and spy
+
+
+class FinishedRowsGoNaN(Wrapped):
+    """Rows that already finished compute NaN logits: harmless, since nothing of theirs is kept."""
+
+    def decode(self, state: loop.ARState, mask: torch.Tensor | None) -> torch.Tensor:
+        logits = self.inner.decode(state, mask)
+        logits[state.finished.to(logits.device)] = float("nan")
+        return logits
+
+
+def _early_stop(backend: Any, lengths: tuple[int, ...], seed: int, stops: dict[int, int], steps: int):
+    prompts = prompt_ids(lengths, seed=seed)
+    full = loop.stock_rollout(backend, prompts, steps)
+    eos, ends = eos_for_stops(full.tokens, stops)
+    return right_padded_batch(prompts, PAD), eos, ends
+
+
+def test_nan_probe_counts_only_emitted_logits() -> None:
+    backend = ar_models.backend("fake", "read_safe")
+    batch, eos, ends = _early_stop(backend, (5, 8), 55, {0: 1}, 4)
+    assert ends == [2, 4], "fixture: row 0 stops at step 1, row 1 runs on"
+    with deadline(8.0):
+        run = probes.nan_probe_rollout(FinishedRowsGoNaN(backend), batch, 4, eos)
+    assert run.rollout.lengths.tolist() == ends and bool(torch.isnan(run.rollout.logits[0, 2:]).all())
+    assert run.static and run.poisoned_slots > 0 and run.nonfinite_logits == 0
+
+
+def test_nan_probe_plants_nothing_in_a_dynamic_cache() -> None:
+    backend = ar_models.backend("fake", "read_safe")
+    run = probes.nan_probe_rollout(backend, right_padded_batch(prompt_ids((5,), seed=56), PAD), 2)
+    assert (run.static, run.poisoned_slots, run.nonfinite_logits) == (False, 0, 0)
+
+
+class StrayNaNWrite(Wrapped):
+    """After every decode step, row 0 writes ``value`` into slot ``slot`` of layer 0's keys (not its own)."""
+
+    def __init__(self, inner: Any, slot: int, value: float) -> None:
+        super().__init__(inner)
+        self.slot, self.value = slot, value
+
+    def decode(self, state: loop.ARState, mask: torch.Tensor | None) -> torch.Tensor:
+        logits = self.inner.decode(state, mask)
+        ar_cache.layer_buffers(state.cache)[0][0][0, :, self.slot] = self.value
+        return logits
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0.5])
+def test_footprint_sees_a_stray_write_nan_or_not(value: float) -> None:
+    backend = ar_models.backend("fake")
+    batch = right_padded_batch(prompt_ids((4, 6), seed=57), PAD)
+    run = probes.footprint_rollout(StrayNaNWrite(backend, slot=8, value=value), batch, 3)
+    assert run.static and run.stray_writes == {0: [8]}
+
+
+def test_spy_records_each_forwards_cache_class() -> None:
+    backend = ar_models.backend("fake")
+    prompt = prompt_ids([5], seed=58)[0]
+    with torch.no_grad(), ARForwardSpy(backend.model) as spy:
+        backend.full_forward(prompt)
+        backend.stock_generate(prompt, 2, ())
+    assert [(c.batch, c.queries, c.cache, c.dynamic) for c in spy.calls] == [
+        (1, 5, "none", None), (1, 5, "HunyuanStaticCache", True), (1, 1, "HunyuanStaticCache", True)]
+
+
+# --------------------------------------------------------------------------------------------- suite facts
+
+
+EARLY_FACT = "a row finished while another kept generating (masking exercised)"
+
+
+def test_finished_rows_needs_a_row_that_kept_generating() -> None:
+    """Every row stopping at the same early step exercises no masking of a finished row: the fact fails."""
+    backend = ar_models.backend("fake")
+    batch, eos, ends = _early_stop(backend, (5, 8), 59, {0: 1, 1: 1}, 4)
+    assert ends == [2, 2], "fixture: both rows stop at step 1"
+    reference = loop.stock_rollout(backend, batch.prompts(), 4, eos)
+    policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
+    verdict = suite.compare_finished_rows("ar.fake.test.finished", backend, batch, 4, eos, policies, reference)
+    assert verdict.violated_facts == [EARLY_FACT]
+
+
+def test_oracle_errors_count_tokens_off_the_fp64_argmax() -> None:
+    logits = torch.tensor([[[2.0, 0.0, 1.0], [0.0, 3.0, 1.0], [9.0, 9.0, 9.0]]])
+    tokens = torch.tensor([[0, 2, 0]])  # step 1 is off its argmax; step 2 is past the row's length
+    logp = torch.tensor([[-0.4, -2.2, 0.0]])
+    rollout = loop.Rollout(tokens, logp, logits, torch.tensor([2]), torch.tensor([3]), ())
+    recorded, oracle, off = suite._oracle_errors(rollout)
+    assert off == 1 and recorded.dtype == torch.float64 and oracle.dtype == torch.float64
+    assert torch.equal(recorded, logp[0, :2].double())
+    want = torch.log_softmax(logits[0, :2].double(), dim=-1)[[0, 1], [0, 2]]
+    torch.testing.assert_close(oracle, want, rtol=0.0, atol=1e-15)
