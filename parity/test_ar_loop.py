@@ -21,7 +21,7 @@ from fixtures import ar_models
 from fixtures.ar_cases import eos_for_stops, prompt_ids
 from harness.ar import cache as ar_cache
 from harness.ar import loop, probes, suite, verdicts
-from harness.ar.backends import StockRun, UpstreamBackend
+from harness.ar.backends import StockRun, TransformersBackend, UpstreamBackend
 from harness.ar.batch import embed_row, right_padded_batch
 from harness.ar.spy import ARForwardSpy
 
@@ -32,8 +32,10 @@ V = ar_models.VOCAB
 
 
 @functools.cache
-def bf16_fake() -> UpstreamBackend:
-    return UpstreamBackend(copy.deepcopy(ar_models.fake_upstream("moe")).to(torch.bfloat16), name="fake_bf16")
+def bf16_backend(name: str) -> UpstreamBackend | TransformersBackend:
+    base = ar_models.backend(name)
+    model = copy.deepcopy(base.model).to(torch.bfloat16)
+    return UpstreamBackend(model, name=name) if isinstance(base, UpstreamBackend) else TransformersBackend(model, name)
 
 
 @contextlib.contextmanager
@@ -88,8 +90,10 @@ def test_rollout_prefill_kv_is_the_prompt_slots() -> None:
     assert torch.equal(rollout.prefill_kv(1), kv[1][..., :2, :])
 
 
-def test_bf16_fast_rollout_records_fp32_log_probs_of_fp32_logits() -> None:
-    backend = bf16_fake()
+@pytest.mark.parametrize("name", ["fake", "qwen3"])
+def test_bf16_fast_rollout_records_fp32_log_probs_of_fp32_logits(name: str) -> None:
+    """The fake casts its logits to fp32 (as upstream); qwen3 hands back its lm_head's bf16 logits."""
+    backend = bf16_backend(name)
     fast = loop.fast_rollout(backend, right_padded_batch(prompt_ids((4, 7), seed=52), PAD), 3)
     assert (fast.logits.dtype, fast.logp.dtype) == (torch.float32, torch.float32)
     assert all(kv.dtype == torch.float32 for kv in fast.kv)
@@ -177,7 +181,8 @@ def test_nan_probe_counts_only_emitted_logits() -> None:
 
 def test_nan_probe_plants_nothing_in_a_dynamic_cache() -> None:
     backend = ar_models.backend("fake", "read_safe")
-    run = probes.nan_probe_rollout(backend, right_padded_batch(prompt_ids((5,), seed=56), PAD), 2)
+    with deadline(8.0):
+        run = probes.nan_probe_rollout(backend, right_padded_batch(prompt_ids((5,), seed=56), PAD), 2)
     assert (run.static, run.poisoned_slots, run.nonfinite_logits) == (False, 0, 0)
 
 
@@ -230,12 +235,43 @@ def test_finished_rows_needs_a_row_that_kept_generating() -> None:
 
 
 def test_oracle_errors_count_tokens_off_the_fp64_argmax() -> None:
-    logits = torch.tensor([[[2.0, 0.0, 1.0], [0.0, 3.0, 1.0], [9.0, 9.0, 9.0]]])
-    tokens = torch.tensor([[0, 2, 0]])  # step 1 is off its argmax; step 2 is past the row's length
-    logp = torch.tensor([[-0.4, -2.2, 0.0]])
-    rollout = loop.Rollout(tokens, logp, logits, torch.tensor([2]), torch.tensor([3]), ())
+    logits = torch.tensor([[[2.0, 0.0, 1.0], [0.0, 3.0, 1.0], [1.0, 1.0, 0.0], [9.0, 9.0, 9.0]]])
+    tokens = torch.tensor([[0, 2, 0, 1]])  # step 1 is off its argmax (a tie goes to the first); 3 is past the end
+    logp = torch.tensor([[-0.4, -2.2, -0.9, 0.0]])
+    rollout = loop.Rollout(tokens, logp, logits, torch.tensor([3]), torch.tensor([3]), ())
     recorded, oracle, off = suite._oracle_errors(rollout)
     assert off == 1 and recorded.dtype == torch.float64 and oracle.dtype == torch.float64
-    assert torch.equal(recorded, logp[0, :2].double())
-    want = torch.log_softmax(logits[0, :2].double(), dim=-1)[[0, 1], [0, 2]]
+    assert torch.equal(recorded, logp[0, :3].double())
+    want = torch.log_softmax(logits[0, :3].double(), dim=-1)[[0, 1, 2], [0, 2, 0]]
     torch.testing.assert_close(oracle, want, rtol=0.0, atol=1e-15)
+
+
+NAN_FACT = "NaN planted in every unused slot before the run and every dead slot after prefill"
+
+
+class EverySlotLive(Wrapped):
+    """A layout claiming every slot is a valid key: the NaN probe has nowhere to plant."""
+
+    def logical_slots(self, real_pos: int, width: int, generated: int) -> torch.Tensor:
+        return torch.arange(width + self.steps)
+
+
+def test_nan_probe_that_planted_nothing_proves_nothing() -> None:
+    backend = ar_models.backend("fake", "read_safe")
+    batch = right_padded_batch(prompt_ids((4, 6), seed=60), PAD)
+    reference = loop.stock_rollout(backend, batch.prompts(), 2)
+    live = EverySlotLive(backend)
+    live.steps = 2
+    policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
+    verdict = suite.compare_nan_unused_slots("ar.fake.test.nan", live, batch, 2, policies, reference)
+    assert verdict.metrics["poisoned_slots"] == 0 and NAN_FACT in verdict.violated_facts
+
+
+def test_nan_probe_of_one_static_row_with_one_unused_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = ar_models.backend("fake", "read_safe")
+    batch = right_padded_batch(prompt_ids((6,), seed=61), PAD)
+    reference = loop.stock_rollout(backend, batch.prompts(), 1)
+    monkeypatch.setattr(ar_cache, "cache_is_dynamic", lambda batch_size: False)
+    policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
+    verdict = suite.compare_nan_unused_slots("ar.fake.test.nan", backend, batch, 1, policies, reference)
+    assert verdict.metrics["poisoned_slots"] == 1 and NAN_FACT not in verdict.violated_facts
