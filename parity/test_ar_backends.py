@@ -246,3 +246,22 @@ def test_stock_runs_hand_back_fp32_logits_whatever_dtype_the_model_returns() -> 
     finally:
         handle.remove()
     assert (run.logits.dtype, padded.dtype, logits.dtype) == (torch.float32,) * 3
+
+
+@pytest.mark.parametrize("name", ["fake", "qwen3"])
+def test_stock_prefill_brings_device_logits_to_the_host(name: str) -> None:
+    from parity.test_ar_loop import OnDevice
+
+    backend = ar_models.backend(name)
+
+    def on_device(module, args, kwargs, out):
+        return dataclasses.replace(out, logits=out.logits.as_subclass(OnDevice))
+
+    handle = backend.model.register_forward_hook(on_device, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            logits, kv = backend.stock_prefill(prompt_ids([5, 5], seed=49)[0].expand(2, -1))
+    finally:
+        handle.remove()
+    assert type(logits) is torch.Tensor and type(kv) is torch.Tensor
+    assert logits.shape == (2, 5, ar_models.VOCAB) and kv.shape[0] == 2 and kv.shape[-2] == 5

@@ -125,6 +125,52 @@ def test_fast_rollout_finishes_in_max_new_tokens_forwards() -> None:
     assert spy.batch_sizes == [2, 2, 2] and fast.lengths.tolist() == [3, 3]
 
 
+class OnDevice(torch.Tensor):
+    """Stands for a tensor on an accelerator on a CPU-only machine: every op keeps the type, only ``.cpu()``
+    hands back a plain (host) tensor. A result still of this type never came back to the host."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cpu:
+            with torch._C.DisableTorchFunctionSubclass():
+                return args[0].clone()
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _host(rollout: loop.Rollout) -> bool:
+    fields = (rollout.tokens, rollout.logp, rollout.logits, rollout.lengths, rollout.real_pos, *rollout.kv)
+    return all(type(t) is torch.Tensor for t in fields)
+
+
+def test_collect_brings_every_field_of_a_device_state_to_the_host() -> None:
+    backend = ar_models.backend("fake")
+    state = loop.init_state(backend, right_padded_batch(prompt_ids((4, 6), seed=62), PAD), 2)
+    while not state.done:
+        loop.step(state)
+    expected = loop.collect(state)
+    for name in ("tokens", "logp", "logits", "lengths", "real_pos", "generated"):
+        setattr(state, name, getattr(state, name).as_subclass(OnDevice))
+    for layer in state.cache.layers:
+        layer.keys, layer.values = layer.keys.as_subclass(OnDevice), layer.values.as_subclass(OnDevice)
+    rollout = loop.collect(state)
+    assert _host(rollout)
+    assert torch.equal(rollout.logits, expected.logits) and torch.equal(rollout.kv[1], expected.kv[1])
+
+
+class DeviceStockRun(Wrapped):
+    """A backend whose stock run is left on the accelerator."""
+
+    def stock_generate(self, prompt: torch.Tensor, max_new_tokens: int, eos: tuple[int, ...]) -> StockRun:
+        run = self.inner.stock_generate(prompt, max_new_tokens, eos)
+        return StockRun(*(t.as_subclass(OnDevice) for t in (run.tokens, run.logits, run.kv)))
+
+
+def test_stock_rollout_brings_a_device_stock_run_to_the_host() -> None:
+    backend = ar_models.backend("fake")
+    prompts = prompt_ids((4, 6), seed=63)
+    assert _host(loop.stock_rollout(DeviceStockRun(backend), prompts, 2))
+
+
 # --------------------------------------------------------------------------------------------- cache helpers
 
 
