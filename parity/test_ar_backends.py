@@ -3,7 +3,6 @@ runs the bf16 control uses, the transformers hole layout and each stock loop's f
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import importlib
@@ -19,6 +18,8 @@ from harness.ar import loop
 from harness.ar.backends import TransformersBackend, UpstreamBackend, upstream_generation
 from harness.ar.batch import right_padded_batch
 from harness.compare import max_abs_diff
+from parity.test_ar_bf16_policy import bf16_backend
+from parity.test_ar_loop import OnDevice
 
 pytestmark = pytest.mark.cpu
 
@@ -46,13 +47,6 @@ def gen1_backend() -> UpstreamBackend:
     model.load_state_dict(gen2.state_dict())
     cache_cls = sys.modules[type(gen2).__module__].HunyuanStaticCache
     return UpstreamBackend(model.eval(), name="fake_gen1", cache_cls=cache_cls)
-
-
-@functools.cache
-def bf16_backend(name: str) -> UpstreamBackend | TransformersBackend:
-    base = ar_models.backend(name)
-    model = copy.deepcopy(base.model).to(torch.bfloat16)
-    return UpstreamBackend(model, name=name) if isinstance(base, UpstreamBackend) else TransformersBackend(model, name)
 
 
 # ---------------------------------------------------------------------------------------- generation detection
@@ -162,7 +156,9 @@ def test_bf16_stock_runs_return_fp32_logits_and_kv(name: str) -> None:
 
 def test_transformers_backend_reads_pad_and_head_dim_from_the_config() -> None:
     """A config without ``pad_token_id`` pads with 0; one without ``head_dim`` derives it from the hidden size."""
-    forward = ar_models.transformers_model("qwen3").forward
+    def forward(input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):
+        return input_ids
+
     bare = types.SimpleNamespace(pad_token_id=None, vocab_size=50, num_key_value_heads=2, hidden_size=48,
                                  num_attention_heads=4)
     backend = TransformersBackend(types.SimpleNamespace(config=bare, forward=forward), "bare")
@@ -250,8 +246,6 @@ def test_stock_runs_hand_back_fp32_logits_whatever_dtype_the_model_returns() -> 
 
 @pytest.mark.parametrize("name", ["fake", "qwen3"])
 def test_stock_prefill_brings_device_logits_to_the_host(name: str) -> None:
-    from parity.test_ar_loop import OnDevice
-
     backend = ar_models.backend(name)
 
     def on_device(module, args, kwargs, out):

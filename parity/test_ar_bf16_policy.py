@@ -17,9 +17,10 @@ from torch.distributions import Categorical, kl_divergence
 
 from fixtures import ar_models
 from fixtures.ar_cases import prompt_ids
-from harness.ar.backends import UpstreamBackend
+from harness.ar.backends import TransformersBackend, UpstreamBackend
+from harness.ar.batch import right_padded_batch
 from harness.ar.bf16 import comparable_kl, flips, judge_bf16, kl_rows, padding_control
-from harness.ar.loop import Rollout, stock_rollout
+from harness.ar.loop import Rollout, fast_rollout, stock_rollout
 
 pytestmark = pytest.mark.cpu
 
@@ -34,9 +35,11 @@ def _kl64(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def bf16_fake() -> UpstreamBackend:
-    """The generation-2 fake's weights in bf16 (what the gpu tier's bf16 run gives the policy)."""
-    return UpstreamBackend(copy.deepcopy(ar_models.fake_upstream("moe")).to(torch.bfloat16), name="fake_bf16")
+def bf16_backend(name: str) -> UpstreamBackend | TransformersBackend:
+    """A tiny model's weights in bf16 (what the gpu tier's bf16 run drives)."""
+    base = ar_models.backend(name)
+    model = copy.deepcopy(base.model).to(torch.bfloat16)
+    return UpstreamBackend(model, name=name) if isinstance(base, UpstreamBackend) else TransformersBackend(model, name)
 
 
 def test_kl_rows_is_float64_kl_of_bf16_logits() -> None:
@@ -127,7 +130,7 @@ def test_judge_bf16_fails_a_kl_over_k_times_the_padding_control() -> None:
 
 
 def test_padding_control_is_stock_b1_against_stock_padded_on_the_same_tokens() -> None:
-    backend = bf16_fake()
+    backend = bf16_backend("fake")
     prompts = prompt_ids([6, 9], seed=31)
     reference = stock_rollout(backend, prompts, 3)
     control = padding_control(backend, prompts, reference, width=16, max_cache_len=19)
@@ -138,3 +141,15 @@ def test_padding_control_is_stock_b1_against_stock_padded_on_the_same_tokens() -
             assert padded.shape == (3, ar_models.VOCAB) and padded.dtype == torch.float32
             torch.testing.assert_close(control[row], _kl64(reference.logits[row], padded).max(), rtol=1e-9, atol=0.0)
     assert bool((control > 0).all()), "bf16 padding must move the logits (else the control is blind)"
+
+
+@pytest.mark.parametrize("name", ["fake", "qwen3"])
+def test_bf16_fast_rollout_records_fp32_log_probs_of_fp32_logits(name: str) -> None:
+    """The fake casts its logits to fp32 (as upstream); qwen3 hands back its lm_head's bf16 logits."""
+    backend = bf16_backend(name)
+    fast = fast_rollout(backend, right_padded_batch(prompt_ids((4, 7), seed=52), ar_models.PAD_ID), 3)
+    assert (fast.logits.dtype, fast.logp.dtype) == (torch.float32, torch.float32)
+    assert all(kv.dtype == torch.float32 for kv in fast.kv)
+    want = torch.log_softmax(fast.logits.double(), dim=-1).gather(-1, fast.tokens[..., None])[..., 0]
+    # the fp32 softmax of the fp32 logits (a bf16 softmax would be off by ~1e-2)
+    torch.testing.assert_close(fast.logp, want.float(), rtol=0.0, atol=2e-6)
