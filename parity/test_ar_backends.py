@@ -15,7 +15,7 @@ import torch
 from fixtures import ar_models
 from fixtures.ar_cases import prompt_ids
 from harness.ar import loop
-from harness.ar.backends import TransformersBackend, UpstreamBackend, upstream_generation
+from harness.ar.backends import UpstreamBackend, upstream_generation
 from harness.ar.batch import right_padded_batch
 from harness.compare import max_abs_diff
 from parity.test_ar_bf16_policy import bf16_backend
@@ -152,30 +152,6 @@ def test_bf16_stock_runs_return_fp32_logits_and_kv(name: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------- transformers backend
-
-
-def test_transformers_backend_reads_pad_and_head_dim_from_the_config() -> None:
-    """A config without ``pad_token_id`` pads with 0; one without ``head_dim`` derives it from the hidden size."""
-    def forward(input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):
-        return input_ids
-
-    bare = types.SimpleNamespace(pad_token_id=None, vocab_size=50, num_key_value_heads=2, hidden_size=48,
-                                 num_attention_heads=4)
-    backend = TransformersBackend(types.SimpleNamespace(config=bare, forward=forward), "bare")
-    assert (backend.pad_id, backend.head_dim, backend.kv_heads, backend.vocab_size) == (0, 12, 2, 50)
-    explicit = types.SimpleNamespace(**{**vars(bare), "pad_token_id": 7, "head_dim": 16})
-    backend = TransformersBackend(types.SimpleNamespace(config=explicit, forward=forward), "explicit")
-    assert (backend.pad_id, backend.head_dim) == (7, 16)
-
-
-def test_transformers_hole_layout_slots() -> None:
-    backend = ar_models.backend("qwen3")
-    state = loop.init_state(backend, right_padded_batch(prompt_ids((3, 5), seed=45), PAD), 4)
-    state.step_idx = 3
-    assert backend.decode_write_slots(state).tolist() == [7, 7]  # shared slot width + step - 1
-    assert backend.token_columns(state).tolist() == [8, 8]
-    assert backend.logical_slots(3, 5, 2).tolist() == [0, 1, 2, 5, 6]  # prompt, then generated past the width
-    assert backend.logical_slots(5, 5, 0).tolist() == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("name", ["qwen3", "fake"])
