@@ -20,7 +20,7 @@ from fixtures.ar_cases import eos_for_stops, prompt_ids
 from harness.ar import cache as ar_cache
 from harness.ar import loop, probes, suite, verdicts
 from harness.ar.backends import StockRun
-from harness.ar.batch import embed_row, right_padded_batch
+from harness.ar.batch import concat, embed_row, right_padded_batch
 from harness.ar.spy import ARForwardSpy
 
 pytestmark = pytest.mark.cpu
@@ -60,6 +60,13 @@ class Wrapped:
 def test_embed_row_names_the_empty_prompt() -> None:
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         embed_row([])
+
+
+def test_concat_refuses_a_row_that_is_not_one_embedded_prompt() -> None:
+    one = embed_row([5, 6, 7])
+    two_rows = type(one)(one.input_ids.expand(2, -1), one.position_ids, one.attention_mask, one.real_pos)
+    with pytest.raises(ValueError, match=r"row 1: input_ids must be \[1, L\], got \(2, 3\)"):
+        concat([one, two_rows], PAD)
 
 
 def test_real_positions_are_long_and_the_state_owns_its_token_buffer() -> None:
@@ -230,6 +237,34 @@ def test_footprint_sees_a_stray_write_nan_or_not(value: float) -> None:
     batch = right_padded_batch(prompt_ids((4, 6), seed=57), PAD)
     run = probes.footprint_rollout(StrayNaNWrite(backend, slot=8, value=value), batch, 3)
     assert run.static and run.stray_writes == {0: [8]}
+
+
+def test_footprint_of_a_finished_row_is_clean() -> None:
+    """A row that stopped at EOS keeps decoding with the batch, but its writes are rolled back every step."""
+    backend = ar_models.backend("fake")
+    batch, eos, ends = _early_stop(backend, (5, 8), 55, {0: 1}, 4)
+    run = probes.footprint_rollout(backend, batch, 4, eos)
+    assert run.rollout.lengths.tolist() == ends == [2, 4]
+    assert run.static and run.stray_writes == {}
+
+
+class AdmitsPads(Wrapped):
+    """A decode mask that also admits each row's right-padding slots [real_pos, width)."""
+
+    def key_valid(self, state: loop.ARState, generated: torch.Tensor, key_length: int) -> torch.Tensor:
+        slots = torch.arange(key_length, device=generated.device)[None]
+        return self.inner.key_valid(state, generated, key_length) | (slots < state.batch.width)
+
+
+def test_nan_probe_catches_a_mask_that_reads_pads() -> None:
+    """The pads hold NaN from right after the prefill, so a mask admitting them turns those rows' logits NaN."""
+    backend = ar_models.backend("fake", "read_safe")
+    batch = right_padded_batch(prompt_ids((4, 6), seed=64), PAD)
+    with deadline(8.0):
+        run = probes.nan_probe_rollout(AdmitsPads(backend), batch, 3)
+    logits = run.rollout.logits
+    assert bool(torch.isfinite(logits[1]).all()) and bool(torch.isfinite(logits[0, 0]).all())  # no pads / prefill
+    assert bool(torch.isnan(logits[0, 1:]).all()) and run.nonfinite_logits == 2 * V
 
 
 def test_spy_records_each_forwards_cache_class() -> None:
