@@ -221,10 +221,13 @@ def test_stock_runs_hand_back_fp32_logits_whatever_dtype_the_model_returns() -> 
 
 
 @pytest.mark.parametrize("name", ["fake", "qwen3"])
-def test_stock_prefill_brings_device_logits_to_the_host(name: str) -> None:
+def test_stock_prefill_brings_device_logits_and_kv_to_the_host(name: str) -> None:
     backend = ar_models.backend(name)
 
     def on_device(module, args, kwargs, out):
+        """The forward ran on the accelerator: its logits and the cache it filled live there."""
+        for layer in kwargs.get("past_key_values", kwargs.get("cache")).layers:
+            layer.keys, layer.values = layer.keys.as_subclass(OnDevice), layer.values.as_subclass(OnDevice)
         return dataclasses.replace(out, logits=out.logits.as_subclass(OnDevice))
 
     handle = backend.model.register_forward_hook(on_device, with_kwargs=True)

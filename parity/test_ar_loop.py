@@ -239,15 +239,6 @@ def test_footprint_sees_a_stray_write_nan_or_not(value: float) -> None:
     assert run.static and run.stray_writes == {0: [8]}
 
 
-def test_footprint_of_a_finished_row_is_clean() -> None:
-    """A row that stopped at EOS keeps decoding with the batch, but its writes are rolled back every step."""
-    backend = ar_models.backend("fake")
-    batch, eos, ends = _early_stop(backend, (5, 8), 55, {0: 1}, 4)
-    run = probes.footprint_rollout(backend, batch, 4, eos)
-    assert run.rollout.lengths.tolist() == ends == [2, 4]
-    assert run.static and run.stray_writes == {}
-
-
 class AdmitsPads(Wrapped):
     """A decode mask that also admits each row's right-padding slots [real_pos, width)."""
 

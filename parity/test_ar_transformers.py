@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fixtures import ar_models
-from fixtures.ar_cases import prompt_ids
-from harness.ar import loop
+from fixtures.ar_cases import eos_for_stops, prompt_ids
+from harness.ar import loop, probes
 from harness.ar.backends import TransformersBackend
 from harness.ar.batch import right_padded_batch
 from harness.compare import max_abs_diff
@@ -59,3 +59,15 @@ def test_transformers_stock_loop_equals_generate(model: str) -> None:
     generated = out.sequences[0, prompt.numel():]
     assert torch.equal(generated, stopped.tokens)
     assert max_abs_diff(torch.stack(out.logits)[:, 0].float(), stopped.logits) < 1e-5
+
+
+def test_finished_row_writes_are_rolled_back_in_the_shared_slot() -> None:
+    """A row that stopped at EOS keeps decoding with the batch (every row writes the shared slot), but its
+    writes are restored every step: its footprint after the prefill is its own generated tokens only."""
+    backend = ar_models.backend("qwen3")
+    prompts = prompt_ids((5, 8), seed=56)
+    eos, ends = eos_for_stops(loop.stock_rollout(backend, prompts, 4).tokens, {0: 1})
+    assert ends == [2, 4], "fixture: row 0 stops at step 1, row 1 runs on"
+    run = probes.footprint_rollout(backend, right_padded_batch(prompts, PAD), 4, eos)
+    assert run.rollout.lengths.tolist() == ends
+    assert run.static and run.stray_writes == {}
