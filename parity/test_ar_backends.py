@@ -14,6 +14,7 @@ import torch
 
 from fixtures import ar_models
 from fixtures.ar_cases import prompt_ids
+from harness import compat
 from harness.ar import loop
 from harness.ar.backends import UpstreamBackend, upstream_generation
 from harness.ar.batch import right_padded_batch
@@ -34,7 +35,7 @@ def gen1_backend() -> UpstreamBackend:
     Generation 1 imports a module transformers 5.x removed; only that import is stood in for while the fake
     loads, and its cache takes the installed transformers' lazy-init arity (generation 2's cache), so its RoPE
     plumbing (``custom_pos_emb`` built by the caller) runs on any stack."""
-    stand_in = _NO_MASK_UTILS not in sys.modules
+    stand_in = not compat.has_module(_NO_MASK_UTILS)  # 4.x: the real module loads
     if stand_in:
         sys.modules[_NO_MASK_UTILS] = types.ModuleType(_NO_MASK_UTILS)
     try:
@@ -151,7 +152,7 @@ def test_bf16_stock_runs_return_fp32_logits_and_kv(name: str) -> None:
     assert run.kv.dtype == torch.bfloat16  # the stock run's KV as the model wrote it
 
 
-# ---------------------------------------------------------------------------------------- transformers backend
+# ---------------------------------------------------------------------------------------- stock loops
 
 
 @pytest.mark.parametrize("name", ["qwen3", "fake"])
