@@ -153,3 +153,23 @@ def test_bf16_fast_rollout_records_fp32_log_probs_of_fp32_logits(name: str) -> N
     want = torch.log_softmax(fast.logits.double(), dim=-1).gather(-1, fast.tokens[..., None])[..., 0]
     # the fp32 softmax of the fp32 logits (a bf16 softmax would be off by ~1e-2)
     torch.testing.assert_close(fast.logp, want.float(), rtol=0.0, atol=2e-6)
+
+
+def test_bf16_replay_log_probs_are_fp32_softmaxes() -> None:
+    """qwen3 hands back bf16 logits; the teacher-forced replay scores them in fp32."""
+    from harness.ar.replay import teacher_forced_logp
+
+    backend = bf16_backend("qwen3")
+    prompts = prompt_ids([4, 6], seed=66)
+    tokens = torch.tensor([[3, 9, 12], [7, 7, 20]])
+    rollout = Rollout(tokens, torch.zeros(2, 3), torch.zeros(2, 3, ar_models.VOCAB), torch.tensor([3, 2]),
+                      torch.tensor([4, 6]), ())
+    with torch.no_grad():
+        logp = teacher_forced_logp(backend, prompts, rollout)
+        logits = [backend.full_forward(torch.cat([p, tokens[i, :n]])) for i, (p, n) in enumerate(zip(prompts, (3, 2),
+                                                                                                   strict=True))]
+    assert logits[0].dtype == torch.bfloat16 and logp.dtype == torch.float32 and logp[1, 2] == 0.0
+    for i, (p, n) in enumerate(zip(prompts, (3, 2), strict=True)):
+        want = torch.log_softmax(logits[i][p.numel() - 1: p.numel() - 1 + n].double(), dim=-1)
+        want = want.gather(1, tokens[i, :n, None])[:, 0]
+        torch.testing.assert_close(logp[i, :n], want.float(), rtol=0.0, atol=2e-6)

@@ -218,25 +218,27 @@ def test_nan_probe_plants_nothing_in_a_dynamic_cache() -> None:
     assert (run.static, run.poisoned_slots, run.nonfinite_logits) == (False, 0, 0)
 
 
-class StrayNaNWrite(Wrapped):
-    """After every decode step, row 0 writes ``value`` into slot ``slot`` of layer 0's keys (not its own)."""
+class StrayWrite(Wrapped):
+    """After every decode step, row 0 writes ``value`` into ``slots`` of layer 0's keys or values (``buffer`` 0
+    or 1), none of them its own."""
 
-    def __init__(self, inner: Any, slot: int, value: float) -> None:
+    def __init__(self, inner: Any, buffer: int, slots: list[int], value: float) -> None:
         super().__init__(inner)
-        self.slot, self.value = slot, value
+        self.buffer, self.slots, self.value = buffer, slots, value
 
     def decode(self, state: loop.ARState, mask: torch.Tensor | None) -> torch.Tensor:
         logits = self.inner.decode(state, mask)
-        ar_cache.layer_buffers(state.cache)[0][0][0, :, self.slot] = self.value
+        ar_cache.layer_buffers(state.cache)[0][self.buffer][0, :, self.slots] = self.value
         return logits
 
 
+@pytest.mark.parametrize("buffer", [0, 1], ids=["keys", "values"])
 @pytest.mark.parametrize("value", [float("nan"), 0.5])
-def test_footprint_sees_a_stray_write_nan_or_not(value: float) -> None:
+def test_footprint_sees_a_stray_write_nan_or_not(buffer: int, value: float) -> None:
     backend = ar_models.backend("fake")
     batch = right_padded_batch(prompt_ids((4, 6), seed=57), PAD)
-    run = probes.footprint_rollout(StrayNaNWrite(backend, slot=8, value=value), batch, 3)
-    assert run.static and run.stray_writes == {0: [8]}
+    run = probes.footprint_rollout(StrayWrite(backend, buffer, [7, 8], value), batch, 3)
+    assert run.static and run.stray_writes == {0: [7, 8]}  # row 0 owns slots 4, 5 after the prefill
 
 
 class AdmitsPads(Wrapped):
@@ -256,6 +258,21 @@ def test_nan_probe_catches_a_mask_that_reads_pads() -> None:
     logits = run.rollout.logits
     assert bool(torch.isfinite(logits[1]).all()) and bool(torch.isfinite(logits[0, 0]).all())  # no pads / prefill
     assert bool(torch.isnan(logits[0, 1:]).all()) and run.nonfinite_logits == 2 * V
+
+
+class PrefillReadsTheTail(Wrapped):
+    """A prefill mask that admits every slot of the cache, the never-written tail included."""
+
+    def prefill(self, state: loop.ARState, mask: torch.Tensor) -> torch.Tensor:
+        return self.inner.prefill(state, torch.ones_like(mask))
+
+
+def test_nan_probe_plants_nan_before_the_prefill() -> None:
+    backend = ar_models.backend("fake", "read_safe")
+    batch = right_padded_batch(prompt_ids((4, 6), seed=65), PAD)
+    with deadline(8.0):
+        run = probes.nan_probe_rollout(PrefillReadsTheTail(backend), batch, 2)
+    assert run.nonfinite_logits > 0 and bool(torch.isnan(run.rollout.logits[:, 0]).all())
 
 
 def test_spy_records_each_forwards_cache_class() -> None:
@@ -316,6 +333,7 @@ def test_nan_probe_that_planted_nothing_proves_nothing() -> None:
     policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
     verdict = suite.compare_nan_unused_slots("ar.fake.test.nan", live, batch, 2, policies, reference)
     assert verdict.metrics["poisoned_slots"] == 0 and NAN_FACT in verdict.violated_facts
+    assert FINITE_FACT not in verdict.violated_facts
 
 
 def test_nan_probe_of_one_static_row_with_one_unused_slot(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -326,3 +344,50 @@ def test_nan_probe_of_one_static_row_with_one_unused_slot(monkeypatch: pytest.Mo
     policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
     verdict = suite.compare_nan_unused_slots("ar.fake.test.nan", backend, batch, 1, policies, reference)
     assert verdict.metrics["poisoned_slots"] == 1 and NAN_FACT not in verdict.violated_facts
+
+
+def test_spy_reads_positional_input_ids_and_starts_empty() -> None:
+    model = ar_models.transformers_model("qwen3")
+    spy = ARForwardSpy(model)
+    with spy:
+        assert not spy.static and not spy.dynamic  # no forward proves nothing
+    with torch.no_grad(), spy:
+        model(torch.tensor([[5, 6, 7]]))
+    with torch.no_grad(), spy:  # entering again starts a fresh record
+        model(torch.tensor([[5, 6], [7, 8]]))
+    assert [(c.batch, c.queries, c.cache) for c in spy.calls] == [(2, 2, "none")]
+
+
+def test_shipped_backends_register_into_the_given_registry() -> None:
+    from harness.ar import plugins as ar_plugins
+    from harness.ar.backends import TransformersBackend, UpstreamBackend
+
+    seen = []
+    registry = SimpleNamespace(register=lambda name, obj, origin: seen.append((name, obj, origin)))
+    ar_plugins.register(SimpleNamespace(AR_BACKENDS=registry))
+    origin = "fastpath-parity (harness.ar.plugins)"
+    assert seen == [(ar_plugins.REMOTE_CODE, UpstreamBackend, origin), (ar_plugins.TRANSFORMERS, TransformersBackend,
+                                                                        origin)]
+
+
+FOOTPRINT_FACT = "finished rows wrote no KV after their EOS (cache footprint checked)"
+FINITE_FACT = "every logit finite: no masked-out slot was read"
+
+
+def test_finished_rows_fact_sees_a_stray_write() -> None:
+    backend = ar_models.backend("fake")
+    batch, eos, _ = _early_stop(backend, (5, 8), 55, {0: 1}, 4)
+    reference = loop.stock_rollout(backend, batch.prompts(), 4, eos)
+    policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
+    stray = StrayWrite(backend, 0, [11], 0.5)  # row 0 owns slots 5, 6 after the prefill
+    verdict = suite.compare_finished_rows("ar.fake.test.finished", stray, batch, 4, eos, policies, reference)
+    assert verdict.violated_facts == [FOOTPRINT_FACT] and verdict.metrics["stray_writes"] == {"0": [11]}
+
+
+def test_nan_fact_sees_a_mask_that_reads_pads() -> None:
+    backend = ar_models.backend("fake", "read_safe")
+    batch = right_padded_batch(prompt_ids((4, 6), seed=64), PAD)
+    reference = loop.stock_rollout(backend, batch.prompts(), 3)
+    policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
+    verdict = suite.compare_nan_unused_slots("ar.fake.test.nan", AdmitsPads(backend), batch, 3, policies, reference)
+    assert FINITE_FACT in verdict.violated_facts and verdict.metrics["nonfinite_logits"] == 2 * V

@@ -70,4 +70,5 @@ def test_finished_row_writes_are_rolled_back_in_the_shared_slot() -> None:
     assert ends == [2, 4], "fixture: row 0 stops at step 1, row 1 runs on"
     run = probes.footprint_rollout(backend, right_padded_batch(prompts, PAD), 4, eos)
     assert run.rollout.lengths.tolist() == ends
+    assert run.rollout.tokens[0, 2:].tolist() == [PAD, PAD] and run.rollout.logp[0, 2:].tolist() == [0.0, 0.0]
     assert run.static and run.stray_writes == {}

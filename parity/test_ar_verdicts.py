@@ -130,3 +130,18 @@ def test_stock_prefill_floor_draws_every_non_pad_id_and_never_the_pad(pad_id: in
     assert sorted(set(batched.flatten().tolist())) == [i for i in range(vocab) if i != pad_id]
     assert torch.equal(torch.cat(seen[1:]), batched)
     assert not math.isnan(floor.logp)
+
+
+def test_token_verdict_reports_each_rows_first_divergence() -> None:
+    fast, ref = _pair()
+    verdict = verdicts.judge_tokens("ar.test.tokens", fast, ref, exact())
+    assert not verdict.passed
+    assert verdict.message == "row 1 diverges at decode step 1: token 9 vs 6 (step 0 is read from the prefill)"
+    assert verdicts.judge_tokens("ar.test.tokens", ref, ref, exact()).message == ""
+
+
+def test_exact_policies_are_exact_everywhere_with_no_floor() -> None:
+    policies = verdicts.exact_policies()
+    assert [p.describe() for p in (policies.tokens, policies.logp, policies.kv, policies.slot0)] == [
+        exact().describe()] * 4
+    assert policies.floor is None
