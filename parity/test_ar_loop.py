@@ -346,18 +346,6 @@ def test_nan_probe_of_one_static_row_with_one_unused_slot(monkeypatch: pytest.Mo
     assert verdict.metrics["poisoned_slots"] == 1 and NAN_FACT not in verdict.violated_facts
 
 
-def test_spy_reads_positional_input_ids_and_starts_empty() -> None:
-    model = ar_models.transformers_model("qwen3")
-    spy = ARForwardSpy(model)
-    with spy:
-        assert not spy.static and not spy.dynamic  # no forward proves nothing
-    with torch.no_grad(), spy:
-        model(torch.tensor([[5, 6, 7]]))
-    with torch.no_grad(), spy:  # entering again starts a fresh record
-        model(torch.tensor([[5, 6], [7, 8]]))
-    assert [(c.batch, c.queries, c.cache) for c in spy.calls] == [(2, 2, "none")]
-
-
 def test_shipped_backends_register_into_the_given_registry() -> None:
     from harness.ar import plugins as ar_plugins
     from harness.ar.backends import TransformersBackend, UpstreamBackend

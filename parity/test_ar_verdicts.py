@@ -8,8 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fixtures import ar_models
 from harness.ar import verdicts
 from harness.ar.loop import Rollout
+from harness.ar.spy import ARForwardSpy
 from harness.compare import close, exact
 
 pytestmark = pytest.mark.cpu
@@ -145,3 +147,16 @@ def test_exact_policies_are_exact_everywhere_with_no_floor() -> None:
     assert [p.describe() for p in (policies.tokens, policies.logp, policies.kv, policies.slot0)] == [
         exact().describe()] * 4
     assert policies.floor is None
+
+
+def test_spy_reads_positional_input_ids_and_starts_empty() -> None:
+    """The forward spy the path facts read: a forward called positionally counts, each entry starts afresh."""
+    model = ar_models.transformers_model("qwen3")
+    spy = ARForwardSpy(model)
+    with spy:
+        assert not spy.static and not spy.dynamic  # no forward proves nothing
+    with torch.no_grad(), spy:
+        model(torch.tensor([[5, 6, 7]]))
+    with torch.no_grad(), spy:  # entering again starts a fresh record
+        model(torch.tensor([[5, 6], [7, 8]]))
+    assert [(c.batch, c.queries, c.cache) for c in spy.calls] == [(2, 2, "none")]
