@@ -1,4 +1,4 @@
-"""The ar verdicts on hand-built rollouts: policies and their floors, seed 001's report row, path facts."""
+"""The ar verdicts on hand-built rollouts: seed 001's report row, token divergences, path facts, the floor's inputs."""
 
 from __future__ import annotations
 
@@ -59,38 +59,6 @@ def test_format_seed001_rows() -> None:
     assert verdicts.format_seed001("b1", False, raised="AssertionError") == "[FAIL] b1\n        raised AssertionError"
     assert verdicts.format_seed001("b1", False) == (
         "[FAIL] b1\n        tokens equal=None  logp max|d|=nan  prefill-KV max|d|=nan  (cache slot 0 max|d|=nan)")
-
-
-def test_fp32_policies_carry_the_tolerances_and_the_floor() -> None:
-    floor = verdicts.StockPrefillFloor(logp=1.23e-6, kv=4.5e-7, backend="fake")
-    assert floor.describe() == ("batch-shape control on fake (4 unpadded 6-token prompts prefilled together vs "
-                                "alone) measured logp 1.2e-06, KV 4.5e-07")
-    policies = verdicts.fp32_policies(floor)
-    assert [p.resolved(torch.float32) for p in (policies.logp, policies.kv, policies.slot0)] == [
-        (5e-5, 0.0), (2e-5, 0.0), (2e-5, 0.0)]
-    assert all(floor.describe() in p.reason for p in (policies.logp, policies.kv, policies.slot0))
-    assert policies.floor is floor and policies.tokens.describe() == exact().describe()
-
-
-@pytest.mark.parametrize(("floor_logp", "holds"), [(1.25e-5, True), (1.1e-5, True), (1.3e-5, False)])
-def test_compare_case_requires_the_tolerance_to_clear_four_times_the_floor(floor_logp: float, holds: bool) -> None:
-    """5e-5 against 4 x floor: 1.25e-5 sits exactly on the bound (allowed), 1.3e-5 is over it."""
-    ref = _pair()[1]
-    policies = verdicts.fp32_policies(verdicts.StockPrefillFloor(logp=floor_logp, kv=1e-7, backend="fake"))
-    verdict = verdicts.compare_case("logp", "ar.test.logp", ref, ref, policies)
-    fact = f"tolerance 5e-05 >= 4 x measured floor {floor_logp:.1e}"
-    assert verdict.violated_facts == ([] if holds else [fact])
-    assert verdict.metrics["floor_measured"] == floor_logp
-
-
-def test_compare_case_reads_the_kv_floor_for_kv_quantities() -> None:
-    ref = _pair()[1]
-    policies = verdicts.fp32_policies(verdicts.StockPrefillFloor(logp=1e-7, kv=3e-6, backend="fake"))
-    for what in ("prefill_kv", "slot0"):
-        assert verdicts.compare_case(what, f"ar.test.{what}", ref, ref, policies).metrics["floor_measured"] == 3e-6
-    zero = verdicts.ARPolicies(exact(), close(atol=0.0, rtol=0.0), exact(), exact(), policies.floor)
-    verdict = verdicts.compare_case("logp", "ar.test.logp", ref, ref, zero)
-    assert verdict.violated_facts == ["tolerance 0e+00 >= 4 x measured floor 1.0e-07"]
 
 
 def test_slot0_verdict_names_row_layer_kv_and_head() -> None:
