@@ -237,7 +237,8 @@ class StrayWrite(Wrapped):
 def test_footprint_sees_a_stray_write_nan_or_not(buffer: int, value: float) -> None:
     backend = ar_models.backend("fake")
     batch = right_padded_batch(prompt_ids((4, 6), seed=57), PAD)
-    run = probes.footprint_rollout(StrayWrite(backend, buffer, [7, 8], value), batch, 3)
+    with deadline(8.0):
+        run = probes.footprint_rollout(StrayWrite(backend, buffer, [7, 8], value), batch, 3)
     assert run.static and run.stray_writes == {0: [7, 8]}  # row 0 owns slots 4, 5 after the prefill
 
 
