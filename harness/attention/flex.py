@@ -33,13 +33,15 @@ def mask_mod_for(layout: AttentionLayout) -> Callable[..., torch.Tensor]:
     return mask_mod
 
 
-def tile_grids(dense: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(any visible, all visible) per (q tile, kv tile); out-of-range pad counts as invisible."""
+def tile_grids(dense: torch.Tensor, block: int, kv_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(any visible, all visible) per (q tile, kv tile) of ``block`` x ``kv_block`` (default square) tiles;
+    out-of-range pad counts as invisible."""
+    kv_block = block if kv_block is None else kv_block
     q_len, kv_len = dense.shape
-    q_pad, kv_pad = padded_length(q_len, block), padded_length(kv_len, block)
+    q_pad, kv_pad = padded_length(q_len, block), padded_length(kv_len, kv_block)
     grid = dense.new_zeros(q_pad, kv_pad)
     grid[:q_len, :kv_len] = dense
-    tiles = grid.view(q_pad // block, block, kv_pad // block, block)
+    tiles = grid.view(q_pad // block, block, kv_pad // kv_block, kv_block)
     return tiles.any(dim=3).any(dim=1), tiles.all(dim=3).all(dim=1)
 
 

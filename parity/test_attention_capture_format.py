@@ -1,0 +1,85 @@
+"""The capture record: its shape rules, derived fields, and what the npz reader and writer accept."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fixtures.attention_captures import small_capture
+from harness.attention import capture as capture_io
+from harness.attention.capture import Capture
+from harness.attention.layout import AttentionLayout
+
+pytestmark = pytest.mark.cpu
+
+PREFILL = AttentionLayout(3, 4, 1, "prefill")  # Q 8 x KV 8
+DENOISE = AttentionLayout(3, 4, 1, "denoise")  # Q 5 x KV 7
+
+_UNPICKLED: list[str] = []
+
+
+class _Tripwire:
+    """Records its own unpickling: a capture file must never run a pickle."""
+
+    def __setstate__(self, state: dict) -> None:
+        _UNPICKLED.append("unpickled")
+
+
+def _tensors(batch=1, q_len=3, kv_len=5, heads=2, kv_heads=2, dim=4, kv_batch=None, kv_dim=None):
+    q = torch.zeros(batch, q_len, heads, dim)
+    k = torch.zeros(kv_batch or batch, kv_len, kv_heads, kv_dim or dim)
+    mask = torch.ones(batch, 1, q_len, kv_len, dtype=torch.bool)
+    return q, k, k.clone(), mask
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    ({"kv_batch": 2}, r"query \(1, 3, 2, 4\) and key \(2, 5, 2, 4\) must share batch and head dim"),
+    ({"kv_dim": 8}, r"query \(1, 3, 2, 4\) and key \(1, 5, 2, 8\) must share batch and head dim"),
+    ({"heads": 3, "kv_heads": 2}, "3 query heads are not a multiple of 2 key/value heads"),
+])
+def test_a_capture_whose_query_and_key_disagree_is_named(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        Capture(*_tensors(**overrides), name="t")
+
+
+def test_derived_lengths_heads_and_phase():
+    got = {layout.phase: (c.q_len, c.kv_len, c.heads, c.kv_heads, c.phase)
+           for layout in (PREFILL, DENOISE) for c in [small_capture(layout, heads=4, kv_heads=2)]}
+    assert got == {"prefill": (8, 8, 4, 2, "prefill"), "denoise": (5, 7, 4, 2, "denoise")}
+
+
+def test_saving_a_capture_of_live_bf16_activations_stores_float32(tmp_path):
+    source = small_capture(DENOISE, heads=2, head_dim=8, seed=3)
+    live = Capture(source.query.to(torch.bfloat16).requires_grad_(), source.key.to(torch.bfloat16),
+                   source.value.to(torch.bfloat16), source.mask, scale=source.scale, name="live")
+    path = capture_io.save_capture(live, tmp_path / "call32_rank0.npz")
+    with np.load(path) as z:
+        assert {name: z[name].dtype for name in z.files} == {"query": np.float32, "key": np.float32,
+                                                             "value": np.float32, "mask": np.bool_}
+    loaded = capture_io.load_capture(path)
+    for name in ("query", "key", "value", "mask"):  # the synthetic values are bf16-exact: no rounding
+        assert torch.equal(getattr(loaded, name), getattr(source, name)), name
+
+
+def test_a_pickled_array_is_refused_without_being_unpickled(tmp_path):
+    capture = small_capture(PREFILL, heads=1, head_dim=4)
+    arrays = {name: getattr(capture, name).numpy() for name in capture_io.CAPTURE_ARRAYS}
+    arrays["query"] = np.array([_Tripwire()], dtype=object)
+    path = tmp_path / "call0_rank0.npz"
+    np.savez(path, **arrays)
+    _UNPICKLED.clear()
+    with pytest.raises(ValueError, match="allow_pickle=False"):
+        capture_io.load_capture(path)
+    assert _UNPICKLED == []
+
+
+def test_the_seed_call_numbers_pick_each_phase_file(tmp_path):
+    """call0 is the prefill pass and call32 a denoise pass, whatever other calls the directory holds."""
+    for call, layout in ((0, PREFILL), (1, DENOISE), (31, PREFILL), (32, DENOISE)):
+        capture_io.save_capture(small_capture(layout, heads=1, head_dim=4, seed=call),
+                                tmp_path / capture_io.capture_name(call))
+    picked = {phase: capture_io.phase_capture_path(tmp_path, phase).name for phase in ("prefill", "denoise")}
+    assert picked == {"prefill": "call0_rank0.npz", "denoise": "call32_rank0.npz"}
+    names = {layout.phase: small_capture(layout, heads=1, head_dim=4).name for layout in (PREFILL, DENOISE)}
+    assert names == {"prefill": "synthetic_call0_rank0.npz", "denoise": "synthetic_call32_rank0.npz"}
