@@ -83,3 +83,29 @@ def test_the_seed_call_numbers_pick_each_phase_file(tmp_path):
     assert picked == {"prefill": "call0_rank0.npz", "denoise": "call32_rank0.npz"}
     names = {layout.phase: small_capture(layout, heads=1, head_dim=4).name for layout in (PREFILL, DENOISE)}
     assert names == {"prefill": "synthetic_call0_rank0.npz", "denoise": "synthetic_call32_rank0.npz"}
+
+
+class _DeviceTensor(torch.Tensor):
+    """A tensor held off the CPU: like a CUDA tensor, it has to be copied to the CPU before numpy."""
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert a device tensor to numpy; use Tensor.cpu() to copy it to the host first")
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor)
+
+
+def test_saving_copies_device_tensors_to_the_host_in_c_order(tmp_path):
+    source = small_capture(DENOISE, heads=2, head_dim=8, seed=4)
+    # (B, S, H, D) views of tensors laid out the other way round, on a device
+    views = {name: getattr(source, name).permute(3, 2, 1, 0).contiguous().permute(3, 2, 1, 0)
+             for name in capture_io.CAPTURE_ARRAYS}
+    assert not views["query"].is_contiguous()
+    device = Capture(*(t.as_subclass(_DeviceTensor) for t in views.values()), scale=source.scale, name="device")
+    path = capture_io.save_capture(device, tmp_path / "call32_rank0.npz")
+    with np.load(path) as z:
+        orders = {name: np.isfortran(z[name]) for name in z.files}
+    assert orders == dict.fromkeys(capture_io.CAPTURE_ARRAYS, False)  # the seed's dumps are C-order
+    loaded = capture_io.load_capture(path)
+    for name in capture_io.CAPTURE_ARRAYS:
+        assert torch.equal(getattr(loaded, name), getattr(source, name)), name

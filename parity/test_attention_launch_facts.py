@@ -3,6 +3,8 @@ and the pair counts on hand-counted layouts; how the primitives hand key/value t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -35,6 +37,7 @@ DENSE = "the launch carries the dense (Q, KV) bool mask"
 
 @pytest.mark.parametrize(("launches", "holds"), [
     ([_sdpa(6, 6, "bool", (6, 6))], True),
+    ([_sdpa(6, 6, "bool", (1, 1, 6, 6))], True),  # a capture's (B, 1, Q, KV) mask is dense too
     ([_sdpa(6, 6, "bool", (6, 5))], False),  # a bool mask of the wrong shape
     ([_sdpa(6, 6, "additive", (6, 6))], False),  # the right shape, not a bool mask
     ([], False),
@@ -172,7 +175,7 @@ def test_gqa_operands_pass_compressed_heads_and_flag_the_group_broadcast(heads, 
     assert (key is k, value is v, flag) == (True, True, gqa)
 
 
-def test_flex_on_cpu_runs_eagerly_and_the_cuda_path_compiles_once_with_static_shapes(monkeypatch):
+def test_flex_runs_eagerly_on_cpu_and_compiled_with_static_shapes_on_cuda(monkeypatch):
     eager: list[dict] = []
     compiled: list[tuple] = []
 
@@ -190,6 +193,10 @@ def test_flex_on_cpu_runs_eagerly_and_the_cuda_path_compiles_once_with_static_sh
     block_mask = flex.block_mask_for(SMALL, block=2)
     assert primitives.launch_flex(q, q, q, block_mask=block_mask, scale=0.5, enable_gqa=True) is q
     assert eager == [{"block_mask": block_mask, "scale": 0.5, "enable_gqa": True}]
+    on_cuda = SimpleNamespace(is_cuda=True)  # stands in for a CUDA query: only the dispatch reads it
+    monkeypatch.setattr(primitives, "_compiled_flex", lambda: fake_flex)
+    assert primitives.launch_flex(on_cuda, q, q, block_mask=block_mask, scale=0.25, enable_gqa=False) is on_cuda
+    assert eager[1:] == [{"block_mask": block_mask, "scale": 0.25, "enable_gqa": False}]
     monkeypatch.undo()
     monkeypatch.setattr(torch, "compile", fake_compile)
     assert primitives._compiled_flex.__wrapped__() is flex_attention
