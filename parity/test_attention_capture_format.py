@@ -43,10 +43,48 @@ def test_a_capture_whose_query_and_key_disagree_is_named(overrides, match):
         Capture(*_tensors(**overrides), name="t")
 
 
-def test_derived_lengths_heads_and_phase():
-    got = {layout.phase: (c.q_len, c.kv_len, c.heads, c.kv_heads, c.phase)
+def test_a_capture_needs_4d_float_arrays_and_a_bool_mask_of_its_shape():
+    q, k, v, mask = _tensors()
+    with pytest.raises(ValueError, match=r"capture t: query must be a \(B, S, H, D\) tensor, got torch.Size\(\[3, 2,"):
+        Capture(q[0], k, v, mask, name="t")
+    with pytest.raises(ValueError, match="capture t: key must be a .* tensor, got list"):
+        Capture(q, [1.0], v, mask, name="t")
+    with pytest.raises(ValueError, match=r"mask must be bool of shape \(B, 1, Q, KV\) = \(1, 1, 3, 5\), got "
+                                         r"torch.float32 \(1, 1, 3, 5\)"):
+        Capture(q, k, v, mask.float(), name="t")
+    with pytest.raises(ValueError, match=r"= \(1, 1, 3, 5\), got torch.bool \(1, 1, 3, 4\)"):
+        Capture(q, k, v, mask[..., :4], name="t")
+
+
+def test_derived_lengths_heads_phase_and_seed_call_names():
+    got = {layout.phase: (c.q_len, c.kv_len, c.heads, c.kv_heads, c.phase, c.name)
            for layout in (PREFILL, DENOISE) for c in [small_capture(layout, heads=4, kv_heads=2)]}
-    assert got == {"prefill": (8, 8, 4, 2, "prefill"), "denoise": (5, 7, 4, 2, "denoise")}
+    assert got == {"prefill": (8, 8, 4, 2, "prefill", "synthetic_call0_rank0.npz"),
+                   "denoise": (5, 7, 4, 2, "denoise", "synthetic_call32_rank0.npz")}
+
+
+def test_heads_first_and_select_heads_keep_gqa_groups():
+    capture = small_capture(DENOISE, heads=4, kv_heads=2, head_dim=8, seed=1)
+    q, k, v = capture.heads_first()
+    assert [(tuple(t.shape), t.is_contiguous()) for t in (q, k, v)] == [((1, 4, 5, 8), True), ((1, 2, 7, 8), True),
+                                                                         ((1, 2, 7, 8), True)]
+    assert torch.equal(q, capture.query.transpose(1, 2)) and torch.equal(v, capture.value.transpose(1, 2))
+    every = capture.select_heads(4)
+    assert (every.heads, every.kv_heads, torch.equal(every.key, capture.key)) == (4, 2, True)
+    two = capture.select_heads(2)
+    assert (two.heads, two.kv_heads, torch.equal(two.query, capture.query[:, :, :2])) == (2, 1, True)
+    for heads in (0, 3, 6):
+        with pytest.raises(ValueError, match=f"cannot keep {heads} of 4 query heads .*GQA group 2"):
+            capture.select_heads(heads)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_synthetic_masks_are_their_own_memory(batch):
+    first = capture_io.synthetic_capture(DENOISE, heads=1, head_dim=4, batch=batch)
+    assert first.mask.is_contiguous() and first.mask.shape == (batch, 1, 5, 7)
+    first.mask[:, :, 0, 0] = False  # a caller may edit its capture's mask (e.g. to plant a bug)
+    again = capture_io.synthetic_capture(DENOISE, heads=1, head_dim=4, batch=batch)
+    assert bool(again.mask[:, :, 0, 0].all())
 
 
 def test_saving_a_capture_of_live_bf16_activations_stores_float32(tmp_path):

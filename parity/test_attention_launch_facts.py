@@ -3,13 +3,17 @@ and the pair counts on hand-counted layouts; how the primitives hand key/value t
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from harness.attention import decomposed, flex, kernels, masks, primitives
+from harness import plugins
+from harness.attention import capture, decomposed, flex, kernels, masks, padded, parity, primitives
 from harness.attention.decomposed import RowBlock
 from harness.attention.layout import AttentionLayout
 from harness.attention.spy import Launch
@@ -66,6 +70,15 @@ def test_decomposed_facts_hold_for_its_own_launches_and_fail_one_at_a_time():
     all_causal = _facts("decomposed", _decomposed_launches(kinds=("causal_bias",) * 3))
     assert [text for text, ok in all_causal.items() if not ok] == [free]
     assert not _facts("decomposed", [_sdpa(6, 6, "none")] * 3)[fewer]
+    dense_pairs = _facts("decomposed", [_sdpa(2, 6, "causal_bias"), _sdpa(3, 6, "none"), _sdpa(1, 6, "causal_bias")])
+    assert [text for text, ok in dense_pairs.items() if not ok] == [fewer]  # 36 pairs: no fewer than dense
+    flexed = _decomposed_launches()
+    flexed[1] = dataclasses.replace(flexed[1], primitive="flex")
+    assert [text for text, ok in _facts("decomposed", flexed).items() if not ok] == ["one sdpa launch per row block"]
+    metrics = [m for _, _, m in kernels.KERNELS["decomposed"].proof(
+        [_sdpa(2, 3, "causal_bias"), _sdpa(2, 5, "none")], DENOISE, masks.build_mask(DENOISE), 4)]
+    assert metrics == [{"launches": 2, "row_blocks": 2}, {"launch_rows": [2, 2]}, {"mask_kinds": "causal_bias,none"},
+                       {"pairs": 16, "dense_pairs": 20}]
 
 
 @pytest.mark.parametrize(("blocks", "match"), [
@@ -203,5 +216,72 @@ def test_flex_runs_eagerly_on_cpu_and_compiled_with_static_shapes_on_cuda(monkey
     assert compiled == [(flex_attention, {"dynamic": False})]
 
 
-def test_the_default_block_is_128():
-    assert (kernels.BLOCK, kernels.check_block(kernels.BLOCK)) == (128, 128)
+def test_one_default_block_of_128_everywhere():
+    defaults = {fn.__name__: inspect.signature(fn).parameters["block"].default
+                for fn in (flex.flex_structured, flex.block_mask_for, padded.block_padded, padded.padded_length,
+                           parity.compare_kernel, kernels.KernelSpec.bind)}
+    assert defaults == dict.fromkeys(defaults, kernels.BLOCK) and kernels.BLOCK == 128
+    assert flex.block_mask_for(SMALL).BLOCK_SIZE == (128, 128)
+
+
+@pytest.mark.parametrize("check", [kernels.check_block, lambda block: padded.padded_length(5, block) and block])
+def test_a_block_is_a_positive_int(check):
+    assert [check(1), check(2), check(64)] == [1, 2, 64]
+    for bad in (0, -128, True, 2.0, "128"):
+        with pytest.raises(ValueError, match="block size must be a positive int"):
+            check(bad)
+
+
+def test_padded_lengths_round_up_to_the_block():
+    assert [padded.padded_length(n, b) for n, b in ((5, 1), (5, 4), (8, 4), (0, 4), (5348, 128))] == [5, 8, 8, 0, 5376]
+
+
+def _undocumented(query, key, value, layout, *, scale=None):
+    return query
+
+
+def _documented(query, key, value, layout, *, scale=None):
+    """My kernel.
+
+    More text."""
+    return query
+
+
+def test_a_bare_callable_is_judged_on_its_numbers_with_dense_pairs_and_no_launch_facts():
+    specs = [kernels.KernelSpec.from_callable(name, fn) for name, fn in (("a", _documented), ("b", _undocumented))]
+    assert [(s.name, s.fn, s.gqa, s.doc, s.blocked, s.under_test, s.records_launches) for s in specs] == [
+        ("a", _documented, True, "My kernel.", False, True, False),
+        ("b", _undocumented, True, "b", False, True, False)]
+    assert [specs[0].pairs(DENOISE, 128), specs[0].proof([_sdpa(4, 5, "none")], DENOISE, None, 128)] == [20, []]
+
+
+class _Plugins:
+    def __init__(self):
+        self.ATTENTION_KERNELS = plugins.Registry("attention kernel", "register one")
+        self.CHECKPOINT_KINDS = plugins.Registry("checkpoint kind", "register one")
+
+
+def test_register_fills_a_plugin_module_and_get_kernel_registers_first(monkeypatch):
+    fresh = _Plugins()
+    kernels.register(fresh)
+    assert {name: fresh.ATTENTION_KERNELS.get(name) for name in fresh.ATTENTION_KERNELS.names()} == kernels.KERNELS
+    assert fresh.ATTENTION_KERNELS.origin("flex") == kernels.ORIGIN
+    assert fresh.CHECKPOINT_KINDS.names() == [capture.CAPTURE_KIND.name]
+    empty = _Plugins()
+    monkeypatch.setattr(kernels, "plugins", empty)
+    assert kernels.get_kernel("decomposed") is kernels.KERNELS["decomposed"]
+    assert sorted(empty.ATTENTION_KERNELS.names()) == sorted(kernels.KERNELS)
+
+
+def test_eager_flex_on_cpu_keeps_the_no_compile_warning_quiet(monkeypatch):
+    def warning_flex(query, key, value, **kwargs):
+        warnings.warn("flex_attention called without torch.compile() - this will use an unfused implementation",
+                      UserWarning, stacklevel=2)
+        return query
+
+    monkeypatch.setattr(primitives, "flex_attention", warning_flex)
+    q = torch.zeros(1, 1, 4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        primitives.launch_flex(q, q, q, block_mask=flex.block_mask_for(SMALL, block=2), scale=1.0, enable_gqa=False)
+    assert [str(w.message) for w in caught] == []

@@ -47,8 +47,10 @@ def tile_grids(dense: torch.Tensor, block: int, kv_block: int | None = None) -> 
 
 def _ordered(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     count = selected.sum(dim=-1).to(torch.int32)
-    order = torch.argsort(selected.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return count[None, None].contiguous(), order[None, None].contiguous()
+    tiles = torch.arange(selected.shape[-1], device=selected.device)
+    # selected tiles first, each group in tile order: the keys are unique, so no sort has to be stable
+    order = torch.argsort(torch.where(selected, tiles, tiles + selected.shape[-1]), dim=-1).to(torch.int32)
+    return count[None, None], order[None, None]
 
 
 def blocks_from_dense(dense: torch.Tensor, block: int, mask_mod: Callable[..., torch.Tensor]) -> BlockMask:

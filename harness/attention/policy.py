@@ -151,7 +151,7 @@ class RowScaledFloor(Policy):
         error, scale = _row_error_and_scale(actual, expected)
         bound = self.k * self.control.relative * scale
         finite = bool(torch.isfinite(actual).all()) and bool(torch.isfinite(expected).all())
-        metrics = {"max_abs": max_abs_diff(actual, expected), "rel_l2": rel_l2(actual.double(), expected.double()),
+        metrics = {"max_abs": max_abs_diff(actual, expected), "rel_l2": rel_l2(actual, expected),
                    "relative_control": self.control.relative, "control_row": self.control.worst_row, "k": self.k}
         if not finite:
             return Verdict(check_id, False, metrics, self.describe(), math.inf, headline="row_ratio",
