@@ -61,3 +61,51 @@ def test_mask_free_is_bottom_right_causal_attention(layout):
     bottom_right = torch.ones(layout.q_len, layout.kv_len, dtype=torch.bool).tril(layout.kv_len - layout.q_len)
     got = reference.mask_free(q, k, v, layout, scale=0.25)
     torch.testing.assert_close(got.double(), _attention_fp64(q, k, v, bottom_right, 0.25))
+
+
+def test_a_one_token_image_is_a_layout():
+    layout = AttentionLayout(2, 1, 0, "prefill")
+    assert (layout.span, layout.q_len, layout.kv_len) == ((2, 3), 3, 3)
+
+
+def test_detect_span_finds_a_two_token_span():
+    assert [contract.detect_span(contract.formula_mask(6, 6, span)) for span in ((2, 4), (2, 3), (1, 6))] == [
+        (2, 4), None, (1, 6)]  # a one-token span looks causal
+
+
+@pytest.mark.parametrize(("span", "match"), [
+    ((2, 7), r"detected span \[2, 7\) does not fit 6 keys"), ((3, 3), r"detected span \[3, 3\) does not fit 6 keys"),
+    ((4, 3), r"detected span \[4, 3\) does not fit 6 keys"), (None, "has no image span"),
+])
+def test_layout_for_refuses_a_span_that_does_not_fit(span, match):
+    with pytest.raises(ValueError, match=match):
+        contract.layout_for(6, 6, span)
+
+
+@pytest.mark.parametrize("layout", [AttentionLayout(2, 3, 2, "prefill"), AttentionLayout(3, 3, 2, "denoise")],
+                         ids=["prefill", "denoise"])
+def test_the_special_row_rule_governs_exactly_the_special_rows(monkeypatch, layout):
+    monkeypatch.setattr(masks, "special_row_visibility", lambda q, kv, start, end: (q - kv) > 10 ** 6)
+    blind = (~masks.build_mask(layout).any(dim=-1)).nonzero().flatten() + layout.q_offset
+    assert blind.tolist() == list(range(*layout.special_positions))
+
+
+@pytest.mark.parametrize(("bad", "exc", "match"), [
+    ({"key": torch.float16}, TypeError, "query/key/value dtypes differ: torch.float32, torch.float16, torch.float32"),
+    ({"value": torch.float16}, TypeError, "query/key/value dtypes differ: torch.float32, torch.float32, torch.float16"),
+    ({"batch": 2}, ValueError, r"query \(B=1, D=8\) and key \(B=2, D=8\) must share batch and head dim"),
+    ({"dim": 4}, ValueError, r"query \(B=1, D=8\) and key \(B=1, D=4\) must share batch and head dim"),
+])
+def test_check_inputs_names_the_one_mismatch(bad, exc, match):
+    layout = AttentionLayout(2, 3, 1, "prefill")
+    kv_shape = (bad.get("batch", 1), 2, layout.kv_len, bad.get("dim", 8))
+    q = torch.zeros(1, 2, layout.q_len, 8)
+    k, v = torch.zeros(kv_shape, dtype=bad.get("key", torch.float32)), torch.zeros(kv_shape, dtype=bad.get("value",
+                                                                                                          torch.float32))
+    with pytest.raises(exc, match=match):
+        reference.check_inputs(q, k, v, layout)
+
+
+def test_the_default_scale_is_one_over_root_head_dim():
+    q = torch.zeros(1, 1, 3, 16)
+    assert (reference.resolve_scale(q, None), reference.resolve_scale(q, 2)) == (0.25, 2.0)

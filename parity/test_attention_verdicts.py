@@ -97,3 +97,25 @@ def test_the_relative_l2_bound_is_inclusive_and_optional():
     with pytest.raises(ValueError, match="max_rel_l2 needs floor=FloorControl"):
         _judge(spec, capture, max_rel_l2=measured, floor=floor.max_abs)
 
+
+
+def test_compare_kernel_computes_the_reference_or_judges_against_the_given_one():
+    capture = small_capture(LAYOUT, heads=1, head_dim=8, seed=6)
+    control = floor_control(capture)
+    verdict = parity.compare_kernel("decomposed", capture, floor_policy(control), "attention.t", floor=control)
+    assert verdict.passed and verdict.metrics["kernel"] == "decomposed"
+    wrong = reference_output(capture) + 1.0
+    off = parity.compare_kernel("decomposed", capture, floor_policy(control), "attention.t", expected=wrong,
+                                floor=control)
+    assert not off.passed and off.metrics["max_abs"] == pytest.approx(1.0)
+
+
+def test_under_impl_the_kernels_under_test_are_replaced_and_the_reference_is_not():
+    capture = small_capture(LAYOUT, heads=2, kv_heads=1, head_dim=8, seed=7)
+    impl = "fixtures.attention_user_kernels:attend"
+    with conformance.applied({"attention": impl}):
+        user, ref = _judge(kernels.KERNELS["decomposed"], capture), _judge(kernels.KERNELS["sdpa"], capture)
+    assert user.passed and user.metrics["kernel"] == impl and user.metrics["impl_calls"] == 1
+    assert f"ok: the implementation under test {impl} ran once" in user.notes
+    assert ref.passed and ref.metrics["kernel"] == "sdpa" and "impl_calls" not in ref.metrics
+    assert f"ok: {GQA_FACT}" in ref.notes
