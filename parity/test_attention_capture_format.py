@@ -33,17 +33,13 @@ def _tensors(batch=1, q_len=3, kv_len=5, heads=2, kv_heads=2, dim=4, kv_batch=No
     return q, k, k.clone(), mask
 
 
-@pytest.mark.parametrize(("overrides", "match"), [
-    ({"kv_batch": 2}, r"query \(1, 3, 2, 4\) and key \(2, 5, 2, 4\) must share batch and head dim"),
-    ({"kv_dim": 8}, r"query \(1, 3, 2, 4\) and key \(1, 5, 2, 8\) must share batch and head dim"),
-    ({"heads": 3, "kv_heads": 2}, "3 query heads are not a multiple of 2 key/value heads"),
-])
-def test_a_capture_whose_query_and_key_disagree_is_named(overrides, match):
-    with pytest.raises(ValueError, match=match):
-        Capture(*_tensors(**overrides), name="t")
-
-
-def test_a_capture_needs_4d_float_arrays_and_a_bool_mask_of_its_shape():
+def test_a_capture_needs_4d_float_arrays_that_agree_and_a_bool_mask_of_their_shape():
+    for overrides, match in (
+            ({"kv_batch": 2}, r"query \(1, 3, 2, 4\) and key \(2, 5, 2, 4\) must share batch and head dim"),
+            ({"kv_dim": 8}, r"query \(1, 3, 2, 4\) and key \(1, 5, 2, 8\) must share batch and head dim"),
+            ({"heads": 3, "kv_heads": 2}, "3 query heads are not a multiple of 2 key/value heads")):
+        with pytest.raises(ValueError, match=match):
+            Capture(*_tensors(**overrides), name="t")
     q, k, v, mask = _tensors()
     with pytest.raises(ValueError, match=r"capture t: query must be a \(B, S, H, D\) tensor, got torch.Size\(\[3, 2,"):
         Capture(q[0], k, v, mask, name="t")

@@ -25,7 +25,13 @@ def test_image_span_mask_is_the_span_rectangle_alone():
     assert torch.equal(got, expected)
 
 
-def test_layout_special_positions_and_description():
+def test_layout_special_positions_description_and_bounds():
+    one_token, all_special = AttentionLayout(2, 1, 0, "prefill"), AttentionLayout(2, 3, 2, "denoise")
+    assert (one_token.span, one_token.q_len, all_special.q_len, all_special.special_positions) == ((2, 3), 3, 5, (0, 2))
+    with pytest.raises(ValueError, match="image span cannot be empty"):
+        AttentionLayout(2, 0, 0, "prefill")
+    with pytest.raises(ValueError, match=r"special_len must be <= text_len \(2\)"):
+        AttentionLayout(2, 3, 3, "denoise")
     prefill, denoise = AttentionLayout(4, 6, 2, "prefill"), AttentionLayout(4, 6, 2, "denoise")
     assert (prefill.special_positions, denoise.special_positions) == ((10, 12), (2, 4))
     assert prefill.describe() == "prefill 4 text + 6 image + 2 special: Q 12 x KV 12, span [4, 10)"
@@ -63,11 +69,6 @@ def test_mask_free_is_bottom_right_causal_attention(layout):
     torch.testing.assert_close(got.double(), _attention_fp64(q, k, v, bottom_right, 0.25))
 
 
-def test_a_one_token_image_is_a_layout():
-    layout = AttentionLayout(2, 1, 0, "prefill")
-    assert (layout.span, layout.q_len, layout.kv_len) == ((2, 3), 3, 3)
-
-
 def test_detect_span_finds_a_two_token_span():
     assert [contract.detect_span(contract.formula_mask(6, 6, span)) for span in ((2, 4), (2, 3), (1, 6))] == [
         (2, 4), None, (1, 6)]  # a one-token span looks causal
@@ -90,20 +91,19 @@ def test_the_special_row_rule_governs_exactly_the_special_rows(monkeypatch, layo
     assert blind.tolist() == list(range(*layout.special_positions))
 
 
-@pytest.mark.parametrize(("bad", "exc", "match"), [
-    ({"key": torch.float16}, TypeError, "query/key/value dtypes differ: torch.float32, torch.float16, torch.float32"),
-    ({"value": torch.float16}, TypeError, "query/key/value dtypes differ: torch.float32, torch.float32, torch.float16"),
-    ({"batch": 2}, ValueError, r"query \(B=1, D=8\) and key \(B=2, D=8\) must share batch and head dim"),
-    ({"dim": 4}, ValueError, r"query \(B=1, D=8\) and key \(B=1, D=4\) must share batch and head dim"),
-])
-def test_check_inputs_names_the_one_mismatch(bad, exc, match):
+def test_check_inputs_names_the_one_mismatch():
     layout = AttentionLayout(2, 3, 1, "prefill")
-    kv_shape = (bad.get("batch", 1), 2, layout.kv_len, bad.get("dim", 8))
-    q = torch.zeros(1, 2, layout.q_len, 8)
-    k, v = torch.zeros(kv_shape, dtype=bad.get("key", torch.float32)), torch.zeros(kv_shape, dtype=bad.get("value",
-                                                                                                          torch.float32))
-    with pytest.raises(exc, match=match):
-        reference.check_inputs(q, k, v, layout)
+    for bad, exc, match in (
+            ({"key": torch.float16}, TypeError, "dtypes differ: torch.float32, torch.float16, torch.float32"),
+            ({"value": torch.float16}, TypeError, "dtypes differ: torch.float32, torch.float32, torch.float16"),
+            ({"batch": 2}, ValueError, r"query \(B=1, D=8\) and key \(B=2, D=8\) must share batch and head dim"),
+            ({"dim": 4}, ValueError, r"query \(B=1, D=8\) and key \(B=1, D=4\) must share batch and head dim")):
+        kv_shape = (bad.get("batch", 1), 2, layout.kv_len, bad.get("dim", 8))
+        q = torch.zeros(1, 2, layout.q_len, 8)
+        k = torch.zeros(kv_shape, dtype=bad.get("key", torch.float32))
+        v = torch.zeros(kv_shape, dtype=bad.get("value", torch.float32))
+        with pytest.raises(exc, match=match):
+            reference.check_inputs(q, k, v, layout)
 
 
 def test_the_default_scale_is_one_over_root_head_dim():
