@@ -187,7 +187,7 @@ def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
     int_dtype = _ORDERED_INT.get(x.dtype)
     if int_dtype is None:
         raise TypeError(f"ULP distance needs a float tensor of {sorted(map(str, _ORDERED_INT))}, got {x.dtype}")
-    bits = x.detach().contiguous().view(int_dtype).to(torch.int64)
+    bits = x.view(int_dtype).to(torch.int64)  # a same-width integer view: any strides, never requires grad
     sign_min = -(2 ** (torch.iinfo(int_dtype).bits - 1))
     # sign-magnitude -> two's complement order: -0.0 maps onto +0.0, negatives count down from there
     return torch.where(bits < 0, sign_min - bits, bits)
@@ -213,7 +213,7 @@ def bit_patterns(x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.uint8)
     if x.is_complex():
         x = torch.view_as_real(x)
-    return x.detach().contiguous().view(_SAME_WIDTH_INT[x.element_size()])
+    return x.view(_SAME_WIDTH_INT[x.element_size()])  # a same-width integer view: any strides, never requires grad
 
 
 def mismatched(actual: torch.Tensor, expected: torch.Tensor) -> int:
@@ -269,11 +269,9 @@ def locate(flat_index: int, shape: Sequence[int], dims: Sequence[str] | None = N
 
 
 def _worst(score: torch.Tensor) -> int:
-    flat = score.reshape(-1)
-    nan = torch.isnan(flat)
-    if nan.any():
-        return int(nan.nonzero()[0])
-    return int(flat.argmax())
+    """Flat index of the largest score; every caller passes a NaN-free score (non-finite inputs are reported
+    before any location is looked up)."""
+    return int(score.reshape(-1).argmax())
 
 
 # --------------------------------------------------------------------------------------------- policies

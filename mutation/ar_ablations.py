@@ -2,17 +2,21 @@
 
 The first six are seed 001's defects and the issue's list; ``ar.static_cache_at_b1`` and
 ``ar.real_pos_fallback`` undo two decisions of the seed's review (B=1 keeps upstream's dynamic cache;
-real_pos is required at every batch size), so the B=1 and missing-real_pos checks have teeth too. Each claims
-only the checks it was measured to kill; the reasons say why the others survive.
+real_pos is required at every batch size), so the B=1 and missing-real_pos checks have teeth too; the last one
+adds a drift that compounds over decode steps (caught by the error-growth checks only, parity/test_ar_growth.py).
+Each claims only the checks it was measured to kill; the reasons say why the others survive.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from fixtures.ar_models import BACKENDS as MODELS
 from harness.ablation import ablation
 from harness.ar.batch import pad_seq
+from harness.ar.loop import token_logprob
 from harness.ar.suite import CASE_QUANTITIES
 
 _BATCHED = ("unequal_real_pos", "length_skew", "all_padded", "concat")
@@ -169,5 +173,39 @@ ablation(
     why=("the recorded log-prob with its sign flipped, in the one function stock and fast both record through: "
          "the fast-vs-stock logp checks see the same wrong number on both sides; only the fp64 oracle sees it "
          "(rollout_vs_replay, whose replay computes its own log-probs, sees it too)."),
+    kill_mode="tolerance",
+)
+
+
+DRIFT_FROM = 34  # the picked logit rises by 2^(k - 34) of its magnitude at decode step k: 1.9e-6 at step 15
+
+
+def _relative_drift(step: int) -> float:
+    """fp32(1 + 2^(step - 34)) - 1: exactly 0 up to step 10, then doubling every step."""
+    return float(torch.tensor(1.0 + math.ldexp(1.0, step - DRIFT_FROM), dtype=torch.float32)) - 1.0
+
+
+def _logit_drift(original):
+    def drifting_step(state):
+        k = state.step_idx
+        original(state)
+        tokens = state.tokens[:, k]
+        logits = state.logits[:, k]
+        picked = logits.gather(-1, tokens[:, None])
+        drifted = logits.scatter(-1, tokens[:, None], picked + picked.abs() * _relative_drift(k))
+        changed = (drifted != logits).any(dim=-1) & (state.lengths == k + 1)  # rows that emitted at step k
+        state.logits[:, k] = torch.where(changed[:, None], drifted, logits)
+        state.logp[:, k] = torch.where(changed, token_logprob(drifted, tokens), state.logp[:, k])
+    return drifting_step
+
+
+ablation(
+    "ar.logit_drift_per_step", "harness.ar.loop:step", _logit_drift, wraps=True,
+    kills=[f"ar.{m}.growth.logp" for m in MODELS],
+    why=("the batched path's picked-token logit rises by 2^(k - 34) of its magnitude at decode step k (a "
+         "per-step state compounding): exactly 0 up to step 10, so the <= 7-token rollouts stay bitwise; under the "
+         "worst-element logp tolerance on all 16 steps of the growth case, yet its per-step error curve grows far "
+         "faster than the stock floor's. The raised argmax stays the token, and logits and log-probs are recorded "
+         "consistently, so the fp64 oracle sees nothing either."),
     kill_mode="tolerance",
 )

@@ -3,23 +3,31 @@
 For the fake HunyuanImage-3 upstream and for each tiny transformers model (HunYuanMoEV1, Qwen3):
 - ``ar.<model>.<case>.{tokens,logp,prefill_kv,slot0}`` on seed 001's cases and seed 002's concat construction;
 - ``ar.<model>.padded_b1.equals_unpadded``, ``.rollout_vs_replay``, ``.finished_rows``, ``.nan_unused_slots``;
-and ``ar.missing_real_pos.{b1,b4}``. B=1 references, the batch-shape floor and the models are seam-free and
-cached; every batched rollout runs inside its check (so an applied ablation always reaches it).
+- ``ar.<model>.growth.logp``: the per-step error curve over 16 steps, its growth against the stock floor curve's;
+and ``ar.missing_real_pos.{b1,b4}``. fp32 tolerances are TOLERANCE_K x the stock floor measured on the same model.
+B=1 references, the floors and the models are seam-free and cached; every batched rollout runs inside its check
+(so an applied ablation always reaches it).
 """
 
 from __future__ import annotations
 
 import functools
 
+import torch
+
 from fixtures import ar_models
 from fixtures.ar_cases import CASES, EXTRA, ARCase, eos_for_stops
+from harness import conformance
 from harness.ar import loop, suite, verdicts
+from harness.ar.spy import ARForwardSpy
 from harness.checks import CheckContext, register
 from harness.compare import Verdict, close
 
 MODELS = ar_models.BACKENDS
 FINISHED_STOPS = {0: 1, 2: 3}  # row -> decode step whose reference token becomes an EOS id
 ORACLE_ATOL = 1e-5  # fp32 log_softmax rounding at these logit magnitudes is ~1e-6
+# 16 tokens (15 decode steps) on four unequal right-padded rows: enough steps for thirds of five
+GROWTH_CASE = ARCase("growth", (9, 17, 13, 21), decode_steps=15, seed=25)
 
 
 @functools.cache
@@ -58,11 +66,14 @@ def _padded_b1(model: str, ctx: CheckContext) -> Verdict:
 
 def _rollout_vs_replay(model: str, ctx: CheckContext) -> Verdict:
     case = EXTRA["rollout_vs_replay"]
-    policy = close(atol=verdicts.LOGP_ATOL, rtol=0.0, reason=(
-        "fp32: cached batched decode vs one cache-free unpadded forward per row; "
-        f"{_floor(model).describe()}"))
-    return suite.compare_rollout_vs_replay(f"ar.{model}.rollout_vs_replay", ar_models.backend(model), case.batch(),
-                                           case.max_new_tokens, policy)
+    floor = _floor(model)
+    atol = verdicts.fp32_tolerance(floor, "logp")
+    policy = close(atol=atol, rtol=0.0, reason=(
+        f"fp32: cached batched decode vs one cache-free unpadded forward per row; {verdicts.TOLERANCE_K:g} x "
+        f"{floor.describe('logp')}"))
+    verdict = suite.compare_rollout_vs_replay(f"ar.{model}.rollout_vs_replay", ar_models.backend(model),
+                                              case.batch(), case.max_new_tokens, policy)
+    return verdicts.require_floor_bounds(verdict, atol, floor, "logp")
 
 
 def _finished_rows(model: str, ctx: CheckContext) -> Verdict:
@@ -88,6 +99,24 @@ def _oracle(model: str, ctx: CheckContext) -> Verdict:
                                           case.max_new_tokens, policy)
 
 
+@functools.cache
+def _growth_control(model: str) -> torch.Tensor:
+    """The stock per-step floor's log-probs: each prompt alone, right-padded in the batch's cache (stock code)."""
+    case, batch = GROWTH_CASE, GROWTH_CASE.batch()
+    return verdicts.padded_control_logp(ar_models.backend(model), case.prompts(), _reference(model, case),
+                                        batch.width, batch.width + case.max_new_tokens)
+
+
+def _growth(model: str, ctx: CheckContext) -> Verdict:
+    case, backend = GROWTH_CASE, ar_models.backend(model)
+    batch = case.batch()
+    fast_rollout = conformance.resolve("ar", loop.fast_rollout)
+    with ARForwardSpy(backend.model) as spy:
+        fast = fast_rollout(backend, batch, case.max_new_tokens)
+    verdict = verdicts.judge_growth(f"ar.{model}.growth.logp", fast, _reference(model, case), _growth_control(model))
+    return verdicts.require_path(verdict, spy, batch.batch_size)
+
+
 def _missing_real_pos(case: ARCase, ctx: CheckContext) -> Verdict:
     return suite.check_missing_real_pos(f"ar.missing_real_pos.b{case.batch_size}", ar_models.backend("fake"),
                                         case.batch(), case.max_new_tokens)
@@ -111,6 +140,9 @@ for _model in MODELS:
     register(f"ar.{_model}.oracle.greedy_logp",
              doc=f"greedy picks and recorded log-probs of both rollouts equal an fp64 softmax, on {_model}")(
         functools.partial(_oracle, _model))
+    register(f"ar.{_model}.growth.logp",
+             doc=f"per-step logp error of a 16-token batched rollout grows no faster than the stock floor, {_model}")(
+        functools.partial(_growth, _model))
     register(f"ar.{_model}.nan_unused_slots",
              doc=f"NaN in unused and dead cache slots never reaches an output on {_model}")(
         functools.partial(_nan_unused_slots, _model))

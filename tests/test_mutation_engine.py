@@ -151,6 +151,20 @@ def test_selection_is_fastest_first_and_covers_globals_by_use():
     assert _map().stale_caches("m.py", 3) == ["cache:a", "cache:b"]
 
 
+def test_selection_reaches_the_unit_test_of_a_line_every_end_to_end_test_runs(monkeypatch):
+    e2e = [f"e{k}.py::run" for k in range(6)]
+    lines = {"m.py": {3: [*e2e, "test_m.py::unit"], 4: ["test_m.py::unit"]},
+             "other.py": {n: e2e for n in range(1, 30)}}
+    durations = {**{t: 0.01 for t in e2e}, "test_m.py::unit": 0.5}
+    coverage_map = CoverageMap(lines=lines, caches={}, cache_users={}, durations=durations, failing=[], seconds=1.0)
+    assert coverage_map.focus("test_m.py::unit", "m.py") == 1.0
+    assert coverage_map.focus("e0.py::run", "m.py") == 1 / 30
+    monkeypatch.setattr(cli, "MAX_TESTS", 3)
+    monkeypatch.setattr(cli, "FOCUSED_TESTS", 1)
+    chosen = cli.select_tests(Mutant("m", "m.py", 3, 0, "arith", "- a\n+ b", "function", "f"), coverage_map, {})
+    assert chosen == ["e0.py::run", "e1.py::run", "test_m.py::unit"]  # run fastest first
+
+
 def test_sample_is_seeded_and_stratified():
     population = [(group, Mutant(f"{group}.{k}", f"{group}/{k}.py", n, n, "const", "-\n+", "function", "f"))
                   for group in ("replay", "ar", "decode") for k in range(3) for n in range(20)]

@@ -45,6 +45,7 @@ __all__ = [
     "make_probe",
     "order_units",
     "prepare_gather",
+    "read_probe",
     "receives",
 ]
 
@@ -88,9 +89,6 @@ class Probe:
     latent_frames: int = 0  # the length of the latent video this rank planned (ranks must agree)
     units: int = 0  # pieces the whole video splits into on this rank's plan (ranks must agree)
 
-    def clip_description(self) -> str:
-        return f"{self.shape} {self.dtype}"
-
 
 _PROBE_LENGTH = 6 + PROBE_DIMS  # status, count, latent frames, dtype code, ndim, units, shape
 _SHAPE_AT = 6
@@ -122,14 +120,15 @@ def exchange_probes(probe: torch.Tensor, group: dist.ProcessGroup | None = None)
     """All-gather every rank's probe (fixed size, so this collective cannot itself go ragged)."""
     slots = [torch.empty_like(probe) for _ in range(dist.get_world_size(group))]
     dist.all_gather(slots, probe, group=group)
-    probes = []
-    for rank, raw in enumerate(slots):
-        values = raw.cpu().tolist()
-        ndim = values[4]
-        probes.append(Probe(rank=rank, status=ProbeStatus(values[0]), count=values[1],
-                            dtype=_CODE_DTYPES.get(values[3]), shape=tuple(values[_SHAPE_AT:_SHAPE_AT + ndim]),
-                            latent_frames=values[2], units=values[5]))
-    return probes
+    return [read_probe(rank, raw) for rank, raw in enumerate(slots)]
+
+
+def read_probe(rank: int, raw: torch.Tensor) -> Probe:
+    """Decode rank ``rank``'s probe tensor (the inverse of `make_probe`)."""
+    values = raw.tolist()  # any device: tolist() copies to the host
+    ndim = values[4]
+    return Probe(rank=rank, status=ProbeStatus(values[0]), count=values[1], dtype=_CODE_DTYPES.get(values[3]),
+                 shape=tuple(values[_SHAPE_AT:_SHAPE_AT + ndim]), latent_frames=values[2], units=values[5])
 
 
 def _ranks(ranks: Sequence[int]) -> str:

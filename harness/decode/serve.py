@@ -126,9 +126,7 @@ def serve_encode_clips(vae: Any, padded: torch.Tensor, clip_length: int,
                        moments: Sequence[torch.Tensor]) -> Iterator[PieceServer]:
     """Serve gathered clip moments in place of ``vae._encode_clip`` (window i: pixel frames [iL, (i+1)L))."""
 
-    def expected(index: int) -> torch.Tensor:
-        if len(moments) == 1 and padded.shape[2] == 1:
-            return padded  # a single frame goes through `_encode_clip` whole
+    def expected(index: int) -> torch.Tensor:  # a single frame is window 0 whole: the slice holds all of it
         return padded[:, :, index * clip_length:(index + 1) * clip_length]
 
     server = PieceServer(expected, moments, "_encode_clip")

@@ -38,6 +38,7 @@ DEFAULT_PYTEST = ["-m", "cpu", "-q"]
 SAMPLE_SIZE = 50
 TEST_BUDGET_S = 6.0   # baseline seconds of tests one mutant may run (fastest first)
 MAX_TESTS = 12
+FOCUSED_TESTS = 4     # of those, slots for the tests most focused on the mutated module (its unit tests)
 EQUIVALENTS = REPO / "mutation" / "equivalent_mutants.toml"
 
 
@@ -152,7 +153,9 @@ def sample(mutants: list[tuple[str, Mutant]], size: int, seed: int) -> list[tupl
 
 
 def select_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict[str, list[str]]) -> list[str]:
-    """The passing tests that run the mutated line, fastest first, round robin over test files, capped."""
+    """The passing tests that run the mutated line, capped: first the ones most focused on the mutated module
+    (its unit tests, which a line run by hundreds of end-to-end tests would otherwise never reach), then the
+    fastest, round robin over test files; run fastest first."""
     if mutant.scope == "global":
         covering: set[str] = set()
         for file, lines in source_lines.items():
@@ -162,17 +165,18 @@ def select_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict[s
     else:
         covering = set(coverage_map.tests_for(mutant.file, mutant.line))
     durations = coverage_map.durations
+    focused = sorted(covering, key=lambda t: (-coverage_map.focus(t, mutant.file), durations.get(t, 0.0), t))
     by_file: dict[str, list[str]] = defaultdict(list)
     for test in sorted(covering, key=lambda t: (durations.get(t, 0.0), t)):
         by_file[test.split("::")[0]].append(test)
-    ordered: list[str] = []
+    ordered: list[str] = focused[:FOCUSED_TESTS]
     files = sorted(by_file, key=lambda f: durations.get(by_file[f][0], 0.0))
     while any(by_file.values()):
         for file in files:
             if by_file[file]:
                 ordered.append(by_file[file].pop(0))
     chosen, spent = [], 0.0
-    for test in ordered:
+    for test in dict.fromkeys(ordered):
         if len(chosen) >= MAX_TESTS or (chosen and spent + durations.get(test, 0.0) > TEST_BUDGET_S):
             continue
         chosen.append(test)
@@ -250,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     notes = [f"{selection} of {', '.join(paths) or ', '.join(args.module)}; pytest `{' '.join(pytest_args)}`; "
              f"{args.jobs} workers; {seconds:.0f} s in all (coverage pass {coverage_map.seconds:.0f} s)",
              f"tests per mutant: the passing tests that execute its line (coverage contexts, world ranks and "
-             f"cached fixtures included), fastest first, round robin over test files, at most {MAX_TESTS} "
+             f"cached fixtures included): the {FOCUSED_TESTS} most focused on its module, then the fastest, "
+             f"round robin over test files, at most {MAX_TESTS} "
              f"tests / {TEST_BUDGET_S:.0f} s of baseline time; a test that killed a mutant of the same function "
              "runs first; stop at the first failure; deadline 2 x the tests' baseline time + 20 s",
              "a killing test is re-run unmutated once; a test that fails there kills nothing",

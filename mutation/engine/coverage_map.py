@@ -14,7 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["CoverageMap", "collect"]
@@ -34,9 +35,23 @@ class CoverageMap:
     durations: dict[str, float]
     failing: list[str]
     seconds: float
+    _spread: dict[str, Counter] | None = field(default=None, init=False, repr=False, compare=False)
 
     def tests_for(self, file: str, line: int) -> list[str]:
         return self.lines.get(file, {}).get(line, [])
+
+    def focus(self, test: str, file: str) -> float:
+        """The share of the target lines ``test`` executes that lie in ``file``: 1.0 for a unit test of that
+        module, near 0 for an end-to-end test that passes through it."""
+        if self._spread is None:
+            spread: dict[str, Counter] = {}
+            for name, by_line in self.lines.items():
+                for tests in by_line.values():
+                    for each in tests:
+                        spread.setdefault(each, Counter())[name] += 1
+            self._spread = spread
+        counts = self._spread.get(test)
+        return counts[file] / sum(counts.values()) if counts else 0.0
 
     def stale_caches(self, file: str, line: int) -> list[str]:
         """The caches whose stored values were computed through this line, directly or through another cache."""

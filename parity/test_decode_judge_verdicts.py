@@ -1,0 +1,101 @@
+"""judge_decode on hand-made rank answers: the verdict's metrics and facts for a sharded, a stock and a user's run.
+
+No world: the RankDecode values are what a 2-rank run of 12 latent frames (2 clips of 9 tiles) reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fixtures import decode_models
+from harness.compare import sha256
+from harness.decode import judge, oracle
+from harness.decode import plan as plan_mod
+
+pytestmark = [pytest.mark.cpu,
+              pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
+
+
+def _answers(sharded: bool, *, impl_calls: int | None = None, calls: int = 1) -> list[judge.RankDecode]:
+    """``calls`` `_decode` calls per video (a sliced batch): every count scales with it."""
+    work = plan_mod.plan_work(decode_models.tiny_vae(), (1, 4, 12, 8, 8), 2)  # clips split: 9 tiles per clip
+    stock = torch.arange(39.0).reshape(1, 1, 39, 1, 1)
+    digest = sha256(stock)
+    decoder = (9 if sharded else 18) * calls  # each rank owns one clip of 9 tiles, or decodes both
+    seen = {"all_gather": 4 * calls} if sharded else {}
+    return [judge.RankDecode(rank, 2, stock.clone(), digest, decoder, (1 if sharded else 2) * calls, dict(seen),
+                             work=work, calls=calls, stock=stock if rank == 0 else None, stock_sha256=digest,
+                             impl_calls=impl_calls)
+            for rank in range(2)]
+
+
+def test_sharded_and_stock_runs_report_their_transport_share_and_facts():
+    sharded = judge.judge_decode("decode.t12.w2.bitexact", _answers(True), sharded=True)
+    assert sharded.passed, sharded.describe()
+    picked = {k: sharded.metrics[k] for k in ("world", "receivers", "transport", "ranks_matching_stock_sha",
+                                              "decoder_calls_per_rank", "split", "clips", "busiest_share")}
+    assert picked == {"world": 2, "receivers": 2, "transport": "all_gather", "ranks_matching_stock_sha": "2/2",
+                      "decoder_calls_per_rank": "9, 9", "split": "clips", "clips": 2, "busiest_share": 0.5}
+    stock = judge.judge_decode("decode.t12.w2.flag_off", _answers(False), sharded=False)
+    assert stock.passed, stock.describe()
+    assert (stock.metrics["transport"], stock.metrics["busiest_share"]) == ("stock", 1.0)
+    assert stock.violated_facts == [] and len(stock.notes) == 2
+    # a sharded verdict on a run that decoded everything everywhere fails on the ownership fact
+    everywhere = judge.judge_decode("decode.t12.w2.bitexact", _answers(False), sharded=True)
+    assert "each piece decoded exactly once across the world (round-robin ownership)" in everywhere.violated_facts
+    sliced = judge.judge_decode("decode.t12.w2.sliced", _answers(True, calls=2), sharded=True)
+    assert sliced.passed and sliced.metrics["expected_decoder_calls_per_rank"] == "18, 18"
+    # 3 ranks split the 18 tiles 6 / 6 / 6 (no clip calls): the share is rounded to 4 digits
+    three = [dataclasses.replace(a, rank=r, world_size=3, decoder_calls=6, clip_calls=0,
+                                 work=plan_mod.plan_work(decode_models.tiny_vae(), (1, 4, 12, 8, 8), 3))
+             for r, a in enumerate([*_answers(True), _answers(True)[1]])]
+    tiled = judge.judge_decode("decode.t12.w3.bitexact", three, sharded=True)
+    assert tiled.passed, tiled.describe()
+    assert (tiled.metrics["split"], tiled.metrics["busiest_share"]) == ("tiles", 0.3333)
+    assert judge.judge_decode("decode.t12.w2.flag_off", _answers(False, calls=2), sharded=False).passed
+    # the right total on the wrong ranks: rank 0 decoded both clips and rank 1 sat idle, without collectives
+    first, second = _answers(True)
+    lopsided = [dataclasses.replace(first, decoder_calls=18), dataclasses.replace(second, decoder_calls=0,
+                                                                                  collectives={})]
+    verdict = judge.judge_decode("decode.t12.w2.bitexact", lopsided, sharded=True)
+    assert "each piece decoded exactly once across the world (round-robin ownership)" in verdict.violated_facts
+    assert verdict.metrics["collectives_per_rank"] == "{'all_gather': 4}; none"
+
+
+def test_wrong_shapes_hashes_and_a_user_run_without_collectives_fail():
+    answers = _answers(True)
+    short = dataclasses.replace(answers[1], output=answers[1].output[:, :, :38])  # its reported hash is stale
+    verdict = judge.judge_decode("decode.t12.w2.bitexact", [answers[0], short], sharded=True)
+    assert not verdict.passed and verdict.margin == float("inf") and verdict.violated_facts == []  # shapes alone
+    assert verdict.message.startswith("decoded video shapes [(1, 1, 38, 1, 1), (1, 1, 39, 1, 1)] differ from the "
+                                      "stock (1, 1, 39, 1, 1)")
+    rehashed = dataclasses.replace(short, sha256=sha256(short.output))
+    verdict = judge.judge_decode("decode.t12.w2.bitexact", [answers[0], rehashed], sharded=True)
+    assert verdict.violated_facts == ["every receiving rank's SHA-256 equals the stock output's"]
+    user = _answers(True, impl_calls=1, calls=2)  # a user's implementation under test: rank 1 ran no collective
+    user[1] = dataclasses.replace(user[1], collectives={})
+    verdict = judge.judge_decode("decode.conformance", user, sharded=True)
+    assert verdict.violated_facts == ["every rank communicated (a collective ran on every rank)"]
+    assert verdict.metrics["collectives_per_rank"] == "{'all_gather': 8}; none"
+    assert (verdict.metrics["pieces_per_rank"], verdict.metrics["pieces_total"]) == ("18, 18", 36)
+
+
+def test_the_plan_oracle_passes_the_plan_and_names_same_shaped_wrong_windows(monkeypatch):
+    z = decode_models.latents(decode_models.LatentSpec(9, height=2, width=2))  # 2 clips, one cross-fade
+    cases = [(decode_models.tiny_vae(), z)]
+    verdict = oracle.judge_plan_against_library("decode.oracle.tiny", cases)
+    assert verdict.passed, verdict.describe()
+    assert verdict.metrics == {"cases": 1, "window_mismatches": "none", "tile_mismatches": "none",
+                               "source_mismatches": "none"}
+    # windows and tiles of the right shape but read backwards in time must not pass
+    window, tile = plan_mod.window_latents, plan_mod.tile_latents
+    monkeypatch.setattr(plan_mod, "window_latents", lambda padded, plan, c: window(padded, plan, c).flip(2))
+    flipped = oracle.judge_plan_against_library("decode.oracle.tiny", cases)
+    assert flipped.metrics["window_mismatches"] == ["t9 (2, 2) tiling=on: plan 2 clips, library 2"]
+    monkeypatch.setattr(plan_mod, "window_latents", window)
+    monkeypatch.setattr(plan_mod, "tile_latents", lambda w, tiles, t: tile(w, tiles, t).flip(2))
+    flipped = oracle.judge_plan_against_library("decode.oracle.tiny", cases)
+    assert flipped.metrics["tile_mismatches"] == ["t9 (2, 2) tiling=on: plan 2 tiles, library 2"]

@@ -1,0 +1,124 @@
+"""Without a world: the probe's wire format round trip, the plan for another token_drop, and input guards."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fixtures import decode_models
+from harness.decode import exchange, serve, sharded
+from harness.decode import plan as plan_mod
+from harness.decode.exchange import Probe, ProbeStatus, ShardedDecodeError
+from harness.decode.serve import bound as serve_bound
+
+pytestmark = [pytest.mark.cpu,
+              pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
+
+CPU = torch.device("cpu")
+
+
+def test_every_decoder_dtype_survives_the_probe_round_trip():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        clip = torch.zeros(1, 3, 5, 2, 2, dtype=dtype)
+        raw = exchange.make_probe([clip, clip.clone()], False, CPU, latent_frames=22, units=4)
+        assert exchange.read_probe(3, raw) == Probe(3, ProbeStatus.OK, 2, dtype, (1, 3, 5, 2, 2), 22, 4)
+    # the probe is 6 header slots and PROBE_DIMS shape slots, whatever the clip: a fixed-size collective
+    widest = torch.zeros((1,) * exchange.PROBE_DIMS)
+    raw = exchange.make_probe([widest], False, CPU)
+    assert raw.tolist() == [0, 1, 0, 1, exchange.PROBE_DIMS, 0] + [1] * exchange.PROBE_DIMS
+    assert exchange.read_probe(0, raw) == Probe(0, ProbeStatus.OK, 1, torch.float32, (1,) * exchange.PROBE_DIMS)
+    too_wide = exchange.make_probe([widest[None]], False, CPU)
+    assert too_wide.tolist() == [int(ProbeStatus.UNSUPPORTED), 1] + [0] * (4 + exchange.PROBE_DIMS)
+    assert exchange.read_probe(1, exchange.make_probe([], False, CPU)) == Probe(1, ProbeStatus.OK, 0, None, ())
+
+
+def test_plan_for_token_drop_one_and_zero_matches_the_stock_decode():
+    """Clip counts measured on diffusers' AutoencoderKLMiniMaxH3 built with the tiny VAE's arguments: with
+    token_drop=1 its `_decode` asks for 1 clip at 5..9 latent frames, 2 at 10..12, and has none below 5; with
+    token_drop=0 it asks for 1 clip at 1 and 5 frames and 2 at 6, with no overlap. The plan reads only the config."""
+    config = {**decode_models.tiny_vae().config, "token_drop": 1}
+    vae = types.SimpleNamespace(config=types.SimpleNamespace(**config))
+    counts = {frames: plan_mod.plan_clips(vae, frames).num_clips for frames in (5, 9, 10, 12)}
+    assert counts == {5: 1, 9: 1, 10: 2, 12: 2} and {type(n) for n in counts.values()} == {int}
+    with pytest.raises(ValueError, match="a latent video of 4 frames holds no whole clip .* at least 5 latent frames"):
+        plan_mod.plan_clips(vae, 4)
+    no_drop = types.SimpleNamespace(config=types.SimpleNamespace(**{**config, "token_drop": 0}))
+    plans = {frames: plan_mod.plan_clips(no_drop, frames) for frames in (1, 5, 6)}
+    assert {f: (p.num_clips, p.pad_tokens, p.token_overlap) for f, p in plans.items()} == {
+        1: (1, 4, 0), 5: (1, 0, 0), 6: (2, 4, 0)}
+
+
+def test_the_gate_shards_only_when_asked_in_a_group_of_more_than_one(monkeypatch):
+    assert (sharded.takes_sharded_path(True), sharded.takes_sharded_path(False)) == (False, False)  # no group
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # the gate's view of an initialised group
+    for world, flag, shards in ((2, True, True), (2, False, False), (1, True, False), (1, False, False)):
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None, world=world: world)
+        assert sharded.takes_sharded_path(flag) is shards, (world, flag)
+
+
+def test_plan_and_decode_inputs_are_checked():
+    vae = decode_models.tiny_vae()
+    for bad in (True, 2.0, 0):
+        with pytest.raises(ValueError, match=f"num_latent_frames must be a positive int, got {bad!r}"):
+            plan_mod.plan_clips(vae, bad)
+    with pytest.raises(ValueError, match="a latent video of 1 frames holds no whole clip"):
+        plan_mod.plan_clips(vae, 1)
+    no_clip_length = types.SimpleNamespace(config=types.SimpleNamespace(token_drop=3))
+    with pytest.raises(TypeError, match="plan_clips needs an AutoencoderKLMiniMaxH3 .* got SimpleNamespace"):
+        plan_mod.plan_clips(no_clip_length, 5)
+    z = decode_models.latents(decode_models.LatentSpec(12, height=2, width=2))
+    partial = types.SimpleNamespace(decode=vae.decode, config=vae.config)  # no _decode_clip to serve clips with
+    with pytest.raises(TypeError, match=r"expected an AutoencoderKLMiniMaxH3 \(decode, _decode_clip"):
+        sharded.stock_decode(partial, z)
+
+
+def test_a_reused_payload_slab_is_zero_after_this_rank_s_pieces():
+    shape = (1, 2)
+    first, _ = exchange.prepare_gather([torch.full(shape, 7.0), torch.full(shape, 8.0)], 3, shape, torch.float32,
+                                       CPU, 2, False)
+    again, received = exchange.prepare_gather([torch.full(shape, 5.0)], 3, shape, torch.float32, CPU, 2, False)
+    assert again is first and received is None  # the same key reuses the slab
+    assert again.tolist() == [[[5.0, 5.0]], [[0.0, 0.0]], [[0.0, 0.0]]]
+
+
+def test_untiled_plans_count_one_decoder_call_per_clip():
+    assert plan_mod.plan_tiles(types.SimpleNamespace(), 4, 4) is None  # no tiling switch: not tiled
+    vae = decode_models.tiny_vae()
+    with serve_bound(vae, "use_tiling", False):
+        work = plan_mod.plan_work(vae, (1, 4, 37, 8, 8), 2)
+    assert (work.split, work.num_units, work.decoder_calls, work.tiles) == ("clips", 7, 7, None)
+
+
+def test_sharded_entries_check_the_vae_and_the_destination_before_any_collective(monkeypatch):
+    vae = decode_models.tiny_vae()
+    video = torch.zeros(1, vae.config.in_channels, 5, 4, 4)
+    partial = types.SimpleNamespace(encode=vae.encode, decode=vae.decode, config=vae.config)
+    with pytest.raises(TypeError, match="expected an AutoencoderKLMiniMaxH3"):
+        sharded.sharded_encode(partial, video)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # a 4-rank group, as the entries see it
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    z = decode_models.latents(decode_models.LatentSpec(12, height=2, width=2))
+    assert [sharded._check_transport("gather", dst, None) for dst in (0, 3)] == [None, None]  # every rank may be dst
+    for dst in (4, -1, True):
+        for entry, x in ((sharded.sharded_decode, z), (sharded.sharded_encode, video)):
+            with pytest.raises(ValueError, match=f"dst must be a rank of the 4-rank group, got {dst!r}"):
+                entry(vae, x, transport="gather", dst=dst)
+
+
+def test_the_encode_clip_server_checks_windows_and_that_every_gathered_moment_was_used():
+    vae = decode_models.tiny_vae()
+    length = vae.config.clip_length
+    padded = torch.arange(2.0 * length).reshape(1, 1, 2 * length, 1, 1)
+    moments = [torch.zeros(1), torch.ones(1)]
+    with serve.serve_encode_clips(vae, padded, length, moments):
+        assert [vae._encode_clip(padded[:, :, :length]), vae._encode_clip(padded[:, :, length:])] == moments
+    unused = pytest.raises(ShardedDecodeError, match="used 1 of the 2 gathered pieces at _encode_clip")
+    with unused, serve.serve_encode_clips(vae, padded, length, moments):
+        vae._encode_clip(padded[:, :, :length])
+    frame = padded[:, :, :1]  # a one-frame video: `_encode_clip` sees it whole
+    with serve.serve_encode_clips(vae, frame, length, moments[:1]):
+        assert vae._encode_clip(frame) is moments[0]
+    assert "_encode_clip" not in vae.__dict__

@@ -1,0 +1,97 @@
+"""A Verdict's own behaviour: the rendered report, merging, bounds on a tolerance and boolean facts."""
+
+import math
+
+import pytest
+
+from harness.compare import Verdict, expect, expect_raises
+
+pytestmark = pytest.mark.cpu
+
+
+def test_describe_renders_status_message_metrics_notes_and_margin():
+    failed = Verdict("replay.cfg2.log_probs", False,
+                     {"zero": 0.0, "big": math.inf, "nan": math.nan, "x": 1.5, "rows": 3, "per_row": [1, 2],
+                      "by_rank": {"0": 1}},
+                     "exact (bitwise)", math.inf, message="output: boom",
+                     notes=("ok: one forward", "VIOLATED: batch of 4 rows"))
+    assert failed.describe() == (
+        "FAIL replay.cfg2.log_probs under exact (bitwise)\n"
+        "output: boom\n"
+        "metrics: zero=0.0, big=inf, nan=nan, x=1.500e+00, rows=3\n"
+        "ok: one forward\n"
+        "VIOLATED: batch of 4 rows\n"
+        "margin (error / tolerance): inf")
+    passed = Verdict("ar.greedy.tokens", True, {"m": -2.5e-7}, "ulp(2)", 0.5)
+    assert passed.describe() == ("PASS ar.greedy.tokens under ulp(2)\nmetrics: m=-2.500e-07\n"
+                                 "margin (error / tolerance): 5.000e-01")
+    bare = Verdict("decode.t37.fact", True, {}, "fact: x", None)
+    assert bare.describe() == "PASS decode.t37.fact under fact: x"
+
+
+def test_path_and_headline_value():
+    v = Verdict("decode.t37.w8.bitexact", True, {"max_abs": 0.25, "max_ulp": 3}, "p", 0.0, headline="max_ulp")
+    assert (v.path, v.headline_value) == ("decode", 3)
+    no_headline = Verdict("attention", True, {"max_abs": 0.25}, "p", None)
+    assert (no_headline.path, no_headline.headline_value) == ("attention", None)
+
+
+def test_with_metrics_attaches_without_a_fact():
+    v = Verdict("t.m", False, {"a": 1}, "p", 2.0, message="m", notes=("VIOLATED: f",))
+    assert v.with_metrics(a=3, floor=1e-6) == Verdict("t.m", False, {"a": 3, "floor": 1e-6}, "p", 2.0, message="m",
+                                                      notes=("VIOLATED: f",))
+
+
+def test_merge_keeps_the_first_lead_on_a_tied_margin_and_joins_policies():
+    first = Verdict("r.c.w", True, {"a": 1}, "p", 0.5, headline="a", tolerance=0.1, message="m1", notes=("ok: f1",))
+    second = Verdict("r.c.w", False, {"b": 2}, "q", 0.5, headline="b", tolerance=2.0, message="m2",
+                     notes=("VIOLATED: f2",))
+    assert first.merge(second) == Verdict("r.c.w", False, {"a": 1, "b": 2}, "p; q", 0.5, headline="a",
+                                          tolerance=0.1, message="m1\nm2", notes=("ok: f1", "VIOLATED: f2"))
+    larger = Verdict("r.c.w", True, {"b": 2}, "p", 0.75, headline="b", tolerance=2.0)
+    assert first.merge(larger) == Verdict("r.c.w", True, {"a": 1, "b": 2}, "p", 0.75, headline="b",
+                                          tolerance=2.0, message="m1", notes=("ok: f1",))
+    fact = expect("r.c.w", True, "one forward")
+    assert fact.merge(first).margin == 0.5 and first.merge(fact).headline == "a"
+
+
+def test_require_bounded_accepts_both_edges_and_rejects_just_outside():
+    base = Verdict("t.bound", True, {}, "p", 0.0)
+    for tolerance in (0.5, 2.0):  # exactly k_min x floor and exactly k_max x floor
+        edge = base.require_bounded(tolerance, 0.25, k_min=2, k_max=8, what="logp tolerance")
+        fact = "logp tolerance within [2, 8] x the stock floor 2.500e-01"
+        assert edge == Verdict("t.bound", True, {"stock_floor": 0.25, "tolerance_bound": tolerance}, "p", 0.0,
+                               notes=(f"ok: {fact}",))
+    tight = base.require_bounded(math.nextafter(0.5, 0), 0.25, k_min=2, k_max=8)
+    assert tight.violated_facts == ["tolerance 5.000e-01 is too tight: below 2 x the stock floor 2.500e-01 = 5.000e-01"]
+    loose = base.require_bounded(math.nextafter(2.0, 3), 0.25, k_min=2, k_max=8)
+    assert loose.violated_facts == ["tolerance 2.000e+00 is too loose: above 8 x the stock floor 2.500e-01 = 2.000e+00"]
+    assert not tight.passed and not loose.passed
+
+
+def test_expect_and_expect_raises_report_what_was_observed():
+    assert expect("t.f", True, "one forward", forwards=1) == Verdict(
+        "t.f", True, {"forwards": 1}, "fact: one forward", None, notes=("ok: one forward",))
+    assert expect("t.f", False, "one forward", forwards=2, share=0.5).message == (
+        "expected: one forward; observed: forwards=2, share=5.000e-01")
+    assert expect("t.f", False, "one forward").message == "expected: one forward; observed: it does not hold"
+    long = "x" * 301
+
+    def raise_value_error():
+        raise ValueError(long)
+
+    def raise_key_error():
+        raise KeyError(long)
+
+    raised = expect_raises("t.r", raise_value_error, ValueError, match="x+")
+    assert raised.passed and raised.metrics == {"raised": "ValueError", "error": "x" * 300}
+    assert raised.policy == "fact: raises ValueError matching 'x+'"
+    unmatched = expect_raises("t.r", raise_value_error, (KeyError, ValueError), match="y")
+    assert not unmatched.passed and unmatched.policy == "fact: raises KeyError/ValueError matching 'y'"
+    silent = expect_raises("t.r", lambda: None, ValueError)
+    assert (silent.passed, silent.metrics, silent.message) == (
+        False, {"raised": "nothing"}, "expected: raises ValueError; observed: raised=nothing")
+    any_text = expect_raises("t.r", raise_value_error, ValueError)
+    assert any_text.passed and any_text.policy == "fact: raises ValueError"
+    wrong = expect_raises("t.r", raise_key_error, ValueError)
+    assert not wrong.passed and wrong.metrics == {"raised": "KeyError", "error": "'" + "x" * 299}
