@@ -69,9 +69,11 @@ def test_find_captures_orders_by_call_then_rank_and_phases_are_told_apart(tmp_pa
 
 
 def test_seed_file_names_win(tmp_path):
-    capture_io.save_capture(small_capture(PREFILL, heads=1, head_dim=8), tmp_path / "call0_rank0.npz")
-    capture_io.save_capture(small_capture(DENOISE, heads=1, head_dim=8), tmp_path / "call32_rank0.npz")
-    assert capture_io.phase_capture_path(tmp_path, "denoise").name == "call32_rank0.npz"
+    """call0 is the prefill pass and call32 a denoise pass, even with another denoise call (call1) before it."""
+    for call, layout in ((0, PREFILL), (1, DENOISE), (32, DENOISE)):
+        capture_io.save_capture(small_capture(layout, heads=1, head_dim=8), tmp_path / capture_io.capture_name(call))
+    picked = {phase: capture_io.phase_capture_path(tmp_path, phase).name for phase in ("prefill", "denoise")}
+    assert picked == {"prefill": "call0_rank0.npz", "denoise": "call32_rank0.npz"}
 
 
 def test_select_heads_keeps_gqa_groups():

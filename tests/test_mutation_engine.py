@@ -227,3 +227,47 @@ def test_runner_reports_killed_survived_and_timeout(tmp_path):
     statuses = {name: records[i]["status"] for i, name in enumerate(chosen)}
     assert statuses == {"killed": "killed", "survived": "survived", "timeout": "timeout"}
     assert records[0]["killed_by"] == ["test_demo.py::test_add"]
+
+
+DEFAULTS = textwrap.dedent('''
+    STEP = 2
+
+
+    def jump(x, by=STEP, other=STEP + 0):
+        return x + by + other
+
+
+    class Walker:
+        def walk(self, x, *, by=STEP):
+            return x + by
+''')
+
+
+def test_a_module_constant_reaches_the_defaults_bound_at_import(tmp_path, monkeypatch):
+    (tmp_path / "mutdefaults.py").write_text(DEFAULTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("mutdefaults", None)
+    module = importlib.import_module("mutdefaults")
+    try:
+        step = next(m for m in find_mutants(DEFAULTS, module="mutdefaults", file=module.__file__)
+                    if m.scope == "global" and m.diff.endswith("STEP = 3"))
+        patch_live(step, roots=("mutdefaults",))
+        assert module.STEP == 3
+        assert module.jump(0) == 3 + 2  # `by=STEP` follows the mutant; `STEP + 0` is an expression, left as bound
+        assert module.Walker().walk(0) == 3
+    finally:
+        sys.modules.pop("mutdefaults", None)
+
+
+def test_a_module_constant_is_tested_by_the_test_files_that_name_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "REPO", tmp_path)
+    cli._test_file_text.cache_clear()
+    (tmp_path / "test_a.py").write_text("from m import SEED_CALLS\n")
+    (tmp_path / "test_b.py").write_text("SEED_CALLS_EXTRA = 1\n")
+    coverage_map = CoverageMap(lines={"m.py": {}}, caches={}, cache_users={},
+                               durations={"test_a.py::t": 0.1, "test_b.py::t": 0.1}, failing=[], seconds=1.0)
+    constant = Mutant("m", "m.py", 1, 0, "const", "- SEED_CALLS = 1\n+ SEED_CALLS = 2", "global", "SEED_CALLS")
+    try:
+        assert cli.select_tests(constant, coverage_map, {"m.py": ["SEED_CALLS = 1"]}) == ["test_a.py::t"]
+    finally:
+        cli._test_file_text.cache_clear()

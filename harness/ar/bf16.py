@@ -26,9 +26,10 @@ __all__ = ["comparable_kl", "flips", "judge_bf16", "kl_rows", "padding_control"]
 
 
 def kl_rows(reference_logits: torch.Tensor, candidate_logits: torch.Tensor) -> torch.Tensor:
-    """KL(reference || candidate) over the last dim of logits, in float64."""
+    """KL(reference || candidate) over the last dim of logits, in float64 on the reference's device (a stock
+    run's logits may sit on the accelerator while the reference rollout is on the CPU)."""
     ref = torch.log_softmax(reference_logits.double(), dim=-1)
-    cand = torch.log_softmax(candidate_logits.double(), dim=-1)
+    cand = torch.log_softmax(candidate_logits.to(ref.device, torch.float64), dim=-1)
     return (ref.exp() * (ref - cand)).sum(dim=-1)
 
 
@@ -65,8 +66,8 @@ def padding_control(backend: Any, prompts: list[torch.Tensor], reference: Rollou
     for row, prompt in enumerate(prompts):
         count = int(reference.lengths[row])
         tokens = reference.tokens[row, :count].to(prompt.device)
-        padded = backend.stock_padded(prompt, tokens, width, max_cache_len).cpu()
-        out.append(kl_rows(reference.logits[row, :count].cpu(), padded).max())
+        padded = backend.stock_padded(prompt, tokens, width, max_cache_len)
+        out.append(kl_rows(reference.logits[row, :count], padded).max())
     return torch.stack(out)
 
 

@@ -51,7 +51,7 @@ def snapshot_slots(cache: Any, rows: torch.Tensor, slots: torch.Tensor) -> list[
     """Copy slot ``slots[r]`` of every row ``r`` in ``rows`` (bool ``[B]``), for every layer."""
     index = rows.nonzero().squeeze(-1)
     cols = slots[index]
-    return [(k[index, :, cols].clone(), v[index, :, cols].clone()) for k, v in layer_buffers(cache)]
+    return [(k[index, :, cols], v[index, :, cols]) for k, v in layer_buffers(cache)]  # advanced indexing copies
 
 
 def restore_slots(cache: Any, rows: torch.Tensor, slots: torch.Tensor,

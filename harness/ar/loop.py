@@ -245,10 +245,9 @@ def stock_rollout(backend: Any, prompts: Sequence[torch.Tensor], max_new_tokens:
     for i, prompt in enumerate(prompts):
         run = backend.stock_generate(prompt, max_new_tokens, eos)
         n = int(run.tokens.numel())
-        run_tokens, run_logits = run.tokens.cpu(), run.logits.float().cpu()
-        tokens[i, :n] = run_tokens
-        logits[i, :n] = run_logits
-        logp[i, :n] = token_logprob(run_logits, run_tokens)
+        tokens[i, :n] = run.tokens  # the copies land on the host, logits in fp32 (the buffers' dtype)
+        logits[i, :n] = run.logits
+        logp[i, :n] = token_logprob(logits[i, :n], tokens[i, :n])
         lengths[i] = n
         kv.append(run.kv.float().cpu())
     real_pos = torch.tensor([int(p.numel()) for p in prompts], dtype=torch.long)

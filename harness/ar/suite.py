@@ -82,7 +82,7 @@ def compare_finished_rows(check_id: str, backend: Any, batch: ARBatch, max_new_t
     lengths, ref_lengths = fast.lengths.tolist(), reference.lengths.tolist()
     verdict = verdict.require(lengths == ref_lengths, "every row stops where its B=1 run stopped at EOS",
                               lengths=lengths, reference_lengths=ref_lengths)
-    early = min(ref_lengths) < max_new_tokens and min(ref_lengths) < max(ref_lengths)
+    early = min(ref_lengths) < max(ref_lengths)  # lengths never exceed max_new_tokens: the shortest stopped early
     verdict = verdict.require(early, "a row finished while another kept generating (masking exercised)")
     verdict = verdict.require(run.static and not run.stray_writes,
                               "finished rows wrote no KV after their EOS (cache footprint checked)",

@@ -33,20 +33,24 @@ def mask_mod_for(layout: AttentionLayout) -> Callable[..., torch.Tensor]:
     return mask_mod
 
 
-def tile_grids(dense: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(any visible, all visible) per (q tile, kv tile); out-of-range pad counts as invisible."""
+def tile_grids(dense: torch.Tensor, block: int, kv_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(any visible, all visible) per (q tile, kv tile) of ``block`` x ``kv_block`` (default square) tiles;
+    out-of-range pad counts as invisible."""
+    kv_block = block if kv_block is None else kv_block
     q_len, kv_len = dense.shape
-    q_pad, kv_pad = padded_length(q_len, block), padded_length(kv_len, block)
+    q_pad, kv_pad = padded_length(q_len, block), padded_length(kv_len, kv_block)
     grid = dense.new_zeros(q_pad, kv_pad)
     grid[:q_len, :kv_len] = dense
-    tiles = grid.view(q_pad // block, block, kv_pad // block, block)
+    tiles = grid.view(q_pad // block, block, kv_pad // kv_block, kv_block)
     return tiles.any(dim=3).any(dim=1), tiles.all(dim=3).all(dim=1)
 
 
 def _ordered(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     count = selected.sum(dim=-1).to(torch.int32)
-    order = torch.argsort(selected.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return count[None, None].contiguous(), order[None, None].contiguous()
+    tiles = torch.arange(selected.shape[-1], device=selected.device)
+    # selected tiles first, each group in tile order: the keys are unique, so no sort has to be stable
+    order = torch.argsort(torch.where(selected, tiles, tiles + selected.shape[-1]), dim=-1).to(torch.int32)
+    return count[None, None], order[None, None]
 
 
 def blocks_from_dense(dense: torch.Tensor, block: int, mask_mod: Callable[..., torch.Tensor]) -> BlockMask:

@@ -104,21 +104,24 @@ def _decomposed_proof(launches, layout, mask, block) -> list[Fact]:
 def block_coverage(block_mask, mask: torch.Tensor) -> dict[str, int]:
     """Tiles the BlockMask gets wrong against a dense mask: visible pairs in skipped tiles, and
     tiles declared full that hold a masked pair (a fused kernel would skip the mask there)."""
-    block = block_mask.BLOCK_SIZE[0]
-    any_visible, all_visible = flex.tile_grids(mask, block)
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    any_visible, all_visible = flex.tile_grids(mask, q_block, kv_block)
     q_tiles, kv_tiles = any_visible.shape
+    device = mask.device
 
     def dense(num, idx) -> torch.Tensor:
-        num, idx = num[0, 0].cpu(), idx[0, 0].cpu().long()
-        keep = torch.arange(idx.shape[-1])[None, :] < num[:, None]
-        out = torch.zeros(q_tiles, kv_tiles, dtype=torch.bool)
-        out.scatter_(1, idx.clamp(max=kv_tiles - 1), keep)
+        # only the first num[r] slots of row r name tiles; the rest are padding and may hold anything
+        num, idx = num[0, 0].to(device), idx[0, 0].to(device, torch.long)
+        used = torch.arange(idx.shape[-1], device=device)[None, :] < num[:, None]
+        rows = torch.arange(q_tiles, device=device)[:, None].expand_as(idx)
+        out = torch.zeros(q_tiles, kv_tiles, dtype=torch.bool, device=device)
+        out[rows[used], idx[used]] = True
         return out
 
     partial = dense(block_mask.kv_num_blocks, block_mask.kv_indices)
     full = dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-    return {"skipped_visible_tiles": int((any_visible.cpu() & ~(partial | full)).sum()),
-            "false_full_tiles": int((full & ~all_visible.cpu()).sum()),
+    return {"skipped_visible_tiles": int((any_visible & ~(partial | full)).sum()),
+            "false_full_tiles": int((full & ~all_visible).sum()),
             "computed_tiles": int((partial | full).sum()), "tiles": q_tiles * kv_tiles}
 
 

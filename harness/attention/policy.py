@@ -79,7 +79,7 @@ class FloorControl:
 def floor_control(capture: Capture, reference: torch.Tensor | None = None) -> FloorControl:
     ref = reference_output(capture) if reference is None else reference
     truth = reference_output(capture, torch.float64)
-    return FloorControl(max_abs_diff(ref.double(), truth), rel_l2(ref.double(), truth), str(ref.dtype))
+    return FloorControl(max_abs_diff(ref, truth), rel_l2(ref, truth), str(ref.dtype))  # both compare in fp64
 
 
 def floor_policy(control: FloorControl, k: float = FP32_K) -> NoiseFloor:
@@ -151,7 +151,7 @@ class RowScaledFloor(Policy):
         error, scale = _row_error_and_scale(actual, expected)
         bound = self.k * self.control.relative * scale
         finite = bool(torch.isfinite(actual).all()) and bool(torch.isfinite(expected).all())
-        metrics = {"max_abs": max_abs_diff(actual, expected), "rel_l2": rel_l2(actual.double(), expected.double()),
+        metrics = {"max_abs": max_abs_diff(actual, expected), "rel_l2": rel_l2(actual, expected),
                    "relative_control": self.control.relative, "control_row": self.control.worst_row, "k": self.k}
         if not finite:
             return Verdict(check_id, False, metrics, self.describe(), math.inf, headline="row_ratio",

@@ -9,10 +9,12 @@ run in forked children, each against its own covering tests; (5) JSON and markdo
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -162,6 +164,10 @@ def select_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict[s
             for number, text in enumerate(lines, start=1):
                 if mutant.qualname in text and number != mutant.line:
                     covering.update(coverage_map.tests_for(file, number))
+        named = re.compile(rf"\b{re.escape(mutant.qualname)}\b")
+        failing = set(coverage_map.failing)
+        covering.update(t for t in coverage_map.durations
+                        if t not in failing and named.search(_test_file_text(t.split("::")[0])))
     else:
         covering = set(coverage_map.tests_for(mutant.file, mutant.line))
     durations = coverage_map.durations
@@ -182,6 +188,13 @@ def select_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict[s
         chosen.append(test)
         spent += durations.get(test, 0.0)
     return sorted(chosen, key=lambda t: (durations.get(t, 0.0), t))
+
+
+@functools.cache
+def _test_file_text(path: str) -> str:
+    """A test file's source: a module constant's tests include the tests of every file that names it."""
+    file = REPO / path
+    return file.read_text() if file.is_file() else ""
 
 
 def _environment(extra_roots: list[str]) -> dict[str, str]:

@@ -127,6 +127,32 @@ def _patch_global(module: types.ModuleType, tree: ast.Module, mutant: Mutant, ro
     for other in _project_modules(roots):
         if other is module or vars(other).get(mutant.qualname) is old:
             setattr(other, mutant.qualname, value)
+    _rebind_defaults(module, tree, mutant.qualname, value)
+
+
+def _rebind_defaults(module: types.ModuleType, tree: ast.Module, name: str, value: Any) -> None:
+    """A default written as ``arg=NAME`` was evaluated at import: give the live function the mutated value."""
+    live = {f.__qualname__: f for f in _live_functions(module)}
+    scopes: list[tuple[str, ast.AST]] = [("", tree)]
+    while scopes:
+        prefix, node = scopes.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                scopes.append((f"{prefix}{child.name}.", child))
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                function = live.get(f"{prefix}{child.name}")
+                if function is not None:
+                    _rebind(function, child.args, name, value)
+
+
+def _rebind(function: types.FunctionType, args: ast.arguments, name: str, value: Any) -> None:
+    positional = args.defaults
+    if function.__defaults__ is not None and any(isinstance(d, ast.Name) and d.id == name for d in positional):
+        function.__defaults__ = tuple(value if isinstance(d, ast.Name) and d.id == name else live_value
+                                      for d, live_value in zip(positional, function.__defaults__, strict=True))
+    for arg, default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
+        if isinstance(default, ast.Name) and default.id == name and function.__kwdefaults__ is not None:
+            function.__kwdefaults__[arg.arg] = value
 
 
 def clear_caches(roots: tuple[str, ...], labels: list[str] | None = None) -> None:

@@ -1,0 +1,110 @@
+"""The capture record: its shape rules, derived fields, and what the npz reader and writer accept."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fixtures.attention_captures import small_capture
+from harness.attention import capture as capture_io
+from harness.attention.capture import Capture
+from harness.attention.layout import AttentionLayout
+
+pytestmark = pytest.mark.cpu
+
+PREFILL = AttentionLayout(3, 4, 1, "prefill")  # Q 8 x KV 8
+DENOISE = AttentionLayout(3, 4, 1, "denoise")  # Q 5 x KV 7
+
+_UNPICKLED: list[str] = []
+
+
+class _Tripwire:
+    """Records its own unpickling: a capture file must never run a pickle."""
+
+    def __setstate__(self, state: dict) -> None:
+        _UNPICKLED.append("unpickled")
+
+
+def _tensors(batch=1, q_len=3, kv_len=5, heads=2, kv_heads=2, dim=4, kv_batch=None, kv_dim=None):
+    q = torch.zeros(batch, q_len, heads, dim)
+    k = torch.zeros(kv_batch or batch, kv_len, kv_heads, kv_dim or dim)
+    mask = torch.ones(batch, 1, q_len, kv_len, dtype=torch.bool)
+    return q, k, k.clone(), mask
+
+
+def test_a_capture_needs_4d_float_arrays_that_agree_and_a_bool_mask_of_their_shape():
+    for overrides, match in (
+            ({"kv_batch": 2}, r"query \(1, 3, 2, 4\) and key \(2, 5, 2, 4\) must share batch and head dim"),
+            ({"kv_dim": 8}, r"query \(1, 3, 2, 4\) and key \(1, 5, 2, 8\) must share batch and head dim"),
+            ({"heads": 3, "kv_heads": 2}, "3 query heads are not a multiple of 2 key/value heads")):
+        with pytest.raises(ValueError, match=match):
+            Capture(*_tensors(**overrides), name="t")
+    q, k, v, mask = _tensors()
+    with pytest.raises(ValueError, match=r"capture t: query must be a \(B, S, H, D\) tensor, got torch.Size\(\[3, 2,"):
+        Capture(q[0], k, v, mask, name="t")
+    with pytest.raises(ValueError, match="capture t: key must be a .* tensor, got list"):
+        Capture(q, [1.0], v, mask, name="t")
+    with pytest.raises(ValueError, match=r"mask must be bool of shape \(B, 1, Q, KV\) = \(1, 1, 3, 5\), got "
+                                         r"torch.float32 \(1, 1, 3, 5\)"):
+        Capture(q, k, v, mask.float(), name="t")
+    with pytest.raises(ValueError, match=r"= \(1, 1, 3, 5\), got torch.bool \(1, 1, 3, 4\)"):
+        Capture(q, k, v, mask[..., :4], name="t")
+
+
+def test_derived_lengths_heads_phase_and_seed_call_names():
+    got = {layout.phase: (c.q_len, c.kv_len, c.heads, c.kv_heads, c.phase, c.name)
+           for layout in (PREFILL, DENOISE) for c in [small_capture(layout, heads=4, kv_heads=2)]}
+    assert got == {"prefill": (8, 8, 4, 2, "prefill", "synthetic_call0_rank0.npz"),
+                   "denoise": (5, 7, 4, 2, "denoise", "synthetic_call32_rank0.npz")}
+
+
+def test_heads_first_and_select_heads_keep_gqa_groups():
+    capture = small_capture(DENOISE, heads=4, kv_heads=2, head_dim=8, seed=1)
+    q, k, v = capture.heads_first()
+    assert [(tuple(t.shape), t.is_contiguous()) for t in (q, k, v)] == [((1, 4, 5, 8), True), ((1, 2, 7, 8), True),
+                                                                         ((1, 2, 7, 8), True)]
+    assert torch.equal(q, capture.query.transpose(1, 2)) and torch.equal(v, capture.value.transpose(1, 2))
+    every = capture.select_heads(4)
+    assert (every.heads, every.kv_heads, torch.equal(every.key, capture.key)) == (4, 2, True)
+    two = capture.select_heads(2)
+    assert (two.heads, two.kv_heads, torch.equal(two.query, capture.query[:, :, :2])) == (2, 1, True)
+    for heads in (0, 3, 6):
+        with pytest.raises(ValueError, match=f"cannot keep {heads} of 4 query heads .*GQA group 2"):
+            capture.select_heads(heads)
+
+
+def test_synthetic_captures_own_their_masks_and_are_named_for_the_seed_calls():
+    for layout, batch, name in ((PREFILL, 1, "synthetic_call0_rank0.npz"), (DENOISE, 2, "synthetic_call32_rank0.npz")):
+        first = capture_io.synthetic_capture(layout, heads=1, head_dim=4, batch=batch)
+        assert first.mask.is_contiguous() and first.mask.shape == (batch, 1, layout.q_len, layout.kv_len)
+        assert first.name == name
+        first.mask[:, :, 0, 0] = False  # a caller may edit its capture's mask (e.g. to plant a bug)
+        again = capture_io.synthetic_capture(layout, heads=1, head_dim=4, batch=batch)
+        assert bool(again.mask[:, :, 0, 0].all()), layout.phase
+
+
+class _DeviceTensor(torch.Tensor):
+    """A tensor held off the CPU: like a CUDA tensor, it has to be copied to the CPU before numpy."""
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert a device tensor to numpy; use Tensor.cpu() to copy it to the host first")
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor)
+
+
+def test_saving_copies_device_tensors_to_the_host_in_c_order(tmp_path):
+    source = small_capture(DENOISE, heads=2, head_dim=8, seed=4)
+    # (B, S, H, D) views of tensors laid out the other way round, on a device
+    views = {name: getattr(source, name).permute(3, 2, 1, 0).contiguous().permute(3, 2, 1, 0)
+             for name in capture_io.CAPTURE_ARRAYS}
+    assert not views["query"].is_contiguous()
+    device = Capture(*(t.as_subclass(_DeviceTensor) for t in views.values()), scale=source.scale, name="device")
+    path = capture_io.save_capture(device, tmp_path / "call32_rank0.npz")
+    with np.load(path) as z:
+        orders = {name: np.isfortran(z[name]) for name in z.files}
+    assert orders == dict.fromkeys(capture_io.CAPTURE_ARRAYS, False)  # the seed's dumps are C-order
+    loaded = capture_io.load_capture(path)
+    for name in capture_io.CAPTURE_ARRAYS:
+        assert torch.equal(getattr(loaded, name), getattr(source, name)), name
