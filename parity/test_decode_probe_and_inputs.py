@@ -122,3 +122,15 @@ def test_the_encode_clip_server_checks_windows_and_that_every_gathered_moment_wa
     with serve.serve_encode_clips(vae, frame, length, moments[:1]):
         assert vae._encode_clip(frame) is moments[0]
     assert "_encode_clip" not in vae.__dict__
+
+
+@pytest.mark.cpu
+def test_tile_windows_are_row_major_and_refuse_a_tile_past_the_grid():
+    tiles = plan_mod.TilePlan(ratio=8, y_starts=(0, 48), y_lengths=(64, 32), x_starts=(0, 48, 96),
+                              x_lengths=(64, 64, 16))
+    assert tiles.num_tiles == 6
+    assert tiles.latent_window(0) == (slice(0, 8), slice(0, 8))
+    assert tiles.latent_window(5) == (slice(6, 10), slice(12, 14))  # row 1, column 2
+    for outside in (-1, 6):
+        with pytest.raises(ValueError, match=rf"tile {outside} is outside this plan's 6 tiles"):
+            tiles.latent_window(outside)
