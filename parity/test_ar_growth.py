@@ -131,6 +131,29 @@ def test_growth_ratio_and_step_curve_values():
 
 
 @pytest.mark.cpu
+def test_growth_ratio_reads_whole_thirds():
+    assert verdicts.growth_ratio(torch.tensor([1.0, 2, 3, 4, 5, 6])) == 5.5 / 1.5  # thirds of two steps
+    assert verdicts.growth_ratio(torch.tensor([1.0, 2, 4])) == 4.0  # thirds of one step
+    assert verdicts.growth_ratio(torch.tensor([1.0, 2, 3, 4, 5, 6, 7, 8])) == 7.5 / 1.5  # 8 // 3 = 2
+
+
+@pytest.mark.cpu
+def test_curves_leave_out_the_steps_a_row_never_emitted():
+    actual = torch.tensor([[1.0, 2.0, 3.0], [1.0, 4.0, 9.0]])  # row 1's third step was never emitted
+    curve = verdicts.step_curve(actual, torch.zeros(2, 3), torch.tensor([3, 2]))
+    assert curve.tolist() == [1.0, 3.0, 3.0]
+    with pytest.raises(ValueError, match=r"two \[B, N\] tensors, got \(2, 3\) vs \(2, 2\)"):
+        verdicts.step_curve(actual, torch.zeros(2, 2), torch.tensor([3, 2]))
+    with pytest.raises(ValueError, match=r"got \(6,\) vs \(6,\)"):
+        verdicts.step_curve(actual.flatten(), torch.zeros(6), torch.tensor([3, 2]))
+    reference = dataclasses.replace(_rollout(torch.tensor([[-1.0, -2.0, -4.0], [-3.0, -2.0, -8.0]])),
+                                    lengths=torch.tensor([3, 2]))
+    resolution = verdicts.resolution_curve(reference)
+    assert resolution.dtype == torch.float64
+    assert resolution.tolist() == [verdicts.FP32_EPS * v for v in (2.0, 2.0, 4.0)]
+
+
+@pytest.mark.cpu
 def test_growth_judge_reads_a_shrinking_floor_as_flat_and_requires_equal_tokens():
     reference = _rollout(torch.full((2, 9), -1.0))
     shrinking = reference.logp + torch.logspace(-5, -7, 9)[None]
