@@ -134,3 +134,11 @@ def test_tile_windows_are_row_major_and_refuse_a_tile_past_the_grid():
     for outside in (-1, 6):
         with pytest.raises(ValueError, match=rf"tile {outside} is outside this plan's 6 tiles"):
             tiles.latent_window(outside)
+
+
+@pytest.mark.cpu
+def test_the_split_shards_tiles_only_where_the_busiest_rank_gets_less():
+    assert plan_mod.choose_split(4, 1, 2) == "tiles"  # one clip of two tiles: 0.5 of the work vs all of it
+    assert plan_mod.choose_split(2, 4, 9) == "clips"  # 2/4 vs 18/36: a tie keeps whole clips
+    assert plan_mod.choose_split(8, 7, 9) == "tiles"
+    assert plan_mod.choose_split(8, 7, 1) == "clips"  # one tile per clip: nothing to split
