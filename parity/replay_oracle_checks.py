@@ -26,6 +26,7 @@ from fixtures.replay_cases import FAKE_LATENT, GUIDANCE, fake_problem, real_cont
 from fixtures.replay_models import tiny_sd3
 from harness.checks import CheckContext, register
 from harness.compare import Close, Verdict, close, expect, max_abs_diff, noise_floor
+from harness.growth import GROWTH_BUDGET, GROWTH_K_MAX, GROWTH_K_MIN, growth_ratio
 from harness.replay import denoiser, oracles
 from harness.replay.conditions import Conditions, payload_rows, slice_rows
 from harness.replay.controls import InflatedBatch, measure_batch_shape_control
@@ -50,7 +51,6 @@ DRAW_ROWS = 16
 RATIO_FLOOR_MULTIPLE, RATIO_FLOOR_ULPS = 4.0, 4.0
 GROWTH_STEPS = 10  # all T steps replayed at once
 GROWTH_BATCH = 2
-GROWTH_BUDGET = 2.0  # the batched error may grow at most 2x faster than the stock floor grows
 
 
 @dataclass(frozen=True)
@@ -415,15 +415,6 @@ def error_curves(problem: ReplayProblem) -> tuple[ReplayRun, torch.Tensor | None
     return run, curve, torch.tensor(stock_floor_curve(), dtype=torch.float64)
 
 
-def growth_ratio(curve: torch.Tensor) -> float:
-    """Mean of the last third of a curve over the mean of its first third; inf if any point is not finite."""
-    if not bool(torch.isfinite(curve).all()):
-        return math.inf
-    third = max(1, curve.numel() // 3)
-    early, late = float(curve[:third].mean()), float(curve[-third:].mean())
-    return late / early if early > 0 else (0.0 if late == 0 else math.inf)
-
-
 def single_step_policy(problem: ReplayProblem) -> Close:
     """The policy a worst-element check would use on this problem: max(4 x the stock max-abs floor,
     4 fp32 eps x the latents' scale) -- the bound the drift ablation stays under."""
@@ -457,5 +448,6 @@ def error_growth(ctx: CheckContext) -> Verdict:
                                    error_growth=grows, floor_growth=floor_grows)
     verdict = verdict.require(bool(torch.isfinite(floor).all()) and float(floor.min()) > 0,
                               f"stock per-step floor measured on all {GROWTH_STEPS} steps (finite, > 0)")
-    verdict = verdict.require_bounded(policy.bound, floor_grows, k_min=1.5, k_max=4.0, what="growth budget")
+    verdict = verdict.require_bounded(policy.bound, floor_grows, k_min=GROWTH_K_MIN, k_max=GROWTH_K_MAX,
+                                      what="growth budget")
     return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)

@@ -25,6 +25,7 @@ import torch
 from harness.ar.loop import Rollout
 from harness.ar.spy import ARForwardSpy
 from harness.compare import Policy, Verdict, close, exact, max_abs_diff, noise_floor
+from harness.growth import GROWTH_BUDGET, GROWTH_K_MAX, GROWTH_K_MIN, growth_ratio
 
 __all__ = [
     "GROWTH_BUDGET",
@@ -303,10 +304,6 @@ def require_path(verdict: Verdict, spy: ARForwardSpy, batch_size: int) -> Verdic
 
 # --------------------------------------------------------------------------------------------- growth
 
-# The batched per-step error may grow at most GROWTH_BUDGET x as fast as the stock per-step floor grows
-# (replay's budget); a budget outside [GROWTH_K_MIN, GROWTH_K_MAX] x the floor's growth fails.
-GROWTH_BUDGET = 2.0
-GROWTH_K_MIN, GROWTH_K_MAX = 1.5, 4.0
 MIN_GROWTH_STEPS = 6  # thirds of at least two steps each
 
 
@@ -325,15 +322,6 @@ def resolution_curve(reference: Rollout) -> torch.Tensor:
     logp = reference.logp.double().abs()
     emitted = (torch.arange(logp.shape[1])[None] < reference.lengths[:, None]).double()
     return FP32_EPS * (logp * emitted).sum(dim=0) / emitted.sum(dim=0)
-
-
-def growth_ratio(curve: torch.Tensor) -> float:
-    """Mean of the last third of a curve over the mean of its first third; inf if any point is not finite."""
-    if not bool(torch.isfinite(curve).all()):
-        return math.inf
-    third = max(1, curve.numel() // 3)
-    early, late = float(curve[:third].mean()), float(curve[-third:].mean())
-    return late / early if early > 0 else (0.0 if late == 0 else math.inf)
 
 
 @torch.no_grad()

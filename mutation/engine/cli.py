@@ -33,7 +33,7 @@ __all__ = ["PATHS", "main"]
 REPO = Path(__file__).resolve().parents[2]
 PATHS: dict[str, list[str]] = {
     "replay": ["harness/replay"], "ar": ["harness/ar"], "decode": ["harness/decode"],
-    "attention": ["harness/attention"], "compare": ["harness/compare.py"],
+    "attention": ["harness/attention"], "compare": ["harness/compare.py", "harness/growth.py"],
 }
 ROOTS = ("harness", "fakes", "fixtures", "parity", "mutation", "gpu", "tests")
 DEFAULT_PYTEST = ["-m", "cpu", "-q"]
