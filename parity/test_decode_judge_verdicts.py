@@ -99,3 +99,18 @@ def test_the_plan_oracle_passes_the_plan_and_names_same_shaped_wrong_windows(mon
     monkeypatch.setattr(plan_mod, "tile_latents", lambda w, tiles, t: tile(w, tiles, t).flip(2))
     flipped = oracle.judge_plan_against_library("decode.oracle.tiny", cases)
     assert flipped.metrics["tile_mismatches"] == ["t9 (2, 2) tiling=on: plan 2 tiles, library 2"]
+
+
+@pytest.mark.cpu
+def test_a_fault_that_other_ranks_never_hear_of_fails_even_without_a_hang():
+    """Rank 1 raises alone while the others return: nobody is stuck, but the group did not fail together."""
+    from harness.dist import RankOutcome
+
+    alone = [RankOutcome(0, "ok"), RankOutcome(1, "raised", "ShardedDecodeError: rank 1 failed: boom"),
+             RankOutcome(2, "ok")]
+    verdict = judge.judge_fault_outcomes("decode.fault", alone, 3, 1, "boom", None)
+    assert not verdict.passed
+    assert verdict.metrics["outcome"] == "1/3 ranks raise; no hang"
+    assert verdict.metrics["sharded_decode_errors"] == "1/3"
+    together = [RankOutcome(r, "raised", "ShardedDecodeError: rank 1 failed: boom") for r in range(3)]
+    assert judge.judge_fault_outcomes("decode.fault", together, 3, 1, "boom", None).passed

@@ -121,3 +121,21 @@ def test_replay_checks_its_inputs_before_any_forward():
                                        FlowGRPOSDE(), (0,)))
         _refused(ValueError, "conditions are for batch 1 but the segment holds 2 samples",
                  lambda f=replay_fn: f(adapter, Conditions(batch=1, rows={}), segment, FlowGRPOSDE(), (0,)))
+
+
+def test_a_guidance_schedule_too_short_for_the_targets_is_refused_before_any_forward():
+    """Step 1 has no CFG scale: refused up front, not after step 0's forward already ran."""
+
+    class Counting(_Rows):
+        calls = 0
+
+        def forward(self, hidden, timestep, conditions):
+            Counting.calls += 1
+            return super().forward(hidden, timestep, conditions)
+
+    segment = TrajectorySegment(torch.zeros(2, 3, 4), (0, 1, 2), flow_sigmas(2), (0, 1), torch.zeros(2, 2))
+    guided = Conditions(batch=2, rows={}, negative=Conditions(batch=2, rows={}))
+    adapter = Counting(UNCOND_FIRST)
+    _refused(ValueError, "guidance schedule has 1 entries; no scale for step 1",
+             lambda: replay_serial(adapter, guided, segment, FlowGRPOSDE(), (0, 1), guidance=[7.0]))
+    assert Counting.calls == 0
