@@ -93,7 +93,7 @@ def ar_check(check_id: str, ctx: CheckContext) -> Verdict:
     prompts = _prompts(backend, PROMPT_LENGTHS, seed=0)
     fast, reference, spy = _runs(backend, prompts, ctx.device)
     if ctx.dtype == torch.float32:
-        floor = stock_prefill_floor(backend)
+        floor = stock_prefill_floor(backend, rows=len(prompts), length=max(PROMPT_LENGTHS))  # the batch's shape
         policies = fp32_policies(floor)
         verdict = judge_tokens(check_id, fast, reference, exact()).merge(
             judge_logp(check_id, fast, reference, policies.logp))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from harness import ablation as ablation_mod
-from harness import catalogue, checkpoints, checks, compat, conformance, launch, report
+from harness import catalogue, checkpoints, checks, compat, conformance, host, launch, report
 from harness import device_map as device_maps
 from harness.ablation import KillResult
 from harness.checks import CheckContext
@@ -131,7 +131,7 @@ class ParitySession:
     def report(self) -> dict[str, Any]:
         order = {c.id: i for i, c in enumerate(checks.all_checks())}
         verdicts = sorted(self.verdicts.values(), key=lambda v: (order.get(v.check_id, len(order)), v.check_id))
-        return report.build(verdicts, self.kills, implementations=conformance.specs())
+        return report.build(verdicts, self.kills, implementations=conformance.specs(), host=host.fingerprint())
 
     def close(self) -> None:
         for pool in self._pools.values():

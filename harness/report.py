@@ -2,7 +2,8 @@
 
 The JSON shape is a contract for CI tools::
 
-    {"implementations": {path: "module:callable"},   # only in conformance mode (--impl)
+    {"host": {...},                                   # where it ran: torch, CPU capability, MKL/oneDNN, threads
+     "implementations": {path: "module:callable"},   # only in conformance mode (--impl)
      "checks": [{"id", "path", "where", "passed", "metrics", "policy", "margin"}],
      "ablations": [{"name", "path", "kill_mode", "kills": [{"check", "killed", "mode", "declared", "margin"}]}],
      "summary": {"checks", "passed", "ablations", "killed"}}
@@ -21,6 +22,7 @@ from typing import Any
 from harness import ablation, checks
 from harness.ablation import KillResult
 from harness.compare import Verdict
+from harness.host import summary as host_summary
 
 __all__ = ["build", "render_markdown", "render_terminal", "write"]
 
@@ -41,8 +43,9 @@ def _plain(value: Any) -> Any:
 
 
 def build(verdicts: Iterable[Verdict], kills: Iterable[KillResult],
-          implementations: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The report; ``implementations`` names the implementation under test per path (conformance mode)."""
+          implementations: Mapping[str, str] | None = None, host: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The report; ``implementations`` names the implementation under test per path (conformance mode),
+    ``host`` where the run happened (``harness.host.fingerprint``)."""
     rows = []
     for v in verdicts:
         registered = checks.get(v.check_id) if checks.exists(v.check_id) else None
@@ -80,6 +83,8 @@ def build(verdicts: Iterable[Verdict], kills: Iterable[KillResult],
     built: dict[str, Any] = {"checks": rows, "ablations": ablations, "summary": summary}
     if implementations:
         built = {"implementations": dict(sorted(implementations.items())), **built}
+    if host is not None:
+        built = {"host": _plain(dict(host)), **built}
     return built
 
 
@@ -155,6 +160,8 @@ def render_terminal(report: dict[str, Any]) -> str:
     s = report["summary"]
     lines += ["", f"checks: {s['passed']}/{s['checks']} passed; ablations: {s['killed']}/{s['ablations']} killed all "
               "their checks"]
+    if "host" in report:
+        lines.append(f"host: {host_summary(report['host'])}")
     return "\n".join(lines)
 
 
@@ -171,6 +178,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += [f"**implementation under test for {path}**: `{spec}`  " for path, spec in _under_test(report)]
     lines += [f"**checks** {s['passed']}/{s['checks']} passed · **ablations** {s['killed']}/{s['ablations']} killed",
               ""]
+    if "host" in report:
+        lines += [f"**host** {host_summary(report['host'])}", ""]
     if checks:
         lines += ["## Parity checks", "", *md(["status", "check", "headline", "tolerance", "margin"], checks), ""]
     if ablations:

@@ -46,6 +46,11 @@ def _stack_kv(cache: Any, row: int, slots: torch.Tensor) -> torch.Tensor:
                         for k, v in ar_cache.layer_buffers(cache)])
 
 
+def _check_row(rows: int, row: int) -> None:
+    if rows < 1 or not 0 <= row < rows:
+        raise ValueError(f"a stock control batch needs rows >= 1 and 0 <= row < rows, got rows={rows}, row={row}")
+
+
 def _stops(eos: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(eos), dtype=torch.long, device=device)
 
@@ -199,30 +204,34 @@ class UpstreamBackend:
         return StockRun(tokens=torch.stack(tokens), logits=torch.stack(steps).float(),
                         kv=_stack_kv(cache, 0, torch.arange(length + fed)))
 
-    def stock_padded(self, prompt: torch.Tensor, tokens: torch.Tensor, width: int, max_cache_len: int) -> torch.Tensor:
+    def stock_padded(self, prompt: torch.Tensor, tokens: torch.Tensor, width: int, max_cache_len: int,
+                     rows: int = 1, row: int = 0) -> torch.Tensor:
         """Teacher-forced stock logits ``[N, V]`` of one prompt right-padded to ``width`` in a static cache of
         ``max_cache_len`` slots (the batch's): upstream's own hooks and mask builder, the prefill mask's key axis
         padded with False to the cache length, prefill logits read at the last real column, each decode step
         under a mask admitting the row's own slots ``[0, real_pos + k]``. Only padding and the longer key axis
-        differ from ``stock_generate``: the legitimate rounding a bf16 policy must allow. No harness loop runs."""
+        differ from ``stock_generate``: the legitimate rounding a bf16 policy must allow. With ``rows`` > 1 the
+        prompt fills every row of a ``rows``-row batch (one uniform batch, which upstream's own hooks handle) and
+        ``row``'s logits come back: the batch shape the fast path runs, without its code. No harness loop runs."""
         length, count, device = int(prompt.numel()), int(tokens.numel()), prompt.device
-        buf = torch.full((1, max(width, length + count)), self.pad_id, dtype=torch.long, device=device)
-        buf[0, :length] = prompt
+        _check_row(rows, row)
+        buf = torch.full((rows, max(width, length + count)), self.pad_id, dtype=torch.long, device=device)
+        buf[:, :length] = prompt
         kwargs: dict[str, Any] = {
-            "position_ids": torch.arange(width, device=device)[None], "mode": "gen_text",
-            "past_key_values": self.new_cache(1, max_cache_len, dynamic=False),
-            "tokenizer_output": self._tokenizer_output(torch.tensor([[length]], device=device)),
-            **self.rope_kwargs(1, max_cache_len, device)}
+            "position_ids": torch.arange(width, device=device)[None].expand(rows, -1), "mode": "gen_text",
+            "past_key_values": self.new_cache(rows, max_cache_len, dynamic=False),
+            "tokenizer_output": self._tokenizer_output(torch.full((rows, 1), length, device=device)),
+            **self.rope_kwargs(rows, max_cache_len, device)}
         causal = getattr(self.model, compat.GENERATE_MASK_BUILDER)(buf[:, :width], self.model.generation_config, kwargs)
-        mask = torch.zeros(1, 1, width, max_cache_len, dtype=torch.bool, device=device)
+        mask = torch.zeros(rows, 1, width, max_cache_len, dtype=torch.bool, device=device)
         mask[..., :width] = causal
         logits, kwargs = self._step(buf[:, :width], kwargs, mask)
-        steps = [logits[0, length - 1]]
+        steps = [logits[row, length - 1]]
         slots = torch.arange(max_cache_len, device=device)
         for k in range(count - 1):
-            buf[0, length + k] = tokens[k]  # upstream re-reads the input at position_ids = real_pos + k
-            logits, kwargs = self._step(buf, kwargs, (slots <= length + k)[None, None, None])
-            steps.append(logits[0, -1])
+            buf[:, length + k] = tokens[k]  # upstream re-reads the input at position_ids = real_pos + k
+            logits, kwargs = self._step(buf, kwargs, (slots <= length + k)[None, None, None].expand(rows, 1, 1, -1))
+            steps.append(logits[row, -1])
         return torch.stack(steps).float()
 
     def stock_prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,29 +342,32 @@ class TransformersBackend:
         return StockRun(tokens=torch.stack(tokens), logits=torch.stack(steps).float(),
                         kv=_stack_kv(cache, 0, torch.arange(prompt.numel() + fed)))
 
-    def stock_padded(self, prompt: torch.Tensor, tokens: torch.Tensor, width: int, max_cache_len: int) -> torch.Tensor:
+    def stock_padded(self, prompt: torch.Tensor, tokens: torch.Tensor, width: int, max_cache_len: int,
+                     rows: int = 1, row: int = 0) -> torch.Tensor:
         """Teacher-forced logits ``[N, V]`` of one prompt right-padded to ``width`` in the model's own static cache
         of ``max_cache_len`` slots, hole layout (token k at slot ``width + k``, RoPE position ``real_pos + k``),
         every step masked to the row's own keys. Only padding and the longer key axis differ from
-        ``stock_generate``; no harness loop runs."""
+        ``stock_generate``; with ``rows`` > 1 the prompt fills every row of a uniform ``rows``-row batch and
+        ``row``'s logits come back (the fast path's batch shape, without its code). No harness loop runs."""
         from transformers import StaticCache
 
         length, count, device = int(prompt.numel()), int(tokens.numel()), prompt.device
-        ids = torch.full((1, width), self.pad_id, dtype=torch.long, device=device)
-        ids[0, :length] = prompt
+        _check_row(rows, row)
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long, device=device)
+        ids[:, :length] = prompt
         cache = StaticCache(config=self.model.config, max_cache_len=max_cache_len)
         slots = torch.arange(max_cache_len, device=device)
-        rows = torch.arange(width, device=device)[:, None]
-        prefill = ((slots[None] <= rows) & (slots[None] < length))[None, None]
-        logits = self._run(ids, prefill, torch.arange(width, device=device)[None], cache,
+        positions = torch.arange(width, device=device)[:, None]
+        prefill = ((slots[None] <= positions) & (slots[None] < length))[None, None].expand(rows, 1, -1, -1)
+        logits = self._run(ids, prefill, torch.arange(width, device=device)[None].expand(rows, -1), cache,
                            torch.arange(width, device=device))
-        steps = [logits[0, length - 1]]
+        steps = [logits[row, length - 1]]
         for k in range(count - 1):
             valid = (slots < length) | ((slots >= width) & (slots <= width + k))
-            logits = self._run(tokens[k].reshape(1, 1), valid[None, None, None],
-                               torch.tensor([[length + k]], device=device), cache,
+            logits = self._run(tokens[k].reshape(1, 1).expand(rows, 1), valid[None, None, None].expand(rows, 1, 1, -1),
+                               torch.full((rows, 1), length + k, device=device), cache,
                                torch.tensor([width + k], device=device))
-            steps.append(logits[0, -1])
+            steps.append(logits[row, -1])
         return torch.stack(steps).float()
 
     def stock_prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
