@@ -115,7 +115,7 @@ def test_table_and_both_report_formats(demo):
     data = json.loads((demo.path / "out/parity.json").read_text())
     assert set(data) == {"host", "checks", "ablations", "summary"}
     assert data["host"] == json.loads(json.dumps(host.fingerprint()))  # where it ran, for scripts/compare-reports
-    assert list(data)[0] == "host" and data["host"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert next(iter(data)) == "host" and data["host"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert {"id", "path", "where", "passed", "metrics", "policy", "margin"} <= set(data["checks"][0])
     assert data["checks"][0]["where"] == "demo_checks:double_exact"
     assert data["checks"][0]["path"] == "demo"
