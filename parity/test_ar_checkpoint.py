@@ -170,7 +170,8 @@ def test_bf16_load_keeps_upstreams_fp32_router(hunyuan_dir, offline):
 
 
 def test_dense_kind_loads(tmp_path, offline):
-    model = load_model(detect(write_hunyuan_remote_code(tmp_path / "dense", kind="dense")), torch.float32, "cpu")
+    model = load_model(detect(write_hunyuan_remote_code(tmp_path / "dense", kind="dense",
+                                                           generation=ar_models.PORTABLE)), torch.float32, "cpu")
     assert type(model).__module__.startswith(REMOTE_PREFIX)
     assert model.config.num_experts == 1
     assert type(model.layers[0].mlp).__name__ == "HunyuanMLP"
