@@ -74,7 +74,8 @@ class CachedRoPE:
 
 class FullAttentionSlices:
     """Generation 2's image processor, as far as the mask builder asks it: each row's full-attention slices,
-    read from ``tokenizer_output`` by ``cond_image_type`` and ``cond_token_attn_type``."""
+    read from ``tokenizer_output`` by ``cond_image_type`` and ``cond_token_attn_type``. Like upstream it reads
+    every choice of its ``cond_image_type`` before picking one (``vae_vit`` reads the joint slices too)."""
 
     # cond_image_type -> cond_token_attn_type -> the tokenizer_output fields whose slices attend fully
     CHOICES: ClassVar[dict[str, dict[str, tuple[str, ...]]]] = {
@@ -85,13 +86,16 @@ class FullAttentionSlices:
     }
 
     def __init__(self, config: HunyuanImage3Config) -> None:
-        if config.cond_image_type not in self.CHOICES:
-            raise ValueError(f"Unknown cond_image_type: {config.cond_image_type}")
-        self.fields = self.CHOICES[config.cond_image_type][config.cond_token_attn_type]
+        self.cond_image_type = config.cond_image_type
+        self.cond_token_attn_type = config.cond_token_attn_type
 
     def prepare_full_attn_slices(self, output: Any, batch_idx: int, with_gen: bool = True) -> list[slice]:
-        fields = (*self.fields, "gen_image_slices") if with_gen else self.fields
-        return [span for name in fields for span in getattr(output, name)[batch_idx]]
+        if self.cond_image_type not in self.CHOICES:
+            raise ValueError(f"Unknown cond_image_type: {self.cond_image_type}")
+        choices = {choice: [span for name in fields for span in getattr(output, name)[batch_idx]]
+                   for choice, fields in self.CHOICES[self.cond_image_type].items()}
+        slices = choices[self.cond_token_attn_type]
+        return slices + output.gen_image_slices[batch_idx] if with_gen else slices
 
 
 class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):

@@ -23,6 +23,7 @@ from fixtures.ar_checkpoint import auto_map, modeling_file
 from harness import compat
 from harness.ar.backends import UpstreamBackend, remote_code_name
 from harness.ar.bf16 import kl_rows
+from harness.ar.contract import run_contract
 from harness.ar.routing import probe_routing
 
 pytestmark = pytest.mark.cpu
@@ -242,18 +243,21 @@ def test_mask_builder_reads_tokenizer_output(generation: int | str) -> None:
     empty = {"joint_image_slices": [[]], "gen_image_slices": [[]], "vae_image_slices": [[]], "vit_image_slices": [[]]}
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
     assert torch.equal(build(ids, model.generation_config, {"tokenizer_output": _slices(**empty)})[0, 0], causal)
-    read = ("joint_image_slices", "gen_image_slices") if generation == 1 else (
+    full = ("joint_image_slices", "gen_image_slices") if generation == 1 else (
         "vae_image_slices", "vit_image_slices", "gen_image_slices")
+    read = full if generation == 1 else (*full, "joint_image_slices")  # gen 2 reads every vae_vit choice
     for field in empty:
         fields = {**empty, field: [[slice(1, 4)]]}
         built = build(ids, model.generation_config, {"tokenizer_output": _slices(**fields)})[0, 0]
         block = causal.clone()
         block[1:4, 1:4] = True
-        assert torch.equal(built, block if field in read else causal), field
+        assert torch.equal(built, block if field in full else causal), field
         missing = {k: v for k, v in empty.items() if k != field}
         if field in read:
             with pytest.raises(AttributeError, match=field):
                 build(ids, model.generation_config, {"tokenizer_output": _slices(**missing)})
+        else:
+            build(ids, model.generation_config, {"tokenizer_output": _slices(**missing)})
     if generation != 1:  # generation 2's image processor: joint slices under cond_token_attn_type="joint_full"
         config = copy.deepcopy(model.config)
         config.cond_token_attn_type = "joint_full"
@@ -286,6 +290,19 @@ def test_moe_routing(generation: int | str) -> None:
         assert "moe_drop_tokens=True, capacity_factor=1.0" in dropped.describe()
     if generation == 2:
         assert "single-token path" in probe.describe() and "not on padding" in probe.describe()
+
+
+# ------------------------------------------------------------------------------- the row runner, on the fakes
+@GENERATIONS
+def test_the_contract_runner_passes_on_the_fakes(generation: int | str) -> None:
+    """harness.ar.contract runs the rows above on a loaded model (scripts/check-upstream runs it on the real code);
+    on the fakes of the real generations every row passes. The portable fake departs where it must: its MoE
+    ignores the batch (row 13) and its cache takes the installed arity (row 3)."""
+    rows = run_contract(_backend(generation))
+    departs = {13, *(() if compat.lazy_init_arity() == 1 else (3,))} if generation == ar_models.PORTABLE else set()
+    assert [r.number for r in rows] == list(range(1, 14))
+    failed = {r.number: r.measured for r in rows if not r.passed}
+    assert set(failed) == departs, failed
 
 
 # ------------------------------------------------------------------------------------- transformers 5.x refusal
