@@ -134,5 +134,5 @@ def ar_check(check_id: str, ctx: CheckContext) -> Verdict:
                                                     "logp_error_curve": [float(f"{float(c):.4g}") for c in curve]})
     routing = checkpoint_routing(str(ctx.checkpoint), ctx.dtype, str(ctx.device))
     verdict = verdict.require(routing.independent, f"MoE routing ignores what shares a forward ({routing.describe()})",
-                              moe_layers=routing.layers)
+                              moe_layers=routing.layers, moe_routing=routing.describe())
     return require_path(verdict, spy, len(prompts))
