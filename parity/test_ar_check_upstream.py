@@ -84,8 +84,9 @@ def test_the_summary_reads_verdicts_kills_and_the_named_routing_cause() -> None:
 
 @pytest.mark.launch
 def test_the_cpu_patches_apply_from_outside() -> None:
-    """In a fresh interpreter (seconds: ``launch``): the stand-in imports in place of a torchvision that does not, the VAE's CUDA empty
-    lands on the CPU, and the MoE's set_device and NVTX range do nothing (each only where the host lacks them)."""
+    """In a fresh interpreter (seconds: ``launch``): the stand-in imports in place of a torchvision that does not,
+    the VAE's CUDA empty lands on the CPU, and the MoE's set_device and NVTX range do nothing (each only where the
+    host lacks them)."""
     probe = ("import torch; from fixtures import upstream_cpu; done = upstream_cpu.install(); "
              "import torchvision.transforms as T, transformers; "
              "from transformers import Siglip2ImageProcessorFast; "

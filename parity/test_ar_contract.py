@@ -20,10 +20,10 @@ import transformers
 
 from fixtures import ar_models
 from fixtures.ar_checkpoint import auto_map, modeling_file
+from fixtures.upstream_contract import run_contract
 from harness import compat
 from harness.ar.backends import UpstreamBackend, remote_code_name
 from harness.ar.bf16 import kl_rows
-from harness.ar.contract import run_contract
 from harness.ar.routing import probe_routing
 
 pytestmark = pytest.mark.cpu
@@ -295,8 +295,8 @@ def test_moe_routing(generation: int | str) -> None:
 # ------------------------------------------------------------------------------- the row runner, on the fakes
 @GENERATIONS
 def test_the_contract_runner_passes_on_the_fakes(generation: int | str) -> None:
-    """harness.ar.contract runs the rows above on a loaded model (scripts/check-upstream runs it on the real code);
-    on the fakes of the real generations every row passes. The portable fake departs where it must: its MoE
+    """fixtures.upstream_contract runs the rows above on a loaded model (scripts/check-upstream runs it on the real
+    code); on the fakes of the real generations every row passes. The portable fake departs where it must: its MoE
     ignores the batch (row 13) and its cache takes the installed arity (row 3)."""
     rows = run_contract(_backend(generation))
     departs = {13, *(() if compat.lazy_init_arity() == 1 else (3,))} if generation == ar_models.PORTABLE else set()

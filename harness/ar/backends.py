@@ -142,8 +142,8 @@ class UpstreamBackend:
         """What upstream's hooks and mask builders read from ``tokenizer_output`` for text-only rows: ``real_pos``
         (the first decode position) and every image-slice list either generation's builder reads, empty per row
         (generation 1 reads ``joint_image_slices`` and ``gen_image_slices``; generation 2's
-        ``image_processor.prepare_full_attn_slices`` reads ``vae_image_slices`` and ``vit_image_slices`` (and
-        ``joint_image_slices``, by ``cond_token_attn_type``) plus ``gen_image_slices``)."""
+        ``image_processor.prepare_full_attn_slices`` reads ``vae_image_slices``, ``vit_image_slices`` and
+        ``joint_image_slices``, every choice of its ``cond_image_type``, plus ``gen_image_slices``)."""
         rows = real_pos.shape[0]
         return SimpleNamespace(real_pos=real_pos, **{name: [[] for _ in range(rows)] for name in IMAGE_SLICE_FIELDS})
 

@@ -11,7 +11,7 @@ HunyuanImage-3 code break that, neither of them padding:
 ``probe_routing`` runs each MoE layer (a module with an ``experts`` ModuleList of two or more) on seeded hidden
 states ``[4, 3, H]`` and compares every token's output in that forward with its output in a forward of its row
 alone and in a forward of itself alone. A token whose output moves by more than ``ULPS`` units of the model
-dtype's epsilon, and at least ``MIN_MOVE``, relative to its own largest output element was routed differently:
+dtype's epsilon, and at least ``MIN_MOVE``, relative to its largest output element was routed differently:
 reshaping a GEMM moves an output by a few units at most (about 1e-6 in fp32), a different expert weighting by a
 sizeable fraction of it (0.27 to 0.87 on the tiny real-code checkpoints).
 """
@@ -59,19 +59,24 @@ class RoutingProbe:
                 f"(rounding bound {self.threshold:.1e} = max({ULPS} eps, 2^-10))")
         if self.independent:
             return head
-        causes = []
-        if worst_token > self.threshold:
-            layer = self.lone_token.index(worst_token)
-            causes.append(f"a token alone in a forward of one (every B=1 decode step) is routed differently from "
-                          f"the same token in a batch (layer {layer}): upstream's MoE has a separate single-token "
-                          "path or weighting")
-        if worst_row > self.threshold:
-            layer = self.own_row.index(worst_row)
+        return (f"MoE routing depends on what shares the forward ({self.cause()}), not on padding: batched and B=1 "
+                f"decoding compute different functions on this model. {head}")
+
+    def cause(self) -> str:
+        """What makes routing batch-dependent, in a few words ("" when nothing does). A row whose routing moves
+        with the other rows is expert capacity (its lone tokens move with it); lone tokens moving alone is a
+        separate single-token path."""
+        rows = max(self.own_row, default=0.0) > self.threshold
+        lone = max(self.lone_token, default=0.0) > self.threshold
+        if rows:
             knobs = ", ".join(f"{k}={v}" for k, v in self.knobs.items()) or "no capacity setting in the config"
-            causes.append(f"a row's routing changes with the other rows of its batch (layer {layer}): expert "
-                          f"capacity drops choices by batch composition ({knobs})")
-        return (f"MoE routing depends on what shares the forward, not on padding: {'; '.join(causes)}. Batched "
-                f"and B=1 decoding compute different functions on this model. {head}")
+            layer = self.own_row.index(max(self.own_row))
+            return f"expert capacity: a row's experts depend on the other rows of its batch, layer {layer}; {knobs}"
+        if lone:
+            layer = self.lone_token.index(max(self.lone_token))
+            return (f"single-token path: a token alone in a forward of one, every B=1 decode step, is weighted "
+                    f"differently from the same token in a batch, layer {layer}")
+        return ""
 
 
 def routing_bound(dtype: torch.dtype) -> float:
@@ -86,9 +91,11 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _moves(actual: torch.Tensor, reference: torch.Tensor) -> float:
-    """Largest per-token max|actual - reference| over that token's max|reference| (fp64; NaN reads as inf)."""
+    """Largest per-token max|actual - reference| over that token's larger max magnitude of the two (fp64; a token
+    that is zero in both does not move; NaN reads as inf)."""
     actual, reference = actual.double(), reference.double()
-    scale = reference.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float64).tiny)
+    scale = torch.maximum(reference.abs().amax(dim=-1), actual.abs().amax(dim=-1))
+    scale = scale.clamp_min(torch.finfo(torch.float64).tiny)
     moved = float(((actual - reference).abs().amax(dim=-1) / scale).max())
     return math.inf if math.isnan(moved) else moved
 
