@@ -52,7 +52,7 @@ class RoutingProbe:
 
     def describe(self) -> str:
         if not self.layers:
-            return "no MoE layer: nothing is routed"
+            return "no MoE layer with an experts ModuleList (dense, or fused experts): routing not probed"
         worst_token, worst_row = max(self.lone_token), max(self.own_row)
         head = (f"{self.layers} MoE layer(s) probed in {self.dtype}, {ROWS}x{POSITIONS} tokens; largest move of a "
                 f"token's output vs the batched forward: alone {worst_token:.2e}, in its own row {worst_row:.2e} "
@@ -116,9 +116,14 @@ def probe_routing(model: nn.Module, seed: int = 0) -> RoutingProbe:
         weight = next(p for p in layer.parameters() if p.dim() == 2 and p.dtype == dtype)
         hidden = next(p.shape[-1] for p in layer.experts[0].parameters() if p.dim() == 2)
         x = torch.randn(ROWS, POSITIONS, hidden, generator=gen).to(weight.device, dtype)
-        batched = layer(x)
-        rows.append(_moves(torch.cat([layer(x[r: r + 1]) for r in range(ROWS)]), batched))
-        alone = torch.stack([torch.cat([layer(x[r: r + 1, p: p + 1]) for p in range(POSITIONS)], dim=1)[0]
+
+        def run(part: torch.Tensor, layer: nn.Module = layer) -> torch.Tensor:
+            out = layer(part)
+            return out[0] if isinstance(out, tuple) else out  # some MoEs also return their router logits
+
+        batched = run(x)
+        rows.append(_moves(torch.cat([run(x[r: r + 1]) for r in range(ROWS)]), batched))
+        alone = torch.stack([torch.cat([run(x[r: r + 1, p: p + 1]) for p in range(POSITIONS)], dim=1)[0]
                              for r in range(ROWS)])
         lone.append(_moves(alone, batched))
     return RoutingProbe(len(layers), str(dtype).removeprefix("torch."), threshold, tuple(lone), tuple(rows), knobs)
