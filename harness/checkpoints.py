@@ -41,7 +41,10 @@ SOURCES = {
 # The suite's own kinds. A path that registers its kinds itself (its own register(plugins)) takes its
 # entry out of this tuple: two kinds claiming one class name are an error at detection.
 SHIPPED_KINDS = (
-    CheckpointKind("causal_lm", "ar", ("*ForCausalLM", "HunyuanImage3ForCausalMM"), "transformers"),
+    CheckpointKind("causal_lm", "ar", ("*ForCausalLM",), "transformers"),
+    # its own kind: it claims more gpu kill items than a plain causal LM (gpu/ar.py KIND_KILLS)
+    CheckpointKind("hunyuan_image3", "ar", ("HunyuanImage3ForCausalMM",), "remote_code",
+                   family="hunyuan_image3_remote_code"),
     CheckpointKind("attention_capture", "attention", (CAPTURE_GLOB,), "files"),
 )
 
