@@ -7,9 +7,11 @@ the hash of every project source file and the pytest arguments: a rerun on uncha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -108,8 +110,7 @@ def collect(repo: Path, files: list[str], pytest_args: list[str], roots: tuple[s
         spec = {"files": [str(repo / f) for f in files], "roots": list(roots), "tmp": tmp}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         log(f"coverage: running {' '.join(pytest_args)} once under coverage.py")
-        proc = subprocess.run([sys.executable, "-m", "mutation.engine.coverage_map", tmp, "--", *pytest_args],
-                              cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = _run_pass([sys.executable, "-m", "mutation.engine.coverage_map", tmp, "--", *pytest_args], repo, env)
         result = Path(tmp) / "map.json"
         if not result.is_file():
             raise RuntimeError(f"the coverage pass failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
@@ -125,6 +126,22 @@ def collect(repo: Path, files: list[str], pytest_args: list[str], roots: tuple[s
     log(f"coverage: {len(coverage_map.durations)} tests in {coverage_map.seconds:.0f} s "
         f"({len(coverage_map.failing)} not passing, never used to kill)")
     return coverage_map
+
+
+def _run_pass(command: list[str], repo: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The coverage pass in its own process group, so an interrupt takes its world ranks down with it."""
+    with tempfile.TemporaryFile("w+") as output:
+        proc = subprocess.Popen(command, cwd=repo, env=env, stdout=output, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            code = proc.wait()
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        output.seek(0)
+        return subprocess.CompletedProcess(command, code, output.read(), None)
 
 
 def _relative(repo: Path, file: str) -> str:
