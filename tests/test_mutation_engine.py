@@ -586,3 +586,13 @@ def test_a_mutant_that_drops_the_last_use_of_a_closure_variable_still_applies(bi
     patch_live(_site(mutants, "function", "pass"), roots=("mutbind",))  # `super().__init__(width)` dropped
     child = module.Child(3)
     assert not hasattr(child, "width")
+
+
+def test_a_package_init_is_mutated_as_the_package_the_tests_import():
+    found = {module: display for _, module, _, display in cli.targets(["replay"], [])}
+    assert found["harness.replay.families"] == "harness/replay/families/__init__.py"
+    assert not [m for m in found if m.endswith("__init__")]
+    ghost = Mutant("harness.replay.families.__init__", "harness/replay/families/__init__.py", 1, 0, "const",
+                   "- a\n+ b", "function", "get_family")
+    with pytest.raises(PatchError, match="second copy"):
+        patch_live(ghost, roots=("harness",))

@@ -142,7 +142,10 @@ def _display(path: Path) -> str:
 
 
 def _module_name(path: Path) -> str:
-    return ".".join(path.relative_to(REPO).with_suffix("").parts)
+    """The name the module is imported under: a package's ``__init__.py`` is the package itself (importing
+    ``pkg.__init__`` would load a second copy that no test uses, and its mutants would never run)."""
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def targets(paths: list[str], modules: list[str]) -> list[tuple[str, str, Path, str]]:

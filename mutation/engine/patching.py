@@ -81,6 +81,8 @@ def _project_modules(roots: tuple[str, ...]) -> list[types.ModuleType]:
 def patch_live(mutant: Mutant, *, roots: tuple[str, ...], in_place: bool = False) -> None:
     """Apply ``mutant`` to its already-imported module (imported here if it is not yet). ``in_place``: mutate
     the cached tree of the module (see ``operators.apply_in_place``), for a forked child that exits after."""
+    if mutant.module.rsplit(".", 1)[-1] == "__init__":
+        raise PatchError(f"{mutant.key}: {mutant.module} is a second copy of its package; mutate the package")
     module = importlib.import_module(mutant.module)
     path = Path(module.__file__ or "")
     source = path.read_text()
