@@ -139,3 +139,27 @@ def test_a_policy_with_no_tolerance_is_refused_under_a_floor_as_too_tight(what: 
     verdict = _judge(what, ref, ref, policies)
     assert not verdict.passed
     assert [fact for fact in verdict.violated_facts if "too tight" in fact], verdict.describe()
+
+
+def _curve_rollout(steps: int, offset: float = 0.0) -> Rollout:
+    logp = -1.0 - torch.arange(2 * steps, dtype=torch.float32).reshape(2, steps) / 10 + offset
+    tokens = torch.full((2, steps), 5)
+    return Rollout(tokens, logp, torch.zeros(2, steps, VOCAB), torch.tensor([steps, steps]), torch.tensor([3, 2]),
+                   (torch.zeros(1, 2, 1, 3 + steps, 2), torch.zeros(1, 2, 1, 2 + steps, 2)))
+
+
+def test_the_growth_check_judges_six_steps_and_refuses_five() -> None:
+    """Thirds of at least two steps each: six steps are the fewest a growth ratio is read from."""
+    ref = _curve_rollout(6)
+    control = _curve_rollout(6, offset=1e-4).logp
+    verdict = verdicts.judge_growth("ar.bounds.growth", _curve_rollout(6, offset=1e-5), ref, control)
+    assert verdict.passed, verdict.describe()
+    five = _curve_rollout(5)
+    with pytest.raises(ValueError, match="needs >= 6 steps, got 5"):
+        verdicts.judge_growth("ar.bounds.growth", five, five, five.logp)
+
+
+def test_the_growth_check_refuses_a_control_of_another_shape_alone() -> None:
+    ref = _curve_rollout(6)
+    with pytest.raises(ValueError, match="log-prob shapes differ"):
+        verdicts.judge_growth("ar.bounds.growth", ref, ref, _curve_rollout(7).logp)

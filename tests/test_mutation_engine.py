@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from mutation.engine import cli, equivalents, report
+from mutation.engine import coverage_map as covmap
 from mutation.engine.coverage_map import CoverageMap
 from mutation.engine.operators import OPERATORS, Mutant, apply, find_mutants
 from mutation.engine.patching import PatchError, patch_live
@@ -596,3 +597,28 @@ def test_a_package_init_is_mutated_as_the_package_the_tests_import():
                    "- a\n+ b", "function", "get_family")
     with pytest.raises(PatchError, match="second copy"):
         patch_live(ghost, roots=("harness",))
+
+
+def test_the_coverage_pass_splits_the_test_files_into_balanced_shards(tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["t", "u"]\n')
+    for name in ("t/test_a.py", "t/test_b.py", "u/test_c.py", "u/test_d.py", "u/helper.py"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "coverage-1.json").write_text(json.dumps({"durations": {
+        "t/test_a.py::x": 9.0, "t/test_b.py::y": 4.0, "u/test_c.py::z": 3.0, "u/test_d.py::w": 2.0}}))
+    assert covmap._shards(tmp_path, ["-m", "cpu"], 2, cache) == [["t/test_a.py"], [
+        "t/test_b.py", "u/test_c.py", "u/test_d.py"]]
+    assert covmap._shards(tmp_path, ["-m", "cpu", "t/test_b.py"], 2, cache) == [[]]  # the user's selection
+
+
+def test_shard_maps_merge_into_one():
+    one = {"lines": {"m.py": {"3": ["a::x"]}}, "caches": {"m.py": {"3": ["cache:k"]}},
+           "cache_users": {"cache:k": ["a::x"]}, "durations": {"a::x": 1.0}, "failing": [], "exit": 0}
+    two = {"lines": {"m.py": {"3": ["b::y"], "4": ["b::y"]}}, "caches": {"m.py": {"3": ["cache:k"]}},
+           "cache_users": {"cache:k": ["b::y"]}, "durations": {"b::y": 2.0}, "failing": ["b::z"], "exit": 1}
+    merged = CoverageMap.from_json(covmap._merge([one, two]))
+    assert merged.tests_for("m.py", 3) == ["a::x", "b::y"] and merged.tests_for("m.py", 4) == ["b::y"]
+    assert merged.cache_users == {"cache:k": ["a::x", "b::y"]} and merged.failing == ["b::z"]
+    assert merged.stale_caches("m.py", 3) == ["cache:k"]

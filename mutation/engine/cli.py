@@ -287,7 +287,8 @@ def _main(args: argparse.Namespace, pytest_args: list[str]) -> int:
     # one map serves every --path and any --module under harness/: every harness source is traced
     harness_files = [f for f in (REPO / "harness").rglob("*.py") if "__pycache__" not in f.parts]
     covered = sorted({_display(f) for f in harness_files} | {_display(f) for _, _, f, _ in found})
-    coverage_map = collect(REPO, covered, pytest_args, roots, cache_dir=args.cache_dir, env=env, log=_log)
+    coverage_map = collect(REPO, covered, pytest_args, roots, cache_dir=args.cache_dir, env=env, log=_log,
+                           jobs=args.jobs)
     coverage_map.lines = {(_display(REPO / f) if not Path(f).is_absolute() else _display(Path(f))): ls
                           for f, ls in coverage_map.lines.items()}
     mutants: list[tuple[str, Mutant]] = []

@@ -338,9 +338,11 @@ class _Finder(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-# method calls whose removal changes what is computed (dtype, copy, layout, aliasing, sync), not lookups
+# method calls whose removal changes what is computed (dtype, copy, layout, aliasing, sync), not lookups.
+# Not `.cpu()`: the score is measured on the CPU tier, where `.cpu()` returns the very tensor it is called on,
+# so dropping it is equivalent by construction there (the gpu tier is what meets a CUDA tensor).
 _DROPPABLE = {
-    "float", "double", "half", "bfloat16", "long", "int", "bool", "clone", "contiguous", "detach", "cpu",
+    "float", "double", "half", "bfloat16", "long", "int", "bool", "clone", "contiguous", "detach",
     "item", "tolist", "squeeze", "flatten", "t", "sort", "reverse", "copy", "numpy", "abs", "exp", "log",
     "sqrt", "neg", "sum", "mean", "max", "min", "any", "all", "argmax", "cumsum", "wait", "barrier",
 }
