@@ -215,15 +215,19 @@ def covering_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict
                     covering.update(coverage_map.tests_for(file, number))
     if mutant.scope == "global":  # a module constant's name is distinctive: a test file naming it uses it
         word = re.compile(rf"\b{re.escape(mutant.qualname)}\b")
-        covering.update(t for t in coverage_map.durations if word.search(_test_file_text(t.split("::")[0])))
+        files = {t.split("::")[0] for t in coverage_map.durations}
+        naming = {f for f in files if word.search(_test_file_text(f))}
+        covering.update(t for t in coverage_map.durations if t.split("::")[0] in naming)
     return covering - failing
 
 
-def select_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict[str, list[str]]) -> list[str]:
+def select_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict[str, list[str]],
+                 covering: set[str] | None = None) -> list[str]:
     """The first pass: the covering tests, capped: first the ones most focused on the mutated module (its unit
     tests, which a line run by hundreds of end-to-end tests would otherwise never reach), then the fastest,
     round robin over test files; run fastest first. A survivor then runs against all the others."""
-    covering = covering_tests(mutant, coverage_map, source_lines)
+    if covering is None:
+        covering = covering_tests(mutant, coverage_map, source_lines)
     durations = coverage_map.durations
     focused = sorted(covering, key=lambda t: (-coverage_map.focus(t, mutant.file), durations.get(t, 0.0), t))
     by_file: dict[str, list[str]] = defaultdict(list)
@@ -327,7 +331,7 @@ def _main(args: argparse.Namespace, pytest_args: list[str]) -> int:
             row["status"] = "equivalent"
             continue
         covering = covering_tests(mutant, coverage_map, source_lines)
-        tests = select_tests(mutant, coverage_map, source_lines)
+        tests = select_tests(mutant, coverage_map, source_lines, covering)
         if not tests:
             row["status"] = "survived"  # no passing test runs this line: nothing can kill it
             uncovered.add((mutant.file, mutant.line))
