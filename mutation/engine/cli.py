@@ -365,6 +365,8 @@ def _main(args: argparse.Namespace, pytest_args: list[str]) -> int:
                         "sample_size": args.sample_size if args.sample else None, "seed": seed, "seed_origin": origin}
     seconds = time.perf_counter() - began
     second = [r for r in record if r.get("pass") == 2]
+    doc["timing"] = {"seconds": round(seconds, 1), "coverage_seconds": round(coverage_map.seconds, 1),
+                     "second_pass": len(second), "second_pass_kills": sum(r["status"] == "killed" for r in second)}
     selection = f"a sample stratified over modules in proportion to their mutants, seed {origin}" if args.sample \
         else "every mutant"
     notes = [f"{selection}; of {', '.join(paths) or ', '.join(args.module)}; pytest `{' '.join(pytest_args)}`; "
