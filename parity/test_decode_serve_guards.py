@@ -1,0 +1,35 @@
+"""Guards of the decode serving and plan oracle that no end-to-end run reaches: a tile server asked to serve a
+plan without tiles refuses it cleanly, and a plan that names fewer frames than the library decoded never passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures import decode_models
+from harness.decode import oracle, serve
+from harness.decode import plan as plan_mod
+from harness.decode.exchange import ShardedDecodeError
+
+pytestmark = [pytest.mark.cpu,
+              pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
+
+
+def test_a_tile_server_refuses_a_plan_without_tiles_even_with_the_right_count():
+    vae = decode_models.tiny_vae()
+    work = plan_mod.WorkPlan(plan_mod.plan_clips(vae, 12), None, "clips")
+    padded = torch.zeros(1, 4, 14, 8, 8)
+    with pytest.raises(ShardedDecodeError, match="refusing to run the post-loop"), \
+            serve.serve_tiles(vae, padded, work, [torch.zeros(1)] * work.num_units):
+        pass
+
+
+def test_a_plan_naming_fewer_frames_than_the_library_decoded_never_passes(monkeypatch):
+    z = decode_models.latents(decode_models.LatentSpec(9, height=2, width=2))
+    sources = plan_mod.frame_sources
+    monkeypatch.setattr(plan_mod, "frame_sources", lambda plan, frames: sources(plan, frames)[:-1])
+    try:
+        verdict = oracle.judge_plan_against_library("decode.oracle.short", [(decode_models.tiny_vae(), z)])
+    except ValueError:  # the frame lists cannot even be paired
+        return
+    assert not verdict.passed, verdict.describe()
