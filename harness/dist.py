@@ -35,6 +35,7 @@ __all__ = ["START_METHODS", "RankOutcome", "World", "WorldError", "WorldPool", "
 
 ERROR_GRACE_S = 5.0  # after one rank fails, how long the others get to report before they count as blocked
 REAP_S = 2.0  # how long a rank whose pipe closed gets to be reaped, so its exit code is read, not guessed
+STOP_POLL_S = 0.25  # how often a waiting parent looks for a rank stopped by a signal (it never answers)
 LOG = logging.getLogger("harness.dist")
 
 # per-run details in error text (the transport's source lines, ports, pids, object addresses): they go to the
@@ -287,6 +288,18 @@ class World:
                 conn.close()
         self._procs, self._conns = [], []
 
+    def _stopped(self, pending: dict[int, Connection], since: dict[int, float]) -> list[int]:
+        """Pending ranks whose process has been stopped for launch.LOCAL_CONFIRM_S (read from /proc)."""
+        now = time.monotonic()
+        found = []
+        for rank in pending:
+            if launch.process_state(self._procs[rank].pid) in ("T", "t"):
+                if now - since.setdefault(rank, now) >= launch.LOCAL_CONFIRM_S:
+                    found.append(rank)
+            else:
+                since.pop(rank, None)
+        return found
+
     def _exit_reason(self, rank: int) -> str:
         """Why a rank's pipe closed: its exit code, read once the process is reaped (the pid goes to the log)."""
         proc = self._procs[rank]
@@ -326,10 +339,17 @@ class World:
         outcomes: dict[int, RankOutcome] = {}
         pending = dict(enumerate(self._conns))
         deadline = time.monotonic() + timeout_s
+        stopped: dict[int, float] = {}  # rank -> since when its process has been stopped (SIGSTOP)
         while pending:
-            ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+            ready = wait(list(pending.values()), timeout=max(0.0, min(deadline - time.monotonic(), STOP_POLL_S)))
             if not ready:
-                break
+                if time.monotonic() >= deadline:
+                    break
+                for rank in self._stopped(pending, stopped):  # never answers, never closes its pipe
+                    del pending[rank]
+                    outcomes[rank] = RankOutcome(rank, "died", "the process was stopped (SIGSTOP)")
+                    deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+                continue
             for conn in ready:
                 rank = self._conns.index(conn)
                 del pending[rank]
@@ -359,7 +379,7 @@ class World:
         ordered = [outcomes[r] for r in range(self.size)]
         name = getattr(fn, "__qualname__", repr(fn))
         if pending or any(o.status == "died" for o in ordered):
-            self.close(stuck=tuple(pending))  # hung ranks sit inside a collective: the group is lost
+            self.close(stuck=(*pending, *stopped))  # hung ranks sit inside a collective: the group is lost
             if failed:
                 raise WorldTaskError(f"task {name} failed on ranks {[o.rank for o in ordered if o.status != 'ok']} "
                                      f"of {self.size}; the world was torn down", ordered)
@@ -389,10 +409,12 @@ class World:
         if any(o.status in ("hung", "blocked", "died") for o in ordered):
             self._joined = False
             launch.mark_lost(f"task {name} did not finish on ranks {failed}")
-            culprits = [o.rank for o in ordered if o.status in ("raised", "died")] or failed
-            kind = WorldTimeout if all(o.status in ("hung", "blocked", "ok") for o in ordered) else WorldTaskError
-            raise kind(f"task {name} failed on ranks {culprits} of {self.size} ("
-                       + ", ".join(f"rank {o.rank} {o.status}" for o in ordered if o.status != "ok")
+            by_status = {s: [o.rank for o in ordered if o.status == s] for s in ("died", "raised", "hung")}
+            cause = next((s for s in by_status if by_status[s]), "blocked")
+            what = {"died": "stopped or died", "raised": "raised", "hung": "hung", "blocked": "blocked"}[cause]
+            kind = WorldTaskError if by_status["died"] or by_status["raised"] else WorldTimeout
+            raise kind(f"task {name}: ranks {by_status.get(cause, failed)} of {self.size} {what}; every rank gave "
+                       "up on it (" + ", ".join(f"rank {o.rank} {o.status}" for o in ordered if o.status != "ok")
                        + "); the launcher's group is lost (torchrun worlds cannot restart)", ordered)
         if failed:
             raise WorldTaskError(f"task {name} raised on ranks {failed} of {self.size}", ordered)
@@ -400,8 +422,8 @@ class World:
             return launch.gather(result)
         except launch.PeerLost as err:
             self._joined = False
-            outcomes = [RankOutcome(r, "died", f"no heartbeat during the result gather of task {name}")
-                        if r in err.gone else RankOutcome(r, "ok") for r in range(self.size)]
+            outcomes = [RankOutcome(r, "died", err.gone[r]) if r in err.gone else RankOutcome(r, "ok")
+                        for r in range(self.size)]
             raise WorldTaskError(f"task {name}: ranks {sorted(err.gone)} of {self.size} stopped or died while the "
                                  "results were gathered; the launcher's group is lost", outcomes) from err
 

@@ -12,7 +12,10 @@ while a rank waits (for its own task, or for the others' outcomes) it watches th
 
 - ``grace_s`` after another rank posted a failure, when its own task is still stuck in a collective
   (it reports itself "blocked");
-- ``silence_s`` after a peer's heartbeat stopped (a SIGSTOPped, SIGKILLed or vanished process): that
+- as soon as a peer is gone: on this rank's own host (same kernel and pid namespace) its process is read
+  from /proc, so a stopped (SIGSTOP) or exited (SIGKILL) peer is seen within half a second, and a live
+  peer that is merely slow (an import holding the GIL for tens of seconds on a loaded machine) is never
+  mistaken for a dead one; on another host, when its heartbeat has not moved for ``silence_s``. Such a
   peer is reported "died" with the phase it was in, and left out of every later agreement;
 - at the task's own time limit ("hung").
 
@@ -36,12 +39,14 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 __all__ = ["ENV", "FAULT_BOUND_ENV", "Launch", "PeerLost", "agree", "fault_bound", "gather", "grace_s", "join",
-           "joined", "launched", "leave", "lost", "mark_lost", "run_task", "set_fault_bound", "silence_s"]
+           "joined", "launched", "leave", "lost", "mark_lost", "process_state", "run_task", "set_fault_bound",
+           "silence_s"]
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 FAULT_BOUND_ENV = "PARITY_FAULT_BOUND_S"
@@ -100,11 +105,37 @@ class Launch:
 
 
 class PeerLost(RuntimeError):
-    """A peer stopped or died while this rank waited on it; ``gone`` maps each such rank to the phase."""
+    """A peer stopped or died while this rank waited on it; ``gone`` maps each such rank to why and when."""
 
     def __init__(self, message: str, gone: dict[int, str]):
         super().__init__(message)
         self.gone = gone
+
+
+def _host_key() -> str:
+    """Which kernel and pid namespace this process lives in: ranks that share it can read each other in /proc."""
+    parts = []
+    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(os.readlink(source) if source.endswith("/pid") else Path(source).read_text().strip())
+        except OSError:
+            return ""  # no /proc: every peer is watched through its heartbeat
+    return "|".join(parts)
+
+
+def process_state(pid: int) -> str:
+    """A local process's state letter from /proc (R, S, D, T, t, Z, ...), or "gone" when it no longer exists."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return stat[stat.rindex(")") + 2:].split(" ", 1)[0]
+
+
+LOCAL_GONE = {"T": "the process was stopped (SIGSTOP)", "t": "the process was stopped (traced)",
+              "Z": "the process exited or was killed", "X": "the process exited or was killed",
+              "gone": "the process exited or was killed"}
+LOCAL_CONFIRM_S = 0.5  # a local peer must look stopped or gone for this long (a job-control stop and resume is not)
 
 
 class _Board:
@@ -114,10 +145,14 @@ class _Board:
         self.store = store
         self.launch = launch
         self.step = 0
-        self.gone: dict[int, str] = {}  # rank -> the phase it was found gone in
+        self.gone: dict[int, tuple[str, str]] = {}  # rank -> (the phase it was found gone in, why)
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last heartbeat count, when it last moved)
+        self._local: dict[int, int] = {}  # peer rank -> pid, for peers on this host
+        self._odd_since: dict[int, float] = {}  # local peer -> since when it looks stopped or gone
         self._stop = threading.Event()
         self._beat_store = beat_store
+        self._host = _host_key()
+        self.store.set(f"who/{launch.rank}", json.dumps({"host": self._host, "pid": os.getpid()}))
         self._beat("start")
         self._thread = threading.Thread(target=self._beat_loop, name=f"parity-heartbeat-rank{launch.rank}",
                                         daemon=True)
@@ -135,28 +170,56 @@ class _Board:
                 LOG.warning("rank %d: heartbeat stopped: %s", self.launch.rank, err)
                 return
 
-    def silent(self) -> dict[int, float]:
-        """Peers (not yet gone) whose heartbeat has not moved for at least silence_s(): rank -> seconds silent."""
+    def _learn_local_peers(self) -> None:
+        """Which peers share this host (and pid namespace), read once each has posted who it is."""
+        for rank in range(self.launch.world_size):
+            if rank == self.launch.rank or rank in self._local or not self._host:
+                continue
+            key = f"who/{rank}"
+            if self.store.check([key]):
+                who = json.loads(self.store.get(key))
+                self._local[rank] = who["pid"] if who["host"] == self._host else -1
+
+    def lost_peers(self) -> dict[int, str]:
+        """Peers (not yet gone) that stopped or died: rank -> why (a fixed sentence per cause).
+
+        A peer on this host is read from /proc; a peer elsewhere is gone when its heartbeat has not moved for
+        silence_s() (a rank that stays busy keeps beating, from its own thread).
+        """
         ranks = [r for r in range(self.launch.world_size) if r != self.launch.rank and r not in self.gone]
         if not ranks:
             return {}
+        self._learn_local_peers()
         now = time.monotonic()
-        counts = self.store.multi_get([f"hb/{r}" for r in ranks])
-        quiet = {}
-        for rank, raw in zip(ranks, counts, strict=True):
-            count = int(raw)
-            last = self._seen.get(rank)
-            if last is None or last[0] != count:
-                self._seen[rank] = (count, now)
-            elif now - last[1] >= silence_s():
-                quiet[rank] = now - last[1]
-        return quiet
+        lost: dict[int, str] = {}
+        remote = []
+        for rank in ranks:
+            pid = self._local.get(rank, -1)
+            if pid < 0:
+                remote.append(rank)
+                continue
+            state = process_state(pid)
+            if state not in LOCAL_GONE:
+                self._odd_since.pop(rank, None)
+            elif now - self._odd_since.setdefault(rank, now) >= LOCAL_CONFIRM_S:
+                lost[rank] = LOCAL_GONE[state]
+        if remote:
+            counts = self.store.multi_get([f"hb/{r}" for r in remote])
+            for rank, raw in zip(remote, counts, strict=True):
+                count = int(raw)
+                last = self._seen.get(rank)
+                if last is None or last[0] != count:
+                    self._seen[rank] = (count, now)
+                elif now - last[1] >= silence_s():
+                    lost[rank] = f"no heartbeat for {silence_s():g} s: the process stopped or died"
+        return lost
 
     def start_watch(self) -> None:
-        """A fresh look at every heartbeat, so time spent outside a wait never counts as silence."""
+        """A fresh look at every peer, so time spent outside a wait never counts as silence."""
         self._seen.clear()
+        self._odd_since.clear()
         with contextlib.suppress(Exception):
-            self.silent()
+            self.lost_peers()
 
     # ----------------------------------------------------------------------------- outcomes
     def next_step(self) -> int:
@@ -298,14 +361,16 @@ def mark_lost(reason: str) -> None:
         joined.lost = reason
 
 
-def _gone_outcome(rank: int, phase: str) -> tuple[str, str, str]:
-    return ("died", f"no heartbeat for {silence_s():g} s during {phase}: the process stopped or died", "")
+def _gone_outcome(board: _Board, rank: int) -> tuple[str, str, str]:
+    phase, why = board.gone[rank]
+    return ("died", f"{why} (during {phase})", "")
 
 
-def _note_gone(board: _Board, quiet: dict[int, float], phase: str) -> None:
-    for rank in quiet:
-        board.gone.setdefault(rank, phase)
-        LOG.warning("rank %d: rank %d silent for %.1f s during %s", board.launch.rank, rank, quiet[rank], phase)
+def _note_gone(board: _Board, lost: dict[int, str], phase: str) -> None:
+    for rank, why in lost.items():
+        if rank not in board.gone:
+            board.gone[rank] = (phase, why)
+            LOG.warning("rank %d: rank %d lost during %s: %s", board.launch.rank, rank, phase, why)
 
 
 def _wait_for_peers(board: _Board, step: int, phase: str, deadline: float) -> list[tuple[str, str, str]]:
@@ -316,14 +381,14 @@ def _wait_for_peers(board: _Board, step: int, phase: str, deadline: float) -> li
         waiting = [r for r in range(world) if r not in posted and r not in board.gone]
         if not waiting:
             break
-        _note_gone(board, {r: s for r, s in board.silent().items() if r in waiting}, phase)
+        _note_gone(board, {r: why for r, why in board.lost_peers().items() if r in waiting}, phase)
         if time.monotonic() >= deadline:
             for rank in waiting:
                 if rank not in board.gone:
                     posted[rank] = ("hung", f"no outcome of {phase} before this rank's deadline", "")
             break
         time.sleep(POLL_S)
-    return [posted[r] if r in posted else _gone_outcome(r, board.gone[r]) for r in range(world)]
+    return [posted[r] if r in posted else _gone_outcome(board, r) for r in range(world)]
 
 
 def agree(status: str, error: str = "", trace: str = "", *, phase: str = "an item phase",
@@ -331,7 +396,7 @@ def agree(status: str, error: str = "", trace: str = "", *, phase: str = "an ite
     """Every rank's (status, error, traceback) for the same step, in rank order, read from the board.
 
     Waits for the slowest live rank up to ``timeout_s``; a rank that stops or dies is reported "died"
-    within silence_s(), and is not waited for again.
+    (within half a second on this host, silence_s() elsewhere), and is not waited for again.
     """
     board = _joined().board
     step = board.next_step()
@@ -371,12 +436,12 @@ def _watched(work: Callable[[], Any], phase: str, deadline: float, step: int | N
         now = time.monotonic()
         if given_up is None:
             failed = step is not None and board.failures(step) > 0
-            quiet = board.silent()
-            if failed or quiet:
-                _note_gone(board, quiet, phase)
+            lost = board.lost_peers()
+            if failed or lost:
+                _note_gone(board, lost, phase)
                 given_up = now + grace_s()
                 why = (f"another rank failed {phase}" if failed else
-                       f"rank(s) {sorted(quiet)} went silent during {phase}")
+                       f"rank(s) {sorted(lost)} stopped or died during {phase}")
         if given_up is not None and now >= given_up:
             joined.stuck.append(worker)
             mark_lost(f"{phase} did not finish on rank {joined.launch.rank} after {why}")
@@ -417,7 +482,7 @@ def gather(result: Any) -> list[Any]:
     if status[0] == "raised":
         raise RuntimeError(f"the result gather failed on rank {joined.launch.rank}: {status[1]}")
     if status[0] != "ok":
-        gone = {r: p for r, p in joined.board.gone.items()}
+        gone = {r: f"{why} (during {phase})" for r, (phase, why) in joined.board.gone.items()}
         raise PeerLost(f"the result gather did not finish: {status[1]}", gone)
     del value
     return slots

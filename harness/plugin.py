@@ -494,7 +494,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         # and tearing the group down at interpreter exit would wait on it until the transport's own timeout
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(session.exitstatus if session is not None and session.exitstatus else 1)
+        os._exit(session.exitstatus if session is not None else int(pytest.ExitCode.INTERNAL_ERROR))
 
 
 def _release_placement() -> None:
