@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -74,19 +75,11 @@ def faulty_decode_task(job: decode_tasks.TinyDecodeJob) -> str:
             exchange.collect = fault
         elif where == "confirm":
             exchange.confirm = fault
-        with torch.no_grad(), (serve.bound(vae, "decoder", fault) if where == "decoder" else _nothing()):
+        with torch.no_grad(), (serve.bound(vae, "decoder", fault) if where == "decoder" else nullcontext()):
             video = sharded.sharded_decode(vae, z, None)
     finally:
         exchange.collect, exchange.confirm = saved
     return str(tuple(video.shape))
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +102,9 @@ def test_a_fault_on_one_rank_makes_every_rank_raise_within_the_bound(world):
 
 
 def test_the_world_is_gone_or_still_usable_after_it(world):
-    """After a fault inside the protocol the group still works; after one outside it the group is lost and said so."""
+    """After a fault inside the protocol the group still works; after one outside it the group is lost and said so.
+
+    (After a stop or a kill this item fails on every rank at setup, naming the lost rank: the run is red.)"""
     if FAULT == "raise_after_gather":
         assert world.run(decode_tasks.decode_task, decode_tasks.TinyDecodeJob(decode_models.LatentSpec(22)),
                          timeout_s=120.0)[RANK].sha256
