@@ -174,3 +174,24 @@ def test_a_world_failure_names_its_ranks_and_a_timeout_its_hung_ones():
     got = plugin.unfinished("decode.y", WorldTimeout("task t timed out after 2 s on ranks [1] of 2", hung))
     assert (got.error_type, got.ranks, got.status) == ("WorldTimeout", (1,), "failed")
     assert plugin.unfinished("decode.z", pytest.skip.Exception("no CUDA")).fields() == {"reason": "no CUDA"}
+
+
+def test_a_report_path_that_breaks_during_the_run_does_not_stop_the_others(outcomes):
+    """Checked at configure, a path can still go away before the end: the others are written, the table printed."""
+    outcomes.makepyfile(test_breaks='''
+import pathlib
+
+
+def test_zz_breaks_the_report_directory():
+    doomed = pathlib.Path("doomed")
+    doomed.rmdir()
+    doomed.write_text("a file where the report directory was")
+''')
+    (outcomes.path / "doomed").mkdir()
+    result = outcomes.runpytest("-p", "harness.plugin", "-k", "test_check or breaks", "--parity-report=doomed/a.json",
+                                "--parity-report=kept/b.json")
+    assert result.ret == pytest.ExitCode.INTERNAL_ERROR
+    result.stdout.fnmatch_lines(["checks: 1/4 passed, 2 failed, 1 skipped*",
+                                 "parity report written to kept/b.json",
+                                 "ERROR --parity-report doomed/a.json: not written (*"])
+    assert json.loads((outcomes.path / "kept/b.json").read_text())["summary"]["checks"] == 4
