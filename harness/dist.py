@@ -5,8 +5,11 @@ a second; CUDA worlds spawn one rank per GPU (NCCL); PARITY_START_METHOD=spawn|f
 (a spawned rank rebuilds the catalogues itself). Under torchrun the world is the launcher's group and
 tasks run in this process (harness.launch). A task is a module-level function run on every
 rank with the default group initialised. Every rank's outcome comes back: a raise on any rank
-becomes one error listing all ranks, and a hang becomes a timeout naming the hung ranks, after
-which the world is torn down with no child process left behind.
+becomes one error listing all ranks (the others get ERROR_GRACE_S to answer before they count as
+blocked), a rank that dies or is stopped by a signal is seen at once (its pipe closes; /proc says it
+is stopped), and a hang becomes a timeout naming the hung ranks, after which the world is torn down
+with no child process left behind. Error text keeps no per-run detail (ports, pids, addresses): those
+go to the ``harness.dist`` log, so the same command gives the same verdicts and report.
 """
 
 from __future__ import annotations

@@ -81,42 +81,36 @@ def _with_special(x: torch.Tensor, bits: int, frame: int) -> torch.Tensor:
     return x
 
 
-def _outcome(call, *args) -> tuple[str, str]:
+def _outcome(call) -> tuple[str, str]:
     """("ok", SHA-256 of the result's bytes: NaN payloads included) or ("raised", the exception type)."""
     try:
-        result = call(*args)
+        result = call()
     except Exception as err:  # noqa: BLE001 - both raising is an accepted outcome, compared below
         return "raised", type(err).__name__
     return "ok", compare.sha256(result)
 
 
-def special_decode_task(job: decode_tasks.TinyDecodeJob, specials: dict[str, int], frame: int,
-                        ) -> dict[str, dict[str, tuple[str, str]]]:
-    """Per special value: the sharded decode of latents holding it on every rank, the stock one on rank 0."""
-    vae = job.build_vae()
-    clean = job.build_latents(torch.device("cpu"))
-    seen = {}
-    for name, bits in specials.items():
-        z = _with_special(clean, bits, frame)
-        with torch.no_grad():
-            seen[name] = {"sharded": _outcome(lambda v, x: sharded.sharded_decode(v, x, None, split=job.split), vae, z)}
-            if dist.get_rank() == 0:
-                seen[name]["stock"] = _outcome(sharded.stock_decode, vae, z)
-    return seen
+def _decoded(job: decode_tasks.TinyDecodeJob, vae, z: torch.Tensor) -> dict[str, object]:
+    return {"sharded": lambda: sharded.sharded_decode(vae, z, None, split=job.split),
+            "stock": lambda: sharded.stock_decode(vae, z)}
 
 
-def special_encode_task(job: decode_tasks.EncodeJob, specials: dict[str, int], frame: int,
-                        ) -> dict[str, dict[str, tuple[str, str]]]:
-    """Per special value: the sharded encode's moments on every rank, the stock ones on rank 0."""
+def _encoded(job: decode_tasks.EncodeJob, vae, x: torch.Tensor) -> dict[str, object]:
+    return {"sharded": lambda: sharded.sharded_encode(vae, x, None).parameters,
+            "stock": lambda: sharded.stock_encode(vae, x).parameters}
+
+
+def special_task(job, specials: dict[str, int], frame: int) -> dict[str, dict[str, tuple[str, str]]]:
+    """Per special value written into the job's input: the sharded call on every rank, the stock one on rank 0."""
     vae = job.build_vae()
-    clean = job.build_video(torch.device("cpu"))
+    encode = isinstance(job, decode_tasks.EncodeJob)
+    clean = job.build_video(torch.device("cpu")) if encode else job.build_latents(torch.device("cpu"))
     seen = {}
     for name, bits in specials.items():
-        x = _with_special(clean, bits, frame)
+        calls = (_encoded if encode else _decoded)(job, vae, _with_special(clean, bits, frame))
         with torch.no_grad():
-            seen[name] = {"sharded": _outcome(lambda v, y: sharded.sharded_encode(v, y, None).parameters, vae, x)}
-            if dist.get_rank() == 0:
-                seen[name]["stock"] = _outcome(lambda v, y: sharded.stock_encode(v, y).parameters, vae, x)
+            seen[name] = {which: _outcome(call) for which, call in calls.items()
+                          if which == "sharded" or dist.get_rank() == 0}
     return seen
 
 
@@ -131,7 +125,7 @@ def _same_as_stock(results: list[dict[str, dict[str, tuple[str, str]]]]) -> None
 def test_sharded_decode_of_nan_and_inf_is_stock_bit_for_bit(split, world, parity_ctx):
     """Latent frame 6 lies in clips 0 and 1 (their cross-fade): both paths give the same bits, NaN payloads too."""
     job = decode_tasks.TinyDecodeJob(decode_models.LatentSpec(12), split=split)
-    results = parity_ctx.world(world).run(special_decode_task, job, SPECIALS, 6, timeout_s=60.0)
+    results = parity_ctx.world(world).run(special_task, job, SPECIALS, 6, timeout_s=60.0)
     _same_as_stock(results)
     assert {results[0][name]["stock"][0] for name in SPECIALS} == {"ok"}, "stock takes non-finite latents"
 
@@ -139,7 +133,7 @@ def test_sharded_decode_of_nan_and_inf_is_stock_bit_for_bit(split, world, parity
 def test_sharded_encode_of_nan_and_inf_is_stock_bit_for_bit(parity_ctx):
     job = decode_tasks.EncodeJob(frames=30)
     specials = {name: SPECIALS[name] for name in ("nan_payload", "negative_inf")}
-    _same_as_stock(parity_ctx.world(2).run(special_encode_task, job, specials, 20, timeout_s=60.0))
+    _same_as_stock(parity_ctx.world(2).run(special_task, job, specials, 20, timeout_s=60.0))
 
 
 def test_the_piece_server_compares_bit_patterns():

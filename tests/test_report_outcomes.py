@@ -8,6 +8,7 @@ import pytest
 from harness import ablation, checks, plugin
 from harness.dist import RankOutcome, WorldTaskError, WorldTimeout
 from harness.report import Unfinished
+from tests.test_plugin import GENERATED_TESTS, _clean_registry  # noqa: F401 - the demo registry, cleaned per test
 
 pytestmark = pytest.mark.cpu
 
@@ -19,14 +20,14 @@ def scale(x):
 CHECKS = '''
 import pytest
 import torch
-import outcome_impl
+import demo_impl
 from harness.checks import register
 from harness.compare import exact
 
 
 def _judge(check_id):
     x = [1.0, 2.0]
-    return exact().judge(check_id, torch.tensor(outcome_impl.scale(x)), torch.tensor([2 * v for v in x]))
+    return exact().judge(check_id, torch.tensor(demo_impl.scale(x)), torch.tensor([2 * v for v in x]))
 
 
 @register("demo.outcome.passes")
@@ -52,36 +53,14 @@ def fails(ctx):
 ABLATIONS = '''
 from harness.ablation import ablation
 
-ablation("demo.outcome.bug", "outcome_impl:scale", lambda x: [2 * v + 1 for v in x],
+ablation("demo.outcome.bug", "demo_impl:scale", lambda x: [2 * v + 1 for v in x],
          kills=["demo.outcome.passes", "demo.outcome.raises", "demo.outcome.skips", "demo.outcome.fails"],
          why="adds one", kill_mode="tolerance")
 '''
 
-TESTS = '''
-import pytest
-from harness import ablation, catalogue, checks
-
-catalogue.load(["outcome_checks"], ["outcome_ablations"])
-IDS = [c.id for c in checks.all_checks("cpu") if c.id.startswith("demo.outcome.")]
-
-
-@pytest.mark.cpu
-@pytest.mark.parametrize("check_id", IDS)
-def test_check(check_id, parity_session, parity_ctx):
-    verdict = parity_session.check(check_id, parity_ctx)
-    assert verdict.passed, verdict.describe()
-
-
-PAIRS = [(a.name, c) for a in ablation.all_ablations("demo") if a.name.startswith("demo.outcome.")
-         for c in a.kills]
-
-
-@pytest.mark.cpu
-@pytest.mark.parametrize(("name", "check_id"), PAIRS)
-def test_kill(name, check_id, parity_session, parity_ctx):
-    assert parity_session.check(check_id, parity_ctx).passed
-    assert parity_session.kill(name, check_id, parity_ctx).killed
-
+# the plugin tests' generated items (a check item per demo check, a kill item per claimed pair, a gpu-only item)
+# over this file's catalogue, and one kill item skipped by a mark before any check ran
+TESTS = GENERATED_TESTS + '''
 
 @pytest.mark.cpu
 @pytest.mark.skip(reason="skipped before it ran")
@@ -92,18 +71,9 @@ def test_marked(ablation_name, check_id):
 '''
 
 
-@pytest.fixture(autouse=True)
-def _clean_registry():
-    checks._forget("demo.outcome.")
-    ablation._forget("demo.outcome.")
-    yield
-    checks._forget("demo.outcome.")
-    ablation._forget("demo.outcome.")
-
-
 @pytest.fixture
 def outcomes(pytester):
-    pytester.makepyfile(outcome_impl=IMPL, outcome_checks=CHECKS, outcome_ablations=ABLATIONS, test_outcomes=TESTS)
+    pytester.makepyfile(demo_impl=IMPL, demo_checks=CHECKS, demo_ablations=ABLATIONS, test_outcomes=TESTS)
     pytester.syspathinsert()
     return pytester
 
@@ -130,7 +100,7 @@ def test_the_report_counts_every_item_and_its_pass_count_is_pytests(outcomes):
 
 def test_every_pair_is_counted_failed_survived_or_skipped(outcomes):
     result = outcomes.runpytest("-p", "harness.plugin", "--parity-report=out/all.json", "--parity-report=out/all.md")
-    result.assert_outcomes(passed=2, failed=4, skipped=3)
+    result.assert_outcomes(passed=2, failed=4, skipped=4)  # skipped: a check, two pairs, the gpu-only item
     data = json.loads((outcomes.path / "out/all.json").read_text())
     kills = {(a["name"], k["check"]): k for a in data["ablations"] for k in a["kills"]}
     assert {pair: k["status"] for pair, k in kills.items()} == {
