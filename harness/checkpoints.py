@@ -190,8 +190,8 @@ def _read_config(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(text)
     except (json.JSONDecodeError, RecursionError, ValueError) as err:
-        shown = f"{err.msg} at line {err.lineno} column {err.colno}" if isinstance(err, json.JSONDecodeError) \
-            else type(err).__name__
+        shown = f"{err.msg}: line {err.lineno}, column {err.colno}" if isinstance(err, json.JSONDecodeError) \
+            else f"{type(err).__name__}: {str(err)[:120]}"
         raise CheckpointError(f"{where} is not valid JSON ({shown}); expected a JSON object") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{where} holds a JSON {_json_type(config)}, expected a JSON object "

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import zipfile
 from collections import Counter
 from pathlib import Path
 
@@ -343,17 +342,20 @@ def test_a_report_path_checked_at_configure_leaves_no_file_behind(pytester):
 
 @pytest.fixture(scope="module")
 def exits() -> Counter:
-    seen: Counter = Counter()
+    seen: Counter = Counter()  # (what was fuzzed, refused or read as valid, exit code) -> runs
     yield seen
-    print(f"\nfuzzed pytest runs: {sum(seen.values())} inputs, exits {dict(seen)}")
+    for what in ("config.json", ".npz"):
+        mine = {(verdict, code): n for (kind, verdict, code), n in sorted(seen.items()) if kind == what}
+        print(f"\nfuzzed {what}: {sum(mine.values())} pytest runs; (refused|valid, exit) -> runs: {mine}")
 
 
 @settings(max_examples=FUZZ_EXAMPLES, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
-@given(raw=CONFIG_BYTES | _npz_contents())
-def test_fuzzed_inputs_stop_the_run_with_exit_4(raw, pytester, exits):
+@given(fuzzed=st.tuples(st.just("config.json"), CONFIG_BYTES) | st.tuples(st.just(".npz"), _npz_contents()))
+def test_fuzzed_inputs_stop_the_run_with_exit_4(fuzzed, pytester, exits):
     """A config.json or capture file of fuzzed content: exit 4 before collection, or a valid file (counted)."""
-    npz = raw[:2] == b"PK" or raw == VALID or raw[:4] in (b"\x80\x04\x95g",) or zipfile.is_zipfile(io.BytesIO(raw))
-    root = pytester.path / f"input{sum(exits.values())}"
+    what, raw = fuzzed
+    npz = what == ".npz"
+    root = pytester.path / f"input{sum(exits.values())}"  # hypothesis reuses one pytester directory
     root.mkdir()
     if npz:
         directory = _capture_dir(root, raw)
@@ -368,7 +370,7 @@ def test_fuzzed_inputs_stop_the_run_with_exit_4(raw, pytester, exits):
         except CheckpointError:
             refused = True
     result = pytester.runpytest_inprocess("-p", "harness.plugin", "-m", "gpu", "--co", "-q", option, str(root))
-    exits[int(result.ret)] += 1
+    exits[(what, "refused" if refused else "valid", int(result.ret))] += 1
     if refused:
         assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stderr.str()
         assert str(directory) in result.stderr.str()
