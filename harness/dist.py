@@ -51,8 +51,19 @@ _PER_RUN = (
 )
 
 
+# a peer lost inside a collective reads "Connection closed by peer" or "Read error ...: Connection reset by peer"
+# depending on which packet won the race: one sentence for both, the transport's own in the log
+_LOST_PEER = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|(?:Read|Write) error \[")
+_EXCEPTION_HEAD = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)): ")
+LOST_PEER_TEXT = "a collective lost a peer: its connection was closed or reset"
+
+
 def stable_error(text: str) -> str:
-    """``text`` with its per-run details (ports, pids, addresses, source lines) replaced by placeholders."""
+    """``text`` with its per-run details (ports, pids, addresses, source lines, which of a lost peer's error
+    messages arrived first) replaced by placeholders or one fixed sentence."""
+    head = _EXCEPTION_HEAD.match(text)
+    if _LOST_PEER.search(text.splitlines()[0] if text else ""):
+        return f"{head.group(1)}: {LOST_PEER_TEXT}" if head else LOST_PEER_TEXT
     for pattern, replacement in _PER_RUN:
         text = pattern.sub(replacement, text)
     return text

@@ -115,7 +115,11 @@ def test_a_stopped_or_killed_rank_fails_every_rank_within_the_grace_and_leaves_n
 
 
 def test_error_text_keeps_no_per_run_detail():
-    text = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:46803: "
-            "Connection reset by peer; pid 4242 at 0x7f3a2b1c0d00, [::1]:2204")
-    assert dist_mod.stable_error(text) == ("RuntimeError: Read error [127.0.0.1]:<port>: Connection reset by peer; "
-                                           "pid <pid> at 0x<address>, [::1]:<port>")
+    text = "ValueError: [/torch/csrc/x.cpp:12] bad store at [::1]:2204, 10.0.0.3:29500; pid 4242 at 0x7f3a2b1c0d00"
+    assert dist_mod.stable_error(text) == ("ValueError: bad store at [::1]:<port>, 10.0.0.3:<port>; pid <pid> at "
+                                           "0x<address>")
+    reset = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:46803: "
+             "Connection reset by peer. This is typically caused by a remote worker hanging")
+    closed = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:589] Connection closed by peer "
+              "[127.0.0.1]:10393. This is typically caused by a remote worker crashing")
+    assert dist_mod.stable_error(reset) == dist_mod.stable_error(closed) == f"RuntimeError: {dist_mod.LOST_PEER_TEXT}"
