@@ -47,7 +47,8 @@ def test_every_kind_is_written_and_detected(tiny_dir):
 def test_gpu_tier_dry_run_over_every_checkpoint_kind(tiny_dir, tmp_path):
     report = tmp_path / "gpu.json"
     args = [sys.executable, "-m", "pytest", "-m", "gpu", "--device", "cpu", "--dtype", "fp32,bf16", "-q",
-            "-p", "no:cacheprovider", f"--parity-report={report}", f"--device-map={CPU_SPLIT}", "gpu/test_gpu.py"]
+            "-p", "no:cacheprovider", f"--parity-report={report}", f"--device-map={CPU_SPLIT}", "gpu/test_gpu.py",
+            "--trust-remote-code"]  # the tiny HunyuanImage-3 checkpoints carry the suite's own fake remote code
     args += [f"--checkpoint={path}" for path in tiny_dir.values()]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PARITY_START_METHOD": "spawn"}
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -70,6 +71,8 @@ def test_gpu_tier_dry_run_over_every_checkpoint_kind(tiny_dir, tmp_path):
     killed = {k["check"] for a in data["ablations"] for k in a["kills"] if k["killed"]}
     assert killed == expected, f"gpu checks no ablation killed in the dry run: {sorted(expected - killed)}"
     assert data["summary"]["killed"] == data["summary"]["ablations"] > 0
+    remote = {str(path) for kind, path in tiny_dir.items() if detect(path).remote_code}
+    assert set(data["remote_code"]["ran"]) == remote and data["remote_code"]["trusted"], data["remote_code"]
 
 
 @pytest.mark.cpu

@@ -73,7 +73,7 @@ def _fake(generation: int | str):
 
 @pytest.fixture(scope="module")
 def loaded(hunyuan_dir, offline):
-    return load_model(detect(hunyuan_dir), torch.float32, "cpu")
+    return load_model(detect(hunyuan_dir), torch.float32, "cpu", trust_remote_code=True)  # the suite's own fake
 
 
 def test_directory_is_a_remote_code_checkpoint(hunyuan_dir, generation):
@@ -160,7 +160,7 @@ def test_batched_equals_b1_on_the_loaded_model(loaded, generation):
 
 
 def test_bf16_load_keeps_upstreams_fp32_router(hunyuan_dir, offline):
-    model = load_model(detect(hunyuan_dir), torch.bfloat16, "cpu")
+    model = load_model(detect(hunyuan_dir), torch.bfloat16, "cpu", trust_remote_code=True)
     assert model.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.bfloat16
     assert {layer.mlp.wg.weight.dtype for layer in model.layers} == {torch.float32}  # built with dtype=fp32
     backend = UpstreamBackend(model, name="hunyuan_remote_bf16")
@@ -171,7 +171,8 @@ def test_bf16_load_keeps_upstreams_fp32_router(hunyuan_dir, offline):
 
 def test_dense_kind_loads(tmp_path, offline):
     model = load_model(detect(write_hunyuan_remote_code(tmp_path / "dense", kind="dense",
-                                                           generation=ar_models.PORTABLE)), torch.float32, "cpu")
+                                                           generation=ar_models.PORTABLE)), torch.float32, "cpu",
+                       trust_remote_code=True)
     assert type(model).__module__.startswith(REMOTE_PREFIX)
     assert model.config.num_experts == 1
     assert type(model.layers[0].mlp).__name__ == "HunyuanMLP"

@@ -126,7 +126,10 @@ def test_table_and_both_report_formats(demo):
     assert all(k["killed"] for k in kill["kills"])
     close_kill = next(k for k in kill["kills"] if k["check"] == "demo.double.close")
     assert close_kill["margin"] == pytest.approx(10.0)  # |d| = 1 against atol 0.1
-    assert data["summary"] == {"checks": 2, "passed": 2, "ablations": 1, "killed": 1}
+    assert data["summary"] == {"checks": 2, "passed": 2, "failed": 0, "skipped": 0, "ablations": 1, "killed": 1,
+                               "pairs": 2, "pairs_killed": 2, "pairs_survived": 0, "pairs_failed": 0,
+                               "pairs_skipped": 0}
+    assert {c["status"] for c in data["checks"]} == {"passed"} and kill["status"] == "killed"
     markdown = (demo.path / "out/parity.md").read_text()
     assert "| PASS | demo.double.exact |" in markdown and "| KILLED | demo.off_by_one | tolerance | 2/2 |" in markdown
     assert f"**host** {host.summary(data['host'])}" in markdown
