@@ -23,7 +23,8 @@ import torch
 from fakes.replay_conditions import HI3_FIELDS, SD3_FIELDS, fused_conditions, uncond_first_conditions
 from fakes.replay_kernel import FakeDenoiser
 from fixtures.replay_cases import FAKE_LATENT, GUIDANCE, fake_problem, real_control, real_problem
-from fixtures.replay_models import tiny_sd3
+from fixtures.replay_families import family_names
+from fixtures.replay_models import tiny_model
 from harness.checks import CheckContext, register
 from harness.compare import Close, Verdict, close, expect, max_abs_diff, noise_floor
 from harness.growth import GROWTH_BUDGET, GROWTH_K_MAX, GROWTH_K_MIN, growth_ratio
@@ -31,7 +32,7 @@ from harness.replay import denoiser, oracles
 from harness.replay.conditions import Conditions, payload_rows, slice_rows
 from harness.replay.controls import InflatedBatch, measure_batch_shape_control
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
-from harness.replay.families.sd3 import SD3Adapter
+from harness.replay.families import get_family
 from harness.replay.parity import ReplayRun, judge_result, require_fast_path, run_batched, run_both
 from harness.replay.problem import ReplayProblem, make_problem
 from harness.replay.replay import replay_serial
@@ -383,13 +384,14 @@ def flux_pi_old_vs_rollout(ctx: CheckContext) -> Verdict:
 
 
 @functools.cache
-def growth_problem() -> ReplayProblem:
-    """Tiny SD3 (no CFG), SDE on all T steps, every step replayed at once."""
-    adapter = SD3Adapter(tiny_sd3())
-    conditions = adapter.example_conditions(GROWTH_BATCH, 1, torch.Generator().manual_seed(5))
+def growth_problem(family: str = "sd3") -> ReplayProblem:
+    """A tiny model of a registered family (no CFG), SDE on all T steps, every step replayed at once."""
+    registered = get_family(family)
+    adapter = registered.adapter(tiny_model(family))
+    conditions = registered.example_conditions(adapter, GROWTH_BATCH, 1, torch.Generator().manual_seed(5))
     steps = tuple(range(GROWTH_STEPS))
-    return make_problem("sd3.growth", adapter, conditions, seed=21, latent_shape=adapter.latent_shape, target=steps,
-                        sde_indices=steps, steps=GROWTH_STEPS, guidance=1.0)
+    return make_problem(f"{family}.growth", adapter, conditions, seed=21, latent_shape=adapter.latent_shape,
+                        target=steps, sde_indices=steps, steps=GROWTH_STEPS, guidance=1.0)
 
 
 def _per_step(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
@@ -399,20 +401,20 @@ def _per_step(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def stock_floor_curve() -> tuple[float, ...]:
+def stock_floor_curve(family: str = "sd3") -> tuple[float, ...]:
     """The stock per-step floor: serial replay at B rows vs the same rows in a 2x batch."""
-    problem = growth_problem()
+    problem = growth_problem(family)
     args = (problem.conditions, problem.segment, problem.strategy, problem.target, problem.guidance, problem.config)
     base = replay_serial(problem.adapter, *args)
     grown = replay_serial(InflatedBatch(problem.adapter, 2), *args)
     return tuple(_per_step(grown.prev_sample_means, base.prev_sample_means).tolist())
 
 
-def error_curves(problem: ReplayProblem) -> tuple[ReplayRun, torch.Tensor | None, torch.Tensor]:
+def error_curves(problem: ReplayProblem, family: str = "sd3") -> tuple[ReplayRun, torch.Tensor | None, torch.Tensor]:
     """(run, batched-vs-serial per-step error of the means or None on a fallback, stock per-step floor)."""
     run = run_both(problem)
     curve = None if run.batched is None else _per_step(run.batched.prev_sample_means, run.serial.prev_sample_means)
-    return run, curve, torch.tensor(stock_floor_curve(), dtype=torch.float64)
+    return run, curve, torch.tensor(stock_floor_curve(family), dtype=torch.float64)
 
 
 def single_step_policy(problem: ReplayProblem) -> Close:
@@ -427,13 +429,12 @@ def single_step_policy(problem: ReplayProblem) -> Close:
                  reason=f"single-step: max(4 x floor {floor:.2e}, 4 fp32 eps x {scale:.2e})")
 
 
-@register("replay.sd3.growth.prev_sample_means")
-def error_growth(ctx: CheckContext) -> Verdict:
-    """Tiny SD3 over all T steps: the per-step error of the batched means (mean |batched - serial|)
-    may grow at most GROWTH_BUDGET x as fast as the stock floor (serial at two batch shapes) grows."""
-    check_id = "replay.sd3.growth.prev_sample_means"
-    problem = growth_problem()
-    run, curve, floor = error_curves(problem)
+def error_growth(family: str, ctx: CheckContext) -> Verdict:
+    """A family's tiny model over all T steps: the per-step error of the batched means (mean |batched -
+    serial|) may grow at most GROWTH_BUDGET x as fast as the stock floor (serial at two batch shapes) grows."""
+    check_id = f"replay.{family}.growth.prev_sample_means"
+    problem = growth_problem(family)
+    run, curve, floor = error_curves(problem, family)
     if curve is None:
         return expect(check_id, False, "batched replay returned a result (no silent fallback)")
     grows, floor_grows = growth_ratio(curve), growth_ratio(floor)
@@ -451,3 +452,8 @@ def error_growth(ctx: CheckContext) -> Verdict:
     verdict = verdict.require_bounded(policy.bound, floor_grows, k_min=GROWTH_K_MIN, k_max=GROWTH_K_MAX,
                                       what="growth budget")
     return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)
+
+
+for _family in family_names():
+    _register(f"replay.{_family}.growth.prev_sample_means", error_growth, _family,
+              doc=f"tiny {_family} over all T steps: batched-mean error grows no faster than the stock floor")
