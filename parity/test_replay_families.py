@@ -50,7 +50,8 @@ def test_unregistered_family_names_the_registered_ones():
                                        r"(.+, )?sd3"):
         get_family("hunyuan")
     with pytest.raises(LookupError, match=r"no registered replay family drives WanTransformer3DModel; registered "
-                                          r"replay families: (.+, )?flux \(FluxTransformer2DModel\), (.+, )?qwen_image"):
+                                          r"replay families: (.+, )?flux \(FluxTransformer2DModel\), "
+                                          r"(.+, )?qwen_image"):
         family_for_class("WanTransformer3DModel")
 
 
