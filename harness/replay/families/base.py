@@ -26,7 +26,7 @@ from harness.replay.conditions import Conditions
 from harness.replay.denoiser import DenoiserAdapter
 
 __all__ = ["ModelAdapter", "PipelineSpec", "Prompts", "ReplayFamily", "check_cfg", "distinct_lengths",
-           "padding_mask"]
+           "padded_prompts", "padding_mask", "uncond_first_conditions"]
 
 Prompts = dict[str, Any]  # pipeline keyword arguments: prompt_embeds, negative_prompt_embeds, masks, ...
 
@@ -59,14 +59,17 @@ class ModelAdapter(DenoiserAdapter):
                              f"patch size {patch}: the spatial dims {tuple(spatial)} must be multiples of {patch}")
 
     @property
-    def latent_shape(self) -> tuple[int, ...]:  # pragma: no cover - abstract
-        """The per-sample latent shape replay stores and steps (the pipeline's own layout)."""
-        raise NotImplementedError
+    def latent_shape(self) -> tuple[int, ...]:
+        """The per-sample latent shape replay stores and steps (the pipeline's own layout): by default
+        ``[C, H, W]`` at the model's ``in_channels`` and square ``sample_size``."""
+        config = self.module.config
+        return (config.in_channels, config.sample_size, config.sample_size)
 
     @property
-    def latent_size(self) -> tuple[int, int]:  # pragma: no cover - abstract
+    def latent_size(self) -> tuple[int, int]:
         """(H, W) of the unpacked latent grid: the pipeline's height and width over its VAE scale factor."""
-        raise NotImplementedError
+        _, height, width = self.latent_shape
+        return (height, width)
 
     def to_pipeline_latents(self, x: torch.Tensor) -> torch.Tensor:
         """Replay latents ``[N, *latent_shape]`` in the layout the pipeline steps its scheduler on."""
@@ -179,3 +182,37 @@ def distinct_lengths(batch: int, tokens: int, generator: torch.Generator,
 def padding_mask(lengths: list[int], tokens: int) -> torch.Tensor:
     """``[B, tokens]`` long mask, 1 on each row's first ``lengths[b]`` tokens."""
     return (torch.arange(tokens)[None, :] < torch.tensor(lengths)[:, None]).long()
+
+
+def padded_prompts(batch: int, cfg: int, tokens: int, channels: int, generator: torch.Generator, mask_key: str,
+                   zero_padding: bool = False) -> Prompts:
+    """Seeded ``prompt_embeds [B, tokens, channels]`` and their padding masks under ``mask_key`` (cfg=2: the
+    ``negative_`` ones too), the real lengths different per row and per branch; ``zero_padding`` zeroes the
+    embeddings of the padded tokens, as a text encoder's masked output is."""
+    check_cfg(cfg)
+    prompts: Prompts = {}
+    taken: tuple[int, ...] = ()
+    for prefix in ("", "negative_")[:cfg]:
+        lengths = distinct_lengths(batch, tokens, generator, avoid=taken)
+        taken = (*taken, *lengths)
+        mask = padding_mask(lengths, tokens)
+        embeds = torch.randn(batch, tokens, channels, generator=generator)
+        prompts[f"{prefix}prompt_embeds"] = embeds * mask[..., None] if zero_padding else embeds
+        prompts[f"{prefix}{mask_key}"] = mask
+    return prompts
+
+
+def uncond_first_conditions(prompts: Prompts, cfg: int, fields: Mapping[str, str],
+                            shared: Mapping[str, Any] | None = None) -> Conditions:
+    """Uncond-first conditions from pipeline prompts: row field -> prompt key in ``fields`` for the cond branch,
+    the ``negative_`` keys for the uncond branch under ``Conditions.negative`` (cfg=2)."""
+    check_cfg(cfg)
+
+    def branch(prefix: str) -> Conditions:
+        rows = {name: prompts[f"{prefix}{key}"] for name, key in fields.items()}
+        return Conditions(batch=replay_rows.payload_rows(next(iter(rows.values()))), rows=rows, shared=shared or {})
+
+    cond = branch("")
+    if cfg == 1:
+        return cond
+    return Conditions(batch=cond.batch, rows=cond.rows, shared=cond.shared, negative=branch("negative_"))

@@ -39,15 +39,6 @@ class CogView4Adapter(ModelAdapter):
     channel_dim = 1
 
     @property
-    def latent_shape(self) -> tuple[int, int, int]:
-        config = self.module.config
-        return (config.in_channels, config.sample_size, config.sample_size)
-
-    @property
-    def latent_size(self) -> tuple[int, int]:
-        return self.latent_shape[1:]
-
-    @property
     def mu(self) -> float:
         h, w = self.latent_size
         return time_shift_mu(h * w // self.module.config.patch_size ** 2)

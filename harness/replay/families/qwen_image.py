@@ -17,7 +17,7 @@ import torch
 from harness.replay import cfg as cfg_combines
 from harness.replay.conditions import Conditions
 from harness.replay.denoiser import UNCOND_FIRST
-from harness.replay.families.base import ModelAdapter, Prompts, check_cfg, distinct_lengths, padding_mask
+from harness.replay.families.base import ModelAdapter, Prompts, padded_prompts, uncond_first_conditions
 
 __all__ = ["QWEN_TEXT_TOKENS", "QwenImageAdapter"]
 
@@ -68,27 +68,11 @@ class QwenImageAdapter(ModelAdapter):
 
     def example_prompts(self, batch: int, cfg: int, generator: torch.Generator) -> Prompts:
         """Seeded padded prompts whose real lengths differ per row and per branch (cfg=2: negatives too)."""
-        check_cfg(cfg)
-        joint_dim, prompts, taken = self.module.config.joint_attention_dim, {}, ()
-        for prefix in ("", "negative_")[:cfg]:
-            lengths = distinct_lengths(batch, QWEN_TEXT_TOKENS, generator, avoid=taken)
-            taken = (*taken, *lengths)
-            mask = padding_mask(lengths, QWEN_TEXT_TOKENS)
-            embeds = torch.randn(batch, QWEN_TEXT_TOKENS, joint_dim, generator=generator) * mask[..., None]
-            prompts.update({f"{prefix}prompt_embeds": embeds, f"{prefix}prompt_embeds_mask": mask})
-        return prompts
+        return padded_prompts(batch, cfg, QWEN_TEXT_TOKENS, self.module.config.joint_attention_dim, generator,
+                              "prompt_embeds_mask", zero_padding=True)
 
     def conditions_from_prompts(self, prompts: Prompts, cfg: int) -> Conditions:
         """Each branch's embeddings and mask as its rows (cfg=2: the negative branch under ``negative``)."""
-        check_cfg(cfg)
-        shared = {"img_shape": tuple(self.img_shape)}
-
-        def branch(prefix: str) -> Conditions:
-            embeds = prompts[f"{prefix}prompt_embeds"]
-            return Conditions(batch=embeds.shape[0], shared=shared, rows={
-                "encoder_hidden_states": embeds, "encoder_hidden_states_mask": prompts[f"{prefix}prompt_embeds_mask"]})
-
-        cond = branch("")
-        if cfg == 1:
-            return cond
-        return Conditions(batch=cond.batch, rows=cond.rows, shared=shared, negative=branch("negative_"))
+        return uncond_first_conditions(prompts, cfg, {"encoder_hidden_states": "prompt_embeds",
+                                                      "encoder_hidden_states_mask": "prompt_embeds_mask"},
+                                       shared={"img_shape": tuple(self.img_shape)})

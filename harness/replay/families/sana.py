@@ -13,7 +13,7 @@ import torch
 from harness.replay import cfg as cfg_combines
 from harness.replay.conditions import Conditions
 from harness.replay.denoiser import UNCOND_FIRST
-from harness.replay.families.base import ModelAdapter, Prompts, check_cfg, distinct_lengths, padding_mask
+from harness.replay.families.base import ModelAdapter, Prompts, padded_prompts, uncond_first_conditions
 
 __all__ = ["SANA_TEXT_TOKENS", "SanaAdapter"]
 
@@ -25,15 +25,6 @@ class SanaAdapter(ModelAdapter):
     cfg_layout = UNCOND_FIRST
     cfg_combine = cfg_combines.STANDARD
     channel_dim = 1
-
-    @property
-    def latent_shape(self) -> tuple[int, int, int]:
-        config = self.module.config
-        return (config.in_channels, config.sample_size, config.sample_size)
-
-    @property
-    def latent_size(self) -> tuple[int, int]:
-        return self.latent_shape[1:]
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         return sigma * 1000.0 * float(self.module.config.timestep_scale)
@@ -50,23 +41,10 @@ class SanaAdapter(ModelAdapter):
 
     def example_prompts(self, batch: int, cfg: int, generator: torch.Generator) -> Prompts:
         """Seeded padded prompts whose real lengths differ per row and per branch (cfg=2: negatives too)."""
-        check_cfg(cfg)
-        channels, prompts, taken = self.module.config.caption_channels, {}, ()
-        for prefix in ("", "negative_")[:cfg]:
-            lengths = distinct_lengths(batch, SANA_TEXT_TOKENS, generator, avoid=taken)
-            taken = (*taken, *lengths)
-            prompts[f"{prefix}prompt_embeds"] = torch.randn(batch, SANA_TEXT_TOKENS, channels, generator=generator)
-            prompts[f"{prefix}prompt_attention_mask"] = padding_mask(lengths, SANA_TEXT_TOKENS)
-        return prompts
+        return padded_prompts(batch, cfg, SANA_TEXT_TOKENS, self.module.config.caption_channels, generator,
+                              "prompt_attention_mask")
 
     def conditions_from_prompts(self, prompts: Prompts, cfg: int) -> Conditions:
         """Each branch's embeddings and mask as its rows (cfg=2: the negative branch under ``negative``)."""
-        check_cfg(cfg)
-
-        def branch(prefix: str) -> Conditions:
-            embeds = prompts[f"{prefix}prompt_embeds"]
-            return Conditions(batch=embeds.shape[0], rows={
-                "encoder_hidden_states": embeds, "encoder_attention_mask": prompts[f"{prefix}prompt_attention_mask"]})
-
-        cond = branch("")
-        return Conditions(batch=cond.batch, rows=cond.rows, negative=branch("negative_")) if cfg == 2 else cond
+        return uncond_first_conditions(prompts, cfg, {"encoder_hidden_states": "prompt_embeds",
+                                                      "encoder_attention_mask": "prompt_attention_mask"})

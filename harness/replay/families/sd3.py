@@ -11,7 +11,7 @@ import torch
 from harness.replay import cfg as cfg_combines
 from harness.replay.conditions import Conditions
 from harness.replay.denoiser import UNCOND_FIRST
-from harness.replay.families.base import ModelAdapter, Prompts, check_cfg
+from harness.replay.families.base import ModelAdapter, Prompts, check_cfg, uncond_first_conditions
 
 __all__ = ["SD3_TEXT_TOKENS", "SD3Adapter"]
 
@@ -22,16 +22,6 @@ class SD3Adapter(ModelAdapter):
     cfg_layout = UNCOND_FIRST
     cfg_combine = cfg_combines.STANDARD
     channel_dim = 1
-
-    @property
-    def latent_shape(self) -> tuple[int, int, int]:
-        """[C, H, W] latents at the model's own sample size."""
-        config = self.module.config
-        return (config.in_channels, config.sample_size, config.sample_size)
-
-    @property
-    def latent_size(self) -> tuple[int, int]:
-        return self.latent_shape[1:]
 
     def forward(self, hidden: torch.Tensor, timestep: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         rows = conditions.rows
@@ -53,12 +43,5 @@ class SD3Adapter(ModelAdapter):
 
     def conditions_from_prompts(self, prompts: Prompts, cfg: int) -> Conditions:
         """Each branch's embeddings as its rows; cfg=2 puts the negative branch under ``negative``."""
-        check_cfg(cfg)
-
-        def branch(prefix: str) -> Conditions:
-            embeds = prompts[f"{prefix}prompt_embeds"]
-            return Conditions(batch=embeds.shape[0], rows={
-                "encoder_hidden_states": embeds, "pooled_projections": prompts[f"{prefix}pooled_prompt_embeds"]})
-
-        cond = branch("")
-        return Conditions(batch=cond.batch, rows=cond.rows, negative=branch("negative_")) if cfg == 2 else cond
+        return uncond_first_conditions(prompts, cfg, {"encoder_hidden_states": "prompt_embeds",
+                                                      "pooled_projections": "pooled_prompt_embeds"})

@@ -31,7 +31,7 @@ from harness.replay import cfg as cfg_combines
 from harness.replay.conditions import Conditions
 from harness.replay.denoiser import UNCOND_FIRST
 from harness.replay.families import ModelAdapter, PipelineSpec, ReplayFamily
-from harness.replay.families.base import check_cfg, distinct_lengths, padding_mask
+from harness.replay.families.base import padded_prompts, uncond_first_conditions
 
 __all__ = ["CHECKPOINT_KIND", "FAMILY", "PIPELINE", "PixArtAdapter", "tiny_pixart"]
 
@@ -54,15 +54,6 @@ class PixArtAdapter(ModelAdapter):
     cfg_combine = cfg_combines.STANDARD
     channel_dim = 1
 
-    @property
-    def latent_shape(self) -> tuple[int, int, int]:
-        config = self.module.config
-        return (config.in_channels, config.sample_size, config.sample_size)
-
-    @property
-    def latent_size(self) -> tuple[int, int]:
-        return self.latent_shape[1:]
-
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         return torch.trunc(sigma.double() * 1000.0).to(torch.float32)
 
@@ -76,26 +67,13 @@ class PixArtAdapter(ModelAdapter):
 
     def example_prompts(self, batch: int, cfg: int, generator: torch.Generator) -> dict:
         """Seeded caption embeddings with padding masks of distinct lengths (cfg=2: the negative ones too)."""
-        check_cfg(cfg)
-        channels, prompts, taken = self.module.config.caption_channels, {}, ()
-        for prefix in ("", "negative_")[:cfg]:
-            lengths = distinct_lengths(batch, TEXT_TOKENS, generator, avoid=taken)
-            taken = (*taken, *lengths)
-            prompts[f"{prefix}prompt_embeds"] = torch.randn(batch, TEXT_TOKENS, channels, generator=generator)
-            prompts[f"{prefix}prompt_attention_mask"] = padding_mask(lengths, TEXT_TOKENS)
-        return prompts
+        return padded_prompts(batch, cfg, TEXT_TOKENS, self.module.config.caption_channels, generator,
+                              "prompt_attention_mask")
 
     def conditions_from_prompts(self, prompts: dict, cfg: int) -> Conditions:
         """Each branch's embeddings and mask as its rows; cfg=2 puts the negative branch under ``negative``."""
-        check_cfg(cfg)
-
-        def branch(prefix: str) -> Conditions:
-            embeds = prompts[f"{prefix}prompt_embeds"]
-            return Conditions(batch=embeds.shape[0], rows={
-                "encoder_hidden_states": embeds, "encoder_attention_mask": prompts[f"{prefix}prompt_attention_mask"]})
-
-        cond = branch("")
-        return Conditions(batch=cond.batch, rows=cond.rows, negative=branch("negative_")) if cfg == 2 else cond
+        return uncond_first_conditions(prompts, cfg, {"encoder_hidden_states": "prompt_embeds",
+                                                      "encoder_attention_mask": "prompt_attention_mask"})
 
 
 def _scheduler():
