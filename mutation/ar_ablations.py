@@ -104,24 +104,7 @@ ablation(
          "AssertionError kills every fake batched check). A transformers DynamicCache still works in the hole "
          "layout; the checks' forward spy, which requires the static path, kills those."),
     kill_mode="raises",
-    modes={
-        "ar.hunyuan_moe.unequal_real_pos.prefill_kv": "fact",
-        "ar.hunyuan_moe.unequal_real_pos.slot0": "fact",
-        "ar.hunyuan_moe.length_skew.prefill_kv": "fact",
-        "ar.hunyuan_moe.length_skew.slot0": "fact",
-        "ar.hunyuan_moe.all_padded.prefill_kv": "fact",
-        "ar.hunyuan_moe.all_padded.slot0": "fact",
-        "ar.hunyuan_moe.concat.prefill_kv": "fact",
-        "ar.hunyuan_moe.concat.slot0": "fact",
-        "ar.qwen3.unequal_real_pos.prefill_kv": "fact",
-        "ar.qwen3.unequal_real_pos.slot0": "fact",
-        "ar.qwen3.length_skew.prefill_kv": "fact",
-        "ar.qwen3.length_skew.slot0": "fact",
-        "ar.qwen3.all_padded.prefill_kv": "fact",
-        "ar.qwen3.all_padded.slot0": "fact",
-        "ar.qwen3.concat.prefill_kv": "fact",
-        "ar.qwen3.concat.slot0": "fact",
-    },
+    modes=dict.fromkeys(_ids(_TRANSFORMERS, _BATCHED, ("prefill_kv", "slot0")), "fact"),
     fact="batched forwards wrote a static (preallocated) K",
 )
 

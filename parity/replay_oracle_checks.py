@@ -23,7 +23,8 @@ import torch
 from fakes.replay_conditions import HI3_FIELDS, SD3_FIELDS, fused_conditions, uncond_first_conditions
 from fakes.replay_kernel import FakeDenoiser
 from fixtures.replay_cases import FAKE_LATENT, GUIDANCE, fake_problem, real_control, real_problem
-from fixtures.replay_models import tiny_sd3
+from fixtures.replay_families import family_names
+from fixtures.replay_models import tiny_model
 from harness import growth
 from harness.checks import CheckContext, register
 from harness.compare import Close, Verdict, close, expect, max_abs_diff, noise_floor
@@ -33,7 +34,7 @@ from harness.replay import denoiser, oracles
 from harness.replay.conditions import Conditions, payload_rows, slice_rows
 from harness.replay.controls import fast_shape_serial, measure_batch_shape_control
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
-from harness.replay.families.sd3 import SD3Adapter
+from harness.replay.families import get_family
 from harness.replay.parity import ReplayRun, judge_result, require_fast_path, run_batched, run_both
 from harness.replay.problem import ReplayProblem, make_problem
 from harness.replay.replay import replay_serial
@@ -390,13 +391,14 @@ def flux_pi_old_vs_rollout(ctx: CheckContext) -> Verdict:
 
 
 @functools.cache
-def growth_problem() -> ReplayProblem:
-    """Tiny SD3 (no CFG), SDE on all T steps, every step replayed at once."""
-    adapter = SD3Adapter(tiny_sd3())
-    conditions = adapter.example_conditions(GROWTH_BATCH, 1, torch.Generator().manual_seed(5))
+def growth_problem(family: str = "sd3") -> ReplayProblem:
+    """A tiny model of a registered family (no CFG), SDE on all T steps, every step replayed at once."""
+    registered = get_family(family)
+    adapter = registered.adapter(tiny_model(family))
+    conditions = registered.example_conditions(adapter, GROWTH_BATCH, 1, torch.Generator().manual_seed(5))
     steps = tuple(range(GROWTH_STEPS))
-    return make_problem("sd3.growth", adapter, conditions, seed=21, latent_shape=adapter.latent_shape, target=steps,
-                        sde_indices=steps, steps=GROWTH_STEPS, guidance=1.0)
+    return make_problem(f"{family}.growth", adapter, conditions, seed=21, latent_shape=adapter.latent_shape,
+                        target=steps, sde_indices=steps, steps=GROWTH_STEPS, guidance=1.0)
 
 
 def _per_step(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
@@ -406,29 +408,29 @@ def _per_step(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def stock_floor_curve() -> tuple[float, ...]:
+def stock_floor_curve(family: str = "sd3") -> tuple[float, ...]:
     """The stock per-step floor: serial replay at B rows vs serial replay with every forward at the fast path's
     shape (all S x B rows, each step's rows at their block)."""
-    problem = growth_problem()
+    problem = growth_problem(family)
     base = replay_serial(*problem.args())
     grown = fast_shape_serial(problem)
     return tuple(_per_step(grown.prev_sample_means, base.prev_sample_means).tolist())
 
 
 @functools.cache
-def resolution_curve() -> tuple[float, ...]:
+def resolution_curve(family: str = "sd3") -> tuple[float, ...]:
     """One fp32 ulp at each step's mean |transition mean| (the stock values'): below it, a per-step difference
     is the values' own spacing."""
-    problem = growth_problem()
+    problem = growth_problem(family)
     means = replay_serial(*problem.args()).prev_sample_means.double().abs()
     return tuple((FP32_EPS * means.transpose(0, 1).reshape(means.shape[1], -1).mean(dim=1)).tolist())
 
 
-def error_curves(problem: ReplayProblem) -> tuple[ReplayRun, torch.Tensor | None, torch.Tensor]:
+def error_curves(problem: ReplayProblem, family: str = "sd3") -> tuple[ReplayRun, torch.Tensor | None, torch.Tensor]:
     """(run, batched-vs-serial per-step error of the means or None on a fallback, stock per-step floor)."""
     run = run_both(problem)
     curve = None if run.batched is None else _per_step(run.batched.prev_sample_means, run.serial.prev_sample_means)
-    return run, curve, torch.tensor(stock_floor_curve(), dtype=torch.float64)
+    return run, curve, torch.tensor(stock_floor_curve(family), dtype=torch.float64)
 
 
 def single_step_policy(problem: ReplayProblem) -> Close:
@@ -442,16 +444,20 @@ def single_step_policy(problem: ReplayProblem) -> Close:
                  reason=f"single-step: max(4 x floor {floor:.2e}, 4 fp32 ulps x {scale:.2e})")
 
 
-@register("replay.sd3.growth.prev_sample_means")
-def error_growth(ctx: CheckContext) -> Verdict:
-    """Tiny SD3 over all T steps: the per-step error of the batched means (mean |batched - serial|)
+def error_growth(family: str, ctx: CheckContext) -> Verdict:
+    """A family's tiny model over all T steps: the per-step error of the batched means (mean |batched - serial|)
     may grow at most GROWTH_BUDGET x as fast as the stock floor (serial at B rows vs at the fast path's shape)."""
-    check_id = "replay.sd3.growth.prev_sample_means"
-    problem = growth_problem()
-    run, curve, floor = error_curves(problem)
+    check_id = f"replay.{family}.growth.prev_sample_means"
+    problem = growth_problem(family)
+    run, curve, floor = error_curves(problem, family)
     if curve is None:
         return expect(check_id, False, "batched replay returned a result (no silent fallback)")
-    verdict = growth.judge_growth(check_id, curve, floor, torch.tensor(resolution_curve(), dtype=torch.float64),
+    verdict = growth.judge_growth(check_id, curve, floor, torch.tensor(resolution_curve(family), dtype=torch.float64),
                                   control=f"stock serial at B rows vs serial with every forward at the fast path's "
                                           f"{problem.batched_rows}-row shape, mean |d| of the means per step")
     return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)
+
+
+for _family in family_names():
+    _register(f"replay.{_family}.growth.prev_sample_means", error_growth, _family,
+              doc=f"tiny {_family} over all T steps: batched-mean error grows no faster than the stock floor")
