@@ -185,10 +185,10 @@ def test_real_generations_are_refused_on_5x_naming_their_generation(tmp_path, of
     directory = write_hunyuan_remote_code(tmp_path / f"gen{real}", generation=real)
     checkpoint = detect(directory)
     if FOUR_X:
-        assert type(load_model(checkpoint, torch.float32, "cpu")).__name__ == ARCHITECTURE
+        assert type(load_model(checkpoint, torch.float32, "cpu", trust_remote_code=True)).__name__ == ARCHITECTURE
         return
     with pytest.raises(CheckpointError) as caught:
-        load_model(checkpoint, torch.float32, "cpu")
+        load_model(checkpoint, torch.float32, "cpu", trust_remote_code=True)
     reason = compat.removed_module_reason(caught.value, remote_code_name(checkpoint.config))
     assert reason is not None and reason.startswith(f"HunyuanImage-3 generation {real} ({modeling_file(real)}) "
                                                     "imports transformers.modeling_attn_mask_utils")

@@ -87,7 +87,9 @@ def test_loads_are_offline_and_run_no_directory_code_without_the_opt_in(tmp_path
     checkpoints.load_model(plain, torch.float32, "cpu")
     assert (loads[-1]["local_files_only"], loads[-1]["trust_remote_code"]) == (True, False)
     opted = Checkpoint(tmp_path, "causal_lm_rule", "Qwen3ForCausalLM", {}, remote_code=True, spec=lm)
-    checkpoints.load_model(opted, torch.float32, "cpu")
+    with pytest.raises(checkpoints.CheckpointError, match="--trust-remote-code"):
+        checkpoints.load_model(opted, torch.float32, "cpu")  # the run did not opt in
+    checkpoints.load_model(opted, torch.float32, "cpu", trust_remote_code=True)
     assert loads[-1]["trust_remote_code"] is True
     vae = CheckpointKind("vae_rule", "decode", ("AutoencoderKL",), "diffusers")
     checkpoints.load_model(Checkpoint(tmp_path, "vae_rule", "AutoencoderKL", {}, spec=vae), torch.float32, "cpu")
