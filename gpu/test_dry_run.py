@@ -149,8 +149,9 @@ def test_weight_bytes_read_from_safetensors_headers(tiny_dir):
 def test_device_mapped_load_places_the_model_and_changes_no_weight(tiny_dir, kind, monkeypatch):
     monkeypatch.setattr(device_maps, "_PLACEMENTS", [])  # keep this run's own placement summary clean
     checkpoint = detect(tiny_dir[kind])
-    plain = load_model(checkpoint, torch.float32, "cpu")
-    mapped = load_model(checkpoint, torch.float32, "cpu", device_map=CPU_SPLIT)
+    trusted = checkpoint.remote_code  # the tiny HunyuanImage-3 carries the suite's own fake remote code
+    plain = load_model(checkpoint, torch.float32, "cpu", trust_remote_code=trusted)
+    mapped = load_model(checkpoint, torch.float32, "cpu", device_map=CPU_SPLIT, trust_remote_code=trusted)
     where = device_maps.placements()[-1]
     assert where == (str(checkpoint.path), CPU_SPLIT, {"": "cpu"})
     plain_state, mapped_state = plain.state_dict(), mapped.state_dict()
@@ -158,4 +159,4 @@ def test_device_mapped_load_places_the_model_and_changes_no_weight(tiny_dir, kin
     assert all(torch.equal(plain_state[k], mapped_state[k]) for k in plain_state), kind
     visible = torch.cuda.device_count()
     with pytest.raises(ValueError, match=re.escape(f"GPUs [{visible}] are not visible ({visible} are)")):
-        load_model(checkpoint, torch.float32, "cpu", device_map=f'{{"{visible}": "1GiB"}}')
+        load_model(checkpoint, torch.float32, "cpu", device_map=f'{{"{visible}": "1GiB"}}', trust_remote_code=trusted)
