@@ -1,5 +1,6 @@
-"""Guards of the decode serving and plan oracle that no end-to-end run reaches: a tile server asked to serve a
-plan without tiles refuses it cleanly, and a plan that names fewer frames than the library decoded never passes."""
+"""Decode guards no end-to-end run reaches: the sharded path is opt-in, latents that do not fit a plan are refused,
+a tile server asked to serve a plan without tiles refuses it cleanly, and a plan that names fewer frames than the
+library decoded never passes."""
 
 from __future__ import annotations
 
@@ -7,12 +8,35 @@ import pytest
 import torch
 
 from fixtures import decode_models
-from harness.decode import oracle, serve
+from harness.decode import oracle, serve, sharded
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import ShardedDecodeError
 
 pytestmark = [pytest.mark.cpu,
               pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
+
+
+def test_the_sharded_path_is_opt_in(monkeypatch):
+    asked = []
+
+    def takes_sharded_path(enabled, group):
+        asked.append(enabled)
+        return False
+
+    monkeypatch.setattr(sharded, "takes_sharded_path", takes_sharded_path)
+    vae = decode_models.tiny_vae()
+    z = decode_models.latents(decode_models.LatentSpec(9, height=2, width=2))
+    sharded.decode_video(vae, z)
+    assert asked == [False]  # a call that does not ask for sharding gets the stock decode
+
+
+@pytest.mark.parametrize("frames", [8, 10])
+def test_latents_that_do_not_fit_the_plan_are_refused(frames):
+    plan = plan_mod.plan_clips(decode_models.tiny_vae(), 9)
+    with pytest.raises(ValueError, match="do not match a plan for 9 latent frames"):
+        plan_mod.pad_latents(torch.zeros(1, 4, frames, 2, 2), plan)
+    with pytest.raises(ValueError, match="do not match a plan for 9 latent frames"):
+        plan_mod.pad_latents(torch.zeros(4, 9, 2, 2), plan)
 
 
 def test_a_tile_server_refuses_a_plan_without_tiles_even_with_the_right_count():
