@@ -57,3 +57,11 @@ def test_a_plan_naming_fewer_frames_than_the_library_decoded_never_passes(monkey
     except ValueError:  # the frame lists cannot even be paired
         return
     assert not verdict.passed, verdict.describe()
+
+
+def test_the_stock_encode_refuses_what_is_not_the_vae_before_reading_its_config():
+    from types import SimpleNamespace
+
+    lookalike = SimpleNamespace(config=SimpleNamespace(in_channels=3), encode=lambda x: None)
+    with pytest.raises(TypeError, match="expected an AutoencoderKLMiniMaxH3 .* got SimpleNamespace"):
+        sharded.stock_encode(lookalike, torch.zeros(1, 3, 5, 8, 8))
