@@ -65,3 +65,10 @@ def test_the_stock_encode_refuses_what_is_not_the_vae_before_reading_its_config(
     lookalike = SimpleNamespace(config=SimpleNamespace(in_channels=3), encode=lambda x: None)
     with pytest.raises(TypeError, match="expected an AutoencoderKLMiniMaxH3 .* got SimpleNamespace"):
         sharded.stock_encode(lookalike, torch.zeros(1, 3, 5, 8, 8))
+
+
+def test_a_piece_server_asked_for_one_call_too_many_names_it():
+    server = serve.PieceServer(lambda index: torch.full((2,), float(index)), [torch.zeros(1), torch.ones(1)], "probe")
+    assert float(server(torch.full((2,), 0.0))) == 0.0 and float(server(torch.full((2,), 1.0))) == 1.0
+    with pytest.raises(ShardedDecodeError, match="asked probe for piece 2 but only 2 were gathered"):
+        server(torch.full((2,), 2.0))
