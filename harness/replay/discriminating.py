@@ -35,8 +35,8 @@ class NotDiscriminating(ValueError):
 def row_key(item: Any) -> Any:
     """A hashable identity of one row: a tensor row by dtype, shape and bytes; anything else by repr."""
     if isinstance(item, torch.Tensor):
-        row = item.detach().cpu().contiguous()
-        return ("tensor", str(row.dtype), tuple(row.shape), row.numpy().tobytes() if row.numel() else b"")
+        row = item.detach().cpu().contiguous().reshape(-1)
+        return ("tensor", str(item.dtype), tuple(item.shape), row.view(torch.uint8).numpy().tobytes())
     if isinstance(item, (list, tuple)):
         return (type(item).__name__, tuple(row_key(x) for x in item))
     return ("value", repr(item))

@@ -269,7 +269,13 @@ def _within(check_id: str, what: str, actual: torch.Tensor, expected: torch.Tens
 
 
 def _to_replay(adapter: ModelAdapter, transformer_out: torch.Tensor) -> torch.Tensor:
-    return adapter.from_pipeline_latents(transformer_out.float())
+    """Transformer outputs in replay's layout; a learned-sigma head's second half of the channels is cut, as the
+    pipelines cut it."""
+    out = adapter.from_pipeline_latents(transformer_out.float())
+    channels = adapter.latent_shape[0]
+    if out.dim() > 1 and tuple(out.shape[1:]) != tuple(adapter.latent_shape) and out.shape[1] == 2 * channels:
+        out = out[:, :channels]
+    return out
 
 
 def _combined(adapter: ModelAdapter, out: torch.Tensor, order: list[tuple[str, int]], guidance: float) -> torch.Tensor:
