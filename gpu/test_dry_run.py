@@ -64,13 +64,22 @@ def test_gpu_tier_dry_run_over_every_checkpoint_kind(tiny_dir, tmp_path):
             if detect(path).feeds == check.path:
                 dtypes = ("fp32",) if check.id in gpu_decode.FP32_ONLY_CHECKS else ("fp32", "bf16")
                 expected |= {f"{check.id}[{kind}-{dtype}]" for dtype in dtypes}
-    ran = {c["id"] for c in data["checks"]}
+    ran = {c["id"] for c in data["checks"] if c["status"] != "skipped"}
     assert ran == expected, f"missing: {sorted(expected - ran)}; unexpected: {sorted(ran - expected)}"
-    assert all(c["passed"] for c in data["checks"])
-    assert data["summary"]["checks"] == data["summary"]["passed"] == len(expected)
+    assert all(c["passed"] for c in data["checks"] if c["status"] != "skipped")
+    # an fp32-only check's bf16 item is reported as skipped with its reason, never as a pass
+    skipped = {c["id"] for c in data["checks"] if c["status"] == "skipped"}
+    fp32_only = {f"{check_id}[{kind}-bf16]" for check_id in gpu_decode.FP32_ONLY_CHECKS for kind, path in
+                 tiny_dir.items() if detect(path).feeds == "decode"}
+    assert skipped == fp32_only, f"skipped: {sorted(skipped)}; expected {sorted(fp32_only)}"
+    assert data["summary"]["passed"] == len(expected)
+    assert data["summary"]["skipped"] == len(fp32_only)
     killed = {k["check"] for a in data["ablations"] for k in a["kills"] if k["killed"]}
     assert killed == expected, f"gpu checks no ablation killed in the dry run: {sorted(expected - killed)}"
-    assert data["summary"]["killed"] == data["summary"]["ablations"] > 0
+    pairs = [k for a in data["ablations"] for k in a["kills"]]
+    assert pairs and {k["status"] for k in pairs} <= {"killed", "skipped"}, [k for k in pairs if not k["killed"]]
+    assert {k["check"] for k in pairs if k["status"] == "skipped"} <= fp32_only
+    assert all(any(k["killed"] for k in a["kills"]) for a in data["ablations"])
     remote = {str(path) for kind, path in tiny_dir.items() if detect(path).remote_code}
     assert set(data["remote_code"]["ran"]) == remote and data["remote_code"]["trusted"], data["remote_code"]
 

@@ -85,19 +85,19 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> Comparison:
     differences: list[str] = []
     moves: list[tuple[float, str, Any, Any]] = []
     checks_a, checks_b = _checks(a), _checks(b)
-    for missing, there, here in ((sorted(set(checks_a) - set(checks_b)), "A", "B"),
-                                 (sorted(set(checks_b) - set(checks_a)), "B", "A")):
+    for missing, there, here in ((_unmatched(checks_a, checks_b), "A", "B"),
+                                 (_unmatched(checks_b, checks_a), "B", "A")):
         differences += [f"check {check} is in {there} but not in {here}" for check in missing]
     common = sorted(set(checks_a) & set(checks_b))
     for check in common:
         left, right = checks_a[check], checks_b[check]
-        if bool(left.get("passed")) != bool(right.get("passed")):
+        if _status(left) != _status(right):
             differences.append(f"check {check}: {_status(left)} in A, {_status(right)} in B")
         moves.append((_move(left.get("margin"), right.get("margin")), f"check {check}", left.get("margin"),
                       right.get("margin")))
     kills_a, kills_b = _kills(a), _kills(b)
-    for missing, there, here in ((sorted(set(kills_a) - set(kills_b)), "A", "B"),
-                                 (sorted(set(kills_b) - set(kills_a)), "B", "A")):
+    for missing, there, here in ((_unmatched(kills_a, kills_b), "A", "B"),
+                                 (_unmatched(kills_b, kills_a), "B", "A")):
         differences += [f"ablation {name} -> {check} is in {there} but not in {here}" for name, check in missing]
     pairs = sorted(set(kills_a) & set(kills_b))
     for pair in pairs:
@@ -110,7 +110,15 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> Comparison:
     return Comparison(differences, moves, len(common), len(pairs))
 
 
+def _unmatched(here: dict[Any, dict[str, Any]], there: dict[Any, dict[str, Any]]) -> list[Any]:
+    """Rows of one report the other lacks. A row skipped with a reason (a gpu-tier placeholder in a whole-suite
+    report, compared with a CPU-tier lane's) holds no verdict, so its absence elsewhere is no difference."""
+    return sorted(key for key in set(here) - set(there) if here[key].get("status") != "skipped")
+
+
 def _status(row: dict[str, Any]) -> str:
+    if row.get("status") == "skipped":
+        return "SKIPPED"
     return "PASS" if row.get("passed") else "FAIL"
 
 

@@ -167,7 +167,8 @@ def _open_archive(path: Path) -> zipfile.ZipFile:
 def load_capture(path: str | Path, scale: float = SEED_SCALE) -> Capture:
     """Read a capture file, naming the file and the array whenever it does not fit the format."""
     path = Path(path)
-    _open_archive(path).close()
+    with _open_archive(path) as archive:
+        _headers(path, archive)  # every member's size agrees with its npy header before numpy reads its data
     try:
         with np.load(path, allow_pickle=False) as z:
             missing = [name for name in CAPTURE_ARRAYS if name not in z.files]
