@@ -8,7 +8,7 @@ import torch
 
 from fixtures.attention_captures import small_capture
 from harness.attention import capture as capture_io
-from harness.attention.capture import Capture
+from harness.attention.capture import Capture, check_shapes
 from harness.attention.layout import AttentionLayout
 
 pytestmark = pytest.mark.cpu
@@ -37,7 +37,11 @@ def test_a_capture_needs_4d_float_arrays_that_agree_and_a_bool_mask_of_their_sha
     for overrides, match in (
             ({"kv_batch": 2}, r"query \(1, 3, 2, 4\) and key \(2, 5, 2, 4\) must share batch and head dim"),
             ({"kv_dim": 8}, r"query \(1, 3, 2, 4\) and key \(1, 5, 2, 8\) must share batch and head dim"),
-            ({"heads": 3, "kv_heads": 2}, "3 query heads are not a multiple of 2 key/value heads")):
+            ({"heads": 3, "kv_heads": 2}, "3 query heads are not a multiple of 2 key/value heads"),
+            # an empty capture would pass every bound vacuously (and zero KV heads divide nothing)
+            ({"q_len": 0}, r"query \(1, 0, 2, 4\) and key \(1, 5, 2, 4\) hold no attention to compare"),
+            ({"kv_len": 0}, r"query \(1, 3, 2, 4\) and key \(1, 0, 2, 4\) hold no attention to compare"),
+            ({"kv_heads": 0}, r"and key \(1, 5, 0, 4\) hold no attention to compare")):
         with pytest.raises(ValueError, match=match):
             Capture(*_tensors(**overrides), name="t")
     q, k, v, mask = _tensors()
@@ -108,3 +112,10 @@ def test_saving_copies_device_tensors_to_the_host_in_c_order(tmp_path):
     loaded = capture_io.load_capture(path)
     for name in capture_io.CAPTURE_ARRAYS:
         assert torch.equal(getattr(loaded, name), getattr(source, name)), name
+
+
+def test_a_capture_file_of_empty_arrays_is_refused_from_its_headers():
+    shapes = {"query": (1, 0, 2, 4), "key": (1, 5, 2, 4), "value": (1, 5, 2, 4), "mask": (1, 1, 0, 5)}
+    with pytest.raises(ValueError, match=r"capture f.npz: query \(1, 0, 2, 4\) and key \(1, 5, 2, 4\) hold no "
+                                         r"attention to compare"):
+        check_shapes("f.npz", shapes)

@@ -136,6 +136,32 @@ def test_flux_guidance_reaches_the_model():
                            problem.adapter.forward(x, timestep, other))
 
 
+@pytest.mark.parametrize("family", [family.name for family in families.SHIPPED])
+def test_a_missing_shared_field_is_refused_by_name_or_unused(family):
+    """Dropping any shared field either leaves the velocity bit-for-bit as it was (the forward does not read it)
+    or is refused with an error naming the field, never a bare KeyError from inside the model call."""
+    problem = real_problem(family, 1)
+    conditions = broadcast_rows(problem.conditions)
+    x = problem.segment.latent_at(0).float()
+    timestep = problem.adapter.timestep(torch.full((x.shape[0],), 0.5))
+    full = problem.adapter.forward(x, timestep, conditions)
+    for name in sorted(conditions.shared):
+        fewer = dataclasses.replace(conditions, shared={k: v for k, v in conditions.shared.items() if k != name})
+        outcome = _forward_or_refusal(problem.adapter, x, timestep, fewer)
+        if isinstance(outcome, str):
+            assert f"'{name}'" in outcome, f"{family}: the refusal does not name {name!r}: {outcome}"
+        else:
+            assert torch.equal(outcome, full), f"{family}: without shared field {name!r} the velocity changed silently"
+
+
+def _forward_or_refusal(adapter, x: torch.Tensor, timestep: torch.Tensor, conditions: Conditions):
+    """The adapter's velocity, or the text of its ValueError (any other exception escapes)."""
+    try:
+        return adapter.forward(x, timestep, conditions)
+    except ValueError as err:
+        return str(err)
+
+
 @pytest.mark.parametrize("family", ["sd3", "cogview4"])
 def test_a_latent_that_does_not_fit_the_patch_size_is_refused_before_the_model_runs(family):
     problem = real_problem(family, 1)

@@ -79,6 +79,9 @@ class Capture:
         if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
             raise ValueError(f"capture {self.name}: query {tuple(q.shape)} and key {tuple(k.shape)} must share "
                              "batch and head dim")
+        if 0 in (*q.shape, *k.shape):
+            raise ValueError(f"capture {self.name}: query {tuple(q.shape)} and key {tuple(k.shape)} hold no attention "
+                             "to compare (every dimension must be at least 1)")
         if q.shape[2] % k.shape[2]:
             raise ValueError(f"capture {self.name}: {q.shape[2]} query heads are not a multiple of "
                              f"{k.shape[2]} key/value heads")
@@ -265,7 +268,10 @@ def check_shapes(name: str, shapes: dict[str, tuple[int, ...]]) -> None:
         raise ValueError(f"capture {name}: key {k} and value {v} differ")
     if q[0] != k[0] or q[3] != k[3]:
         raise ValueError(f"capture {name}: query {q} and key {k} must share batch and head dim")
-    if k[2] == 0 or q[2] % k[2]:
+    if 0 in (*q, *k):
+        raise ValueError(f"capture {name}: query {q} and key {k} hold no attention to compare (every dimension must "
+                         "be at least 1)")
+    if q[2] % k[2]:
         raise ValueError(f"capture {name}: {q[2]} query heads are not a multiple of {k[2]} key/value heads")
     expected = (q[0], 1, q[1], k[1])
     if m != expected:
