@@ -6,13 +6,11 @@ harness brings it to any pytest run.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import functools
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,9 +111,8 @@ class ParitySession:
         key = label or check_id
         skip_unavailable_path(check_id)
         if key not in self.verdicts:
-            with watch_implementation(checks.get(check_id).path) as watch:
-                verdict = checks.run_check(check_id, ctx or self.context())
-            verdict = watch.require_ran(verdict)
+            watch = ImplementationWatch(checks.get(check_id).path)
+            verdict = watch.require_ran(checks.run_check(check_id, ctx or self.context()))
             self.verdicts[key] = dataclasses.replace(verdict, check_id=key) if label else verdict
         return self.verdicts[key]
 
@@ -171,12 +168,6 @@ class ImplementationWatch:
         calls = self.calls
         return verdict.require(calls > 0, f"the implementation under test ({self.spec}) ran in this check",
                                impl_calls=calls)
-
-
-@contextlib.contextmanager
-def watch_implementation(path: str) -> Iterator[ImplementationWatch]:
-    """Count the calls of the implementation under test for ``path`` while a check runs."""
-    yield ImplementationWatch(path)
 
 
 def never_ran(config: pytest.Config, judged_paths: set[str]) -> list[str]:

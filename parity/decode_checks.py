@@ -228,7 +228,8 @@ def run_fault(check_id: str, world, job: decode_tasks.DecodeJob, kind: str, faul
               timeout_s: float) -> Verdict:
     """Inject ``kind`` (on ``fault_rank``, or on every rank for a group fault) and judge the behaviour: every rank
     raises within the bound and none hangs, the injected exception survives in what was raised, and the group
-    still works afterwards (no rank left inside a collective or out of step)."""
+    still works afterwards: an all-gather over every rank completes (no rank left inside a collective or out of
+    step), and the same decode without the fault is bit-exact again (so raising on every call cannot pass)."""
     bound = min(timeout_s, FAULT_BOUND_S)
     outcomes, statuses = None, []
     try:
@@ -239,7 +240,9 @@ def run_fault(check_id: str, world, job: decode_tasks.DecodeJob, kind: str, faul
     if world.alive:
         try:
             world.run(decode_tasks.group_alive_task, timeout_s=ALIVE_TIMEOUT_S)
-            group_error = None
+            again = world.run(decode_tasks.decode_task, job, timeout_s=bound)
+            hashes = {r.sha256 for r in again if r.output is not None} | {again[0].stock_sha256}
+            group_error = None if len(hashes) == 1 else f"the decode after the fault gave {len(hashes)} distinct hashes"
         except WorldTaskError as err:
             group_error = str(err).splitlines()[0][:240]
     return judge.judge_fault(check_id, world.size, fault_rank, bound, outcomes, statuses,

@@ -92,6 +92,9 @@ def compare_kernel(kernel: kernels.KernelSpec | str, capture: Capture, policy: P
     what = f"{name} output on {capture.name}"
     judged = [p.judge(check_id, actual, expected, dims=OUTPUT_DIMS, what=what) for p in _policies(policy)]
     verdict = functools.reduce(Verdict.merge, judged)
+    verdict = verdict.require(actual.dtype == q.dtype and tuple(actual.shape) == tuple(q.shape),
+                              "the output is (B, H, Q, D) in the inputs' dtype",
+                              output=f"{tuple(actual.shape)} {str(actual.dtype).split('.')[-1]}")
     max_abs_floor = floor.max_abs if isinstance(floor, FloorControl) else floor
     for p in _policies(policy):
         verdict = bounded(verdict, p, max_abs_floor)

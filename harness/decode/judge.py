@@ -69,15 +69,14 @@ class FaultOutcome:
 
 def frame_labels(plan: plan_mod.ClipPlan, num_frames: int, made_by: dict[int, list[int]] | None = None) -> list[str]:
     """Name each output pixel frame by the clip(s) it came from and, with ``made_by`` (clip -> ranks that decoded
-    a piece of it), the producing rank(s), for failure messages."""
+    a piece of it), the rank(s) that produced them, for failure messages."""
     def clip(c: int) -> str:
         if made_by is None:
             return str(c)
         ranks = made_by.get(c)
-        return f"{c} decoded on rank {'/'.join(map(str, ranks))}" if ranks else f"{c} (its planned input decoded " \
-            "on no rank)"
+        return f"{c} on rank {'+'.join(map(str, ranks))}" if ranks else f"{c} (its planned input decoded on no rank)"
 
-    return [f"{frame} (clip {', '.join(clip(c) for c in src)}{', cross-fade' if len(src) > 1 else ''})"
+    return [f"{frame} (clip {'/'.join(clip(c) for c in src)}{' cross-fade' if len(src) > 1 else ''})"
             for frame, src in enumerate(plan_mod.frame_sources(plan, num_frames))]
 
 
@@ -191,6 +190,10 @@ def judge_decode(check_id: str, results: Sequence[RankDecode], *, sharded: bool,
                                   pieces_per_rank=", ".join(map(str, counted)), pieces_total=total)
         verdict = verdict.require(all(seen), "every rank communicated (a collective ran on every rank)",
                                   collectives_per_rank="; ".join(str(s or "none") for s in seen))
+        holders = [r.rank for r in results if r.output is not None]
+        verdict = verdict.require(holders == [r.rank for r in receivers],
+                                  f"only the receiving ranks hold the output ({transport}); the others return None",
+                                  ranks_holding_output=holders)
     elif sharded:
         holders = [r.rank for r in results if r.output is not None]
         verdict = verdict.require(holders == [r.rank for r in receivers],
@@ -230,20 +233,24 @@ def compare_sharded_decode(world: Any, task: Callable[..., Sequence[RankDecode]]
     return judge_decode(check_id, results, sharded=sharded, policy=policy)
 
 
+GROUP_WORKS = ("the group works afterwards (an all-gather over every rank, then the same decode without the fault, "
+               "bit-exact)")
+
+
 def judge_fault(check_id: str, size: int, fault_rank: int, bound_s: float, outcomes: Sequence[FaultOutcome] | None,
                 world_outcomes: Sequence[Any] = (), keeps_cause: str = "", group_error: str | None = None) -> Verdict:
     """Judge a fault by behaviour: every rank raised within ``bound_s`` and none hung or returned; the fault struck
     where it was injected; the injected exception survives in the chain of what rank ``fault_rank`` raised
     (``keeps_cause="fault rank"``) or every rank raised (``"every rank"``); the group works afterwards
-    (``group_error`` None). ``outcomes`` is every rank's FaultOutcome, or None when the task itself did not come
-    back from every rank (``world_outcomes``: the world's per-rank statuses, hung ranks among them)."""
+    (``group_error`` None: an all-gather completes and the decode without the fault is bit-exact again).
+    ``outcomes`` is every rank's FaultOutcome, or None when the task itself did not come back from every rank
+    (``world_outcomes``: the world's per-rank statuses, hung ranks among them)."""
     if outcomes is None:
         stuck = {s: [o.rank for o in world_outcomes if o.status == s] for s in ("hung", "blocked", "died", "raised")}
         words = "; ".join(f"{s} on ranks {ranks}" for s, ranks in stuck.items() if ranks) or "no answer"
         verdict = expect(check_id, False, f"every rank raises within {bound_s:g} s; no rank hangs or returns",
                          outcome=words, rank_outcomes=[o.line()[:240] for o in world_outcomes])
-        return verdict.require(group_error is None, "the group works afterwards (an all-gather over every rank)",
-                               follow_up=group_error or "the group answered")
+        return verdict.require(group_error is None, GROUP_WORKS, follow_up=group_error or "the group answered")
     raised = [o for o in outcomes if o.raised]
     returned = [o.rank for o in outcomes if not o.raised]
     slow = [o.rank for o in raised if o.seconds > bound_s]
@@ -263,5 +270,4 @@ def judge_fault(check_id: str, size: int, fault_rank: int, bound_s: float, outco
         who = "every rank" if keeps_cause == "every rank" else f"rank {fault_rank}"
         verdict = verdict.require(not lost, f"the injected exception survives in the __cause__/__context__ chain of "
                                             f"what {who} raised", root_cause_lost_on=lost)
-    return verdict.require(group_error is None, "the group works afterwards (an all-gather over every rank)",
-                           follow_up=group_error or "the group answered")
+    return verdict.require(group_error is None, GROUP_WORKS, follow_up=group_error or "the group decodes again")
