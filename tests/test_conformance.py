@@ -10,7 +10,7 @@ from harness import ablation, checks, conformance
 from harness.dist import World, WorldTaskError
 from tests import dist_tasks
 
-pytestmark = pytest.mark.cpu
+# every test here is of the cpu tier but the spawned variant, a launcher test (tens of seconds on 2 cores)
 
 SUITE_IMPL = '''
 def scale(x):
@@ -151,11 +151,13 @@ def suite(pytester):
     return pytester
 
 
+@pytest.mark.cpu
 def test_without_impl_every_path_and_the_kill_matrix_run(suite):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu")
     result.assert_outcomes(passed=12)
 
 
+@pytest.mark.cpu
 def test_a_right_implementation_passes_and_the_report_names_it(suite):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", "attention=user_impl:right",
                              "-k", "not fallback and not unwired", "-rs", "--parity-report=out/r.json",
@@ -177,6 +179,7 @@ def test_a_right_implementation_passes_and_the_report_names_it(suite):
     assert conformance.specs() == {}  # the run's specs do not outlive it
 
 
+@pytest.mark.cpu
 def test_a_buggy_implementation_fails_naming_the_check(suite):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", "attention=user_impl:off_by_one",
                              "-k", "not fallback and not unwired")
@@ -184,6 +187,7 @@ def test_a_buggy_implementation_fails_naming_the_check(suite):
     result.stdout.fnmatch_lines(["FAILED*test_parity_check[[]attention.cdemo.exact[]]*"])
 
 
+@pytest.mark.cpu
 def test_a_check_that_fetches_the_implementation_and_falls_back_fails(suite):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", "attention=user_impl:right",
                              "-k", "test_parity_check and fallback")
@@ -191,6 +195,7 @@ def test_a_check_that_fetches_the_implementation_and_falls_back_fails(suite):
     result.stdout.fnmatch_lines(["*VIOLATED: the implementation under test (user_impl:right) ran in this check*"])
 
 
+@pytest.mark.cpu
 def test_a_check_that_never_calls_the_implementation_fails_whatever_its_numbers(suite):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", "attention=user_impl:right",
                              "-k", "test_parity_check and unwired")
@@ -200,6 +205,7 @@ def test_a_check_that_never_calls_the_implementation_fails_whatever_its_numbers(
                                  "implementation under test"])
 
 
+@pytest.mark.cpu
 def test_declarations_match_ids_and_patterns_and_keep_one_reason():
     conformance.not_judged("attention.cdemo.stock_*", "compares the stock path with itself")
     assert conformance.judged_by("attention.cdemo.stock_only") == "compares the stock path with itself"
@@ -211,8 +217,7 @@ def test_declarations_match_ids_and_patterns_and_keep_one_reason():
         conformance.not_judged("attention.cdemo.other", " ")
 
 
-@pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.launch)])
-def test_calls_made_inside_every_rank_are_counted_even_when_the_call_raises(start_method):
+def _count_inside_ranks(start_method: str) -> None:
     """The implementation under test travels to each rank as a spec; each rank's calls come back with its
     answer, a raise included (a fault check judges the user's code by the raise)."""
     with World(2, start_method=start_method) as world:
@@ -227,6 +232,17 @@ def test_calls_made_inside_every_rank_are_counted_even_when_the_call_raises(star
             conformance.clear()
 
 
+@pytest.mark.cpu
+def test_calls_made_inside_forked_ranks_are_counted_even_when_the_call_raises():
+    _count_inside_ranks("fork")
+
+
+@pytest.mark.launch
+def test_calls_made_inside_spawned_ranks_are_counted_even_when_the_call_raises():
+    _count_inside_ranks("spawn")
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize(("given", "message"), [
     ("attention", "--impl 'attention': expected PATH=MODULE:CALLABLE"),
     ("video=user_impl:right", "unknown path 'video'"),
@@ -242,6 +258,7 @@ def test_a_bad_spec_is_a_usage_error_naming_it(suite, given, message):
     assert message in result.stderr.str()
 
 
+@pytest.mark.cpu
 def test_one_path_under_test_twice_is_a_usage_error(suite):
     result = suite.runpytest("-p", "harness.plugin", "--impl", "attention=user_impl:right",
                              "--impl", "attention=user_impl:off_by_one")
