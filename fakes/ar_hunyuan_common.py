@@ -1,8 +1,11 @@
 """The parts both fake HunyuanImage-3 upstream generations share (text path, CPU-sized).
 
 Held to the real remote code by docs/ar-contract.md; each generation's module (``ar_hunyuan_gen1``: ``hunyuan.py``,
-``ar_hunyuan_gen2``: the Instruct ``modeling_hunyuan_image_3.py``) adds its RoPE plumbing, its cache's lazy-init
-call and its generation hooks. Shared here, as both upstream generations have them:
+``ar_hunyuan_gen2``: the Instruct ``modeling_hunyuan_image_3.py``; ``ar_hunyuan_portable``: the shared contract on
+any transformers) adds its RoPE plumbing, its cache's lazy-init call, its MoE routing and its generation hooks.
+The fakes are strict: every hook demands what the real one demands (``model_kwargs["tokenizer_output"]`` and the
+fields its mask builder reads, ``mode``, the attributes ``generate`` sets), so a harness that stops handing one
+over fails on the CPU as it would on the real code. Shared here, as both upstream generations have them:
 
 - ``HunyuanStaticCacheBase``: transformers' ``StaticCache`` with a ``dynamic`` flag; a 2-D ``cache_position``
   writes row by row (index-copy: duplicates, last write wins); when dynamic it then asserts the batch is 1 (seed
@@ -13,7 +16,9 @@ call and its generation hooks. Shared here, as both upstream generations have th
 - attention through torch's ``scaled_dot_product_attention`` over the whole returned key axis, as upstream calls
   it (so bf16 results depend on the key length exactly as upstream's do); ``attention_kernel="read_safe"``
   swaps in a kernel that never reads a masked slot, for the NaN probes only.
-- zero pad embedding, GQA, a dense SwiGLU MLP or a per-token top-k MoE that never drops tokens.
+- zero pad embedding, GQA, a dense SwiGLU MLP or a top-k MoE with a shared MLP (``num_experts``, ``moe_topk`` per
+  layer or one for all); this base routes every token alone with normalised top-k weights (upstream's
+  ``easy_topk``), each generation's subclass reproduces its own deviations (capacity, the single-token path).
 
 The model output is transformers' ``CausalLMOutputWithPast`` with the cache under the field name of the installed
 major (``past_key_values`` on 4.x, ``cache`` on 5.x), which is what upstream's kwargs update looks up.
@@ -36,18 +41,23 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from harness import compat
 
 __all__ = [
+    "IMAGE_SLICE_FIELDS",
     "HunyuanImage3Config",
     "HunyuanImage3PreTrainedModel",
+    "HunyuanMoE",
     "HunyuanStaticCacheBase",
     "HunyuanTextModel",
     "build_batch_2d_rope",
     "carry_cache_and_positions",
     "causal_generation_mask",
+    "layer_value",
     "masked_attention",
     "text_rope_table",
 ]
 
 KERNELS = ("sdpa", "read_safe")
+#: The per-row image-slice lists a real ``tokenizer_output`` carries (text-only rows: empty lists).
+IMAGE_SLICE_FIELDS = ("joint_image_slices", "gen_image_slices", "vae_image_slices", "vit_image_slices")
 
 
 class HunyuanImage3Config(compat.config_base()):
@@ -67,8 +77,12 @@ class HunyuanImage3Config(compat.config_base()):
     max_position_embeddings: int = 128
     pad_id: int = 0
     num_experts: int = 1
-    moe_topk: int = 1
+    moe_topk: Any = 1  # one top-k for every layer, or a list with one per layer (the released checkpoints')
+    moe_drop_tokens: bool = False  # generation 1: experts drop choices past their capacity (batch-dependent)
+    capacity_factor: float = 1.0
     use_mixed_mlp_moe: bool = True
+    cond_image_type: str = "vae_vit"  # generation 2's image processor picks the full-attention slices by these
+    cond_token_attn_type: str = "full"
     initializer_range: float = 0.02
     attention_kernel: str = "sdpa"
 
@@ -137,12 +151,22 @@ def build_batch_2d_rope(seq_len: int, n_elem: int, image_infos: list | None = No
     return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
 
 
-def causal_generation_mask(inputs_tensor: torch.Tensor) -> torch.Tensor:
-    """What upstream's ``_prepare_attention_mask_for_generation`` builds for text-only rows: bool
-    ``[B, 1, L, L]``, causal (image spans would add full-attention blocks)."""
+def causal_generation_mask(inputs_tensor: torch.Tensor, row_slices: list[list[slice]],
+                           device: torch.device | None = None) -> torch.Tensor:
+    """What upstream's ``_prepare_attention_mask_for_generation`` builds: bool ``[B, 1, L, L]``, causal, with a
+    full-attention block over every slice of ``row_slices[i]`` in row i (one list per row, as the builder reads
+    it from ``tokenizer_output``; a missing row is an IndexError, as upstream's)."""
     bsz, seq_len = inputs_tensor.shape
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=inputs_tensor.device).tril()
-    return causal.repeat(bsz, 1, 1)[:, None]
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril().repeat(bsz, 1, 1)
+    for row in range(bsz):
+        for span in row_slices[row]:
+            mask[row, span, span] = True
+    return mask[:, None]
+
+
+def layer_value(value: Any, layer_idx: int) -> Any:
+    """A per-layer config value: one value for every layer, or a list with one per layer (upstream's rule)."""
+    return value if isinstance(value, int | float) else value[layer_idx]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -199,26 +223,38 @@ class HunyuanMLP(nn.Module):
 
 
 class HunyuanMoE(nn.Module):
-    """Per-token top-k routing (upstream's ``easy_topk``): no capacity, so no token is ever dropped and a
-    row's routing never depends on what else is in the batch."""
+    """Top-k routing over SwiGLU experts plus the shared MLP. The router is built in fp32 and routes in its weight's
+    dtype (upstream's ``HunyuanTopKGate``); each token's top-k weights are normalised to sum to 1 and no choice is
+    ever dropped (upstream's ``easy_topk``), so a token's output never depends on what else is in the forward.
+    A generation's subclass overrides ``weights`` / ``kept`` to reproduce its own routing."""
 
-    def __init__(self, config: HunyuanImage3Config) -> None:
+    def __init__(self, config: HunyuanImage3Config, layer_idx: int) -> None:
         super().__init__()
-        self.moe_topk = config.moe_topk
-        self.wg = nn.Linear(config.hidden_size, config.num_experts, bias=False, dtype=torch.float32)
+        self.config = config
+        self.layer_idx = layer_idx
+        self.moe_topk = int(layer_value(config.moe_topk, layer_idx))
+        self.num_experts = int(layer_value(config.num_experts, layer_idx))
+        self.wg = nn.Linear(config.hidden_size, self.num_experts, bias=False, dtype=torch.float32)
         self.experts = nn.ModuleList(
-            HunyuanMLP(config.hidden_size, config.intermediate_size) for _ in range(config.num_experts))
+            HunyuanMLP(config.hidden_size, config.intermediate_size) for _ in range(self.num_experts))
         self.shared_mlp = (HunyuanMLP(config.hidden_size, config.intermediate_size)
                            if config.use_mixed_mlp_moe else None)
+
+    def weights(self, top: torch.Tensor, bsz: int, seq_len: int) -> torch.Tensor:
+        """Each choice's weight from its softmax probability ``top [N, k]`` (fp32)."""
+        return top / top.sum(dim=-1, keepdim=True).clamp_min(1e-8)
+
+    def kept(self, index: torch.Tensor) -> torch.Tensor:
+        """Which choices ``index [N, k]`` their expert takes (bool): all of them."""
+        return torch.ones_like(index, dtype=torch.bool)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq_len, hidden = x.shape
         flat = x.reshape(-1, hidden)
-        # upstream's HunyuanTopKGate: the router is built in fp32 and routes in its weight's dtype
         gate_in = flat.float() if self.wg.weight.dtype == torch.float32 else flat
-        gates = torch.softmax(self.wg(gate_in), dim=-1)
-        weight, index = torch.topk(gates, self.moe_topk, dim=-1)
-        weight = (weight / weight.sum(dim=-1, keepdim=True).clamp_min(1e-8)).to(x.dtype)
+        probs = torch.softmax(self.wg(gate_in).float(), dim=-1)
+        top, index = torch.topk(probs, self.moe_topk, dim=-1)
+        weight = torch.where(self.kept(index), self.weights(top, bsz, seq_len), 0.0).to(x.dtype)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(index == e)
@@ -268,13 +304,13 @@ class HunyuanImage3SDPAAttention(nn.Module):
 
 
 class HunyuanImage3DecoderLayer(nn.Module):
-    def __init__(self, config: HunyuanImage3Config, layer_idx: int) -> None:
+    def __init__(self, config: HunyuanImage3Config, layer_idx: int, moe_class: type[HunyuanMoE]) -> None:
         super().__init__()
         self.input_layernorm = HunyuanRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = HunyuanImage3SDPAAttention(config, layer_idx)
         self.post_attention_layernorm = HunyuanRMSNorm(config.hidden_size, config.rms_norm_eps)
-        moe = config.num_experts > 1
-        self.mlp = HunyuanMoE(config) if moe else HunyuanMLP(config.hidden_size, config.intermediate_size)
+        moe = layer_value(config.num_experts, layer_idx) > 1
+        self.mlp = moe_class(config, layer_idx) if moe else HunyuanMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
                 past_key_value: HunyuanStaticCacheBase | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -307,13 +343,16 @@ class HunyuanImage3PreTrainedModel(PreTrainedModel):
 
 class HunyuanTextModel(HunyuanImage3PreTrainedModel):
     """The text path both generations share; each generation's ``forward`` resolves its RoPE, then calls
-    ``text_forward``."""
+    ``text_forward``, and its ``moe_class`` routes."""
+
+    moe_class: ClassVar[type[HunyuanMoE]] = HunyuanMoE
 
     def __init__(self, config: HunyuanImage3Config) -> None:
         super().__init__(config)
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_id)
-        self.layers = nn.ModuleList(HunyuanImage3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(HunyuanImage3DecoderLayer(config, i, self.moe_class)
+                                    for i in range(config.num_hidden_layers))
         self.ln_f = HunyuanRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
@@ -344,6 +383,9 @@ def carry_cache_and_positions(outputs: Any, model_kwargs: dict[str, Any], update
     the cache under the first ``ALL_CACHE_NAMES`` name the outputs hold (``use_cache`` is dropped), then the
     positions: each row's first pad index after the prefill, +1 after a decode step (the mask is dropped:
     "full attention of 1 x seqlen")."""
+    if model_kwargs["mode"] != "gen_text":
+        raise NotImplementedError(f"the fake's kwargs update implements mode='gen_text' only, got "
+                                  f"{model_kwargs['mode']!r}")
     for name in ALL_CACHE_NAMES:
         if name in outputs:
             updated["past_key_values" if name in ("past_buckets_states", "mems") else name] = getattr(outputs, name)

@@ -11,7 +11,13 @@ What sets this generation apart (each row of docs/ar-contract.md, checked agains
 - ``prepare_inputs_for_generation`` forwards ``custom_pos_emb`` and ``use_cache``; the kwargs update keeps
   ``custom_pos_emb``, stores the cache under the first ``ALL_CACHE_NAMES`` name found in the outputs, and after
   the prefill drops ``tokenizer_output`` and the mask (decode steps run unmasked).
-- ``generate`` gets its 4-D mask from ``_prepare_attention_mask_for_generation`` (a passed mask must be 2-D).
+- ``generate`` gets its 4-D mask from ``_prepare_attention_mask_for_generation`` (a passed mask must be 2-D),
+  which reads ``model_kwargs["tokenizer_output"]``'s ``joint_image_slices`` and ``gen_image_slices`` per row and
+  builds the mask on the CPU (no device given), whatever device the inputs are on.
+- The MoE (``moe_impl="eager"``) routes through ``topkgating``: top-k weights normalised when k > 1 (raw softmax
+  probabilities at k = 1), and with ``moe_drop_tokens`` every expert keeps at most
+  ``int(max(k, k * tokens // experts) * capacity_factor)`` choices, first choices before second ones, earlier
+  tokens first: a token's routing then depends on every other token of its forward. Without it, nothing drops.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from transformers import GenerationMixin
 
 from .ar_hunyuan_common import (
     HunyuanImage3Config,
+    HunyuanMoE,
     HunyuanStaticCacheBase,
     HunyuanTextModel,
     build_batch_2d_rope,
@@ -35,6 +42,7 @@ __all__ = [
     "HunyuanImage3Config",
     "HunyuanImage3ForCausalMM",
     "HunyuanStaticCache",
+    "TopKGatingMoE",
     "build_batch_2d_rope",
     "real_batched_index_select",
 ]
@@ -54,8 +62,26 @@ def real_batched_index_select(t: torch.Tensor, dim: int, idx: torch.Tensor) -> t
     return torch.stack([torch.index_select(t[i], dim - 1, idx[i]) for i in range(len(t))])
 
 
+class TopKGatingMoE(HunyuanMoE):
+    """Generation 1's eager MoE (``topkgating``): raw weights at k = 1, and capacity when ``moe_drop_tokens``."""
+
+    def weights(self, top: torch.Tensor, bsz: int, seq_len: int) -> torch.Tensor:
+        return super().weights(top, bsz, seq_len) if self.moe_topk > 1 else top
+
+    def kept(self, index: torch.Tensor) -> torch.Tensor:
+        if not self.config.moe_drop_tokens:
+            return super().kept(index)
+        tokens, k = index.shape
+        capacity = int(max(k, k * tokens // self.num_experts) * self.config.capacity_factor)
+        choice_major = torch.nn.functional.one_hot(index.t().reshape(-1), self.num_experts)  # [k * N, E]
+        priority = (choice_major.cumsum(dim=0) * choice_major).sum(dim=-1) - 1  # rank within its expert
+        return (priority < capacity).reshape(k, tokens).t()
+
+
 class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
     """Generation 1's text path: RoPE passed in as ``custom_pos_emb``."""
+
+    moe_class = TopKGatingMoE
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values: HunyuanStaticCache | None = None,
@@ -68,7 +94,10 @@ class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
 
     def _prepare_attention_mask_for_generation(self, inputs_tensor: torch.Tensor, generation_config: Any,
                                                model_kwargs: dict[str, Any]) -> torch.Tensor:
-        return causal_generation_mask(inputs_tensor)
+        tokenizer_output = model_kwargs["tokenizer_output"]
+        slices = [tokenizer_output.joint_image_slices[i] + tokenizer_output.gen_image_slices[i]
+                  for i in range(inputs_tensor.shape[0])]
+        return causal_generation_mask(inputs_tensor, slices)  # on the CPU, as upstream builds it
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values=None, attention_mask=None,
                                       inputs_embeds=None, tokenizer_output=None, batch_gen_image_info=None,

@@ -9,6 +9,15 @@ on the unpadded prompt against B=1 on the same prompt right-padded in a cache of
 (harness.ar.bf16). Each row's KL(B=1 || batched), over every step whose context both runs share, may be
 at most k x the largest such control + a floor, and a row may diverge only where the B=1 top-1/top-2
 margin at that step is small. The report carries KL, control, common prefix and flips per row.
+
+Both dtypes first require the model's MoE routing to ignore what shares a forward (harness.ar.routing): where it
+does not (expert capacity, a single-token path), batched and B=1 compute different functions and the verdict
+names that cause instead of leaving a padding-shaped error to be read as the fast path's.
+
+``KIND_KILLS``: a checkpoint kind may claim more gpu kill items than its path's check does everywhere. On
+HunyuanImage-3 remote code the next input is re-read at ``position_ids`` and the cache asserts a batch of one
+when dynamic, so appending at the tail and a dynamic cache at B > 1 are bugs there, while a plain causal LM's
+hole layout appends at the tail by design and its DynamicCache works at any batch size.
 """
 
 from __future__ import annotations
@@ -22,9 +31,11 @@ import torch
 
 from harness import checkpoints, compat, conformance, plugins
 from harness.ar import plugins as ar_plugins
+from harness.ar.backends import remote_code_name
 from harness.ar.batch import ARBatch, right_padded_batch
 from harness.ar.bf16 import judge_bf16, padding_control
 from harness.ar.loop import Rollout, fast_rollout, stock_rollout
+from harness.ar.routing import RoutingProbe, probe_routing
 from harness.ar.spy import ARForwardSpy
 from harness.ar.verdicts import (
     fp32_policies,
@@ -39,13 +50,20 @@ from harness.ar.verdicts import (
 from harness.checks import CheckContext
 from harness.compare import Verdict, exact
 
-__all__ = ["PROMPT_LENGTHS", "ar_check", "checkpoint_backend"]
+__all__ = ["CHECK_ID", "KIND_KILLS", "PROMPT_LENGTHS", "ar_check", "checkpoint_backend", "checkpoint_routing"]
 
 PROMPT_LENGTHS = (13, 37, 64, 51)  # seed 002's repro shape: unequal real_pos, one unpadded row
 NEW_TOKENS = 8
 BF16_KL_K = 8.0  # seed 001 saw mixed-length KL up to ~4.1 x its no-padding control; 2x headroom over that
 BF16_KL_FLOOR = 1e-3  # nats: below this a KL is rounding whatever the control says
 FLIP_MARGIN = 1.0  # a top-1 flip is benign only where B=1's top-1/top-2 log-prob gap is below this (seed: 0.31)
+CHECK_ID = "ar.gpu.batched_vs_b1"
+
+#: checkpoint kind -> check id -> the ablations that must also kill that check on checkpoints of the kind
+#: (each caught in the mode the ablation declares; module docstring)
+KIND_KILLS: dict[str, dict[str, tuple[str, ...]]] = {
+    "hunyuan_image3": {CHECK_ID: ("ar.token_appended_at_tail", "ar.dynamic_cache_at_batch")},
+}
 
 
 @functools.cache
@@ -55,13 +73,19 @@ def checkpoint_backend(path: str, dtype: torch.dtype, device: str) -> Any:
     try:
         model = checkpoints.load_model(checkpoint, dtype, device)
     except checkpoints.CheckpointError as err:  # refused, not failed, when the stack cannot run this code
-        reason = compat.removed_module_reason(err)
+        reason = compat.removed_module_reason(err, remote_code_name(checkpoint.config))
         if reason is None:
             raise
         pytest.skip(f"{path}: {reason}")
     ar_plugins.register(plugins)
-    kind = ar_plugins.REMOTE_CODE if checkpoint.remote_code else ar_plugins.TRANSFORMERS
-    return plugins.AR_BACKENDS.get(kind)(model, name=checkpoint.name)
+    family = checkpoint.family or (ar_plugins.REMOTE_CODE if checkpoint.remote_code else ar_plugins.TRANSFORMERS)
+    return plugins.AR_BACKENDS.get(family)(model, name=checkpoint.name)
+
+
+@functools.cache
+def checkpoint_routing(path: str, dtype: torch.dtype, device: str) -> RoutingProbe:
+    """The MoE routing probe of a loaded checkpoint (harness.ar.routing), once per checkpoint, dtype and device."""
+    return probe_routing(checkpoint_backend(path, dtype, device).model)
 
 
 def _prompts(backend: Any, lengths: tuple[int, ...], seed: int) -> list[torch.Tensor]:
@@ -93,7 +117,7 @@ def ar_check(check_id: str, ctx: CheckContext) -> Verdict:
     prompts = _prompts(backend, PROMPT_LENGTHS, seed=0)
     fast, reference, spy = _runs(backend, prompts, ctx.device)
     if ctx.dtype == torch.float32:
-        floor = stock_prefill_floor(backend)
+        floor = stock_prefill_floor(backend, rows=len(prompts), length=max(PROMPT_LENGTHS))  # the batch's shape
         policies = fp32_policies(floor)
         verdict = judge_tokens(check_id, fast, reference, exact()).merge(
             judge_logp(check_id, fast, reference, policies.logp))
@@ -108,4 +132,7 @@ def ar_check(check_id: str, ctx: CheckContext) -> Verdict:
     curve = step_curve(fast.logp, reference.logp, reference.lengths)  # reported: 8 steps are too few for thirds
     verdict = dataclasses.replace(verdict, metrics={**verdict.metrics, **seed001_metrics(fast, reference),
                                                     "logp_error_curve": [float(f"{float(c):.4g}") for c in curve]})
+    routing = checkpoint_routing(str(ctx.checkpoint), ctx.dtype, str(ctx.device))
+    verdict = verdict.require(routing.independent, f"MoE routing ignores what shares a forward ({routing.describe()})",
+                              moe_layers=routing.layers, moe_routing=routing.describe())
     return require_path(verdict, spy, len(prompts))

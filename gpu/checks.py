@@ -1,7 +1,8 @@
 """GPU-tier checks (tier "gpu"): the paths' comparisons on real checkpoints, per dtype.
 
 Each check runs against ``ctx.checkpoint`` of the kind its path is fed by (harness.checkpoints.KINDS)
-and ``ctx.dtype``; gpu/test_gpu.py generates one item per (check, matching checkpoint, dtype).
+and ``ctx.dtype``; gpu/test_gpu.py generates one item per (check, matching checkpoint, dtype), and one kill item per
+ablation that claims the check or that the checkpoint's kind claims on it (``kind_kills``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,16 @@ import functools
 
 from gpu import ar, attention, decode, replay
 from harness.checks import register
+
+__all__ = ["KIND_KILLS", "kind_kills"]
+
+#: checkpoint kind -> check id -> ablations that kill the check on that kind beyond the check's own claimants
+KIND_KILLS: dict[str, dict[str, tuple[str, ...]]] = {**ar.KIND_KILLS}
+
+
+def kind_kills(kind: str, check_id: str) -> tuple[str, ...]:
+    """The ablations checkpoints of ``kind`` claim on ``check_id`` beyond the ablations that claim it everywhere."""
+    return KIND_KILLS.get(kind, {}).get(check_id, ())
 
 register("decode.gpu.bitexact", tier="gpu",
          doc="sharded decode over every visible GPU vs the stock decode: bitwise, rank SHA-256 equal")(
@@ -22,8 +33,8 @@ for _what in replay.GPU_CHECKS:
     register(_id, tier="gpu", doc=f"batched vs serial replay {_what} on the real DiT")(
         functools.partial(replay.replay_check, _id, _what))
 
-register("ar.gpu.batched_vs_b1", tier="gpu", doc="batched right-padded AR vs B=1 on the real causal LM")(
-    functools.partial(ar.ar_check, "ar.gpu.batched_vs_b1"))
+register(ar.CHECK_ID, tier="gpu", doc="batched right-padded AR vs B=1 on the real causal LM")(
+    functools.partial(ar.ar_check, ar.CHECK_ID))
 
 for _phase in attention.PHASES:
     for _kernel in attention.KERNELS:

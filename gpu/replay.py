@@ -2,6 +2,8 @@
 
 The checkpoint's model class picks its replay family through the registries (harness.plugins:
 CHECKPOINT_KINDS -> REPLAY_FAMILIES), so an installed family's checkpoint runs here unchanged.
+Its example conditions discriminate (every row field differs across rows and CFG branches, or the family
+refuses them, harness.replay.discriminating), so a mask or branch bug cannot hide behind equal rows.
 Both dtypes are judged by a local-scale bound built from the STOCK batch-shape control (serial
 replay at B rows vs the same rows inside an S x larger batch): k x the control's deviation relative
 to the local magnitude, per row (log-probs) or per row and step (means). The batched replay run
@@ -76,7 +78,7 @@ def checkpoint_problem(path: str, dtype: torch.dtype, device: str, cfg: int) -> 
         raise checkpoints.CheckpointError(f"checkpoint {path}: {err}") from None
     inner = family.adapter(_model(path, dtype, device))
     adapter = DeviceAdapter(inner, torch.device(device), dtype)
-    conditions = inner.example_conditions(BATCH, cfg, torch.Generator().manual_seed(100 + cfg))
+    conditions = family.example_conditions(inner, BATCH, cfg, torch.Generator().manual_seed(100 + cfg))
     return make_problem(f"{checkpoint.name}.cfg{cfg}", adapter, conditions, seed=cfg,
                         latent_shape=inner.latent_shape)
 

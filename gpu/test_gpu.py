@@ -1,7 +1,8 @@
 """The gpu tier: one item per (registered gpu check, checkpoint of the kind it needs, dtype).
 
 Without CUDA (and without --device cpu) or without --checkpoint every item is skipped with a reason
-(harness.plugin); with them, each check runs on real weights and lands in the parity report.
+(harness.plugin); with them, each check runs on real weights and lands in the parity report. Kill items: every
+ablation claiming the check, plus those the checkpoint's kind claims on it (gpu.checks.kind_kills).
 """
 
 from pathlib import Path
@@ -38,12 +39,15 @@ def pytest_generate_tests(metafunc):
     if "gpu_case" in metafunc.fixturenames:
         metafunc.parametrize("gpu_case", _cases(metafunc.config))
     if "gpu_kill" in metafunc.fixturenames:
+        from gpu.checks import kind_kills  # registered by catalogue.load() above
+
+        kinds = {str(c.path): c.kind for c in metafunc.config.stash[SESSION_KEY].checkpoints}
         kills = []
         for case in _cases(metafunc.config):
-            check_id = case.values[0][0]
-            for item in ablation.all_ablations():
-                if check_id in item.kills:
-                    kills.append(pytest.param((item.name, *case.values[0]), id=f"{item.name}->{case.id}"))
+            check_id, checkpoint, _ = case.values[0]
+            claimed = [item.name for item in ablation.all_ablations() if check_id in item.kills]
+            claimed += [name for name in kind_kills(kinds.get(checkpoint, ""), check_id) if name not in claimed]
+            kills += [pytest.param((name, *case.values[0]), id=f"{name}->{case.id}") for name in claimed]
         metafunc.parametrize("gpu_kill", kills)
 
 

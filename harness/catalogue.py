@@ -19,6 +19,7 @@ __all__ = ["ABLATION_MODULES", "CHECK_MODULES", "load", "loaded"]
 CHECK_MODULES: tuple[str, ...] = (
     "parity.replay_checks",
     "parity.replay_oracle_checks",
+    "parity.replay_pipeline_checks",
     "parity.ar_checks",
     "parity.decode_checks",
     "parity.attention_checks",
@@ -27,6 +28,7 @@ CHECK_MODULES: tuple[str, ...] = (
 ABLATION_MODULES: tuple[str, ...] = (
     "mutation.replay_ablations",
     "mutation.replay_oracle_ablations",
+    "mutation.replay_pipeline_ablations",
     "mutation.ar_ablations",
     "mutation.decode_ablations",
     "mutation.attention_ablations",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -24,11 +25,17 @@ from harness import device_map as device_maps
 from harness import plugins
 from harness.plugins import CheckpointKind
 
-__all__ = ["KINDS", "SHIPPED_KINDS", "SOURCES", "Checkpoint", "CheckpointError", "detect", "kind_for_family",
-           "load_model", "register", "registered_kinds", "supported"]
+__all__ = ["KINDS", "SHIPPED_KINDS", "SOURCES", "TRUST_FLAG", "Checkpoint", "CheckpointError", "detect",
+           "kind_for_family", "load_model", "register", "registered_kinds", "remote_code_ran", "require_trust",
+           "supported", "trust_remote_code", "trusted"]
 
 CAPTURE_GLOB = "call*_rank*.npz"
 FEEDS = ("replay", "ar", "decode", "attention")
+CONFIG_MAX_BYTES = 16 * 2**20  # real configs are kilobytes; anything this large is not one
+
+# The opt-in a run needs before any Python file shipped in a checkpoint directory is imported (transformers'
+# own name for it): a parity suite is pointed at directories from many sources, so it is off by default.
+TRUST_FLAG = "--trust-remote-code"
 
 # source -> where a kind's class_names are matched (fnmatch patterns, so "*ForCausalLM" is one kind)
 SOURCES = {
@@ -41,7 +48,10 @@ SOURCES = {
 # The suite's own kinds. A path that registers its kinds itself (its own register(plugins)) takes its
 # entry out of this tuple: two kinds claiming one class name are an error at detection.
 SHIPPED_KINDS = (
-    CheckpointKind("causal_lm", "ar", ("*ForCausalLM", "HunyuanImage3ForCausalMM"), "transformers"),
+    CheckpointKind("causal_lm", "ar", ("*ForCausalLM",), "transformers"),
+    # its own kind: it claims more gpu kill items than a plain causal LM (gpu/ar.py KIND_KILLS)
+    CheckpointKind("hunyuan_image3", "ar", ("HunyuanImage3ForCausalMM",), "remote_code",
+                   family="hunyuan_image3_remote_code"),
     CheckpointKind("attention_capture", "attention", (CAPTURE_GLOB,), "files"),
 )
 
@@ -159,11 +169,54 @@ class Checkpoint:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
+    """config.json as a JSON object; any other content (a directory, binary, a list, null) is a CheckpointError.
+
+    The file is untrusted data: whatever it holds, the answer is a dict or an error naming the file.
+    """
     config_file = path / "config.json"
+    where = f"checkpoint {path}: config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{where} is not a regular file (a model directory holds its config as a JSON file)")
     try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"checkpoint {path}: config.json is not valid JSON ({err})") from err
+        size = config_file.stat().st_size
+        if size > CONFIG_MAX_BYTES:
+            raise CheckpointError(f"{where} is {size} bytes; a model config is a small JSON object (at most "
+                                  f"{CONFIG_MAX_BYTES} bytes read)")
+        raw = config_file.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"{where} cannot be read ({type(err).__name__}: {err.strerror or err})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{where} is not UTF-8 text (byte {err.start}: {raw[err.start:err.start + 1]!r}); "
+                              "expected a JSON object") from None
+    try:
+        config = json.loads(text)
+    except (json.JSONDecodeError, RecursionError, ValueError) as err:
+        shown = f"{err.msg}: line {err.lineno}, column {err.colno}" if isinstance(err, json.JSONDecodeError) \
+            else f"{type(err).__name__}: {str(err)[:120]}"
+        raise CheckpointError(f"{where} is not valid JSON ({shown}); expected a JSON object") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{where} holds a JSON {_json_type(config)}, expected a JSON object "
+                              '(e.g. {"architectures": [...]} or {"_class_name": ...})')
+    for key, expected, ok in (("_class_name", "a string", lambda v: isinstance(v, str)),
+                              ("architectures", "a list of strings",
+                               lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v)),
+                              ("auto_map", "an object", lambda v: isinstance(v, dict))):
+        if config.get(key) is not None and not ok(config[key]):  # null reads as absent, as transformers reads it
+            raise CheckpointError(f"{where}: {key} must be {expected}, got a JSON {_json_type(config[key])}")
+    return config
+
+
+def _json_type(value: Any) -> str:
+    """JSON's name for a decoded value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
 def _candidates(kind: CheckpointKind, root: Path, config: dict[str, Any] | None) -> list[str]:
@@ -175,7 +228,7 @@ def _candidates(kind: CheckpointKind, root: Path, config: dict[str, Any] | None)
     if kind.source == "diffusers":
         name = config.get("_class_name")
         return [name] if isinstance(name, str) else []
-    return [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    return list(config.get("architectures") or [])
 
 
 def _match(kind: CheckpointKind, names: list[str]) -> str | None:
@@ -192,6 +245,8 @@ def detect(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"checkpoint {root}: no such file or directory")
     if not root.is_dir():
         raise CheckpointError(f"checkpoint {root}: expected a directory, got a file; {supported()}")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise CheckpointError(f"checkpoint {root}: the directory cannot be listed (permission denied)")
     if (root / "model_index.json").exists() and not (root / "config.json").exists():
         raise CheckpointError(f"checkpoint {root}: this is a diffusers pipeline directory; pass the component "
                               f"directory instead (e.g. {root / 'vae'} or {root / 'transformer'})")
@@ -210,26 +265,68 @@ def detect(path: str | Path) -> Checkpoint:
             raise CheckpointError(f"checkpoint {root}: not a model (no config.json, and no registered kind's files); "
                                   f"{supported()}")
         architectures = config.get("architectures") or []
-        found = config.get("_class_name") or (architectures and architectures[0]) or \
+        found = config.get("_class_name") or (architectures[0] if architectures else "") or \
             "neither _class_name nor architectures"
         raise CheckpointError(f"checkpoint {root}: unsupported model kind ({found}); {supported()}")
     kind, class_name = matches[0]
     if kind.source == "files":
         return Checkpoint(root, kind.name, class_name, {}, spec=kind)
-    remote = kind.source == "remote_code" or (kind.source == "transformers" and "auto_map" in config)
-    if kind.source == "remote_code" and "auto_map" not in config:
+    remote = kind.source == "remote_code" or (kind.source == "transformers" and bool(config.get("auto_map")))
+    if kind.source == "remote_code" and not config.get("auto_map"):
         raise CheckpointError(f"checkpoint {root}: {class_name} needs its remote code, but config.json has "
                               "no auto_map pointing at the modeling files in the directory")
     return Checkpoint(root, kind.name, class_name, config, remote_code=remote, spec=kind)
 
 
+_TRUSTED: list[bool] = [False]  # the run's --trust-remote-code (harness.plugin sets it; off by default)
+_REMOTE_CODE_RAN: list[str] = []  # checkpoint directories whose own Python a load imported, in load order
+
+
+def trust_remote_code(trusted: bool) -> None:
+    """The run's opt-in: whether loads may import the Python files shipped in a checkpoint directory."""
+    _TRUSTED[0] = bool(trusted)
+    if not trusted:
+        _REMOTE_CODE_RAN.clear()
+
+
+def trusted() -> bool:
+    return _TRUSTED[0]
+
+
+def remote_code_ran() -> list[str]:
+    """The checkpoint directories whose remote code this process loaded (the report records them)."""
+    return list(dict.fromkeys(_REMOTE_CODE_RAN))
+
+
+def require_trust(checkpoint: Checkpoint, trusted_here: bool | None = None) -> None:
+    """Refuse a checkpoint whose loading would run its own Python unless the run opted in."""
+    if not checkpoint.remote_code or (trusted() if trusted_here is None else trusted_here):
+        return
+    modules = sorted({str(v).split("--")[-1].rsplit(".", 1)[0] for v in _auto_map_targets(checkpoint.config)})
+    shipped = f" ({', '.join(m + '.py' for m in modules)})" if modules else ""
+    raise CheckpointError(f"checkpoint {checkpoint.path}: config.json has an auto_map, so loading "
+                          f"{checkpoint.class_name} imports Python shipped in that directory{shipped}; that code is "
+                          f"not run without {TRUST_FLAG} (off by default, as in transformers): pass {TRUST_FLAG} "
+                          "if you trust this directory")
+
+
+def _auto_map_targets(config: dict[str, Any]) -> list[str]:
+    targets: list[str] = []
+    for value in (config.get("auto_map") or {}).values():
+        targets += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+    return targets
+
+
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device | str,
-               device_map: str | device_maps.DeviceMap | None = None) -> Any:
+               device_map: str | device_maps.DeviceMap | None = None, *,
+               trust_remote_code: bool | None = None) -> Any:
     """Load a model checkpoint offline in ``dtype`` on ``device``; failures name the path.
 
     ``device_map`` (text or DeviceMap; default: the run's --device-map, else one device where the weights
-    fit) places the model through accelerate instead (harness.device_map).
+    fit) places the model through accelerate instead (harness.device_map). A checkpoint that ships its own
+    modeling code loads only when ``trust_remote_code`` (default: the run's --trust-remote-code) allows it.
     """
+    require_trust(checkpoint, trust_remote_code)
     placement = device_maps.resolve(checkpoint.path, dtype, device, device_map)
     placing = placement.loader_kwargs() if placement is not None else {}
     try:
@@ -241,6 +338,8 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device 
         elif checkpoint.source in ("transformers", "remote_code"):
             from transformers import AutoModelForCausalLM
 
+            if checkpoint.remote_code:  # recorded before the import: code that ran in a failed load still ran
+                _REMOTE_CODE_RAN.append(str(checkpoint.path))
             model = AutoModelForCausalLM.from_pretrained(
                 checkpoint.path, dtype=dtype, local_files_only=True, trust_remote_code=checkpoint.remote_code,
                 **placing)

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.testing._comparison import default_tolerances
 
+from harness.floors import StockFloor
+
 __all__ = [
     "Close",
     "Exact",
@@ -85,13 +87,18 @@ class Verdict:
             notes=(*self.notes, note),
         )
 
-    def require_bounded(self, tolerance: float, floor: float, *, k_min: float, k_max: float,
+    def require_bounded(self, tolerance: float, floor: float | StockFloor, *, k_min: float, k_max: float,
                         what: str = "tolerance") -> Verdict:
         """The tolerance must sit within [k_min, k_max] x the floor measured on stock code.
 
         Below k_min the check would flag the stock path's own noise; above k_max it is "too loose" to
-        catch a bug of the floor's size. Both the floor and the bound are recorded beside each other.
+        catch a bug of the floor's size. Both the floor and the bound are recorded beside each other. A
+        ``StockFloor`` brings its stated minimum (a measured floor may be exactly zero on some hosts) and
+        records which of the two applied, so "too loose" keeps its meaning at a zero floor.
         """
+        if isinstance(floor, StockFloor):
+            verdict = self.with_metrics(**floor.metrics())
+            return verdict.require_bounded(tolerance, floor.value, k_min=k_min, k_max=k_max, what=what)
         low, high = k_min * floor, k_max * floor
         if tolerance > high:
             fact = (f"{what} {_fmt(float(tolerance))} is too loose: above {k_max:g} x the stock floor "

@@ -122,18 +122,20 @@ def has_module(name: str) -> bool:
         return False
 
 
-#: Modules remote code may import that transformers 5.x removed (HunyuanImage-3 generation 1 imports the first).
+#: Modules remote code may import that transformers 5.x removed (both HunyuanImage-3 generations import the first:
+#: generation 1's ``hunyuan.py`` and generation 2's ``siglip2.py``).
 REMOVED_IN_5 = ("transformers.modeling_attn_mask_utils",)
 
 
-def removed_module_reason(err: BaseException) -> str | None:
+def removed_module_reason(err: BaseException, code: str = "the checkpoint's remote code") -> str | None:
     """Why a load failed because the code imports a module this stack removed, or None for any other failure
-    (walks the exception's causes)."""
+    (walks the exception's causes). ``code`` names what was loaded (e.g. "HunyuanImage-3 generation 2
+    (modeling_hunyuan_image_3.py)"), so the refusal names the right generation."""
     seen: BaseException | None = err
     while seen is not None:
         if isinstance(seen, ModuleNotFoundError) and seen.name in REMOVED_IN_5 and TRANSFORMERS_MAJOR >= 5:
-            return (f"the checkpoint's remote code imports {seen.name}, which transformers {transformers.__version__} "
-                    "removed: it runs on transformers 4.x only (HunyuanImage-3 generation 1; use the lowest lock)")
+            return (f"{code} imports {seen.name}, which transformers {transformers.__version__} removed: it runs on "
+                    "transformers 4.x only (use the lowest lock)")
         seen = seen.__cause__ or seen.__context__
     return None
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FIT_FRACTION", "STRATEGIES", "DeviceMap", "choose", "configure", "configured", "parse", "placements",
-           "record", "resolve", "weight_bytes"]
+__all__ = ["FIT_FRACTION", "STRATEGIES", "DeviceMap", "check_visible", "choose", "configure", "configured", "parse",
+           "placements", "record", "resolve", "weight_bytes"]
 
 STRATEGIES = ("balanced", "auto", "sequential")
 # weights may take this share of one GPU's free memory before the default splits them: the rest holds
@@ -147,17 +147,24 @@ def configured(device: torch.device | str) -> DeviceMap | None:
     return _CONFIGURED.get(torch.device(device).type)
 
 
+def check_visible(spec: DeviceMap) -> None:
+    """A max-memory split may only name GPUs this process sees (checked when the run starts, and per load)."""
+    if spec.max_memory is None:
+        return
+    visible = torch.cuda.device_count()
+    missing = sorted(k for k in spec.max_memory if isinstance(k, int) and k >= visible)
+    if missing:
+        raise ValueError(f"--device-map {spec.text}: GPUs {missing} are not visible ({visible} are)")
+
+
 def resolve(path: str | Path, dtype: torch.dtype, device: torch.device | str,
             requested: str | DeviceMap | None) -> DeviceMap | None:
     """The placement for one load: ``requested`` (text or DeviceMap), else the run's, else one device if it fits."""
     device = torch.device(device)
     spec = parse(requested) if isinstance(requested, str) else requested
     spec = spec if spec is not None else configured(device)
-    if spec is not None and spec.max_memory is not None:
-        visible = torch.cuda.device_count()
-        missing = sorted(k for k in spec.max_memory if isinstance(k, int) and k >= visible)
-        if missing:
-            raise ValueError(f"--device-map {spec.text}: GPUs {missing} are not visible ({visible} are)")
+    if spec is not None:
+        check_visible(spec)
     if spec is None and device.type == "cuda" and torch.cuda.device_count() > 1:
         return choose(None, device, weight_bytes(path, dtype), _free_bytes())
     return spec

@@ -5,17 +5,22 @@ a second; CUDA worlds spawn one rank per GPU (NCCL); PARITY_START_METHOD=spawn|f
 (a spawned rank rebuilds the catalogues itself). Under torchrun the world is the launcher's group and
 tasks run in this process (harness.launch). A task is a module-level function run on every
 rank with the default group initialised. Every rank's outcome comes back: a raise on any rank
-becomes one error listing all ranks, and a hang becomes a timeout naming the hung ranks, after
-which the world is torn down with no child process left behind.
+becomes one error listing all ranks (the others get ERROR_GRACE_S to answer before they count as
+blocked), a rank that dies or is stopped by a signal is seen at once (its pipe closes; /proc says it
+is stopped), and a hang becomes a timeout naming the hung ranks, after which the world is torn down
+with no child process left behind. Error text keeps no per-run detail (ports, pids, addresses): those
+go to the ``harness.dist`` log, so the same command gives the same verdicts and report.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import multiprocessing as mp
 import os
 import pickle
+import re
 import socket
 import time
 import traceback
@@ -29,9 +34,39 @@ import torch
 from harness import ablation, conformance, launch
 
 __all__ = ["START_METHODS", "RankOutcome", "World", "WorldError", "WorldPool", "WorldTaskError", "WorldTimeout",
-           "resolve_start_method"]
+           "resolve_start_method", "stable_error"]
 
 ERROR_GRACE_S = 5.0  # after one rank fails, how long the others get to report before they count as blocked
+REAP_S = 2.0  # how long a rank whose pipe closed gets to be reaped, so its exit code is read, not guessed
+STOP_POLL_S = 0.25  # how often a waiting parent looks for a rank stopped by a signal (it never answers)
+LOG = logging.getLogger("harness.dist")
+
+# per-run details in error text (the transport's source lines, ports, pids, object addresses): they go to the
+# log; what a verdict or a report quotes is the same on every run of the same command
+_PER_RUN = (
+    (re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*"), ""),
+    (re.compile(r"((?:\d{1,3}\.){3}\d{1,3}\]?|\])\s*:\s*\d{1,5}\b"), r"\1:<port>"),
+    (re.compile(r"\b(port|pid|PID)\s*[=:]?\s*\d+"), r"\1 <\1>"),
+    (re.compile(r"\b0x[0-9a-fA-F]{6,}\b"), "0x<address>"),
+)
+
+
+# a peer lost inside a collective reads "Connection closed by peer" or "Read error ...: Connection reset by peer"
+# depending on which packet won the race: one sentence for both, the transport's own in the log
+_LOST_PEER = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|(?:Read|Write) error \[")
+_EXCEPTION_HEAD = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)): ")
+LOST_PEER_TEXT = "a collective lost a peer: its connection was closed or reset"
+
+
+def stable_error(text: str) -> str:
+    """``text`` with its per-run details (ports, pids, addresses, source lines, which of a lost peer's error
+    messages arrived first) replaced by placeholders or one fixed sentence."""
+    head = _EXCEPTION_HEAD.match(text)
+    if _LOST_PEER.search(text.splitlines()[0] if text else ""):
+        return f"{head.group(1)}: {LOST_PEER_TEXT}" if head else LOST_PEER_TEXT
+    for pattern, replacement in _PER_RUN:
+        text = pattern.sub(replacement, text)
+    return text
 START_METHOD_ENV = "PARITY_START_METHOD"
 START_METHODS = ("spawn", "fork")
 
@@ -273,6 +308,29 @@ class World:
                 conn.close()
         self._procs, self._conns = [], []
 
+    def _stopped(self, pending: dict[int, Connection], since: dict[int, float]) -> list[int]:
+        """Pending ranks whose process has been stopped for launch.LOCAL_CONFIRM_S (read from /proc)."""
+        now = time.monotonic()
+        found = []
+        for rank in pending:
+            if launch.process_state(self._procs[rank].pid) in ("T", "t"):
+                if now - since.setdefault(rank, now) >= launch.LOCAL_CONFIRM_S:
+                    found.append(rank)
+            else:
+                since.pop(rank, None)
+        return found
+
+    def _exit_reason(self, rank: int) -> str:
+        """Why a rank's pipe closed: its exit code, read once the process is reaped (the pid goes to the log)."""
+        proc = self._procs[rank]
+        proc.join(timeout=REAP_S)
+        LOG.info("rank %d (pid %s) closed its pipe; exit code %s", rank, proc.pid, proc.exitcode)
+        if proc.exitcode is None:
+            return f"rank process closed its pipe and did not exit within {REAP_S:g} s"
+        if proc.exitcode < 0:
+            return f"rank process killed by signal {-proc.exitcode}"
+        return f"rank process exited with code {proc.exitcode}"
+
     def __enter__(self) -> World:
         if not self._procs:
             self.start()
@@ -301,18 +359,24 @@ class World:
         outcomes: dict[int, RankOutcome] = {}
         pending = dict(enumerate(self._conns))
         deadline = time.monotonic() + timeout_s
+        stopped: dict[int, float] = {}  # rank -> since when its process has been stopped (SIGSTOP)
         while pending:
-            ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+            ready = wait(list(pending.values()), timeout=max(0.0, min(deadline - time.monotonic(), STOP_POLL_S)))
             if not ready:
-                break
+                if time.monotonic() >= deadline:
+                    break
+                for rank in self._stopped(pending, stopped):  # never answers, never closes its pipe
+                    del pending[rank]
+                    outcomes[rank] = RankOutcome(rank, "died", "the process was stopped (SIGSTOP)")
+                    deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+                continue
             for conn in ready:
                 rank = self._conns.index(conn)
                 del pending[rank]
                 try:
                     status, got_id, payload = _recv(conn)
                 except (EOFError, OSError):
-                    code = self._procs[rank].exitcode
-                    outcomes[rank] = RankOutcome(rank, "died", f"rank process exited (code {code})")
+                    outcomes[rank] = RankOutcome(rank, "died", self._exit_reason(rank))
                     continue
                 if got_id != task_id:
                     outcomes[rank] = RankOutcome(rank, "raised", f"answered task {got_id}, expected {task_id}")
@@ -322,8 +386,10 @@ class World:
                     outcomes[rank] = RankOutcome(rank, "ok")
                 else:
                     error, trace, made = payload
-                    conformance.add_calls(made)
-                    outcomes[rank] = RankOutcome(rank, "raised", error, trace)
+                    conformance.add_calls(made)  # a call that raised was still made
+                    outcomes[rank] = RankOutcome(rank, "raised", stable_error(error), trace)
+                    if outcomes[rank].error != error:
+                        LOG.info("task %d, rank %d raised: %s", task_id, rank, error)
             if any(o.status != "ok" for o in outcomes.values()):
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
         failed = any(o.status != "ok" for o in outcomes.values())
@@ -334,7 +400,7 @@ class World:
         ordered = [outcomes[r] for r in range(self.size)]
         name = getattr(fn, "__qualname__", repr(fn))
         if pending or any(o.status == "died" for o in ordered):
-            self.close(stuck=tuple(pending))  # hung ranks sit inside a collective: the group is lost
+            self.close(stuck=(*pending, *stopped))  # hung ranks sit inside a collective: the group is lost
             if failed:
                 raise WorldTaskError(f"task {name} failed on ranks {[o.rank for o in ordered if o.status != 'ok']} "
                                      f"of {self.size}; the world was torn down", ordered)
@@ -347,20 +413,40 @@ class World:
 
     def _run_launched(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                       timeout_s: float) -> list[Any]:
-        """Under torchrun: run the task on this rank, agree on every rank's outcome, then share the results."""
-        mine, result = launch.run_here(fn, args, kwargs, timeout_s)
-        ordered = [RankOutcome(rank, *status) for rank, status in enumerate(launch.agree(*mine))]
+        """Under torchrun: run the task on this rank, agree on every rank's outcome, then share the results.
+
+        Every rank raises within launch.fault_bound() of a peer raising, stopping or dying (harness.launch).
+        """
+        statuses, result = launch.run_task(fn, args, kwargs, timeout_s)
+        ordered = [RankOutcome(rank, status, stable_error(error), trace)
+                   for rank, (status, error, trace) in enumerate(statuses)]
         name = getattr(fn, "__qualname__", repr(fn))
-        hung = [o.rank for o in ordered if o.status == "hung"]
-        if hung:
-            launch.mark_lost(f"task {name} hung on ranks {hung}")
-            self._joined = False
-            raise WorldTimeout(f"task {name} timed out after {timeout_s:g} s on ranks {hung} of {self.size}; "
-                               "the launcher's group is lost (torchrun worlds cannot restart)", ordered)
+        for outcome, (_, error, _) in zip(ordered, statuses, strict=True):
+            if outcome.status != "ok" and error != outcome.error:
+                LOG.info("task %s, rank %d %s: %s", name, outcome.rank, outcome.status, error)
         failed = [o.rank for o in ordered if o.status != "ok"]
+        if launch.lost():
+            self._joined = False
+        if any(o.status in ("hung", "blocked", "died") for o in ordered):
+            self._joined = False
+            launch.mark_lost(f"task {name} did not finish on ranks {failed}")
+            by_status = {s: [o.rank for o in ordered if o.status == s] for s in ("died", "raised", "hung")}
+            cause = next((s for s in by_status if by_status[s]), "blocked")
+            what = {"died": "stopped or died", "raised": "raised", "hung": "hung", "blocked": "blocked"}[cause]
+            kind = WorldTaskError if by_status["died"] or by_status["raised"] else WorldTimeout
+            raise kind(f"task {name}: ranks {by_status.get(cause, failed)} of {self.size} {what}; every rank gave "
+                       "up on it (" + ", ".join(f"rank {o.rank} {o.status}" for o in ordered if o.status != "ok")
+                       + "); the launcher's group is lost (torchrun worlds cannot restart)", ordered)
         if failed:
             raise WorldTaskError(f"task {name} raised on ranks {failed} of {self.size}", ordered)
-        return launch.gather(result)
+        try:
+            return launch.gather(result)
+        except launch.PeerLost as err:
+            self._joined = False
+            outcomes = [RankOutcome(r, "died", err.gone[r]) if r in err.gone else RankOutcome(r, "ok")
+                        for r in range(self.size)]
+            raise WorldTaskError(f"task {name}: ranks {sorted(err.gone)} of {self.size} stopped or died while the "
+                                 "results were gathered; the launcher's group is lost", outcomes) from err
 
 
 class WorldPool:

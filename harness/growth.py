@@ -3,7 +3,12 @@ it may grow.
 
 A bug that starts below a worst-element tolerance and compounds step by step looks like noise to a max|d|
 check; the ratio of a curve's late steps to its early ones does not. Replay (over all T denoising steps)
-and AR (over all decode steps) judge their curves with the same ratio and budget.
+and AR (over all decode steps) judge their curves with the same ratio and budget, through ``judge_growth``.
+
+Both curves are floored point by point at the compared values' resolution (their fp32 spacing at each step's
+magnitude) before any ratio is taken: below that, a difference is the values' own rounding, and a stock floor
+that is exactly zero on some host (batch-invariant kernels) still has a defined growth. A floor that shrinks is
+read as flat (growth 1), so the budget never drops below GROWTH_BUDGET x 1.
 """
 
 from __future__ import annotations
@@ -12,12 +17,17 @@ import math
 
 import torch
 
-__all__ = ["GROWTH_BUDGET", "GROWTH_K_MAX", "GROWTH_K_MIN", "growth_ratio"]
+from harness.compare import Verdict, noise_floor
+
+__all__ = ["GROWTH_BUDGET", "GROWTH_K_MAX", "GROWTH_K_MIN", "MIN_GROWTH_STEPS", "growth_ratio", "judge_growth"]
 
 # The fast path's error may grow at most GROWTH_BUDGET x as fast as the stock path's own per-step floor grows;
 # a budget outside [GROWTH_K_MIN, GROWTH_K_MAX] x the floor's growth fails the check ("too loose"/"too tight").
 GROWTH_BUDGET = 2.0
 GROWTH_K_MIN, GROWTH_K_MAX = 1.5, 4.0
+# The slowest floor growth a budget is read against: a flat curve (a floor that shrinks is read as flat).
+FLAT_GROWTH = 1.0
+MIN_GROWTH_STEPS = 6  # thirds of at least two steps each
 
 
 def growth_ratio(curve: torch.Tensor) -> float:
@@ -27,3 +37,44 @@ def growth_ratio(curve: torch.Tensor) -> float:
     third = max(1, curve.numel() // 3)
     early, late = float(curve[:third].mean()), float(curve[-third:].mean())
     return late / early if early > 0 else (0.0 if late == 0 else math.inf)
+
+
+def _rounded(curve: torch.Tensor) -> list[float]:
+    return [float(f"{float(point):.4g}") for point in curve]
+
+
+def judge_growth(check_id: str, error: torch.Tensor, floor: torch.Tensor, resolution: torch.Tensor, *,
+                 control: str, budget: float = GROWTH_BUDGET) -> Verdict:
+    """The growth of ``error`` (per-step |fast - stock|) may be at most ``budget`` x the growth of ``floor``
+    (the same measure on a stock-only control that runs the fast path's shapes, described by ``control``),
+    both curves floored at ``resolution`` (per step, > 0). The budget must lie within
+    [GROWTH_K_MIN, GROWTH_K_MAX] x the floor's growth as read (at least FLAT_GROWTH)."""
+    curves = {"error": error, "floor": floor, "resolution": resolution}
+    shapes = {name: tuple(curve.shape) for name, curve in curves.items()}
+    if len(set(shapes.values())) != 1 or error.dim() != 1:
+        raise ValueError(f"growth curves must be 1-D and of one length, got {shapes}")
+    steps = int(error.numel())
+    if steps < MIN_GROWTH_STEPS:
+        raise ValueError(f"an error-growth check needs >= {MIN_GROWTH_STEPS} steps, got {steps}")
+    resolution = resolution.double()
+    error = torch.maximum(error.double(), resolution)
+    floor = torch.maximum(floor.double(), resolution)
+    grows, floor_grows = growth_ratio(error), growth_ratio(floor)
+    read = max(floor_grows, FLAT_GROWTH)
+    valid = math.isfinite(read)
+    at_resolution = int((floor <= resolution).sum())
+    policy = noise_floor(read if valid else math.inf, k=budget, reason=(
+        f"per-step error growth (mean of the last third / mean of the first third of {steps} steps) at most "
+        f"{budget:g} x the stock floor's growth {floor_grows:.3f} (read as >= {FLAT_GROWTH:g}); floor curve = "
+        f"{control}, {float(floor.min()):.1e}..{float(floor.max()):.1e}; every point of both curves >= the "
+        f"values' fp32 resolution ({at_resolution} of {steps} floor points sit at it)"))
+    verdict = policy.judge(check_id, torch.tensor([grows], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+                           what="error growth")
+    verdict = verdict.with_metrics(error_curve=_rounded(error), floor_curve=_rounded(floor),
+                                   error_growth=grows, floor_growth=floor_grows, floor_measured=floor_grows,
+                                   floor_minimum=FLAT_GROWTH, floor_at_minimum=floor_grows < FLAT_GROWTH,
+                                   floor_points_at_resolution=at_resolution)
+    finite = bool(torch.isfinite(floor).all()) and bool((resolution > 0).all())
+    verdict = verdict.require(finite, f"stock per-step floor finite on all {steps} steps, each point floored at a "
+                                      "positive resolution")
+    return verdict.require_bounded(policy.bound, read, k_min=GROWTH_K_MIN, k_max=GROWTH_K_MAX, what="growth budget")

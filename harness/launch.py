@@ -2,27 +2,99 @@
 
 torchrun (one process per GPU, any number of nodes) sets RANK, WORLD_SIZE and LOCAL_RANK. Every rank
 runs the same pytest session, so every rank reaches the same distributed task in the same order: the
-task runs here, in this process, and the ranks then agree on the outcome over a small gloo side group
-(a few bytes of status per rank; results only once every rank succeeded). A failure on any rank thus
-fails the task on every rank, and the side group stays usable when the task's own group is stuck.
+task runs here, in this process, and the ranks then agree on the outcome. A failure on any rank thus
+fails the task on every rank.
+
+Agreement never rides on a collective that a stuck or dead peer could hold up. Every rank posts its
+outcome of each step to a board (keys on the launcher's TCP store, a server no worker hosts under
+torchrun) and reads the others' from it, and a heartbeat thread per rank bumps a counter there. So
+while a rank waits (for its own task, or for the others' outcomes) it watches the board and gives up:
+
+- ``grace_s`` after another rank posted a failure, when its own task is still stuck in a collective
+  (it reports itself "blocked");
+- as soon as a peer is gone: on this rank's own host (same kernel and pid namespace) its process is read
+  from /proc, so a stopped (SIGSTOP) or exited (SIGKILL) peer is seen within half a second, and a live
+  peer that is merely slow (an import holding the GIL for tens of seconds on a loaded machine) is never
+  mistaken for a dead one; on another host, when its heartbeat has not moved for ``silence_s``. Such a
+  peer is reported "died" with the phase it was in, and left out of every later agreement;
+- at the task's own time limit ("hung").
+
+``silence_s + grace_s`` plus polling stays within ``fault_bound()`` (30 s by default, PARITY_FAULT_BOUND_S
+or --fault-bound): every rank raises that soon after any rank raised, stopped or died, naming it. Task
+results (tensors) still travel on a small gloo side group, once every rank has reported success, under
+the same watch. A step whose collective never finished leaves the task group unusable: it is marked
+lost, and the process leaves without waiting on it (harness.plugin exits once the session is reported).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
+import logging
+import math
 import os
 import threading
+import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["ENV", "Launch", "agree", "gather", "join", "joined", "launched", "leave", "lost", "mark_lost", "run_here"]
+__all__ = ["ENV", "FAULT_BOUND_ENV", "Launch", "PeerLost", "agree", "fault_bound", "gather", "grace_s", "join",
+           "joined", "launched", "leave", "lost", "mark_lost", "process_state", "run_task", "set_fault_bound",
+           "silence_s"]
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-SIDE_TIMEOUT_S = 3600.0  # the side group waits for the slowest rank's pytest item, which may load a big model
+FAULT_BOUND_ENV = "PARITY_FAULT_BOUND_S"
+DEFAULT_FAULT_BOUND_S = 30.0
+MIN_FAULT_BOUND_S = 3.0  # below this a busy rank's heartbeat jitter would read as a dead rank
+HEARTBEAT_S = 0.5
+POLL_S = 0.05
+PHASE_TIMEOUT_S = 3600.0  # item phases: the slowest rank's pytest item may load a big model (liveness still watched)
+BOARD_PREFIX = "fastpath-parity"
+LOG = logging.getLogger("harness.launch")
+
+_BOUND: list[float] = []  # set_fault_bound's value; else the environment's, else the default
+
+
+def _bound_from(text: str, source: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < MIN_FAULT_BOUND_S:
+        raise ValueError(f"{source}={text!r}: expected a number of seconds >= {MIN_FAULT_BOUND_S:g} (how soon every "
+                         f"rank must raise after one raised, stopped or died; default {DEFAULT_FAULT_BOUND_S:g})")
+    return value
+
+
+def set_fault_bound(seconds: float | str | None, source: str = "--fault-bound") -> None:
+    """The run's bound (None: back to the environment's or the default); a bad value is a ValueError naming it."""
+    _BOUND.clear()
+    if seconds is not None:
+        _BOUND.append(_bound_from(str(seconds), source))
+
+
+def fault_bound() -> float:
+    """Seconds within which every rank raises after any rank raised, stopped or died."""
+    if _BOUND:
+        return _BOUND[0]
+    text = os.environ.get(FAULT_BOUND_ENV, "").strip()
+    return _bound_from(text, FAULT_BOUND_ENV) if text else DEFAULT_FAULT_BOUND_S
+
+
+def silence_s() -> float:
+    """A peer whose heartbeat has not moved for this long is gone (stopped or dead)."""
+    return fault_bound() / 3
+
+
+def grace_s() -> float:
+    """After a peer failed, how long a rank's own step may still finish before it reports itself blocked."""
+    return min(5.0, fault_bound() / 6)
 
 
 @dataclass(frozen=True)
@@ -32,12 +104,161 @@ class Launch:
     local_rank: int
 
 
+class PeerLost(RuntimeError):
+    """A peer stopped or died while this rank waited on it; ``gone`` maps each such rank to why and when."""
+
+    def __init__(self, message: str, gone: dict[int, str]):
+        super().__init__(message)
+        self.gone = gone
+
+
+def _host_key() -> str:
+    """Which kernel and pid namespace this process lives in: ranks that share it can read each other in /proc."""
+    parts = []
+    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(os.readlink(source) if source.endswith("/pid") else Path(source).read_text().strip())
+        except OSError:
+            return ""  # no /proc: every peer is watched through its heartbeat
+    return "|".join(parts)
+
+
+def process_state(pid: int) -> str:
+    """A local process's state letter from /proc (R, S, D, T, t, Z, ...), or "gone" when it no longer exists."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return stat[stat.rindex(")") + 2:].split(" ", 1)[0]
+
+
+LOCAL_GONE = {"T": "the process was stopped (SIGSTOP)", "t": "the process was stopped (traced)",
+              "Z": "the process exited or was killed", "X": "the process exited or was killed",
+              "gone": "the process exited or was killed"}
+LOCAL_CONFIRM_S = 0.5  # a local peer must look stopped or gone for this long (a job-control stop and resume is not)
+
+
+class _Board:
+    """Every rank's outcome per step and a heartbeat per rank, on the launcher's store (never on a collective)."""
+
+    def __init__(self, store: Any, beat_store: Any, launch: Launch):
+        self.store = store
+        self.launch = launch
+        self.step = 0
+        self.gone: dict[int, tuple[str, str]] = {}  # rank -> (the phase it was found gone in, why)
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last heartbeat count, when it last moved)
+        self._local: dict[int, int] = {}  # peer rank -> pid, for peers on this host
+        self._odd_since: dict[int, float] = {}  # local peer -> since when it looks stopped or gone
+        self._stop = threading.Event()
+        self._beat_store = beat_store
+        self._host = _host_key()
+        self.store.set(f"who/{launch.rank}", json.dumps({"host": self._host, "pid": os.getpid()}))
+        self._beat("start")
+        self._thread = threading.Thread(target=self._beat_loop, name=f"parity-heartbeat-rank{launch.rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------- liveness
+    def _beat(self, _: str = "") -> None:
+        self._beat_store.add(f"hb/{self.launch.rank}", 1)
+
+    def _beat_loop(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._beat()
+            except Exception as err:  # noqa: BLE001 - the store went away: the launcher is shutting down
+                LOG.warning("rank %d: heartbeat stopped: %s", self.launch.rank, err)
+                return
+
+    def _learn_local_peers(self) -> None:
+        """Which peers share this host (and pid namespace), read once each has posted who it is."""
+        for rank in range(self.launch.world_size):
+            if rank == self.launch.rank or rank in self._local or not self._host:
+                continue
+            key = f"who/{rank}"
+            if self.store.check([key]):
+                who = json.loads(self.store.get(key))
+                self._local[rank] = who["pid"] if who["host"] == self._host else -1
+
+    def lost_peers(self) -> dict[int, str]:
+        """Peers (not yet gone) that stopped or died: rank -> why (a fixed sentence per cause).
+
+        A peer on this host is read from /proc; a peer elsewhere is gone when its heartbeat has not moved for
+        silence_s() (a rank that stays busy keeps beating, from its own thread).
+        """
+        ranks = [r for r in range(self.launch.world_size) if r != self.launch.rank and r not in self.gone]
+        if not ranks:
+            return {}
+        self._learn_local_peers()
+        now = time.monotonic()
+        lost: dict[int, str] = {}
+        remote = []
+        for rank in ranks:
+            pid = self._local.get(rank, -1)
+            if pid < 0:
+                remote.append(rank)
+                continue
+            state = process_state(pid)
+            if state not in LOCAL_GONE:
+                self._odd_since.pop(rank, None)
+            elif now - self._odd_since.setdefault(rank, now) >= LOCAL_CONFIRM_S:
+                lost[rank] = LOCAL_GONE[state]
+        if remote:
+            counts = self.store.multi_get([f"hb/{r}" for r in remote])
+            for rank, raw in zip(remote, counts, strict=True):
+                count = int(raw)
+                last = self._seen.get(rank)
+                if last is None or last[0] != count:
+                    self._seen[rank] = (count, now)
+                elif now - last[1] >= silence_s():
+                    lost[rank] = f"no heartbeat for {silence_s():g} s: the process stopped or died"
+        return lost
+
+    def start_watch(self) -> None:
+        """A fresh look at every peer, so time spent outside a wait never counts as silence."""
+        self._seen.clear()
+        self._odd_since.clear()
+        with contextlib.suppress(Exception):
+            self.lost_peers()
+
+    # ----------------------------------------------------------------------------- outcomes
+    def next_step(self) -> int:
+        self.step += 1
+        return self.step
+
+    def post(self, step: int, outcome: tuple[str, str, str]) -> None:
+        self.store.set(f"s{step}/r{self.launch.rank}", json.dumps(list(outcome)))
+        if outcome[0] != "ok":
+            self.store.add(f"s{step}/failed", 1)
+        if step > 2:  # every rank read step - 2 before any rank could post step - 1
+            with contextlib.suppress(Exception):
+                self.store.delete_key(f"s{step - 2}/r{self.launch.rank}")
+
+    def failures(self, step: int) -> int:
+        return int(self.store.add(f"s{step}/failed", 0))
+
+    def read(self, step: int) -> dict[int, tuple[str, str, str]]:
+        """The outcomes posted so far for ``step`` (gone ranks are not waited for)."""
+        keys = {r: f"s{step}/r{r}" for r in range(self.launch.world_size) if r not in self.gone}
+        present = {r: k for r, k in keys.items() if self.store.check([k])}
+        if not present:
+            return {}
+        raw = self.store.multi_get(list(present.values()))
+        return {r: tuple(json.loads(v)) for r, v in zip(present, raw, strict=True)}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * HEARTBEAT_S)
+
+
 @dataclass
 class _Joined:
     launch: Launch
     backend: str
-    side: Any  # the gloo group outcomes travel on
-    lost: str = ""  # why the task group can no longer be trusted (a task hung inside a collective)
+    side: Any  # the gloo group task results travel on
+    board: _Board
+    lost: str = ""  # why the task group can no longer be trusted (a step's collective never finished)
+    stuck: list[threading.Thread] = field(default_factory=list)
 
 
 _JOINED: _Joined | None = None
@@ -64,6 +285,24 @@ def launched() -> Launch | None:
     return launch
 
 
+def _board_stores(launch: Launch, timeout: datetime.timedelta) -> tuple[Any, Any]:
+    """Two clients of the launcher's store (MASTER_ADDR:MASTER_PORT): one to poll, one for the heartbeat."""
+    import torch.distributed as dist
+
+    host, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if not host or not port.isdigit():
+        raise ValueError(f"a torchrun launch sets MASTER_ADDR and MASTER_PORT (the store the ranks agree on); got "
+                         f"MASTER_ADDR={host!r}, MASTER_PORT={port!r}")
+    attempt = (os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    run = f"{BOARD_PREFIX}/{attempt[0]}/{attempt[1]}"
+    clients = []
+    for _ in range(2):
+        client = dist.TCPStore(host, int(port), launch.world_size, is_master=False, timeout=timeout)
+        clients.append(dist.PrefixStore(run, client))
+    LOG.info("rank %d: board on the launcher's store %s:%s (%s)", launch.rank, host, port, run)
+    return clients[0], clients[1]
+
+
 def join(device_type: str, pg_timeout_s: float = 300.0) -> Launch:
     """Join the launcher's group once (env://): NCCL on cuda:LOCAL_RANK, gloo on the CPU; idempotent."""
     global _JOINED
@@ -87,12 +326,15 @@ def join(device_type: str, pg_timeout_s: float = 300.0) -> Launch:
         torch.cuda.set_device(launch.local_rank)
     else:
         torch.set_num_threads(1)  # the node's ranks share its cores
+    timeout = datetime.timedelta(seconds=pg_timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=pg_timeout_s))
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
     elif dist.get_backend() != backend:
         raise ValueError(f"the default group is {dist.get_backend()}, a {device_type} world needs {backend}")
-    side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=SIDE_TIMEOUT_S))
-    _JOINED = _Joined(launch, backend, side)
+    board = _Board(*_board_stores(launch, datetime.timedelta(seconds=max(silence_s(), 1.0))), launch)
+    # results only: it is used once every rank reported success, and under the same watch as the board
+    side = dist.new_group(backend="gloo", timeout=timeout)
+    _JOINED = _Joined(launch, backend, side, board)
     return launch
 
 
@@ -112,58 +354,138 @@ def lost() -> str:
     return _JOINED.lost if _JOINED is not None else ""
 
 
-def agree(status: str, error: str = "", trace: str = "") -> list[tuple[str, str, str]]:
-    """Every rank's (status, error, traceback) for the same step, in rank order (on the side group)."""
-    import torch.distributed as dist
-
+def mark_lost(reason: str) -> None:
+    """Give up the launcher's task group (a collective on it never finished on some rank)."""
     joined = _joined()
-    slots: list[Any] = [None] * joined.launch.world_size
-    dist.all_gather_object(slots, (status, error, trace), group=joined.side)
-    return slots
+    if not joined.lost:
+        joined.lost = reason
 
 
-def gather(result: Any) -> list[Any]:
-    """Every rank's result in rank order (on the side group, so CPU objects only travel)."""
-    import torch.distributed as dist
-
-    joined = _joined()
-    slots: list[Any] = [None] * joined.launch.world_size
-    dist.all_gather_object(slots, result, group=joined.side)
-    return slots
+def _gone_outcome(board: _Board, rank: int) -> tuple[str, str, str]:
+    phase, why = board.gone[rank]
+    return ("died", f"{why} (during {phase})", "")
 
 
-def run_here(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-             timeout_s: float) -> tuple[tuple[str, str, str], Any]:
-    """Run ``fn`` on this rank with a time limit: ((status, error, traceback), result).
+def _note_gone(board: _Board, lost: dict[int, str], phase: str) -> None:
+    for rank, why in lost.items():
+        if rank not in board.gone:
+            board.gone[rank] = (phase, why)
+            LOG.warning("rank %d: rank %d lost during %s: %s", board.launch.rank, rank, phase, why)
 
-    The task runs on a daemon thread so a rank stuck in a collective still reports "hung" and reaches
-    the side group; its group is then marked lost, since the stuck collective can never complete.
+
+def _wait_for_peers(board: _Board, step: int, phase: str, deadline: float) -> list[tuple[str, str, str]]:
+    """Every rank's outcome of ``step`` in rank order; a silent peer is "died", a late one "hung" at ``deadline``."""
+    world = board.launch.world_size
+    while True:
+        posted = board.read(step)
+        waiting = [r for r in range(world) if r not in posted and r not in board.gone]
+        if not waiting:
+            break
+        _note_gone(board, {r: why for r, why in board.lost_peers().items() if r in waiting}, phase)
+        if time.monotonic() >= deadline:
+            for rank in waiting:
+                if rank not in board.gone:
+                    posted[rank] = ("hung", f"no outcome of {phase} before this rank's deadline", "")
+            break
+        time.sleep(POLL_S)
+    return [posted[r] if r in posted else _gone_outcome(board, r) for r in range(world)]
+
+
+def agree(status: str, error: str = "", trace: str = "", *, phase: str = "an item phase",
+          timeout_s: float = PHASE_TIMEOUT_S) -> list[tuple[str, str, str]]:
+    """Every rank's (status, error, traceback) for the same step, in rank order, read from the board.
+
+    Waits for the slowest live rank up to ``timeout_s``; a rank that stops or dies is reported "died"
+    (within half a second on this host, silence_s() elsewhere), and is not waited for again.
+    """
+    board = _joined().board
+    step = board.next_step()
+    board.start_watch()
+    board.post(step, (status, error, trace))
+    return _wait_for_peers(board, step, phase, time.monotonic() + timeout_s)
+
+
+def _watched(work: Callable[[], Any], phase: str, deadline: float, step: int | None,
+             ) -> tuple[tuple[str, str, str], Any]:
+    """Run ``work`` on a daemon thread while watching the board: (status, error, traceback) and its result.
+
+    Gives up on the thread ``grace_s()`` after a peer failed this step or went silent, or at ``deadline``;
+    the abandoned thread sits in a collective that can never finish, so the task group is marked lost.
     """
     joined = _joined()
+    board = joined.board
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
             if joined.backend == "nccl":
                 torch.cuda.set_device(joined.launch.local_rank)  # the current device is per thread
-            box["result"] = fn(*args, **kwargs)
-        except BaseException as err:  # noqa: BLE001 - every task failure is reported to every rank
+            box["result"] = work()
+        except BaseException as err:  # noqa: BLE001 - every failure is reported to every rank
             box["error"] = (f"{type(err).__name__}: {err}", traceback.format_exc())
 
-    worker = threading.Thread(target=target, name=f"parity-task-rank{joined.launch.rank}", daemon=True)
+    worker = threading.Thread(target=target, name=f"parity-{phase}-rank{joined.launch.rank}", daemon=True)
+    board.start_watch()
     worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        joined.lost = f"a task hung on rank {joined.launch.rank} (no result within {timeout_s:g} s)"
-        return ("hung", f"no result within {timeout_s:g} s", ""), None
+    given_up: float | None = None
+    why = ""
+    while worker.is_alive():
+        worker.join(POLL_S)
+        if not worker.is_alive():
+            break
+        now = time.monotonic()
+        if given_up is None:
+            failed = step is not None and board.failures(step) > 0
+            lost = board.lost_peers()
+            if failed or lost:
+                _note_gone(board, lost, phase)
+                given_up = now + grace_s()
+                why = (f"another rank failed {phase}" if failed else
+                       f"rank(s) {sorted(lost)} stopped or died during {phase}")
+        if given_up is not None and now >= given_up:
+            joined.stuck.append(worker)
+            mark_lost(f"{phase} did not finish on rank {joined.launch.rank} after {why}")
+            return ("blocked", f"still inside {phase} {grace_s():g} s after {why}", ""), None
+        if now >= deadline:
+            joined.stuck.append(worker)
+            mark_lost(f"{phase} hung on rank {joined.launch.rank}")
+            return ("hung", f"no result within the time limit of {phase}", ""), None
     if "error" in box:
         return ("raised", *box["error"]), None
-    return ("ok", "", ""), box["result"]
+    return ("ok", "", ""), box.get("result")
 
 
-def mark_lost(reason: str) -> None:
-    """Give up the launcher's group (another rank hung in a collective this rank may still be part of)."""
-    _joined().lost = reason
+def run_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float,
+             ) -> tuple[list[tuple[str, str, str]], Any]:
+    """Run ``fn`` on this rank under the watch, then agree: (every rank's outcome in rank order, this result)."""
+    joined = _joined()
+    board = joined.board
+    name = getattr(fn, "__qualname__", repr(fn))
+    phase = f"task {name}"
+    step = board.next_step()
+    began = time.monotonic()
+    mine, result = _watched(lambda: fn(*args, **kwargs), phase, began + timeout_s, step)
+    board.post(step, mine)
+    # a peer still running its task is waited for until its own time limit (same timeout), plus the grace
+    outcomes = _wait_for_peers(board, step, phase, began + timeout_s + grace_s() + 1.0)
+    return outcomes, result
+
+
+def gather(result: Any) -> list[Any]:
+    """Every rank's result in rank order (on the side group, so CPU objects only travel), under the watch."""
+    import torch.distributed as dist
+
+    joined = _joined()
+    slots: list[Any] = [None] * joined.launch.world_size
+    status, value = _watched(lambda: dist.all_gather_object(slots, result, group=joined.side), "the result gather",
+                             time.monotonic() + PHASE_TIMEOUT_S, None)
+    if status[0] == "raised":
+        raise RuntimeError(f"the result gather failed on rank {joined.launch.rank}: {status[1]}")
+    if status[0] != "ok":
+        gone = {r: f"{why} (during {phase})" for r, (phase, why) in joined.board.gone.items()}
+        raise PeerLost(f"the result gather did not finish: {status[1]}", gone)
+    del value
+    return slots
 
 
 def leave() -> None:
@@ -173,6 +495,7 @@ def leave() -> None:
         return
     import torch.distributed as dist
 
+    _JOINED.board.close()
     if dist.is_initialized() and not _JOINED.lost:
         dist.destroy_process_group()
     _JOINED = None

@@ -11,6 +11,7 @@ import fnmatch
 import functools
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,13 @@ import pytest
 import torch
 
 from harness import ablation as ablation_mod
-from harness import catalogue, checkpoints, checks, compat, conformance, launch, report
+from harness import catalogue, checkpoints, checks, compat, conformance, host, launch, report
 from harness import device_map as device_maps
 from harness.ablation import KillResult
 from harness.checks import CheckContext
 from harness.compare import Verdict
+from harness.dist import WorldTaskError, stable_error
+from harness.report import Unfinished
 
 MARKERS = {
     "cpu": "CPU tier: fake kernels and tiny random-init models, every parity check and ablation",
@@ -46,6 +49,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="gpu-tier dtypes: fp32, bf16, or both (comma-separated, or 'both'); default fp32,bf16")
     group.addoption("--device", default="auto", choices=("auto", "cpu", "cuda"),
                     help="gpu-tier device: auto (cuda when available), cpu (dry run of the gpu tier), cuda")
+    group.addoption("--trust-remote-code", action="store_true", default=False,
+                    help="allow loading checkpoints whose config.json has an auto_map: their own Python files run "
+                         "(HunyuanImage-3 needs it). Off by default, as in transformers; the report records what ran")
     group.addoption("--capture-dir", default=None, metavar="DIR",
                     help="attention captures (call0_rank0.npz style) to run the attention checks on "
                          "(pytest's own --capture is taken)")
@@ -63,6 +69,9 @@ def _add_placement_options(group: Any) -> None:
                     help="place gpu-tier models with accelerate across the visible GPUs: balanced, auto, sequential, "
                          "or a JSON max-memory split like '{\"0\": \"70GiB\", \"1\": \"70GiB\"}'; default: one "
                          "device where the weights fit, else balanced")
+    group.addoption("--fault-bound", default=None, metavar="SECONDS",
+                    help="under torchrun, every rank raises within SECONDS of any rank raising, stopping or dying "
+                         f"(default ${launch.FAULT_BOUND_ENV} or {launch.DEFAULT_FAULT_BOUND_S:g})")
 
 
 def parse_dtypes(text: str) -> list[torch.dtype]:
@@ -93,6 +102,12 @@ class ParitySession:
         self.capture_dir: str | None = config.getoption("capture_dir")
         self.checkpoints: list[checkpoints.Checkpoint] = []
         self.conformance_problems: list[str] = []
+        self.unfinished: dict[str, Unfinished] = {}  # check label -> why it gave no verdict
+        self.pairs_unfinished: dict[tuple[str, str], Unfinished] = {}  # (ablation, check label) -> why not run
+        self.report_data: dict[str, Any] | None = None
+        self.written: list[str] = []
+        self.write_errors: list[str] = []
+        self.exitstatus: int = 0
 
     def context(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 checkpoint: str | None = None) -> CheckContext:
@@ -107,29 +122,75 @@ class ParitySession:
         return self._contexts[key]
 
     def check(self, check_id: str, ctx: CheckContext | None = None, label: str | None = None) -> Verdict:
-        """Run a check once per label (cached: the kill matrix reuses the baseline)."""
+        """Run a check once per label (cached: the kill matrix reuses the baseline).
+
+        A check that raises, times out or skips is recorded as such before the exception goes on; one that
+        raised is not run again in this session (its later callers get CheckFailedEarlier).
+        """
         key = label or check_id
-        skip_unavailable_path(check_id)
-        if key not in self.verdicts:
-            watch = ImplementationWatch(checks.get(check_id).path)
-            verdict = watch.require_ran(checks.run_check(check_id, ctx or self.context()))
-            self.verdicts[key] = dataclasses.replace(verdict, check_id=key) if label else verdict
+        earlier = self.unfinished.get(key)
+        if key not in self.verdicts and earlier is not None and earlier.status == "failed":
+            raise CheckFailedEarlier(f"{key} already failed in this session: {earlier.error_type}: {earlier.reason}")
+        try:
+            skip_unavailable_path(check_id)
+            if key not in self.verdicts:
+                watch = ImplementationWatch(checks.get(check_id).path)
+                verdict = watch.require_ran(checks.run_check(check_id, ctx or self.context()))
+                self.verdicts[key] = dataclasses.replace(verdict, check_id=key) if label else verdict
+        except OUTCOME_ERRORS as err:
+            self.unfinished[key] = unfinished(key, err)
+            raise
+        self.unfinished.pop(key, None)
         return self.verdicts[key]
 
     def kill(self, ablation_name: str, check_id: str, ctx: CheckContext | None = None,
              label: str | None = None) -> KillResult:
         """Run ``check_id`` under the ablation; ``label`` names the check in the report (gpu: checkpoint, dtype)."""
-        skip_unavailable_path(check_id)
-        result = ablation_mod.run_under(ablation_mod.get(ablation_name), check_id, ctx or self.context())
+        try:
+            skip_unavailable_path(check_id)
+            result = ablation_mod.run_under(ablation_mod.get(ablation_name), check_id, ctx or self.context())
+        except OUTCOME_ERRORS as err:
+            self.pairs_unfinished[(ablation_name, label or check_id)] = unfinished(label or check_id, err,
+                                                                                  ablation_name)
+            raise
         if label:
             result = dataclasses.replace(result, check=label)
         self.kills.append(result)
         return result
 
+    def record_item(self, check_label: str, ablation_name: str, outcome: Unfinished, override: bool = False) -> None:
+        """A parity item failed or skipped: record the item's reason where its check (or pair) recorded none.
+
+        ``override``: the item failed on another rank (torchrun), so what this rank recorded must not stand.
+        """
+        if ablation_name:
+            pair = (ablation_name, check_label)
+            recorded = [k for k in self.kills if (k.ablation, k.check) == pair]
+            if override:
+                self.kills = [k for k in self.kills if (k.ablation, k.check) != pair]
+            elif recorded or pair in self.pairs_unfinished:
+                return
+            self.pairs_unfinished[pair] = dataclasses.replace(outcome, ablation=ablation_name)
+            return
+        if override:
+            self.verdicts.pop(check_label, None)
+        elif check_label in self.verdicts or check_label in self.unfinished:
+            return
+        self.unfinished[check_label] = outcome
+
     def report(self) -> dict[str, Any]:
         order = {c.id: i for i, c in enumerate(checks.all_checks())}
-        verdicts = sorted(self.verdicts.values(), key=lambda v: (order.get(v.check_id, len(order)), v.check_id))
-        data = report.build(verdicts, self.kills, implementations=conformance.specs())
+
+        def rank(key: str) -> tuple[int, str]:
+            return order.get(key.split("[", 1)[0], len(order)), key
+
+        rows: dict[str, Verdict | Unfinished] = {**self.unfinished, **self.verdicts}
+        kills: list[KillResult | Unfinished] = [*self.kills, *(self.pairs_unfinished[p] for p in
+                                                               sorted(self.pairs_unfinished))]
+        remote = ({"trusted": True, "ran": checkpoints.remote_code_ran()}
+                  if self.config.getoption("trust_remote_code") else None)
+        data = report.build([rows[k] for k in sorted(rows, key=rank)], kills, implementations=conformance.specs(),
+                            remote_code=remote, host=host.fingerprint())
         not_judged = self.config.stash.get(NOT_JUDGED_KEY, {})
         if not_judged:  # conformance mode: the checks deselected because they cannot call the user's code
             data["not_judged"] = dict(sorted(not_judged.items()))
@@ -139,6 +200,36 @@ class ParitySession:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+class CheckFailedEarlier(RuntimeError):
+    """A check that already raised in this session is asked for again (a kill item's baseline, say)."""
+
+
+# what a check may end with besides a verdict: any error, pytest's skip and fail outcomes
+OUTCOME_ERRORS = (Exception, pytest.skip.Exception, pytest.fail.Exception)
+
+
+def _first_line(text: str, limit: int = 400) -> str:
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    return stable_error(line)[:limit]
+
+
+def unfinished(check_label: str, err: BaseException, ablation_name: str = "") -> Unfinished:
+    """How a check (or pair) ended without a verdict: skipped with its reason, or failed with type, message, ranks."""
+    if isinstance(err, pytest.skip.Exception):
+        return Unfinished(check_label, "skipped", _first_line(str(err.msg or "")), ablation=ablation_name)
+    message = _first_line(str(err))
+    ranks: tuple[int, ...] = ()
+    if isinstance(err, WorldTaskError):
+        bad = [o for o in err.outcomes if o.status != "ok"]
+        ranks = tuple(o.rank for o in bad)
+        first = next((o for o in bad if o.status == "raised"), bad[0] if bad else None)
+        if first is not None:
+            message = f"{message}: {_first_line(first.line())}"
+    elif launch.joined() is not None:
+        ranks = (launch.joined().rank,)
+    return Unfinished(check_label, "failed", message, type(err).__name__, ranks, ablation_name)
 
 
 class ImplementationWatch:
@@ -277,23 +368,68 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     apply_impls(config)
-    detected = []
-    for path in config.getoption("checkpoint") or []:
-        try:
-            detected.append(checkpoints.detect(path))
-        except checkpoints.CheckpointError as err:
-            raise pytest.UsageError(f"--checkpoint: {err}") from None
-    parse_dtypes(config.getoption("dtype"))
-    capture = config.getoption("capture_dir")
-    if capture is not None and not Path(capture).is_dir():
-        raise pytest.UsageError(f"--capture-dir {capture}: no such directory")
-    for path in config.getoption("parity_report") or []:
-        if Path(path).suffix not in (".md", ".json"):
-            raise pytest.UsageError(f"--parity-report {path}: the file must end in .md or .json")
+    detected = validate_inputs(config)
     session = ParitySession(config)
     session.checkpoints = detected
     config.stash[SESSION_KEY] = session
     _configure_placement(config)
+
+
+def validate_inputs(config: pytest.Config) -> list[checkpoints.Checkpoint]:
+    """Every file and option the run reads, checked now: any malformed one is a usage error naming it.
+
+    Checkpoints are detected (their config.json may hold anything), remote code is refused without
+    --trust-remote-code, capture files are read, and each --parity-report path is opened for writing,
+    all before collection, so nothing fails after the checks ran.
+    """
+    trusted = bool(config.getoption("trust_remote_code"))
+    checkpoints.trust_remote_code(trusted)
+    detected = []
+    for path in config.getoption("checkpoint") or []:
+        try:
+            found = checkpoints.detect(path)
+            checkpoints.require_trust(found, trusted)
+        except checkpoints.CheckpointError as err:
+            raise pytest.UsageError(f"--checkpoint: {err}") from None
+        if found.feeds == "attention":
+            _validate_captures(f"--checkpoint {path}", found.path)
+        detected.append(found)
+    parse_dtypes(config.getoption("dtype"))
+    capture = config.getoption("capture_dir")
+    if capture is not None:
+        if not Path(capture).is_dir():
+            raise pytest.UsageError(f"--capture-dir {capture}: no such directory")
+        _validate_captures(f"--capture-dir {capture}", Path(capture))
+    if _writes_reports():
+        for path in config.getoption("parity_report") or []:
+            try:
+                report.prepare(path)
+            except ValueError as err:
+                raise pytest.UsageError(str(err)) from None
+    try:
+        launch.set_fault_bound(config.getoption("fault_bound"))
+        launch.fault_bound()  # the environment's value is checked too
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
+    return detected
+
+
+def _validate_captures(option: str, directory: Path) -> None:
+    from harness.attention import capture
+
+    try:
+        capture.validate_directory(directory)
+    except ValueError as err:
+        raise pytest.UsageError(f"{option}: {err}") from None
+
+
+def _writes_reports() -> bool:
+    """Under torchrun only rank 0 writes the report, so only rank 0 checks where it goes."""
+    try:
+        launched = launch.launched()
+    except ValueError:
+        return True  # the launch environment's own error is reported by _configure_placement
+    return launched is None or launched.rank == 0
 
 
 def _configure_placement(config: pytest.Config) -> None:
@@ -304,7 +440,10 @@ def _configure_placement(config: pytest.Config) -> None:
     try:
         resolve_start_method(device.type)
         text = config.getoption("device_map")
-        device_maps.configure(device_maps.parse(text) if text is not None else None, device.type)
+        requested = device_maps.parse(text) if text is not None else None
+        if requested is not None:  # a split naming GPUs this machine lacks cannot be honoured by any load
+            device_maps.check_visible(requested)
+        device_maps.configure(requested, device.type)
         if launch.launched() is not None:
             launch.join(device.type)
     except ValueError as err:
@@ -325,15 +464,36 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if problems:
         parity.conformance_problems = problems
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if reporting_rank() and (parity.verdicts or parity.kills or parity.unfinished or parity.pairs_unfinished):
+        parity.report_data = parity.report()
+        for path in session.config.getoption("parity_report") or []:
+            try:
+                parity.written.append(os.fspath(report.write(parity.report_data, path)))
+            except OSError as err:  # checked at configure; the disk may still fill up or go away
+                parity.write_errors.append(f"--parity-report {path}: not written ({type(err).__name__}: "
+                                           f"{err.strerror or err})")
+        if parity.write_errors:
+            session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
+    parity.exitstatus = int(session.exitstatus)
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     session = config.stash.get(SESSION_KEY, None)
     if session is not None:
         session.close()
     if config.stash.get(IMPLS_KEY, None):
         conformance.clear()
+    checkpoints.trust_remote_code(False)
+    launch.set_fault_bound(None)
+    given_up = launch.lost()
     _release_placement()
+    if given_up:
+        # a step of the launcher's group never finished on some rank: a thread still sits in its collective,
+        # and tearing the group down at interpreter exit would wait on it until the transport's own timeout
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(session.exitstatus if session is not None else int(pytest.ExitCode.INTERNAL_ERROR))
 
 
 def _release_placement() -> None:
@@ -456,18 +616,18 @@ def gpu_dtypes(request: pytest.FixtureRequest) -> list[torch.dtype]:
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     session = config.stash.get(SESSION_KEY, None)
-    if session is None or not (session.verdicts or session.kills) or not reporting_rank():
+    if session is None or session.report_data is None:
         return
-    data = session.report()
     terminalreporter.section("fastpath-parity report")
-    terminalreporter.write_line(report.render_terminal(data))
+    terminalreporter.write_line(report.render_terminal(session.report_data))
     for problem in session.conformance_problems:
         terminalreporter.write_line(f"FAILED {problem}", red=True)
     for line in not_judged_lines(config.stash.get(NOT_JUDGED_KEY, {})):
         terminalreporter.write_line(line, yellow=True)
-    for path in config.getoption("parity_report") or []:
-        written = report.write(data, path)
-        terminalreporter.write_line(f"parity report written to {os.fspath(written)}")
+    for written in session.written:
+        terminalreporter.write_line(f"parity report written to {written}")
+    for problem in session.write_errors:
+        terminalreporter.write_line(f"ERROR {problem}", red=True)
     _summarise_placement(terminalreporter)
 
 
@@ -486,24 +646,63 @@ def _summarise_placement(terminalreporter: Any) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     """Under torchrun every rank reports each phase alike: a failure on any rank fails it on every rank.
 
-    Ranks agree phase by phase over the launcher's side group, so no rank runs a call that another
-    rank's failed or skipped setup did not reach (which would leave the ranks out of step).
+    Ranks agree phase by phase over the launcher's board (harness.launch), so no rank runs a call that
+    another rank's failed or skipped setup did not reach (which would leave the ranks out of step); a rank
+    that stopped or died is reported failed within the fault bound. Then a parity item that failed or
+    skipped before its check gave a verdict is recorded for the report.
     """
     rep = yield
     joined = launch.joined()
-    if joined is None:
-        return rep
-    detail = rep.longreprtext.strip().splitlines()[-1][:400] if (rep.failed or rep.skipped) and rep.longrepr else ""
-    statuses = launch.agree(rep.outcome, detail)
-    failed = [(rank, text) for rank, (status, text, _) in enumerate(statuses) if status == "failed"]
-    skipped = [(rank, text) for rank, (status, text, _) in enumerate(statuses) if status == "skipped"]
-    if failed and not rep.failed:
-        rep.outcome = "failed"
-        rep.longrepr = (f"{item.nodeid} {call.when} failed on ranks {[r for r, _ in failed]} of {joined.world_size} "
-                        f"(passed here, on rank {joined.rank}):\n"
-                        + "\n".join(f"rank {r}: {text}" for r, text in failed))
-    elif skipped and rep.passed and call.when == "setup":
-        rep.outcome = "skipped"
-        rep.longrepr = (str(item.path), item.location[1] or 0,
-                        f"skipped on ranks {[r for r, _ in skipped]}: {skipped[0][1]}")
+    failed: list[tuple[int, str]] = []
+    if joined is not None:
+        detail = rep.longreprtext.strip().splitlines()[-1][:400] if (rep.failed or rep.skipped) and rep.longrepr \
+            else ""
+        statuses = launch.agree(rep.outcome, detail, phase=f"{item.nodeid} {call.when}")
+        failed = [(rank, text) for rank, (status, text, _) in enumerate(statuses)
+                  if status not in ("passed", "skipped")]
+        skipped = [(rank, text) for rank, (status, text, _) in enumerate(statuses) if status == "skipped"]
+        if failed and not rep.failed:
+            rep.outcome = "failed"
+            rep.longrepr = (f"{item.nodeid} {call.when} failed on ranks {[r for r, _ in failed]} of "
+                            f"{joined.world_size} (passed here, on rank {joined.rank}):\n"
+                            + "\n".join(f"rank {r}: {text}" for r, text in failed))
+        elif skipped and rep.passed and call.when == "setup":
+            rep.outcome = "skipped"
+            rep.longrepr = (str(item.path), item.location[1] or 0,
+                            f"skipped on ranks {[r for r, _ in skipped]}: {skipped[0][1]}")
+    _record_item(item, call, rep, failed)
     return rep
+
+
+def item_labels(item: pytest.Item) -> tuple[str | None, str]:
+    """(the report's label for the check an item runs, the ablation it runs it under or "")."""
+    callspec = getattr(item, "callspec", None)
+    params = getattr(callspec, "params", {})
+    if "gpu_kill" in params:  # ids are "<ablation>-><check>[<checkpoint>-<dtype>]"
+        return callspec.id.split("->", 1)[1], params["gpu_kill"][0]
+    if "gpu_case" in params:
+        return callspec.id, ""
+    if isinstance(params.get("check_id"), str):  # an empty parameter set leaves pytest's NOTSET here
+        name = params.get("ablation_name", params.get("name", ""))
+        return params["check_id"], name if isinstance(name, str) else ""
+    return None, ""
+
+
+def _record_item(item: pytest.Item, call: pytest.CallInfo[None], rep: pytest.TestReport,
+                 failed_ranks: list[tuple[int, str]]) -> None:
+    """A parity item that failed or skipped without its check recording why: the report gets the item's reason."""
+    if not (rep.failed or rep.skipped) or call.when == "teardown":
+        return
+    session = item.config.stash.get(SESSION_KEY, None)
+    label, ablation_name = item_labels(item)
+    if session is None or label is None:
+        return
+    if rep.skipped:
+        text = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        outcome = Unfinished(label, "skipped", _first_line(text.removeprefix("Skipped: ")))
+    elif call.excinfo is not None and not failed_ranks:
+        outcome = unfinished(label, call.excinfo.value)
+    else:  # failed on other ranks (torchrun): their lines
+        outcome = Unfinished(label, "failed", _first_line(rep.longreprtext), "failed on another rank",
+                             tuple(r for r, _ in failed_ranks))
+    session.record_item(label, ablation_name, outcome, override=bool(failed_ranks) and not rep.skipped)

@@ -2,27 +2,64 @@
 
 The JSON shape is a contract for CI tools::
 
-    {"implementations": {path: "module:callable"},   # only in conformance mode (--impl)
-     "checks": [{"id", "path", "where", "passed", "metrics", "policy", "margin"}],
-     "ablations": [{"name", "path", "kill_mode", "kills": [{"check", "killed", "mode", "declared", "margin"}]}],
-     "summary": {"checks", "passed", "ablations", "killed"}}
+    {"host": {...},                                   # where it ran: torch, CPU capability, MKL/oneDNN, threads
+     "implementations": {path: "module:callable"},   # only in conformance mode (--impl)
+     "remote_code": {"trusted": bool, "ran": [dir]},  # only when the run passed --trust-remote-code
+     "checks": [{"id", "path", "where", "status", "passed", "metrics", "policy", "margin",
+                 "error": {"type", "message", "ranks"} | "reason": str}],   # error: failed with no verdict
+     "ablations": [{"name", "path", "kill_mode", "status",
+                    "kills": [{"check", "status", "killed", "mode", "declared", "margin", ...}]}],
+     "summary": {"checks", "passed", "failed", "skipped", "ablations", "killed",
+                 "pairs", "pairs_killed", "pairs_survived", "pairs_failed", "pairs_skipped"}}
 
-Nothing time-dependent goes in, so the same run gives the same report.
+A check's status is passed, failed (its verdict failed; or it raised, timed out or failed before giving
+one: then ``error`` says how and on which ranks) or skipped (``reason``); a pair's is killed, survived
+(the ablated check ran and was not killed in its declared mode), failed (it never got to run the ablated
+check: its baseline failed or raised) or skipped. Every collected check and pair is in, so the report
+never reads greener than the run. Nothing time-dependent or per-run (ports, pids) goes in, so the same
+command gives the same report.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness import ablation, checks
 from harness.ablation import KillResult
 from harness.compare import Verdict
+from harness.host import summary as host_summary
 
-__all__ = ["build", "render_markdown", "render_terminal", "write"]
+__all__ = ["SUFFIXES", "Unfinished", "build", "prepare", "render_markdown", "render_terminal", "write"]
+
+SUFFIXES = (".md", ".json")
+
+
+@dataclass(frozen=True)
+class Unfinished:
+    """A check, or an (ablation, check) pair, that gave no verdict: it raised, timed out, failed first, or skipped.
+
+    ``status`` is "failed" or "skipped"; ``reason`` the skip reason or the exception's message;
+    ``error_type`` the exception's type and ``ranks`` the ranks it failed on (empty: this process).
+    """
+
+    check: str
+    status: str
+    reason: str
+    error_type: str = ""
+    ranks: tuple[int, ...] = ()
+    ablation: str = ""  # set for a pair
+
+    def fields(self) -> dict[str, Any]:
+        if self.status == "skipped":
+            return {"reason": self.reason}
+        return {"error": {"type": self.error_type, "message": self.reason, "ranks": list(self.ranks)}}
 
 
 def _plain(value: Any) -> Any:
@@ -40,46 +77,77 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def build(verdicts: Iterable[Verdict], kills: Iterable[KillResult],
-          implementations: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The report; ``implementations`` names the implementation under test per path (conformance mode)."""
-    rows = []
-    for v in verdicts:
-        registered = checks.get(v.check_id) if checks.exists(v.check_id) else None
-        rows.append({
-            "id": v.check_id,
-            "path": v.path,
-            "where": registered.where if registered else "",
-            "passed": v.passed,
-            "metrics": _plain(v.metrics),
-            "policy": v.policy,
-            "margin": _plain(v.margin),
-            "headline": v.headline,
-            "tolerance": _plain(v.tolerance),
-        })
-    grouped: dict[str, list[KillResult]] = {}
+def _check_row(v: Verdict | Unfinished) -> dict[str, Any]:
+    check_id = v.check_id if isinstance(v, Verdict) else v.check
+    registered = checks.get(check_id) if checks.exists(check_id) else None
+    row: dict[str, Any] = {"id": check_id, "path": check_id.split(".", 1)[0],
+                           "where": registered.where if registered else ""}
+    if isinstance(v, Unfinished):
+        return {**row, "status": v.status, "passed": False, "metrics": {}, "policy": "", "margin": None,
+                "headline": None, "tolerance": None, **v.fields()}
+    return {**row, "status": "passed" if v.passed else "failed", "passed": v.passed, "metrics": _plain(v.metrics),
+            "policy": v.policy, "margin": _plain(v.margin), "headline": v.headline, "tolerance": _plain(v.tolerance)}
+
+
+def _kill_row(r: KillResult | Unfinished, declared: str) -> dict[str, Any]:
+    if isinstance(r, Unfinished):
+        return {"check": r.check, "status": r.status, "killed": False, "mode": r.status, "declared": declared,
+                "margin": None, "how": r.reason, "headline": "", "metrics": {}, **r.fields()}
+    return {"check": r.check, "status": "killed" if r.killed else "survived", "killed": r.killed, "mode": r.mode,
+            "declared": r.declared, "margin": _plain(r.margin), "how": r.how, "headline": r.headline,
+            "metrics": _plain(r.metrics)}
+
+
+def _ablation_status(kills: list[dict[str, Any]]) -> str:
+    """killed only when every claimed pair was run and killed; otherwise the worst thing that happened."""
+    statuses = {k["status"] for k in kills}
+    for status in ("failed", "survived", "skipped"):
+        if status in statuses:
+            return status
+    return "killed"
+
+
+def build(verdicts: Iterable[Verdict | Unfinished], kills: Iterable[KillResult | Unfinished],
+          implementations: Mapping[str, str] | None = None,
+          remote_code: Mapping[str, Any] | None = None, host: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The report; ``implementations`` names the implementation under test per path (conformance mode),
+    ``remote_code`` what the run allowed and loaded of checkpoints' own code (--trust-remote-code), ``host``
+    where the run happened (``harness.host.fingerprint``)."""
+    rows = [_check_row(v) for v in verdicts]
+    grouped: dict[str, list[KillResult | Unfinished]] = {}
     for k in kills:
         grouped.setdefault(k.ablation, []).append(k)
     ablations = []
     for name, results in grouped.items():
         known = ablation.get(name) if name in ablation._ABLATIONS else None
+        pairs = [_kill_row(r, known.mode_for(r.check) if known and isinstance(r, Unfinished) else "")
+                 for r in results]
         ablations.append({
             "name": name,
             "path": name.split(".", 1)[0],
             "kill_mode": known.kill_mode if known else "",
-            "kills": [{"check": r.check, "killed": r.killed, "mode": r.mode, "declared": r.declared,
-                       "margin": _plain(r.margin), "how": r.how, "headline": r.headline,
-                       "metrics": _plain(r.metrics)} for r in results],
+            "status": _ablation_status(pairs),
+            "kills": pairs,
         })
+    pairs = [k for a in ablations for k in a["kills"]]
     summary = {
         "checks": len(rows),
-        "passed": sum(c["passed"] for c in rows),
+        "passed": sum(c["status"] == "passed" for c in rows),
+        "failed": sum(c["status"] == "failed" for c in rows),
+        "skipped": sum(c["status"] == "skipped" for c in rows),
         "ablations": len(ablations),
-        "killed": sum(all(k["killed"] for k in a["kills"]) for a in ablations),
+        "killed": sum(a["status"] == "killed" for a in ablations),
+        "pairs": len(pairs),
+        **{f"pairs_{status}": sum(k["status"] == status for k in pairs)
+           for status in ("killed", "survived", "failed", "skipped")},
     }
     built: dict[str, Any] = {"checks": rows, "ablations": ablations, "summary": summary}
+    if remote_code is not None:
+        built = {"remote_code": _plain(dict(remote_code)), **built}
     if implementations:
         built = {"implementations": dict(sorted(implementations.items())), **built}
+    if host is not None:
+        built = {"host": _plain(dict(host)), **built}
     return built
 
 
@@ -96,6 +164,12 @@ def _num(value: Any) -> str:
 
 
 def _headline(check: dict[str, Any]) -> str:
+    if "error" in check:
+        ranks = check["error"]["ranks"]
+        where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
+        return f"{check['error']['type']}{where}: {check['error']['message']}"
+    if "reason" in check:
+        return f"skipped: {check['reason']}"
     name = check.get("headline")
     if not name:
         shown = [f"{k}={_num(v)}" for k, v in check["metrics"].items() if not isinstance(v, (list, dict))][:2]
@@ -119,15 +193,28 @@ def _clip(text: str, width: int | None) -> str:
 
 def _rows(report: dict[str, Any], width: int | None = None) -> tuple[list[list[str]], list[list[str]]]:
     """Table rows; ``width`` clips the headline column (the terminal), markdown keeps it whole."""
-    checks = [["PASS" if c["passed"] else "FAIL", c["id"], _clip(_headline(c), width), _num(c["tolerance"]),
+    labels = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}
+    checks = [[labels[c["status"]], c["id"], _clip(_headline(c), width), _num(c["tolerance"]),
                _num(c["margin"])] for c in report["checks"]]
     ablations = []
     for a in report["ablations"]:
         killed = sum(k["killed"] for k in a["kills"])
-        status = "KILLED" if killed == len(a["kills"]) else "SURVIVED"
-        ablations.append([status, a["name"], a.get("kill_mode", ""), f"{killed}/{len(a['kills'])}",
+        others = {s: sum(k["status"] == s for k in a["kills"]) for s in ("failed", "skipped")}
+        count = f"{killed}/{len(a['kills'])}" + "".join(f", {n} {s}" for s, n in others.items() if n)
+        ablations.append([a["status"].upper(), a["name"], a.get("kill_mode", ""), count,
                           _smallest_margin(a["kills"])])
     return checks, ablations
+
+
+def _summary_line(s: dict[str, Any]) -> str:
+    """One line; a run with anything failed or skipped says so next to the pass count."""
+    line = f"checks: {s['passed']}/{s['checks']} passed"
+    line += "".join(f", {s[k]} {k}" for k in ("failed", "skipped") if s.get(k))
+    line += f"; ablations: {s['killed']}/{s['ablations']} killed all their checks"
+    extra = [f"{s[f'pairs_{k}']} {k}" for k in ("survived", "failed", "skipped") if s.get(f"pairs_{k}")]
+    if extra:
+        line += f" ({s['pairs_killed']}/{s['pairs']} pairs killed, {', '.join(extra)})"
+    return line
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -152,9 +239,9 @@ def render_terminal(report: dict[str, Any]) -> str:
         lines += _table(["", "check", "headline", "tolerance", "margin"], checks)
     if ablations:
         lines += ["", *_table(["", "ablation", "kill mode", "killed", "smallest kill margin"], ablations)]
-    s = report["summary"]
-    lines += ["", f"checks: {s['passed']}/{s['checks']} passed; ablations: {s['killed']}/{s['ablations']} killed all "
-              "their checks"]
+    lines += ["", _summary_line(report["summary"])]
+    if "host" in report:
+        lines.append(f"host: {host_summary(report['host'])}")
     return "\n".join(lines)
 
 
@@ -169,8 +256,16 @@ def render_markdown(report: dict[str, Any]) -> str:
     s = report["summary"]
     lines = ["# Parity report", ""]
     lines += [f"**implementation under test for {path}**: `{spec}`  " for path, spec in _under_test(report)]
-    lines += [f"**checks** {s['passed']}/{s['checks']} passed · **ablations** {s['killed']}/{s['ablations']} killed",
-              ""]
+    remote = report.get("remote_code")
+    if remote is not None:
+        ran = ", ".join(f"`{d}`" for d in remote["ran"]) or "none loaded"
+        lines.append(f"**remote code** allowed (--trust-remote-code); ran from: {ran}  ")
+    counts = "".join(f", {s[k]} {k}" for k in ("failed", "skipped") if s.get(k))
+    pairs = "".join(f", {s[f'pairs_{k}']} pairs {k}" for k in ("survived", "failed", "skipped") if s.get(f"pairs_{k}"))
+    lines += [f"**checks** {s['passed']}/{s['checks']} passed{counts} · **ablations** {s['killed']}/{s['ablations']} "
+              f"killed{pairs}", ""]
+    if "host" in report:
+        lines += [f"**host** {host_summary(report['host'])}", ""]
     if checks:
         lines += ["## Parity checks", "", *md(["status", "check", "headline", "tolerance", "margin"], checks), ""]
     if ablations:
@@ -180,22 +275,54 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["## What each ablation did to each check it claims", ""]
         for a in report["ablations"]:
             lines.append(f"- **{a['name']}**")
-            lines += [f"  - `{k['check']}`: {'killed' if k['killed'] else 'SURVIVED'} by {k['how']}"
+            lines += [f"  - `{k['check']}`: " + ({"killed": "killed", "survived": "SURVIVED"}.get(k["status"])
+                                                  or k["status"].upper()) + f" by {k['how']}"
                       + (f" (declared {k['declared']})" if k.get("declared") and k["declared"] != k.get("mode") else "")
                       + (f", {k['headline']}" if k.get("headline") else "")
                       + (f", margin {_num(k['margin'])}" if isinstance(k["margin"], float) else "") for k in a["kills"]]
         lines.append("")
-    failures = [c for c in report["checks"] if not c["passed"]]
+    failures = [c for c in report["checks"] if c["status"] == "failed"]
     if failures:
         lines += ["## Failures", ""]
-        lines += [f"- `{c['id']}` under {c['policy']}: {_headline(c)}" for c in failures]
-    return "\n".join(lines) + "\n"
+        lines += [f"- `{c['id']}`" + (f" under {c['policy']}" if c["policy"] else "") + f": {_headline(c)}"
+                  for c in failures]
+        lines.append("")
+    skipped = [c for c in report["checks"] if c["status"] == "skipped"]
+    if skipped:
+        lines += ["## Skipped", ""]
+        lines += [f"- `{c['id']}`: {c['reason']}" for c in skipped]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def prepare(path: str | Path) -> Path:
+    """Make sure the report can be written at ``path``, now, before any check runs: ValueError naming why not.
+
+    The parent directories are created; the file is opened for writing (and removed again if it did not
+    exist), so a path under /proc, below a file, or in a read-only directory stops the run up front.
+    """
+    target = Path(path)
+    if target.suffix not in SUFFIXES:
+        raise ValueError(f"--parity-report {path}: the file must end in .md or .json")
+    if target.is_dir():
+        raise ValueError(f"--parity-report {path}: is a directory; expected a file path ending in .md or .json")
+    existed = target.exists()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with target.open("a"):
+            pass
+    except OSError as err:
+        raise ValueError(f"--parity-report {path}: cannot be written ({type(err).__name__}: "
+                         f"{err.strerror or err})") from None
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.unlink(target)
+    return target
 
 
 def write(report: dict[str, Any], path: str | Path) -> Path:
     """Write ``.md`` or ``.json`` by suffix; anything else is a usage mistake."""
     target = Path(path)
-    if target.suffix not in (".md", ".json"):
+    if target.suffix not in SUFFIXES:
         raise ValueError(f"--parity-report {path!r}: the file must end in .md or .json")
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.suffix == ".json":

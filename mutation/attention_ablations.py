@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from harness.ablation import ablation
-from harness.attention import masks, padded
+from harness.attention import kernels, masks, padded
 from harness.attention.decomposed import RowBlock
 from harness.attention.layout import AttentionLayout
 
@@ -209,3 +209,26 @@ ablation(
         "miss the later keys of their own image",
     kill_mode="tolerance",
 )
+
+
+# ------------------------------------------------------------------------------ installed kernels
+
+
+INSTALLED = [name for name in kernels.kernels_under_test() if name not in kernels.KERNELS]
+
+
+def _key_value_swapped(original):
+    def kernel_under_test(spec, block):
+        fn, impl = original(spec, block)
+        return (lambda query, key, value, layout, *, scale=None: fn(query, value, key, layout, scale=scale)), impl
+    return kernel_under_test
+
+
+if INSTALLED:  # claims every check of a kernel an installed package registers (none otherwise)
+    ablation(
+        "attention.key_value_swapped", "harness.attention.parity:_kernel_under_test", _key_value_swapped, wraps=True,
+        kills=[f"attention.{where}.{name}.vs_sdpa" for name in INSTALLED for where in ("prefill", "denoise", "gqa")],
+        why="the harness hands the kernel under test its value where the key belongs: any kernel that honours its "
+            "arguments gives another output",
+        kill_mode="tolerance",
+    )

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fixtures.decode_models import installed_vaes
 from harness.ablation import ablation
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import Probe, ProbeStatus, ShardedDecodeError
@@ -143,7 +144,8 @@ ablation(
     replacement=_rank0_slab_for_all,
     kills=["decode.gpu.bitexact", "decode.gpu.fp16_autocast", "decode.t37.w4.bitexact", "decode.t22.w8.bitexact",
            "decode.t22.w2.fp16_autocast.bitexact", "decode.t37.w8.fp16_autocast.bitexact",
-           "decode.t22.w2.batch2_sliced.bitexact", "decode.encode.f40.w2.bitexact", "decode.encode.f51.w4.bitexact"],
+           "decode.t22.w2.batch2_sliced.bitexact", "decode.encode.f40.w2.bitexact", "decode.encode.f51.w4.bitexact",
+           *[f"decode.{vae}.t{t}.w{w}.bitexact" for vae in installed_vaes() for t in (37, 22, 12) for w in (2, 4, 8)]],
     why="every piece owned by rank r > 0 is replaced by one of rank 0's, so all but rank 0's frames are wrong on "
         "every receiving rank while the shapes still look right",
     kill_mode="tolerance",
@@ -226,7 +228,8 @@ ablation(
     seam="harness.decode.sharded:takes_sharded_path",
     replacement=_always_shard,
     kills=["decode.t37.w1.bitexact", "decode.t22.w1.bitexact", "decode.t12.w1.bitexact",
-           "decode.t37.w4.flag_off.stock_call"],
+           "decode.t37.w4.flag_off.stock_call",
+           *[f"decode.{vae}.t{t}.w1.bitexact" for vae in installed_vaes() for t in (37, 22, 12)]],
     why="the flag defaults to off and W == 1 must take the stock call unchanged; a gate that shards whenever a "
         "group exists is bit-exact too, so only the collective and decoder-call spies can tell",
     kill_mode="fact",

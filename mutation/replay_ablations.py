@@ -1,8 +1,10 @@
 """Ablations of the replay path: known bugs re-introduced over its seams, each with the checks it kills.
 
-The first eight are the bugs issue 3 names (seed 000's mutation check is the first); the rest give
-every guard, tiling fact, row broadcast and family CFG combine a bug of its own, so no check is
-without teeth. Numeric bugs are declared "tolerance": the numbers must catch them.
+The first eight are the known bugs of the batched replay (seed 000's mutation check is the first); the
+rest give every guard, tiling fact, row broadcast, family CFG combine and the discriminating check a bug
+of their own, so no check is without teeth. Claims on the tiny-model checks are generated over every
+registered replay family (an installed one included), each layout bug on the families whose CFG layout
+it can break. Numeric bugs are declared "tolerance": the numbers must catch them.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ import dataclasses
 
 import torch
 
+from fixtures.replay_families import family_ids
 from harness.ablation import ablation
 from harness.replay import cfg, tiling
 from harness.replay.conditions import concat_payloads, payload_rows
 
 FAKE = ("cfg1", "cfg2", "uncond_first")
-FAMILIES = ("sd3", "flux", "qwen_image")
+BOTH_CFGS = ("cfg1.log_probs", "cfg1.prev_sample_means", "cfg2.log_probs", "cfg2.prev_sample_means")
+CFG2 = ("cfg2.log_probs", "cfg2.prev_sample_means")
 
 
 def _ids(cases, *whats):
@@ -34,8 +38,7 @@ def _step_major_outside(groups, repeats):
 ablation(
     "replay.nesting_swapped", "harness.replay.tiling:tile_branches", _step_major_outside,
     kills=["replay.tiling.branch_major", *_ids(["cfg2"], "log_probs", "prev_sample_means"),
-           "replay.cfg2.unsorted_targets", "replay.cfg2.list_payloads",
-           "replay.flux.cfg2.log_probs", "replay.flux.cfg2.prev_sample_means"],
+           "replay.cfg2.unsorted_targets", "replay.cfg2.list_payloads", *family_ids(*CFG2, fused=True)],
     why="tiling nests step-major outside branch-major, so the midpoint split mixes cond and uncond rows",
     kill_mode="tolerance",
     modes={"replay.tiling.branch_major": "fact"},
@@ -54,11 +57,7 @@ def _repeat_interleave(value, repeats):
 ablation(
     "replay.repeat_interleave", "harness.replay.tiling:repeat_rows", _repeat_interleave,
     kills=["replay.tiling.branch_major", "replay.tiling.rope_cache",
-           *_ids(["cfg1", "uncond_first"], "log_probs", "prev_sample_means"),
-           "replay.sd3.cfg1.log_probs", "replay.sd3.cfg1.prev_sample_means", "replay.sd3.cfg2.log_probs",
-           "replay.sd3.cfg2.prev_sample_means", "replay.flux.cfg1.log_probs",
-           "replay.qwen_image.cfg1.log_probs", "replay.qwen_image.cfg1.prev_sample_means",
-           "replay.qwen_image.cfg2.log_probs", "replay.qwen_image.cfg2.prev_sample_means",
+           *_ids(["cfg1", "uncond_first"], "log_probs", "prev_sample_means"), *family_ids(*BOTH_CFGS),
            "replay.gpu.cfg2.log_probs", "replay.gpu.cfg2.prev_sample_means"],
     why="repeat_interleave instead of block repetition: row k*B+b of the stacked batch gets sample (k*B+b)//S",
     kill_mode="tolerance",
@@ -134,7 +133,7 @@ ablation(
     "replay.sigma_scalar", "harness.replay.replay:step_sigma_vectors", _target0_sigma,
     kills=["replay.gpu.cfg2.log_probs", "replay.gpu.cfg2.prev_sample_means",
            *_ids(FAKE, "log_probs", "prev_sample_means"), "replay.cfg2.unsorted_targets",
-           "replay.sd3.cfg2.log_probs", "replay.flux.cfg2.log_probs", "replay.qwen_image.cfg2.log_probs"],
+           *family_ids("cfg2.log_probs")],
     why="every stacked row uses target[0]'s sigma, though one batch now mixes different steps",
     kill_mode="tolerance",
 )
@@ -259,8 +258,8 @@ ablation(
 
 ablation(
     "replay.next_latent_resampled", "harness.replay.replay:stored_next_latents", lambda segment, steps: None,
-    kills=[*_ids(FAKE, "replay_determinism", "log_probs"), "replay.sd3.cfg2.replay_determinism",
-           "replay.qwen_image.cfg2.replay_determinism", "replay.gpu.cfg2.replay_determinism"],
+    kills=[*_ids(FAKE, "replay_determinism", "log_probs"), *family_ids("cfg2.replay_determinism"),
+           "replay.gpu.cfg2.replay_determinism"],
     why="the batched step draws a fresh x_(i+1) instead of scoring the stored latent: log-probs of new noise",
     kill_mode="tolerance",
 )
@@ -275,15 +274,15 @@ def _interleaved_broadcast(name, value, batch, cfg_factor):
 
 ablation(
     "replay.broadcast_interleaved", "harness.replay.conditions:broadcast_field", _interleaved_broadcast,
-    kills=["replay.cfg2.log_probs", "replay.cfg2.prev_sample_means", "replay.flux.cfg2.log_probs",
-           "replay.flux.cfg2.prev_sample_means"],
+    kills=["replay.cfg2.log_probs", "replay.cfg2.prev_sample_means",
+           *family_ids(*CFG2, fused=True, branch_independent=True)],
     why="a branch-independent B-row field reaches a two-branch forward as [a0, a0, a1, a1, ...], not [a; a]",
     kill_mode="tolerance",
 )
 
 ablation(
     "replay.adapter_repeats_rows", "harness.replay.conditions:require_rows", lambda owner, name, value, rows: None,
-    kills=[f"replay.{family}.row_count_refused" for family in FAMILIES],
+    kills=family_ids("row_count_refused"),
     why="adapters stop refusing a short row field, so a missing broadcast reaches the model (or is repeated)",
     kill_mode="fact",
     fact="raises ValueError matching 'the harness broadcas",
@@ -296,7 +295,7 @@ def _no_rescale(cond, uncond, scale, dim):
 
 ablation(
     "replay.norm_rescale_dropped", "harness.replay.cfg:true_cfg_norm_rescale", _no_rescale,
-    kills=["replay.qwen_image.cfg2.pipeline_combine"],
+    kills=family_ids("cfg2.pipeline_combine", combine=cfg.TRUE_CFG_NORM_RESCALE),
     why="Qwen-Image's true-CFG loses its norm rescale: the plain combine overshoots the cond norm",
     kill_mode="tolerance",
 )
@@ -310,7 +309,7 @@ def _norm_over_tokens(original):
 
 ablation(
     "replay.norm_over_tokens", "harness.replay.cfg:true_cfg_norm_rescale", _norm_over_tokens, wraps=True,
-    kills=["replay.qwen_image.cfg2.pipeline_combine"],
+    kills=family_ids("cfg2.pipeline_combine", combine=cfg.TRUE_CFG_NORM_RESCALE),
     why="the true-CFG norms are taken over the token dim of the packed latents instead of the channels",
     kill_mode="tolerance",
 )
@@ -324,7 +323,35 @@ def _scale_dropped(original):
 
 ablation(
     "replay.guidance_scale_dropped", "harness.replay.cfg:combine", _scale_dropped, wraps=True,
-    kills=[f"replay.{family}.cfg2.pipeline_combine" for family in FAMILIES],
+    kills=family_ids("cfg2.pipeline_combine"),
     why="the family's combine never receives g (the old adapter contract): every scale acts as 1",
     kill_mode="tolerance",
+)
+
+
+# ------------------------------------------------------------------------- discriminating conditions
+
+
+ablation(
+    "replay.repeated_rows_accepted", "harness.replay.discriminating:first_repeat", lambda rows: None,
+    kills=family_ids("conditions_discriminate"),
+    why="the discriminating check never finds a repeated row: two equal masks pass, and a mask bug hides behind them",
+    kill_mode="fact",
+    fact="every row field made to repeat a row",
+)
+
+
+def _branches_apart(original):
+    def branch_groups(conditions):
+        return {name: groups[:1] for name, groups in original(conditions).items()}
+    return branch_groups
+
+
+ablation(
+    "replay.branches_compared_apart", "harness.replay.discriminating:branch_groups", _branches_apart, wraps=True,
+    kills=family_ids("conditions_discriminate"),
+    why="the discriminating check looks at the cond branch only: an uncond row equal to a cond row passes, so a "
+        "CFG branch swap on that field changes no number",
+    kill_mode="fact",
+    fact="every row field made to repeat a row",
 )

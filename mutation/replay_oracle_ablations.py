@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from fixtures.replay_families import family_ids
 from harness.ablation import ablation
 from harness.replay.conditions import slice_rows
 from harness.replay.sde import LOG_SQRT_2PI, SDEStep, SDEStrategy, gaussian_log_prob
@@ -146,7 +147,7 @@ def _split_skipped(original):
 ablation(
     "replay.cfg_split_skipped", "harness.replay.tiling:tile_field", _split_skipped, wraps=True,
     kills=["replay.cfg2.log_probs", "replay.cfg2.prev_sample_means", "replay.cfg2.list_payloads",
-           "replay.flux.cfg2.log_probs", "replay.flux.cfg2.prev_sample_means", "replay.cfg2.pi_old_vs_rollout",
+           *family_ids("cfg2.log_probs", "cfg2.prev_sample_means", fused=True), "replay.cfg2.pi_old_vs_rollout",
            "replay.flux.cfg2.pi_old_vs_rollout"],
     why="the cfg_factor branch never splits a 2B field into its branch groups: it is tiled as one block, "
         "[cond, uncond] x S, so the midpoint split mixes branches",
@@ -194,7 +195,7 @@ def _compounding_drift(original):
 
 ablation(
     "replay.compounding_drift", "harness.replay.tiling:unstack_step_major", _compounding_drift, wraps=True,
-    kills=["replay.sd3.growth.prev_sample_means"],
+    kills=family_ids("growth.prev_sample_means"),
     why="the batched means drift by a relative 2^(s-30) at stacked step s: invisible up to s = 6, then doubling "
         "each step, yet under the single-step tolerance on every step",
     kill_mode="tolerance",

@@ -34,7 +34,7 @@ from harness.compare import Verdict, expect
 SEED_DENSITY = {"prefill": 0.7933, "denoise": 0.9994}
 SEED_PREFILL_PAIRS = 14_303_226 + 8_386_560  # causal base + image-span block
 SEED_DENOISE_HISTOGRAM = {1247: 1, 1248: 1, 1249: 1, 5345: 4096}
-FAST_KERNELS = ("decomposed", "flex", "block_padded")
+FAST_KERNELS = kernels.kernels_under_test()  # every registered kernel under test: shipped, then installed
 OTHER_BLOCK = 64  # the seed's kernels tile at 128 (the default); the block-tiled ones are checked at 64 too
 # (phase, kernel) checked at OTHER_BLOCK on the CPU: block_padded on denoise, whose lengths pad differently
 # at 64 and 128 (4160 x 5376 vs 4224 x 5376; prefill's 5348 pads to 5376 at both). Eager flex on the

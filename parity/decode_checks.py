@@ -27,8 +27,8 @@ from harness.compare import Verdict, exact
 from harness.decode import judge, oracle
 from harness.dist import WorldTaskError
 
-__all__ = ["CASES", "ENCODE_CASES", "FAULT_BOUND_S", "FAULT_RANK", "FAULT_WORLD", "DecodeCase", "EncodeCase",
-           "run_fault"]
+__all__ = ["CASES", "ENCODE_CASES", "FAULT_BOUND_S", "FAULT_RANK", "FAULT_WORLD", "INSTALLED", "DecodeCase",
+           "EncodeCase", "run_fault"]
 
 FAULT_WORLD = 8
 FAULT_RANK = 3
@@ -55,11 +55,13 @@ class DecodeCase:
     groups: tuple[tuple[int, ...], ...] = ()  # subgroups of the world, each decoding its own video
     tag: str = ""  # extra id part (bf16, batch2, flag_off, ...)
     what: str = "bitexact"
+    family: str = ""  # an installed VAE; the suite's own when empty
 
     @property
     def check_id(self) -> str:
         tag = f".{self.tag}" if self.tag else ""
-        return f"decode.t{self.frames}.w{self.world}{tag}.{self.what}"
+        family = f".{self.family}" if self.family else ""
+        return f"decode{family}.t{self.frames}.w{self.world}{tag}.{self.what}"
 
     @property
     def not_judged(self) -> str | None:
@@ -76,7 +78,8 @@ class DecodeCase:
     def job(self) -> decode_tasks.TinyDecodeJob:
         vae = decode_models.VaeSpec(dtype=self.dtype, slicing=self.slicing)
         return decode_tasks.TinyDecodeJob(decode_models.LatentSpec(self.frames, batch=self.batch), vae, self.shard,
-                                          self.transport, self.dst, self.split, self.autocast, self.groups)
+                                          self.transport, self.dst, self.split, self.autocast, self.groups,
+                                          self.family)
 
 
 MATRIX = tuple(DecodeCase(frames, world) for frames in (37, 22, 12) for world in (1, 2, 4, 8))
@@ -101,7 +104,9 @@ BEYOND = (
     # the group handed in is not the world: evens and odds each decode their own video, group rank != global rank
     DecodeCase(37, 8, groups=((0, 2, 4, 6), (1, 3, 5, 7)), tag="subgroups"),
 )
-CASES = MATRIX + BEYOND
+# every installed VAE (harness.plugins.VAES, with a tiny model) gets the seed's matrix on its own tiny model
+INSTALLED = tuple(replace(case, family=name) for name in decode_models.installed_vaes() for case in MATRIX)
+CASES = MATRIX + BEYOND + INSTALLED
 
 
 def _decode_check(case: DecodeCase, ctx: checks.CheckContext) -> Verdict:

@@ -1,16 +1,19 @@
 """Parity checks of the replay path (registered into harness.checks).
 
 Fake-kernel cases are judged bitwise (the kernel is row-wise and batch-shape invariant, so any
-difference is a layout bug). Tiny random-init models of every shipped family (sd3, flux, qwen_image,
-found through the family registry) are judged under the local-scale bound of
-harness.replay.policies, built from the batch-shape floor measured on the stock path. Every
-fast-path check also proves the fast path ran: one transformer forward of S*cfg*B rows. Each
-family's CFG combine is held to its pipeline's expression, and its adapter to refusing a row field
-of the wrong count (the harness broadcasts rows, never the adapter).
+difference is a layout bug). Every registered replay family, the suite's own and any an installed
+package registers, gets the same generated catalogue on a tiny random-init model: batched vs serial
+at cfg 1 and 2 (log-probs and transition means) under the local-scale bound of
+harness.replay.policies, built from the batch-shape floor measured on the stock path; determinism;
+its CFG combine held to the pipeline expression its combine names; its adapter refusing a row field
+of the wrong count (the harness broadcasts rows, never the adapter); and its example conditions
+telling rows and CFG branches apart (harness.replay.discriminating). Every fast-path check also
+proves the fast path ran: one transformer forward of S*cfg*B rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -18,12 +21,16 @@ import torch
 
 from fakes.replay_conditions import HI3_FIELDS, SD3_FIELDS, labelled_conditions, read_labels
 from fixtures.replay_cases import BATCH, UNSORTED_TARGET, fake_problem, real_control, real_problem
+from fixtures.replay_families import QUANTITIES, family_names
+from fixtures.replay_models import tiny_model
 from harness import conformance
 from harness.checks import CheckContext, register
 from harness.compare import Verdict, exact, expect, expect_raises
-from harness.replay import tiling
-from harness.replay.conditions import Conditions, broadcast_rows, payload_rows
-from harness.replay.denoiser import UNCOND_FIRST, concat_branches, predict_velocity
+from harness.replay import cfg as cfg_combines
+from harness.replay import denoiser, discriminating, tiling
+from harness.replay.conditions import Conditions, broadcast_rows, payload_rows, slice_rows
+from harness.replay.denoiser import concat_branches, predict_velocity
+from harness.replay.families import get_family
 from harness.replay.guards import ReplayConfig
 from harness.replay.parity import (
     compare_replay,
@@ -42,21 +49,8 @@ from harness.replay.segment import ReplayResult
 from harness.replay.spy import spy_forwards
 
 FAKE_CASES = ("cfg1", "cfg2", "uncond_first")
-FAMILIES = ("sd3", "flux", "qwen_image")
-REAL_CASES = (
-    ("sd3", 1, "log_probs"),
-    ("sd3", 1, "prev_sample_means"),
-    ("sd3", 2, "log_probs"),
-    ("sd3", 2, "prev_sample_means"),
-    ("flux", 1, "log_probs"),
-    ("flux", 2, "log_probs"),
-    ("flux", 2, "prev_sample_means"),
-    ("qwen_image", 1, "log_probs"),
-    ("qwen_image", 1, "prev_sample_means"),
-    ("qwen_image", 2, "log_probs"),
-    ("qwen_image", 2, "prev_sample_means"),
-)
-DETERMINISM_FAMILIES = ("sd3", "qwen_image")
+FAMILIES = family_names()  # every registered replay family: shipped or installed
+REAL_CASES = tuple((family, cfg, what) for family in FAMILIES for cfg in (1, 2) for what in QUANTITIES)
 TILE_REPEATS = 4
 
 
@@ -322,7 +316,7 @@ def real_determinism(family: str, ctx: CheckContext) -> Verdict:
     return compare_replay_determinism(real_problem(family, 2), f"replay.{family}.cfg2.replay_determinism")
 
 
-for _family in DETERMINISM_FAMILIES:
+for _family in FAMILIES:
     _register(f"replay.{_family}.cfg2.replay_determinism", real_determinism, _family,
               doc=f"tiny {_family} cfg=2: the batched replay run twice gives ratio exactly 1")
 
@@ -336,28 +330,33 @@ def _branches(problem: ReplayProblem, x: torch.Tensor, sigma: float) -> tuple[to
     fused = concat_branches(conditions.negative, conditions) if conditions.negative is not None else conditions
     timestep = adapter.timestep(torch.full((2 * x.shape[0],), sigma))
     out = adapter.forward(torch.cat([x, x]), timestep, broadcast_rows(fused))
-    first, second = out.split(x.shape[0])
-    return (second, first) if adapter.cfg_layout == UNCOND_FIRST else (first, second)
+    return denoiser.split_branches(denoiser.declared_layout(adapter), out, x.shape[0])
 
 
-def _pipeline_combine(family: str, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """The diffusers pipelines' own expressions (QwenImagePipeline rescales to the cond norm over the
-    packed channel dim; the SD3 and Flux pipelines use the plain combine)."""
+def _pipeline_combine(kind: str, cond: torch.Tensor, uncond: torch.Tensor, scale: float,
+                      channel_dim: int) -> torch.Tensor:
+    """The diffusers pipelines' own expressions for each combine: the plain ``uncond + g (cond - uncond)``
+    (SD3, Flux, CogView4, Sana, PixArt pipelines) and QwenImagePipeline's true CFG, rescaled to the cond
+    norm over the channel dim (the last dim of its packed latents)."""
     combined = uncond + scale * (cond - uncond)
-    if family != "qwen_image":
+    if kind == cfg_combines.STANDARD:
         return combined
-    return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+    if kind != cfg_combines.TRUE_CFG_NORM_RESCALE:
+        raise ValueError(f"no pipeline expression for the CFG combine {kind!r}")
+    return combined * (torch.norm(cond, dim=channel_dim, keepdim=True)
+                       / torch.norm(combined, dim=channel_dim, keepdim=True))
 
 
 def pipeline_combine(family: str, ctx: CheckContext) -> Verdict:
-    """predict_velocity with the family's combine equals the family's pipeline expression, bitwise,
-    on the two branches of one forward."""
+    """predict_velocity with the family's combine equals the pipeline expression its combine names,
+    bitwise, on the two branches of one forward."""
     check_id = f"replay.{family}.cfg2.pipeline_combine"
     problem = real_problem(family, 2)
     x = problem.segment.latent_at(problem.target[0]).float()
     scale = float(problem.guidance)
     cond, uncond = _branches(problem, x, 0.6)
-    expected = _pipeline_combine(family, cond, uncond, scale)
+    adapter = problem.adapter
+    expected = _pipeline_combine(adapter.cfg_combine, cond, uncond, scale, adapter.channel_dim)
     with spy_forwards(problem.adapter.module) as spy:
         got = predict_velocity(problem.adapter, x, 0.6, problem.conditions, scale)
     verdict = exact().judge(check_id, got, expected, dims=("row",), what=f"{family} CFG-combined velocity")
@@ -391,6 +390,66 @@ for _family in FAMILIES:
               doc=f"the {_family} adapter refuses a row field of the wrong row count (no silent repeat)")
 
 
+# ------------------------------------------------------------------ discriminating example conditions
+
+
+def _fresh_conditions(family: str) -> Conditions:
+    """The family's cfg-2 example conditions drawn now (not cached), refused unless they discriminate."""
+    registered = get_family(family)
+    adapter = registered.adapter(tiny_model(family))
+    return registered.example_conditions(adapter, BATCH, 2, torch.Generator().manual_seed(22))
+
+
+def _with_row(value, index: int, row):
+    """``value`` with row ``index`` replaced by ``row`` (a tensor or list/tuple payload)."""
+    if isinstance(value, torch.Tensor):
+        out = value.clone()
+        out[index] = row
+        return out
+    items = list(value)
+    items[index] = row
+    return type(value)(items)
+
+
+def _repeated(conditions: Conditions, name: str, across: bool) -> Conditions:
+    """``conditions`` with one row of field ``name`` copied onto another: within the cond branch, or
+    (``across``) from the cond branch onto the uncond branch's same sample."""
+    batch = conditions.batch
+    if conditions.negative is not None:
+        source = conditions.rows[name]
+        if not across:
+            return dataclasses.replace(conditions, rows={**conditions.rows, name: _with_row(source, 1, source[0])})
+        neg = conditions.negative
+        return dataclasses.replace(conditions, negative=dataclasses.replace(
+            neg, rows={**neg.rows, name: _with_row(neg.rows[name], 0, source[0])}))
+    value = conditions.rows[name]
+    target = batch if across else 1
+    return dataclasses.replace(conditions, rows={**conditions.rows, name: _with_row(value, target,
+                                                                                     slice_rows(value, 0, 1)[0])})
+
+
+def conditions_discriminate(family: str, ctx: CheckContext) -> Verdict:
+    """The family's example conditions pass the discriminating check, and each row field with one row copied
+    onto another (within a branch; across branches for a field each branch carries) is refused, naming it."""
+    check_id = f"replay.{family}.conditions_discriminate"
+    conditions = _fresh_conditions(family)
+    refused, missed = [], []
+    for name, value in sorted(conditions.rows.items()):
+        per_branch = conditions.negative is not None or payload_rows(value) == 2 * conditions.batch
+        for across in (False, True) if per_branch else (False,):
+            found = discriminating.problems(_repeated(conditions, name, across))
+            (refused if any(f"row field {name!r}" in text for text in found) else missed).append(
+                f"{name} ({'across branches' if across else 'within a branch'})")
+    return expect(check_id, bool(refused) and not missed,
+                  "every row field made to repeat a row (within a branch, and across branches) is refused by name",
+                  refused=", ".join(refused), missed=", ".join(missed))
+
+
+for _family in FAMILIES:
+    _register(f"replay.{_family}.conditions_discriminate", conditions_discriminate, _family,
+              doc=f"the {_family} example conditions tell rows and CFG branches apart; a repeated row is refused")
+
+
 # Under --impl replay=MODULE:CALLABLE every other replay check calls the user's replay_batched; these cannot.
 for _pattern, _reason in {
     "replay.cfg2.step_varying_guidance": "judges the suite's replay() dispatcher, whose own guard sends a varying "
@@ -401,6 +460,8 @@ for _pattern, _reason in {
                     "repeats_negative")},
     "replay.*.cfg2.pipeline_combine": "judges the family's CFG combine against its pipeline's; no batched replay runs",
     "replay.*.row_count_refused": "judges the family adapter's refusal of a short row field; no batched replay runs",
+    "replay.*.conditions_discriminate": "judges the family's example conditions (rows and CFG branches told apart); "
+                                        "no batched replay runs",
     "replay.oracle.*": "judges the SDE step, CFG combine or rollout stock and fast share against an independent "
                        "oracle; no batched replay runs",
 }.items():

@@ -23,15 +23,18 @@ import torch
 from fakes.replay_conditions import HI3_FIELDS, SD3_FIELDS, fused_conditions, uncond_first_conditions
 from fakes.replay_kernel import FakeDenoiser
 from fixtures.replay_cases import FAKE_LATENT, GUIDANCE, fake_problem, real_control, real_problem
-from fixtures.replay_models import tiny_sd3
+from fixtures.replay_families import family_names
+from fixtures.replay_models import tiny_model
+from harness import growth
 from harness.checks import CheckContext, register
 from harness.compare import Close, Verdict, close, expect, max_abs_diff, noise_floor
-from harness.growth import GROWTH_BUDGET, GROWTH_K_MAX, GROWTH_K_MIN, growth_ratio
+from harness.floors import StockFloor
+from harness.growth import growth_ratio
 from harness.replay import denoiser, oracles
 from harness.replay.conditions import Conditions, payload_rows, slice_rows
-from harness.replay.controls import InflatedBatch, measure_batch_shape_control
+from harness.replay.controls import fast_shape_serial, measure_batch_shape_control
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
-from harness.replay.families.sd3 import SD3Adapter
+from harness.replay.families import get_family
 from harness.replay.parity import ReplayRun, judge_result, require_fast_path, run_batched, run_both
 from harness.replay.problem import ReplayProblem, make_problem
 from harness.replay.replay import replay_serial
@@ -49,6 +52,7 @@ K_ORACLE, K_MIN, K_MAX = 8.0, 2.0, 32.0
 DRAW_SIGMAS = 4.0  # draws: the sample mean / variance within 4 standard errors of n draws
 DRAW_ROWS = 16
 RATIO_FLOOR_MULTIPLE, RATIO_FLOOR_ULPS = 4.0, 4.0
+ORACLE_FLOOR_ULPS = 1.0  # the fp32-vs-fp64 control's minimum: one fp32 ulp of the quantity's scale
 GROWTH_STEPS = 10  # all T steps replayed at once
 GROWTH_BATCH = 2
 
@@ -122,14 +126,13 @@ def _prev(inputs: SDEInputs, mean: torch.Tensor, std: torch.Tensor) -> torch.Ten
 
 def _bounded(check_id: str, what: str, actual: torch.Tensor, oracle: torch.Tensor, control: float,
              scale: float) -> Verdict:
-    """error <= K x control; the control is floored at one fp32 eps of the quantity's scale (a
-    formula evaluated exactly in fp32 has error 0), and K must lie in [K_MIN, K_MAX]."""
-    floor = max(control, FP32_EPS * scale)
-    policy = noise_floor(floor, k=K_ORACLE, reason=f"{what}: fp32 rounding; control = the DESIGN formula in fp32 "
-                                                   f"vs fp64 = {control:.2e} (floored at 1 eps x scale {scale:.2e})")
+    """error <= K x control; the control (the formula in fp32 vs fp64) has a minimum of one fp32 ulp of the
+    quantity's scale (a formula evaluated exactly in fp32 has error 0), and K must lie in [K_MIN, K_MAX]."""
+    floor = StockFloor(control, scale, ORACLE_FLOOR_ULPS, source="the DESIGN formula in fp32 vs fp64")
+    policy = noise_floor(floor.value, k=K_ORACLE, reason=f"{what}: fp32 rounding; {floor.describe()}")
     verdict = policy.judge(check_id, actual.double(), oracle.double(), dims=("row",), what=what)
-    verdict = verdict.require(floor > 0 and math.isfinite(floor), f"{what}: control floor measured (finite, > 0)",
-                              control=control)
+    verdict = verdict.require(floor.value > 0 and math.isfinite(floor.value),
+                              f"{what}: control floor measured (finite, > 0)", control=control)
     return verdict.require_bounded(policy.bound, floor, k_min=K_MIN, k_max=K_MAX, what=f"{what} tolerance")
 
 
@@ -339,26 +342,31 @@ def real_ratio_floor(family: str, cfg: int) -> tuple[float, float, float]:
     return (*ratio_floor(real_problem(family, cfg), shape), shape)
 
 
+def ratio_stock_floor(problem: ReplayProblem, floors: tuple[float, float, float]) -> StockFloor:
+    """The pi_old ratio's floor with its minimum: RATIO_FLOOR_ULPS ulps of the ratio's own magnitude (1), or of
+    the log-probs whose difference it exponentiates where those are larger (their spacing is the difference's
+    resolution). The measured floor may be exactly zero: replaying on a batch-invariant host is bitwise."""
+    floor, rollout_floor, batch_shape_floor = floors
+    recorded = problem.segment.recorded_log_probs(problem.target)
+    return StockFloor(floor, max(1.0, float(recorded.abs().max())), RATIO_FLOOR_ULPS,
+                      source=f"serial replay vs rollout {rollout_floor:.2e}, batch shape {batch_shape_floor:.2e}")
+
+
 def pi_old_vs_rollout(check_id: str, problem: ReplayProblem, floors: tuple[float, float, float]) -> Verdict:
     """exp(logp replayed through the batched path - logp recorded at rollout) == 1 per row and step,
     within a multiple of the stock floor measured on the reference rollout."""
-    floor, rollout_floor, batch_shape_floor = floors
     recorded = problem.segment.recorded_log_probs(problem.target)
-    minimum = RATIO_FLOOR_ULPS * FP32_EPS * float(recorded.abs().max()) if batch_shape_floor > 0 else 0.0
-    atol = max(RATIO_FLOOR_MULTIPLE * floor, minimum)
-    policy = close(atol=atol, rtol=0.0,
-                   reason=f"stock floor {floor:.2e} (serial replay vs rollout {rollout_floor:.2e}, batch shape "
-                          f"{batch_shape_floor:.2e}); atol = max({RATIO_FLOOR_MULTIPLE:g} x floor, "
-                          f"{RATIO_FLOOR_ULPS:g} fp32 eps x |log_prob| = {minimum:.2e})")
+    stock = ratio_stock_floor(problem, floors)
+    atol = RATIO_FLOOR_MULTIPLE * stock.value
+    policy = close(atol=atol, rtol=0.0, reason=f"{RATIO_FLOOR_MULTIPLE:g} x the ratio's stock {stock.describe()}")
     result, forwards = run_batched(problem)
     if result is None:
         return expect(check_id, False, "batched replay returned a result for pi_old")
     ratio = torch.exp(result.log_probs.double() - recorded.double())
     verdict = judge_result(policy, check_id, ratio, torch.ones_like(ratio), problem.target, "pi_old ratio")
-    verdict = verdict.require(math.isfinite(floor), "stock floor of the pi_old ratio measured (finite)",
-                              rollout_floor=rollout_floor, batch_shape_floor=batch_shape_floor)
-    verdict = verdict.require_bounded(atol, max(floor, minimum), k_min=1.0, k_max=RATIO_FLOOR_MULTIPLE,
-                                      what="pi_old ratio atol")
+    verdict = verdict.require(math.isfinite(stock.value), "stock floor of the pi_old ratio measured (finite)",
+                              rollout_floor=floors[1], batch_shape_floor=floors[2])
+    verdict = verdict.require_bounded(atol, stock, k_min=1.0, k_max=RATIO_FLOOR_MULTIPLE, what="pi_old ratio atol")
     return require_fast_path(verdict, problem, forwards)
 
 
@@ -383,13 +391,14 @@ def flux_pi_old_vs_rollout(ctx: CheckContext) -> Verdict:
 
 
 @functools.cache
-def growth_problem() -> ReplayProblem:
-    """Tiny SD3 (no CFG), SDE on all T steps, every step replayed at once."""
-    adapter = SD3Adapter(tiny_sd3())
-    conditions = adapter.example_conditions(GROWTH_BATCH, 1, torch.Generator().manual_seed(5))
+def growth_problem(family: str = "sd3") -> ReplayProblem:
+    """A tiny model of a registered family (no CFG), SDE on all T steps, every step replayed at once."""
+    registered = get_family(family)
+    adapter = registered.adapter(tiny_model(family))
+    conditions = registered.example_conditions(adapter, GROWTH_BATCH, 1, torch.Generator().manual_seed(5))
     steps = tuple(range(GROWTH_STEPS))
-    return make_problem("sd3.growth", adapter, conditions, seed=21, latent_shape=adapter.latent_shape, target=steps,
-                        sde_indices=steps, steps=GROWTH_STEPS, guidance=1.0)
+    return make_problem(f"{family}.growth", adapter, conditions, seed=21, latent_shape=adapter.latent_shape,
+                        target=steps, sde_indices=steps, steps=GROWTH_STEPS, guidance=1.0)
 
 
 def _per_step(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
@@ -399,55 +408,56 @@ def _per_step(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def stock_floor_curve() -> tuple[float, ...]:
-    """The stock per-step floor: serial replay at B rows vs the same rows in a 2x batch."""
-    problem = growth_problem()
-    args = (problem.conditions, problem.segment, problem.strategy, problem.target, problem.guidance, problem.config)
-    base = replay_serial(problem.adapter, *args)
-    grown = replay_serial(InflatedBatch(problem.adapter, 2), *args)
+def stock_floor_curve(family: str = "sd3") -> tuple[float, ...]:
+    """The stock per-step floor: serial replay at B rows vs serial replay with every forward at the fast path's
+    shape (all S x B rows, each step's rows at their block)."""
+    problem = growth_problem(family)
+    base = replay_serial(*problem.args())
+    grown = fast_shape_serial(problem)
     return tuple(_per_step(grown.prev_sample_means, base.prev_sample_means).tolist())
 
 
-def error_curves(problem: ReplayProblem) -> tuple[ReplayRun, torch.Tensor | None, torch.Tensor]:
+@functools.cache
+def resolution_curve(family: str = "sd3") -> tuple[float, ...]:
+    """One fp32 ulp at each step's mean |transition mean| (the stock values'): below it, a per-step difference
+    is the values' own spacing."""
+    problem = growth_problem(family)
+    means = replay_serial(*problem.args()).prev_sample_means.double().abs()
+    return tuple((FP32_EPS * means.transpose(0, 1).reshape(means.shape[1], -1).mean(dim=1)).tolist())
+
+
+def error_curves(problem: ReplayProblem, family: str = "sd3") -> tuple[ReplayRun, torch.Tensor | None, torch.Tensor]:
     """(run, batched-vs-serial per-step error of the means or None on a fallback, stock per-step floor)."""
     run = run_both(problem)
     curve = None if run.batched is None else _per_step(run.batched.prev_sample_means, run.serial.prev_sample_means)
-    return run, curve, torch.tensor(stock_floor_curve(), dtype=torch.float64)
+    return run, curve, torch.tensor(stock_floor_curve(family), dtype=torch.float64)
 
 
 def single_step_policy(problem: ReplayProblem) -> Close:
-    """The policy a worst-element check would use on this problem: max(4 x the stock max-abs floor,
-    4 fp32 eps x the latents' scale) -- the bound the drift ablation stays under."""
-    args = (problem.conditions, problem.segment, problem.strategy, problem.target, problem.guidance, problem.config)
-    base = replay_serial(problem.adapter, *args)
-    grown = replay_serial(InflatedBatch(problem.adapter, 2), *args)
+    """The policy a worst-element check would use on this problem: max(4 x the stock max-abs floor at the fast
+    path's shape, 4 fp32 ulps x the latents' scale) -- the bound the drift ablation stays under."""
+    base = replay_serial(*problem.args())
+    grown = fast_shape_serial(problem)
     floor = max_abs_diff(grown.prev_sample_means, base.prev_sample_means)
     scale = float(problem.segment.latents.float().abs().max())
     return close(atol=max(4.0 * floor, 4.0 * FP32_EPS * scale), rtol=0.0,
-                 reason=f"single-step: max(4 x floor {floor:.2e}, 4 fp32 eps x {scale:.2e})")
+                 reason=f"single-step: max(4 x floor {floor:.2e}, 4 fp32 ulps x {scale:.2e})")
 
 
-@register("replay.sd3.growth.prev_sample_means")
-def error_growth(ctx: CheckContext) -> Verdict:
-    """Tiny SD3 over all T steps: the per-step error of the batched means (mean |batched - serial|)
-    may grow at most GROWTH_BUDGET x as fast as the stock floor (serial at two batch shapes) grows."""
-    check_id = "replay.sd3.growth.prev_sample_means"
-    problem = growth_problem()
-    run, curve, floor = error_curves(problem)
+def error_growth(family: str, ctx: CheckContext) -> Verdict:
+    """A family's tiny model over all T steps: the per-step error of the batched means (mean |batched - serial|)
+    may grow at most GROWTH_BUDGET x as fast as the stock floor (serial at B rows vs at the fast path's shape)."""
+    check_id = f"replay.{family}.growth.prev_sample_means"
+    problem = growth_problem(family)
+    run, curve, floor = error_curves(problem, family)
     if curve is None:
         return expect(check_id, False, "batched replay returned a result (no silent fallback)")
-    grows, floor_grows = growth_ratio(curve), growth_ratio(floor)
-    valid = floor_grows > 0 and math.isfinite(floor_grows)
-    policy = noise_floor(floor_grows if valid else math.inf, k=GROWTH_BUDGET,
-                         reason=f"per-step error growth (mean of the last third / mean of the first third of the "
-                                f"curve) at most {GROWTH_BUDGET:g} x the stock floor's growth {floor_grows:.3f} "
-                                f"(serial at B and 2B rows)")
-    verdict = policy.judge(check_id, torch.tensor([grows], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
-                           what="error growth")
-    verdict = verdict.with_metrics(error_curve=[float(c) for c in curve], floor_curve=[float(f) for f in floor],
-                                   error_growth=grows, floor_growth=floor_grows)
-    verdict = verdict.require(bool(torch.isfinite(floor).all()) and float(floor.min()) > 0,
-                              f"stock per-step floor measured on all {GROWTH_STEPS} steps (finite, > 0)")
-    verdict = verdict.require_bounded(policy.bound, floor_grows, k_min=GROWTH_K_MIN, k_max=GROWTH_K_MAX,
-                                      what="growth budget")
+    verdict = growth.judge_growth(check_id, curve, floor, torch.tensor(resolution_curve(family), dtype=torch.float64),
+                                  control=f"stock serial at B rows vs serial with every forward at the fast path's "
+                                          f"{problem.batched_rows}-row shape, mean |d| of the means per step")
     return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)
+
+
+for _family in family_names():
+    _register(f"replay.{_family}.growth.prev_sample_means", error_growth, _family,
+              doc=f"tiny {_family} over all T steps: batched-mean error grows no faster than the stock floor")

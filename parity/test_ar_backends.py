@@ -1,5 +1,6 @@
-"""The backends' own paths in-process: generation detection, generation-1 RoPE plumbing, the stock padded
-runs the bf16 control uses, the transformers hole layout and each stock loop's forward count."""
+"""The backends' own paths in-process: generation detection, generation-1 RoPE plumbing, what the stock paths hand
+upstream's hooks, the stock padded runs the bf16 control uses, the transformers hole layout and each stock loop's
+forward count."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from fixtures import ar_models
 from fixtures.ar_cases import prompt_ids
 from harness import compat
 from harness.ar import loop
-from harness.ar.backends import UpstreamBackend, upstream_generation
+from harness.ar.backends import IMAGE_SLICE_FIELDS, UpstreamBackend, remote_code_generation, upstream_generation
 from harness.ar.batch import right_padded_batch
+from harness.ar.verdicts import stock_prefill_floor
 from harness.compare import max_abs_diff
 from parity.test_ar_bf16_policy import bf16_backend
 from parity.test_ar_loop import OnDevice
@@ -26,15 +28,19 @@ pytestmark = pytest.mark.cpu
 
 PAD = ar_models.PAD_ID
 _NO_MASK_UTILS = "transformers.modeling_attn_mask_utils"
+FOUR_X = pytest.mark.skipif(not compat.has_module(_NO_MASK_UTILS),
+                            reason=f"both real generations import {_NO_MASK_UTILS}: transformers 4.x only")
+STRICT_FAKES = pytest.mark.parametrize("name", ["fake", pytest.param("fake_gen1", marks=FOUR_X),
+                                                pytest.param("fake_gen2", marks=FOUR_X)])
 
 
 @functools.cache
 def gen1_backend() -> UpstreamBackend:
-    """The generation-1 fake (``hunyuan.py``'s plumbing) on the generation-2 fake's weights.
+    """The generation-1 fake (``hunyuan.py``'s plumbing) on the portable fake's weights.
 
     Generation 1 imports a module transformers 5.x removed; only that import is stood in for while the fake
-    loads, and its cache takes the installed transformers' lazy-init arity (generation 2's cache), so its RoPE
-    plumbing (``custom_pos_emb`` built by the caller) runs on any stack."""
+    loads, and its cache takes the installed transformers' lazy-init arity (the portable fake's cache), so its
+    RoPE plumbing (``custom_pos_emb`` built by the caller) runs on any stack."""
     stand_in = not compat.has_module(_NO_MASK_UTILS)  # 4.x: the real module loads
     if stand_in:
         sys.modules[_NO_MASK_UTILS] = types.ModuleType(_NO_MASK_UTILS)
@@ -43,10 +49,10 @@ def gen1_backend() -> UpstreamBackend:
     finally:
         if stand_in:
             del sys.modules[_NO_MASK_UTILS]
-    gen2 = ar_models.fake_upstream("moe")
-    model = gen1.HunyuanImage3ForCausalMM(gen2.config)
-    model.load_state_dict(gen2.state_dict())
-    cache_cls = sys.modules[type(gen2).__module__].HunyuanStaticCache
+    portable = ar_models.fake_upstream("moe")
+    model = gen1.HunyuanImage3ForCausalMM(portable.config)
+    model.load_state_dict(portable.state_dict())
+    cache_cls = sys.modules[type(portable).__module__].HunyuanStaticCache
     return UpstreamBackend(model.eval(), name="fake_gen1", cache_cls=cache_cls)
 
 
@@ -101,7 +107,7 @@ def test_generation1_gets_per_row_rope_tables_from_its_module() -> None:
     assert ar_models.backend("fake").rope_kwargs(2, 16, torch.device("cpu")) == {"rope_image_info": [[], []]}
 
 
-def test_generation1_paths_equal_generation2_on_the_same_weights() -> None:
+def test_generation1_paths_equal_the_portable_fake_on_the_same_weights() -> None:
     """Same weights, same RoPE tables: only the plumbing differs, so every stock path agrees bit for bit."""
     gen1, gen2 = gen1_backend(), ar_models.backend("fake")
     prompt = prompt_ids([7], seed=41)[0]
@@ -118,9 +124,46 @@ def test_generation1_paths_equal_generation2_on_the_same_weights() -> None:
 
 
 def test_tokenizer_output_has_one_empty_image_list_per_row() -> None:
+    """Every slice list either generation's mask builder reads: generation 1's joint and gen slices, generation
+    2's vae and vit slices (its image processor's ``prepare_full_attn_slices``)."""
     out = ar_models.backend("fake")._tokenizer_output(torch.tensor([[3], [5], [2]]))
     assert out.real_pos.tolist() == [[3], [5], [2]]
-    assert out.joint_image_slices == [[], [], []] and out.gen_image_slices == [[], [], []]
+    assert set(IMAGE_SLICE_FIELDS) == {"joint_image_slices", "gen_image_slices", "vae_image_slices",
+                                       "vit_image_slices"}
+    assert all(getattr(out, name) == [[], [], []] for name in IMAGE_SLICE_FIELDS)
+
+
+# ---------------------------------------------------------------------------- what the stock paths hand upstream
+
+
+@STRICT_FAKES
+def test_every_stock_path_hands_upstream_what_generate_hands_it(name: str) -> None:
+    """The fp32 floor of the gpu tier (gpu/ar.py -> verdicts.stock_prefill_floor -> backend.stock_prefill) and
+    every other stock path call upstream's mask builder with ``model_kwargs`` carrying ``tokenizer_output`` and
+    run its forward with ``post_token_len`` set, as upstream's ``generate`` does. The strict fakes demand both as
+    the real code does, so a harness that hands the builder ``{}`` fails here with the real code's
+    ``KeyError: 'tokenizer_output'``, and one that skips what ``generate`` sets with its ``AttributeError``."""
+    backend = ar_models.backend(name)
+    prompt = prompt_ids([6], seed=50)[0]
+    with torch.no_grad():
+        for run in (lambda: stock_prefill_floor(backend), lambda: backend.full_forward(prompt),
+                    lambda: backend.stock_generate(prompt, 2, ()),
+                    lambda: backend.stock_padded(prompt, torch.tensor([3, 4]), 8, 10)):
+            backend.model.__dict__.pop("post_token_len", None)  # as loaded: only upstream's generate sets it
+            run()
+        floor = stock_prefill_floor(backend)
+    assert floor.floor("logp") > 0 and floor.floor("kv") > 0
+
+
+@pytest.mark.parametrize(("auto_map", "generation"), [
+    ({"AutoModelForCausalLM": "hunyuan.HunyuanImage3ForCausalMM"}, 1),
+    ({"AutoModelForCausalLM": "modeling_hunyuan_image_3.HunyuanImage3ForCausalMM"}, 2),
+    ({"AutoModelForCausalLM": "/code/hi3--modeling_hunyuan_image_3.HunyuanImage3ForCausalMM"}, 2),
+    ({"AutoModelForCausalLM": "modeling_other.OtherForCausalLM"}, None),
+    ({}, None),
+])
+def test_remote_code_generation_is_read_from_the_auto_map(auto_map: dict, generation: int | None) -> None:
+    assert remote_code_generation({"auto_map": auto_map}) == generation
 
 
 # ---------------------------------------------------------------------------------------- stock padded runs

@@ -46,19 +46,22 @@ def test_floor_never_collapses_when_batched_equals_alone_bitwise():
     assert floor.floor("kv") == floor.floor("slot0") == verdicts.FP32_EPS * 3.0
     policies = verdicts.fp32_policies(floor)
     assert policies.logp.atol == pytest.approx(verdicts.TOLERANCE_K * verdicts.FP32_EPS * 24.0)
-    assert "measured 0.0e+00" in policies.logp.reason and "fp32 eps x max|logp| 24" in policies.logp.reason
+    assert "measured 0.00e+00" in policies.logp.reason and "1 float32 ulps x magnitude 24" in policies.logp.reason
+    assert floor.stock_floor("logp").at_minimum and floor.stock_floor("kv").minimum == verdicts.FP32_EPS * 3.0
 
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("model", ar_models.BACKENDS)
 def test_floor_is_measured_on_the_model_and_printed_beside_the_tolerance(model):
-    floor = ar_checks._floor(model)
+    case = CASES[0]
+    floor = ar_checks._floor(model, case)
     assert floor.backend == model and floor.logp_scale > 0 and floor.kv_scale > 0
-    verdict = checks.run_check(f"ar.{model}.unequal_real_pos.logp", checks.CheckContext())
+    assert (floor.rows, floor.length) == (case.batch_size, case.batch().width)  # the fast path's shape
+    verdict = checks.run_check(f"ar.{model}.{case.name}.logp", checks.CheckContext())
     assert verdict.passed, verdict.describe()
     assert verdict.tolerance == pytest.approx(verdicts.TOLERANCE_K * floor.floor("logp"))
-    assert verdict.metrics["floor_measured"] == floor.floor("logp")
-    assert f"{floor.floor('logp'):.1e}" in verdict.policy
+    assert verdict.metrics["floor_measured"] == floor.logp and verdict.metrics["stock_floor"] == floor.floor("logp")
+    assert f"{floor.floor('logp'):.2e}" in verdict.policy
     assert any("atol within [4, 16] x the stock floor" in note for note in verdict.notes)
 
 
@@ -76,7 +79,7 @@ def test_non_finite_stock_floor_is_refused():
 def test_tolerance_outside_the_floor_bounds_fails(k, text):
     """A policy judged at a tolerance beyond [K_MIN, K_MAX] x the stock floor fails, whatever the error."""
     model = "qwen3"
-    floor = ar_checks._floor(model)
+    floor = ar_checks._floor(model, CASE)
     policies = verdicts.fp32_policies(floor)
     atol = k * floor.floor("logp")
     policies = dataclasses.replace(policies, logp=close(atol=atol, rtol=0.0, reason="hand-set"))
@@ -207,12 +210,14 @@ def test_logit_drift_stays_under_the_worst_element_tolerance(model, baselines):
     reference = ar_checks._reference(model, case)
     with ablation.get(DRIFT).apply():
         fast = loop.fast_rollout(ar_models.backend(model), case.batch(), case.max_new_tokens)
-    policies = verdicts.fp32_policies(ar_checks._floor(model))
+    policies = verdicts.fp32_policies(ar_checks._floor(model, case))
     for what in ("tokens", "logp"):
         verdict = verdicts.compare_case(what, f"ar.{model}.growth.{what}", fast, reference, policies)
         assert verdict.passed, verdict.describe()
-    error = (fast.logp.double() - reference.logp.double()).abs().mean(dim=0)
-    assert float(error[-3:].mean()) > 4 * float(error[:5].mean()), f"the drift must grow: {error.tolist()}"
+    plain = loop.fast_rollout(ar_models.backend(model), case.batch(), case.max_new_tokens)
+    drift = (fast.logp.double() - plain.logp.double()).abs().mean(dim=0)  # the drift alone, made by the ablation
+    assert float(drift[:11].abs().max()) == 0.0 and float(drift[-3:].mean()) > 0, f"the drift: {drift.tolist()}"
+    assert float(drift[-2:].mean()) > 4 * float(drift[11:13].mean()), f"the drift must grow: {drift.tolist()}"
 
 
 @pytest.mark.cpu

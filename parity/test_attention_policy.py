@@ -95,7 +95,9 @@ def test_rel_l2_bound_is_k_times_the_measured_relative_l2():
 
 def test_bound_and_floor_pairs_each_policy_with_its_floor():
     row = RowScaledFloor(CONTROL, 4.0)
-    assert policy.bound_and_floor(row, None) == (0.04, 0.01)
+    bound, floor = policy.bound_and_floor(row, None)
+    assert (bound, floor.measured, floor.value) == (0.04, 0.01, 0.01)  # a row floor carries its bf16-ulp minimum
+    assert floor.minimum == torch.finfo(torch.bfloat16).eps
     assert policy.bound_and_floor(noise_floor(1e-6, 4.0), 1e-6) == (4e-6, 1e-6)
     assert policy.bound_and_floor(noise_floor(1e-6, 4.0), None) is None
     assert policy.bound_and_floor(close(1e-5, 0.0), 1e-6) is None

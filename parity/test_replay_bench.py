@@ -1,14 +1,18 @@
-"""Serial vs batched-step replay on the tiny SD3 (CFG, uncond-first) at S = 2, 4, 8.
+"""Serial vs batched-step replay at S = 2, 4, 8 on every registered replay family's tiny model, beside the
+raw model's own batching limit measured in the same run.
 
-pytest-benchmark times each path; the table beside it gives the forward count, the batched/serial
-time ratio (best of 15 rounds, robust to a
-shared machine) against the ideal 1/S, and the activation-memory ratio (bytes held by one forward's
-module outputs: the batched forward holds about S times the serial one's, DESIGN 1.1).
-No timed assertions: these are measurements.
+pytest-benchmark times each path. For each family and S the raw limit replays the very transformer
+calls the two paths made: the S forwards of cfg*B rows of the serial loop, called back to back
+(``raw_loop``), against the one forward of S*cfg*B rows of the batched path (``raw_batched``). The table
+prints the batched/serial time ratio next to that raw ratio (their quotient is how close replay comes to
+what the model itself gives when batched; DESIGN targets 0.9x-1.1x) and the ideal 1/S, plus the
+activation-memory ratio (bytes held by one forward's module outputs: the batched forward holds about S
+times the serial one's). No timed assertions: these are measurements.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -16,14 +20,43 @@ import torch
 
 from fixtures.bench_timing import wall_times
 from fixtures.replay_cases import bench_problem
+from fixtures.replay_families import family_names
 from harness.replay.parity import run_batched, run_serial
+from harness.replay.pipeline_oracle import Forward, record_forwards
 from harness.replay.problem import ReplayProblem
 
 pytestmark = pytest.mark.bench
 
 STEPS = (2, 4, 8)
-PATHS = {"serial": run_serial, "batched": run_batched}
-MEASURED: dict[tuple[str, int], dict[str, float]] = {}
+ROUNDS = 15
+FAMILIES = family_names()
+MEASURED: dict[tuple[str, str, int], dict[str, float]] = {}
+
+
+@functools.cache
+def _recorded(family: str, steps: int, path: str) -> tuple[Forward, ...]:
+    """The transformer calls one run of ``path`` makes (bound arguments), for the raw limit."""
+    run = run_serial if path == "serial" else run_batched
+    with torch.no_grad(), record_forwards(bench_problem(steps, family).adapter.module) as calls:
+        run(bench_problem(steps, family))
+    return tuple(calls)
+
+
+def _raw(path: str) -> Callable[[ReplayProblem, str, int], object]:
+    """The model alone: the recorded calls of the serial loop (``raw_loop``) or the batched path."""
+    def call(problem: ReplayProblem, family: str, steps: int) -> None:
+        module = problem.adapter.module
+        for forward in _recorded(family, steps, "serial" if path == "raw_loop" else "batched"):
+            module(**forward.arguments)
+    return call
+
+
+PATHS: dict[str, Callable[..., object]] = {
+    "serial": lambda problem, family, steps: run_serial(problem),
+    "batched": lambda problem, family, steps: run_batched(problem),
+    "raw_loop": _raw("raw_loop"),
+    "raw_batched": _raw("raw_batched"),
+}
 
 
 def activation_bytes(problem: ReplayProblem, run: Callable) -> list[int]:
@@ -48,42 +81,50 @@ def activation_bytes(problem: ReplayProblem, run: Callable) -> list[int]:
     return per_forward
 
 
-def _best_seconds(fn: Callable[[], object], rounds: int = 15) -> float:
-    return min(wall_times(fn, rounds))
-
-
-def _record(path: str, steps: int, seconds: float) -> None:
-    problem = bench_problem(steps)
-    _, forwards = PATHS[path](problem)
-    MEASURED[(path, steps)] = {"seconds": seconds, "forwards": len(forwards), "rows": max(forwards),
-                               "activation_peak": max(activation_bytes(problem, PATHS[path]))}
+def _record(family: str, path: str, steps: int, seconds: float) -> None:
+    problem = bench_problem(steps, family)
+    MEASURED[(family, path, steps)] = {"seconds": seconds}
+    if path in ("serial", "batched"):
+        run = run_serial if path == "serial" else run_batched
+        _, forwards = run(problem)
+        MEASURED[(family, path, steps)].update(forwards=len(forwards), rows=max(forwards),
+                                               activation_peak=max(activation_bytes(problem, run)))
 
 
 @pytest.mark.parametrize("steps", STEPS)
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_replay_time(benchmark, path, steps):
-    problem = bench_problem(steps)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replay_time(benchmark, family, path, steps):
+    problem = bench_problem(steps, family)
     with torch.no_grad():
-        benchmark.pedantic(PATHS[path], args=(problem,), rounds=15, warmup_rounds=2, iterations=1)
+        benchmark.pedantic(PATHS[path], args=(problem, family, steps), rounds=ROUNDS, warmup_rounds=2, iterations=1)
     stats = getattr(benchmark, "stats", None)
-    seconds = stats.stats.min if stats is not None else _best_seconds(lambda: PATHS[path](problem))
-    _record(path, steps, seconds)
-    benchmark.extra_info.update({k: v for k, v in MEASURED[(path, steps)].items() if k != "seconds"})
+    seconds = stats.stats.min if stats is not None else min(
+        wall_times(functools.partial(PATHS[path], problem, family, steps), ROUNDS))
+    _record(family, path, steps, seconds)
+    benchmark.extra_info.update({k: v for k, v in MEASURED[(family, path, steps)].items() if k != "seconds"})
 
 
 def test_replay_serial_vs_batched_table():
-    lines = ["", "replay on tiny SD3 (B=3, CFG x2, fp32, CPU): serial vs batched-step, best of 15 rounds",
-             f"{'S':>3} {'serial ms':>10} {'fwd':>4} {'batched ms':>11} {'fwd':>4} {'rows':>5} "
-             f"{'ratio':>7} {'ideal 1/S':>10} {'act. mem ratio':>15}"]
-    for steps in STEPS:
-        for path in PATHS:
-            if (path, steps) not in MEASURED:
-                problem = bench_problem(steps)
-                with torch.no_grad():
-                    _record(path, steps, _best_seconds(lambda p=problem, f=PATHS[path]: f(p)))
-        serial, batched = MEASURED[("serial", steps)], MEASURED[("batched", steps)]
-        lines.append(f"{steps:>3} {serial['seconds'] * 1e3:>10.2f} {serial['forwards']:>4} "
-                     f"{batched['seconds'] * 1e3:>11.2f} {batched['forwards']:>4} {batched['rows']:>5} "
-                     f"{batched['seconds'] / serial['seconds']:>7.3f} {1 / steps:>10.3f} "
-                     f"{batched['activation_peak'] / serial['activation_peak']:>15.2f}")
+    lines = ["", "replay per family (B=3, CFG x2, fp32, CPU): serial vs batched-step beside the raw model's own "
+                 f"batching (its recorded forwards, looped vs batched), best of {ROUNDS} rounds"]
+    lines.append(f"{'family':<16} {'S':>2} {'serial ms':>10} {'batched ms':>11} {'ratio':>7} {'raw loop ms':>12} "
+                 f"{'raw batch ms':>13} {'raw ratio':>10} {'vs raw':>7} {'ideal 1/S':>10} {'act. mem':>9}")
+    for family in FAMILIES:
+        for steps in STEPS:
+            for path in PATHS:
+                if (family, path, steps) not in MEASURED:
+                    problem = bench_problem(steps, family)
+                    with torch.no_grad():
+                        best = min(wall_times(functools.partial(PATHS[path], problem, family, steps), ROUNDS))
+                    _record(family, path, steps, best)
+            m = {path: MEASURED[(family, path, steps)] for path in PATHS}
+            ratio = m["batched"]["seconds"] / m["serial"]["seconds"]
+            raw = m["raw_batched"]["seconds"] / m["raw_loop"]["seconds"]
+            lines.append(f"{family:<16} {steps:>2} {m['serial']['seconds'] * 1e3:>10.2f} "
+                         f"{m['batched']['seconds'] * 1e3:>11.2f} {ratio:>7.3f} "
+                         f"{m['raw_loop']['seconds'] * 1e3:>12.2f} "
+                         f"{m['raw_batched']['seconds'] * 1e3:>13.2f} {raw:>10.3f} {ratio / raw:>7.2f} "
+                         f"{1 / steps:>10.3f} "
+                         f"{m['batched']['activation_peak'] / m['serial']['activation_peak']:>9.2f}")
     print("\n".join(lines))

@@ -11,8 +11,9 @@ from fixtures.replay_cases import BATCH, fake_problem
 from harness import conformance
 from harness.compare import exact
 from harness.replay import tiling
-from harness.replay.controls import InflatedBatch, measure_batch_shape_control
-from harness.replay.denoiser import DenoiserAdapter
+from harness.replay.conditions import Conditions
+from harness.replay.controls import FastShapeAdapter, measure_batch_shape_control
+from harness.replay.denoiser import DenoiserAdapter, WrappedAdapter
 from harness.replay.guards import ReplayConfig
 from harness.replay.parity import compare_replay, compare_replay_determinism, judge_result
 from harness.replay.replay import replay, replay_batched, replay_serial
@@ -67,15 +68,36 @@ def test_serial_replay_forgets_a_stateful_strategy_history():
     assert torch.equal(again.log_probs, fresh.log_probs)
 
 
-def test_inflated_batch_keeps_the_first_rows_of_the_grown_forward():
-    """The fake kernel is batch-shape invariant: the kept rows are bitwise the plain forward's."""
+def test_fast_shape_adapter_runs_the_fast_paths_batch_and_keeps_the_current_steps_block():
+    """The fake kernel is batch-shape invariant: the kept rows are bitwise the plain forward's, at S x N rows."""
     problem = fake_problem("cfg1")
     x, t = torch.randn(BATCH, 4, 4, 4, generator=torch.Generator().manual_seed(0)), torch.full((BATCH,), 500.0)
-    for factor in (1, 3):
+    for steps in (1, 3):
+        adapter = FastShapeAdapter(problem.adapter, steps)
         with spy_forwards(problem.adapter.module) as spy:
-            out = InflatedBatch(problem.adapter, factor).forward(x, t, problem.conditions)
-        assert spy.batch_sizes == [factor * BATCH]
-        assert torch.equal(out, problem.adapter.forward(x, t, problem.conditions))
+            outs = [adapter.forward(x, t, problem.conditions) for _ in range(steps)]
+        assert spy.batch_sizes == [steps * BATCH] * steps
+        assert all(torch.equal(out, problem.adapter.forward(x, t, problem.conditions)) for out in outs)
+
+
+class _Positions(WrappedAdapter):
+    """Answers each row with its position in the forward's batch: what a kept row reveals is where it ran."""
+
+    def forward(self, hidden, timestep, conditions):
+        return torch.arange(hidden.shape[0], dtype=torch.float32)[:, None].expand(hidden.shape[0], 2)
+
+
+def test_fast_shape_adapter_keeps_call_k_at_block_k_of_each_branch():
+    """Branch-major outside, step-major inside (the fast path's layout): with 3 steps and 2 branches of 2 rows,
+    call k keeps rows [2k, 2k + 1] of branch 0 (rows 0..5) and [6 + 2k, 6 + 2k + 1] of branch 1."""
+    adapter = FastShapeAdapter(_Positions(fake_problem("cfg1").adapter), 3)
+    fused = Conditions(batch=2, rows={"label": torch.arange(4)}, cfg_factor=2)
+    kept = [adapter.forward(torch.zeros(4, 2), torch.zeros(4), fused)[:, 0].tolist() for _ in range(4)]
+    assert kept == [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11], [0, 1, 6, 7]]  # the fourth call starts over
+    with pytest.raises(ValueError, match="does not split into 2 CFG branches"):
+        adapter.forward(torch.zeros(3, 2), torch.zeros(3), fused)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        FastShapeAdapter(adapter, 0)
 
 
 def test_control_on_the_fake_kernel_measures_a_zero_floor():

@@ -1,4 +1,5 @@
-"""The replay-family registry, the CFG combines and the harness's row broadcast: lookups, errors, contracts."""
+"""The replay-family registry, the CFG combines, the harness's row broadcast and the adapters' refusals:
+lookups, errors, contracts, discriminating example conditions."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import torch
 
 import harness.plugins
 from fixtures.replay_cases import real_problem
-from fixtures.replay_models import tiny_flux
-from harness.replay import cfg, families
+from fixtures.replay_models import tiny_flux, tiny_model
+from harness.plugins import CheckpointKind
+from harness.replay import cfg, discriminating, families
 from harness.replay.conditions import Conditions, broadcast_field, broadcast_rows
-from harness.replay.families import FLUX, QWEN_IMAGE, SD3, family_for_class, get_family
+from harness.replay.families import COGVIEW4, FLUX, QWEN_IMAGE, SANA, SD3, family_for_class, get_family
+from harness.replay.families.base import distinct_lengths
 
 pytestmark = pytest.mark.cpu
 
@@ -20,8 +23,9 @@ pytestmark = pytest.mark.cpu
 def test_register_is_idempotent_and_fills_both_registries():
     families.register(harness.plugins)
     families.register(harness.plugins)
-    for family in (SD3, FLUX, QWEN_IMAGE):
+    for family in families.SHIPPED:
         assert harness.plugins.REPLAY_FAMILIES.get(family.name) is family
+        assert family.pipeline is not None and family.pipeline.pipeline_class().__name__ == family.pipeline.class_name
         kind = harness.plugins.CHECKPOINT_KINDS.get(family.checkpoint_kind.name)
         assert (kind.feeds, kind.family, kind.source) == ("replay", family.name, "diffusers")
 
@@ -30,19 +34,43 @@ def test_families_choose_layout_and_combine():
     assert (SD3.cfg_layout, SD3.cfg_combine) == ("uncond_first", cfg.STANDARD)
     assert (FLUX.cfg_layout, FLUX.cfg_combine) == ("fused_cond_first", cfg.STANDARD)
     assert (QWEN_IMAGE.cfg_layout, QWEN_IMAGE.cfg_combine) == ("uncond_first", cfg.TRUE_CFG_NORM_RESCALE)
+    assert (COGVIEW4.cfg_layout, COGVIEW4.cfg_combine) == ("fused_cond_first", cfg.STANDARD)
+    assert (SANA.cfg_layout, SANA.cfg_combine) == ("uncond_first", cfg.STANDARD)
 
 
 def test_lookup_by_model_class():
     assert family_for_class("QwenImageTransformer2DModel") is QWEN_IMAGE
     assert family_for_class("SD3Transformer2DModel") is SD3
+    assert family_for_class("CogView4Transformer2DModel") is COGVIEW4
+    assert family_for_class("SanaTransformer2DModel") is SANA
 
 
 def test_unregistered_family_names_the_registered_ones():
-    with pytest.raises(KeyError, match=r"unknown replay family 'hunyuan'; registered: flux, (.+, )?qwen_image, sd3"):
+    with pytest.raises(KeyError, match=r"unknown replay family 'hunyuan'; registered: (.+, )?flux, (.+, )?qwen_image, "
+                                       r"(.+, )?sd3"):
         get_family("hunyuan")
     with pytest.raises(LookupError, match=r"no registered replay family drives WanTransformer3DModel; registered "
-                                          r"replay families: flux \(FluxTransformer2DModel\), (.+, )?qwen_image"):
+                                          r"replay families: (.+, )?flux \(FluxTransformer2DModel\), "
+                                          r"(.+, )?qwen_image"):
         family_for_class("WanTransformer3DModel")
+
+
+def test_two_families_claiming_one_class_name_both_kinds_and_no_way_to_add_one():
+    kind = CheckpointKind("sana_again", "replay", ("SanaTransformer2DModel",), "diffusers", family="sana_again")
+    again = families.ReplayFamily("sana_again", SANA.adapter_class, kind, SANA.pipeline)
+    harness.plugins.REPLAY_FAMILIES.register(again.name, again, origin="tests: a second package")
+    harness.plugins.CHECKPOINT_KINDS.register(kind.name, kind, origin="tests: a second package")
+    try:
+        with pytest.raises(LookupError) as caught:
+            family_for_class("SanaTransformer2DModel")
+    finally:
+        harness.plugins.REPLAY_FAMILIES.unregister(again.name)
+        harness.plugins.CHECKPOINT_KINDS.unregister(kind.name)
+    text = str(caught.value)
+    assert "replay families ['sana', 'sana_again'] all claim SanaTransformer2DModel" in text
+    assert "sana_again (family sana_again, tests: a second package)" in text
+    assert "sana_transformer (family sana, harness.replay.families)" in text
+    assert "Add one by registering" not in text and text.endswith("narrow its kind's class_names")
 
 
 def test_family_kind_must_feed_replay_with_its_name():
@@ -78,31 +106,101 @@ def test_broadcast_uses_a_sample_row_once_per_branch_and_refuses_other_counts():
     assert {k: v.shape[0] for k, v in broadcast_rows(fused).rows.items()} == {"a": 4, "b": 4}
 
 
-def test_flux_guidance_embeds_checkpoint_needs_the_guidance_row():
+def test_flux_guidance_embeds_checkpoint_needs_the_shared_guidance():
     assert tiny_flux().config.guidance_embeds is True
     problem = real_problem("flux", 1)
     conditions = problem.conditions
-    assert conditions.rows["guidance"].tolist() == [3.5] * conditions.batch
-    rows = {k: v for k, v in conditions.rows.items() if k != "guidance"}
+    assert float(conditions.shared["guidance"]) == 3.5 and "guidance" not in conditions.rows
+    shared = {k: v for k, v in conditions.shared.items() if k != "guidance"}
     x = problem.segment.latent_at(0).float()
-    with pytest.raises(ValueError, match="guidance_embeds=True; its conditions need a 'guidance' row field"):
-        problem.adapter.forward(x, torch.full((x.shape[0],), 0.5), dataclasses.replace(conditions, rows=rows))
+    with pytest.raises(ValueError, match="guidance_embeds=True; its conditions need a shared 'guidance' field"):
+        problem.adapter.forward(x, torch.full((x.shape[0],), 0.5), dataclasses.replace(conditions, shared=shared))
 
 
-def test_qwen_image_masks_are_padded_with_unequal_lengths():
+def test_qwen_image_masks_differ_per_row_and_branch_and_img_shape_is_shared():
     conditions = real_problem("qwen_image", 2).conditions
-    for branch in (conditions, conditions.negative):
-        lengths = branch.rows["encoder_hidden_states_mask"].sum(dim=1).tolist()
-        assert len(set(lengths)) > 1 and max(lengths) == branch.rows["encoder_hidden_states"].shape[1]
-        assert branch.rows["img_shapes"] == [[(1, 4, 4)]] * branch.batch
+    lengths = [branch.rows["encoder_hidden_states_mask"].sum(dim=1).tolist()
+               for branch in (conditions, conditions.negative)]
+    assert len(set(lengths[0] + lengths[1])) == 2 * conditions.batch
+    assert conditions.shared["img_shape"] == ((1, 4, 4),) and "img_shapes" not in conditions.rows
 
 
-def test_flux_guidance_row_reaches_the_model():
+def test_flux_guidance_reaches_the_model():
     """The distilled guidance is an input of the forward: another value gives another velocity."""
     problem = real_problem("flux", 1)
     conditions = problem.conditions
     x = problem.segment.latent_at(0).float()
     timestep = torch.full((x.shape[0],), 0.5)
-    other = dataclasses.replace(conditions, rows={**conditions.rows, "guidance": torch.ones(x.shape[0])})
+    other = dataclasses.replace(conditions, shared={**conditions.shared, "guidance": torch.tensor(1.0)})
     assert not torch.equal(problem.adapter.forward(x, timestep, conditions),
                            problem.adapter.forward(x, timestep, other))
+
+
+@pytest.mark.parametrize("family", ["sd3", "cogview4"])
+def test_a_latent_that_does_not_fit_the_patch_size_is_refused_before_the_model_runs(family):
+    problem = real_problem(family, 1)
+    channels, height, width = problem.adapter.latent_shape
+    patch = problem.adapter.module.config.patch_size
+    x = torch.zeros(problem.conditions.batch, channels, height - 1, width)
+    timestep = problem.adapter.timestep(torch.full((x.shape[0],), 0.5))
+    with pytest.raises(ValueError, match=rf"latents of shape \(3, 4, {height - 1}, {width}\) do not fit the model's "
+                                         rf"patch size {patch}"):
+        problem.adapter.forward(x, timestep, broadcast_rows(problem.conditions))
+
+
+def test_packed_latents_of_another_size_are_refused_by_qwen_image():
+    problem = real_problem("qwen_image", 1)
+    x = torch.zeros(problem.conditions.batch, 9, 16)
+    with pytest.raises(ValueError, match=r"packed latents of shape \(3, 9, 16\) do not fit 8 x 8 latents"):
+        problem.adapter.forward(x, torch.full((3,), 0.5), problem.conditions)
+
+
+# ------------------------------------------------------------------------- discriminating conditions
+
+
+def _masked(lengths_cond, lengths_uncond, fused=False):
+    tokens = 6
+    def mask(lengths):
+        return (torch.arange(tokens)[None, :] < torch.tensor(lengths)[:, None]).long()
+    embeds = torch.randn(2 * len(lengths_cond), tokens, 4, generator=torch.Generator().manual_seed(0))
+    batch = len(lengths_cond)
+    if fused:
+        return Conditions(batch=batch, rows={"embeds": embeds, "mask": torch.cat([mask(lengths_cond),
+                                                                                   mask(lengths_uncond)])},
+                          cfg_factor=2)
+    negative = Conditions(batch=batch, rows={"embeds": embeds[batch:], "mask": mask(lengths_uncond)})
+    return Conditions(batch=batch, rows={"embeds": embeds[:batch], "mask": mask(lengths_cond)}, negative=negative)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["uncond_first", "fused"])
+def test_identical_masks_across_branches_are_refused_naming_the_field(fused):
+    """Two masks that come out equal by chance make a mask bug invisible: the harness refuses them."""
+    with pytest.raises(discriminating.NotDiscriminating,
+                       match=r"row field 'mask': row 0 of the cond branch equals row 0 of the uncond branch"):
+        discriminating.require_discriminating(_masked([3, 5], [3, 2], fused), "sana example")
+    with pytest.raises(discriminating.NotDiscriminating, match=r"row field 'mask': rows 0 and 1 of the cond branch"):
+        discriminating.require_discriminating(_masked([4, 4], [3, 2], fused), "sana example")
+    assert discriminating.require_discriminating(_masked([4, 5], [3, 2], fused), "sana example") is not None
+
+
+def test_a_fused_field_both_branches_use_only_needs_distinct_rows():
+    conditions = Conditions(batch=2, rows={"prompt": torch.arange(4.0), "pooled": torch.arange(2.0)}, cfg_factor=2)
+    assert discriminating.problems(conditions) == []
+    same = Conditions(batch=2, rows={"prompt": torch.arange(4.0), "pooled": torch.zeros(2)}, cfg_factor=2)
+    assert discriminating.problems(same) == ["row field 'pooled': rows 0 and 1 of the both branch are identical"]
+
+
+@pytest.mark.parametrize("family", [f.name for f in families.SHIPPED])
+@pytest.mark.parametrize("seed", [0, 102])
+def test_every_shipped_family_draws_discriminating_conditions(family, seed):
+    registered = get_family(family)
+    adapter = registered.adapter(tiny_model(family))
+    for batch in (1, 2, 3):
+        registered.example_conditions(adapter, batch, 2, torch.Generator().manual_seed(seed))
+
+
+def test_distinct_lengths_refuse_a_batch_the_tokens_cannot_serve():
+    lengths = distinct_lengths(3, 6, torch.Generator().manual_seed(1), avoid=(1, 2, 3))
+    assert sorted(lengths) == [4, 5, 6]
+    with pytest.raises(ValueError, match="4 distinct prompt lengths need more than 6 padded tokens"):
+        distinct_lengths(4, 6, torch.Generator().manual_seed(1), avoid=(1, 2, 3))

@@ -9,6 +9,7 @@ import torch
 
 from fakes.replay_conditions import HI3_FIELDS, fused_conditions
 from fakes.replay_kernel import FakeDenoiser, FakeKernel
+from fixtures.replay_families import family_names
 from harness import ablation, catalogue, checks, conformance
 from harness.replay import oracles, tiling
 from harness.replay.conditions import Conditions, concat_payloads
@@ -29,7 +30,8 @@ STALE_RECORD = ("replay.cfg1.pi_old_ratio", "replay.cfg2.pi_old_ratio", "replay.
 # tiny-diffusers check per family and quantity (the same shared code path; the full set costs ~10 s each).
 REAL_SAMPLE = ("replay.sd3.cfg2.log_probs", "replay.sd3.cfg2.prev_sample_means", "replay.flux.cfg2.log_probs",
                "replay.flux.cfg2.prev_sample_means", "replay.flux.cfg2.pi_old_vs_rollout")
-REAL_FAMILIES = ("replay.sd3.", "replay.flux.", "replay.qwen_image.")
+REAL_FAMILIES = tuple(f"replay.{name}." for name in family_names())
+GROWTH = tuple(f"replay.{name}.growth.prev_sample_means" for name in family_names())
 
 
 def _parity_ids() -> list[str]:
@@ -162,11 +164,11 @@ def test_parity_survives_a_bug_in_shared_code(name, baselines, parity_ctx):
 @pytest.mark.cpu
 def test_compounding_drift_is_caught_by_error_growth_and_nothing_else(baselines, parity_ctx):
     item = ablation.get("replay.compounding_drift")
-    assert item.kills == ("replay.sd3.growth.prev_sample_means",)
+    assert item.kills == GROWTH
     verdicts = {check_id: ablation.run_under(item, check_id, parity_ctx) for check_id in baselines}
     killed = {c: r.how for c, r in verdicts.items() if r.mode != "survived"}
-    assert set(killed) == {"replay.sd3.growth.prev_sample_means"}, killed
-    assert verdicts["replay.sd3.growth.prev_sample_means"].killed
+    assert set(killed) == set(GROWTH), killed
+    assert all(verdicts[check_id].killed for check_id in GROWTH)
 
 
 @pytest.mark.cpu

@@ -130,13 +130,14 @@ EXPECTED_LP = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0]])
 def _metrics(max_abs, total, nonfinite, relative, **more):
     return {"max_abs": max_abs, "total": total, "nonfinite": nonfinite, "max_relative_to_local": relative,
             "relative_floor": 0.25, "resolution": RESOLUTION, "relative_bound": 1.0, "k": 4.0,
-            "stock_floor": 0.25, "tolerance_bound": 1.0, **more}
+            "stock_floor": 0.25, "tolerance_bound": 1.0, "floor_measured": 0.25, "floor_minimum": RESOLUTION,
+            "floor_minimum_ulps": 4.0, "floor_at_minimum": False, **more}
 
 
 def test_policy_description_names_dtype_k_floor_and_resolution():
     assert HAND_POLICY.describe() == (
         "local_scale(fp32 log_probs: |d| <= 4 x max(floor 2.50e-01, resolution 4.77e-07) x local |log_probs|; "
-        "floor = stock serial at B rows vs in an S x larger batch, relative to the local magnitude)")
+        "floor = stock serial at B rows vs at the fast path's S x cfg x B-row shape, relative to the local magnitude)")
     assert HAND_POLICY.effective_floor == 0.25 and HAND_POLICY.relative_bound == 1.0
 
 

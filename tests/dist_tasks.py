@@ -44,3 +44,12 @@ def call_implementation(path: str, raise_after: bool) -> int:
     if raise_after:
         raise RuntimeError(f"rank {dist.get_rank()} raised after calling the implementation under test")
     return answer
+
+
+def signal_on(rank: int, signum: int) -> int:
+    """``rank`` stops or kills itself (SIGSTOP, SIGKILL); the others answer at once."""
+    import os
+
+    if dist.get_rank() == rank:
+        os.kill(os.getpid(), signum)
+    return dist.get_rank()

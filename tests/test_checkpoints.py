@@ -38,7 +38,8 @@ def extra_kind():
     ({"_class_name": "SD3Transformer2DModel"}, "sd3_transformer", "replay"),
     ({"_class_name": "QwenImageTransformer2DModel"}, "qwen_image_transformer", "replay"),
     ({"architectures": ["Qwen3ForCausalLM"]}, "causal_lm", "ar"),
-    ({"architectures": ["HunyuanImage3ForCausalMM"], "auto_map": {"AutoModelForCausalLM": "m.C"}}, "causal_lm", "ar"),
+    ({"architectures": ["HunyuanImage3ForCausalMM"], "auto_map": {"AutoModelForCausalLM": "m.C"}}, "hunyuan_image3",
+     "ar"),
 ])
 def test_kinds_are_read_from_config(tmp_path, config, kind, feeds):
     checkpoint = detect(_config(tmp_path, "model", **config))
@@ -55,6 +56,19 @@ def test_the_shipped_kinds_are_registrations_through_the_entry_point_function():
     assert set(checkpoints.KINDS) >= set(registry.names())
     assert checkpoints.KINDS["video_vae"] == "decode"
     assert checkpoints.KINDS["sd3_transformer"] == "replay"  # the replay families register their own kinds
+
+
+def test_hunyuan_image3_is_its_own_remote_code_kind(tmp_path):
+    """Its own kind (it claims more gpu kill items than a plain causal LM), driven by the remote-code backend, and
+    only with the auto_map its code ships under."""
+    from harness.ar import plugins as ar_plugins
+
+    found = detect(_config(tmp_path, "hi3", architectures=["HunyuanImage3ForCausalMM"], auto_map={"A": "m.C"}))
+    assert (found.kind, found.source, found.remote_code, found.family) == (
+        "hunyuan_image3", "remote_code", True, ar_plugins.REMOTE_CODE)
+    with pytest.raises(CheckpointError, match="HunyuanImage3ForCausalMM needs its remote code, but config.json has "
+                                              "no auto_map"):
+        detect(_config(tmp_path, "bare", architectures=["HunyuanImage3ForCausalMM"]))
 
 
 def test_capture_directory(tmp_path):

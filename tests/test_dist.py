@@ -1,11 +1,13 @@
 """Worlds on real gloo groups: round trips, a raise on one rank, a hang on one rank, no leftovers."""
 
 import os
+import signal
 import time
 
 import pytest
 import torch
 
+from harness import dist as dist_mod
 from harness.dist import World, WorldError, WorldPool, WorldTaskError, WorldTimeout
 from tests import dist_tasks
 
@@ -94,3 +96,30 @@ def test_closing_a_world_reaps_every_rank(world8):
     assert len(set(pids)) == 3 and os.getpid() not in pids
     world.close()
     assert _alive(pids) == []
+
+
+@pytest.mark.parametrize(("signum", "said"), [(signal.SIGSTOP, "died: the process was stopped (SIGSTOP)"),
+                                              (signal.SIGKILL, "died: rank process killed by signal 9")])
+def test_a_stopped_or_killed_rank_fails_every_rank_within_the_grace_and_leaves_nothing(signum, said):
+    """A stopped rank never answers and never closes its pipe: it is read from /proc, not waited out."""
+    world = World(3).start()
+    pids = world.run(dist_tasks.pid)
+    began = time.monotonic()
+    with pytest.raises(WorldTaskError) as info:
+        world.run(dist_tasks.signal_on, 1, signum, timeout_s=120.0)
+    took = time.monotonic() - began
+    assert took < dist_mod.ERROR_GRACE_S, f"{took:.1f} s: the stopped rank was waited out, not read from /proc"
+    assert f"rank 1: {said}" in str(info.value)
+    assert [o.status for o in info.value.outcomes][1] == "died"
+    assert not world.alive and _alive(pids) == [], f"rank processes left behind: {_alive(pids)}"
+
+
+def test_error_text_keeps_no_per_run_detail():
+    text = "ValueError: [/torch/csrc/x.cpp:12] bad store at [::1]:2204, 10.0.0.3:29500; pid 4242 at 0x7f3a2b1c0d00"
+    assert dist_mod.stable_error(text) == ("ValueError: bad store at [::1]:<port>, 10.0.0.3:<port>; pid <pid> at "
+                                           "0x<address>")
+    reset = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:46803: "
+             "Connection reset by peer. This is typically caused by a remote worker hanging")
+    closed = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:589] Connection closed by peer "
+              "[127.0.0.1]:10393. This is typically caused by a remote worker crashing")
+    assert dist_mod.stable_error(reset) == dist_mod.stable_error(closed) == f"RuntimeError: {dist_mod.LOST_PEER_TEXT}"

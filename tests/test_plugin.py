@@ -3,8 +3,9 @@
 import json
 
 import pytest
+import torch
 
-from harness import ablation, checks
+from harness import ablation, checks, host
 
 pytestmark = pytest.mark.cpu
 
@@ -44,6 +45,7 @@ def double_close(ctx):
 
 GENERATED_TESTS = '''
 import pytest
+import torch
 from harness import ablation, catalogue, checks
 
 catalogue.load(["demo_checks"], ["demo_ablations"])
@@ -111,7 +113,9 @@ def test_table_and_both_report_formats(demo):
         "checks: 2/2 passed; ablations: 1/1 killed all their checks",
     ])
     data = json.loads((demo.path / "out/parity.json").read_text())
-    assert set(data) == {"checks", "ablations", "summary"}
+    assert set(data) == {"host", "checks", "ablations", "summary"}
+    assert data["host"] == json.loads(json.dumps(host.fingerprint()))  # where it ran, for scripts/compare-reports
+    assert next(iter(data)) == "host" and data["host"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert {"id", "path", "where", "passed", "metrics", "policy", "margin"} <= set(data["checks"][0])
     assert data["checks"][0]["where"] == "demo_checks:double_exact"
     assert data["checks"][0]["path"] == "demo"
@@ -122,9 +126,13 @@ def test_table_and_both_report_formats(demo):
     assert all(k["killed"] for k in kill["kills"])
     close_kill = next(k for k in kill["kills"] if k["check"] == "demo.double.close")
     assert close_kill["margin"] == pytest.approx(10.0)  # |d| = 1 against atol 0.1
-    assert data["summary"] == {"checks": 2, "passed": 2, "ablations": 1, "killed": 1}
+    assert data["summary"] == {"checks": 2, "passed": 2, "failed": 0, "skipped": 0, "ablations": 1, "killed": 1,
+                               "pairs": 2, "pairs_killed": 2, "pairs_survived": 0, "pairs_failed": 0,
+                               "pairs_skipped": 0}
+    assert {c["status"] for c in data["checks"]} == {"passed"} and kill["status"] == "killed"
     markdown = (demo.path / "out/parity.md").read_text()
     assert "| PASS | demo.double.exact |" in markdown and "| KILLED | demo.off_by_one | tolerance | 2/2 |" in markdown
+    assert f"**host** {host.summary(data['host'])}" in markdown
 
 
 def test_surviving_ablation_fails_the_kill_matrix(pytester):

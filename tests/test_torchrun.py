@@ -4,11 +4,13 @@ Each test starts ``torchrun --standalone`` in a subprocess with per-rank logs, s
 pytest result is read back: a failure on any rank must fail that item on every rank.
 """
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,111 @@ def test_a_partial_or_garbled_torchrun_environment_is_a_clear_error(monkeypatch)
     assert launch.launched() == launch.Launch(1, 4, 0)
     with pytest.raises(ValueError, match=r"WORLD_SIZE=4: a world here is the launcher's 4 ranks, but 2 were asked"):
         World(2)
+
+
+def _listening(port: int) -> bool:
+    """Whether any socket on this machine listens on ``port`` (/proc/net/tcp{,6}: state 0A)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as handle:
+            for line in handle.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                    return True
+    return False
+
+
+def run_fault(fault: str, log_dir: Path, *, nproc: int = 4, fault_rank: int = 1, bound: float | None = None,
+              monitor_interval: float | None = None) -> dict:
+    """One torchrun launch of tests/torchrun_faults.py with ``fault`` on ``fault_rank``: what every rank saw,
+    when the launch ended, and what it left behind (processes, shared-memory files, the launcher's port)."""
+    notes = log_dir / "notes"
+    notes.mkdir(parents=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PARITY_THREADS": "1", "PARITY_TEST_FAULT": fault,
+           "PARITY_TEST_FAULT_RANK": str(fault_rank), "PARITY_TEST_FAULT_LOG": str(notes)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PARITY_START_METHOD", "PARITY_FAULT_BOUND_S"):
+        env.pop(name, None)
+    if bound is not None:
+        env["PARITY_FAULT_BOUND_S"] = str(bound)
+    launcher = [*TORCHRUN, f"--nproc-per-node={nproc}", f"--log-dir={log_dir / 'logs'}", "--redirects=3"]
+    if monitor_interval is not None:  # how often torchrun itself looks at its workers (default 0.1 s)
+        launcher.append(f"--monitor-interval={monitor_interval}")
+    shm_before = set(os.listdir("/dev/shm"))
+    with (log_dir / "launcher.log").open("w") as out:
+        launch = subprocess.Popen([*launcher, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                   "tests/torchrun_faults.py"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        exited: dict[int, float] = {}  # rank -> when its process was gone (polled: a rank may never note it)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            for path in notes.glob("rank*.json"):
+                with contextlib.suppress(ValueError, OSError):
+                    rank, pid = int(path.stem.removeprefix("rank")), json.loads(path.read_text())["pid"]
+                    if rank not in exited and not _running(pid):
+                        exited[rank] = time.time()
+            if launch.poll() is not None:
+                break
+            time.sleep(0.1)
+        else:
+            launch.kill()
+        returncode = launch.wait()
+    ended = time.time()
+    ranks = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in notes.glob("rank*.json")}
+    pids = [seen["pid"] for seen in ranks.values()]
+    fault_at = ranks[fault_rank]["fault_at"]
+    survivors = {r: seen for r, seen in ranks.items() if r != fault_rank or fault.startswith("raise")}
+    return {
+        "ranks": ranks, "returncode": returncode, "output": (log_dir / "launcher.log").read_text(),
+        "raised_within": max(seen.get("raised_at", float("inf")) - fault_at for seen in survivors.values()),
+        "all_raised": all("raised_at" in seen for seen in survivors.values()),
+        "survivors_exited_within": max(exited.get(r, ended) - fault_at for r in survivors),
+        "exited_within": ended - fault_at,
+        "alive": [pid for pid in pids if _running(pid)],
+        "shm_left": sorted(name for name in set(os.listdir("/dev/shm")) - shm_before
+                           if any(str(pid) in name for pid in pids)),
+        "port_listening": _listening(ranks[0]["port"]),
+        "message": next((f"{seen['error']} | {seen['outcomes'][r]}" for r, seen in sorted(survivors.items())
+                         if "error" in seen and r != fault_rank), "no rank raised"),
+    }
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting to be reaped is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+FAULT_BOUND_UNDER_TEST = 15.0  # silence 5 s, grace 2.5 s: the default 30 s bound's mechanism, in half the time
+
+
+@pytest.mark.launch
+@pytest.mark.skipif(compat.path_unavailable("decode") is not None, reason=str(compat.path_unavailable("decode")))
+@pytest.mark.parametrize(("fault", "monitor_interval"), [
+    ("raise_after_gather", None),
+    ("raise_outside_protocol", None),
+    ("sigstop", None),
+    ("sigkill", 20.0),  # torchrun would SIGTERM the others within 0.1 s itself; here the suite must close them
+])
+def test_a_faulting_rank_makes_every_rank_raise_within_the_bound(fault, monitor_interval, tmp_path):
+    """Four ranks decode the tiny VAE; rank 1 faults mid-decode. Every other rank raises naming it within the bound,
+    and nothing is left: no process, no shared-memory file, no listening launcher port."""
+    seen = run_fault(fault, tmp_path, bound=FAULT_BOUND_UNDER_TEST, monitor_interval=monitor_interval)
+    detail = f"{fault}: {json.dumps(seen['ranks'], indent=1)}\n{seen['output'][-4000:]}"
+    assert seen["all_raised"], detail
+    assert seen["raised_within"] <= FAULT_BOUND_UNDER_TEST, detail
+    assert "rank 1" in seen["message"], detail
+    if fault == "raise_after_gather":  # inside the protocol: everyone raises at the next status exchange
+        assert seen["raised_within"] < 2.0 and "ShardedDecodeError" in json.dumps(seen["ranks"]), detail
+    elif fault == "sigstop":
+        assert "rank 1: died: the process was stopped (SIGSTOP)" in json.dumps(seen["ranks"]), detail
+    elif fault == "sigkill":
+        assert "rank 1: died: the process exited or was killed" in json.dumps(seen["ranks"]), detail
+    if fault in ("sigstop", "sigkill"):
+        assert seen["returncode"] != 0, "torchrun reports the rank it lost"
+    else:  # the faulting rank's own items expected the fault: every rank's session passes, and exits
+        assert seen["returncode"] == 0, detail
+    print(f"\n{fault}: every other rank raised within {seen['raised_within']:.1f} s and exited within "
+          f"{seen['survivors_exited_within']:.1f} s; the launch ended {seen['exited_within']:.1f} s after the fault: "
+          f"{seen['message']}")
+    assert not seen["alive"] and not seen["shm_left"] and not seen["port_listening"], detail

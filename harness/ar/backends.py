@@ -10,6 +10,11 @@
   ``[real_pos_i, Lmax)``.
 
 Both keep a token buffer whose column equals the token's cache slot, so ``place_token`` has one meaning.
+
+``UpstreamBackend`` hands upstream's hooks what upstream's own ``generate`` hands them (``model_kwargs`` with
+``tokenizer_output``, for the mask builder too) and sets on the model what ``generate`` sets (``post_token_len``).
+It does not enter the CUDA autocast upstream's ``generate`` wraps gen_text in (bf16 for generation 1, the model
+dtype for generation 2): every forward runs in the dtype the check asks for.
 """
 
 from __future__ import annotations
@@ -28,7 +33,11 @@ from harness.ar import cache as ar_cache
 if TYPE_CHECKING:
     from harness.ar.loop import ARState
 
-__all__ = ["StockRun", "TransformersBackend", "UpstreamBackend", "upstream_generation"]
+__all__ = ["IMAGE_SLICE_FIELDS", "MODELING_MODULES", "StockRun", "TransformersBackend", "UpstreamBackend",
+           "remote_code_generation", "remote_code_name", "upstream_generation"]
+
+#: The per-row image-slice lists of ``tokenizer_output`` that upstream's mask builders read (empty for text rows).
+IMAGE_SLICE_FIELDS = ("joint_image_slices", "gen_image_slices", "vae_image_slices", "vit_image_slices")
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,11 @@ def _stack_kv(cache: Any, row: int, slots: torch.Tensor) -> torch.Tensor:
     """Row ``row``'s KV at ``slots`` for every layer -> ``[layers, 2, H, len(slots), hd]``."""
     return torch.stack([torch.stack([k[row][:, slots.to(k.device)], v[row][:, slots.to(v.device)]])
                         for k, v in ar_cache.layer_buffers(cache)])
+
+
+def _check_row(rows: int, row: int) -> None:
+    if rows < 1 or not 0 <= row < rows:
+        raise ValueError(f"a stock control batch needs rows >= 1 and 0 <= row < rows, got rows={rows}, row={row}")
 
 
 def _stops(eos: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -67,6 +81,27 @@ def upstream_generation(model: Any) -> int:
         return 2
     raise TypeError(f"{type(model).__name__}.forward takes neither custom_pos_emb (HunyuanImage-3 generation 1) "
                     "nor rope_image_info (generation 2)")
+
+
+#: The module config.json's ``auto_map`` names for each generation's model class (its modeling file's stem).
+MODELING_MODULES = {1: "hunyuan", 2: "modeling_hunyuan_image_3"}
+
+
+def remote_code_generation(config: dict[str, Any]) -> int | None:
+    """Which HunyuanImage-3 generation a checkpoint's config.json points at, read from the module its ``auto_map``
+    names for ``AutoModelForCausalLM`` (``hunyuan`` -> 1, ``modeling_hunyuan_image_3`` -> 2); None otherwise.
+    Nothing is imported: a stack that cannot import the code can still name it."""
+    target = str((config.get("auto_map") or {}).get("AutoModelForCausalLM", ""))
+    module = target.rsplit("--", 1)[-1].rpartition(".")[0]
+    return next((gen for gen, name in MODELING_MODULES.items() if name == module), None)
+
+
+def remote_code_name(config: dict[str, Any]) -> str:
+    """What a checkpoint's remote code is, for messages: the HunyuanImage-3 generation its auto_map names."""
+    generation = remote_code_generation(config)
+    if generation is None:
+        return "the checkpoint's remote code"
+    return f"HunyuanImage-3 generation {generation} ({MODELING_MODULES[generation]}.py)"
 
 
 class UpstreamBackend:
@@ -109,10 +144,39 @@ class UpstreamBackend:
         return {"rope_image_info": [[] for _ in range(batch_size)]}
 
     def _tokenizer_output(self, real_pos: torch.Tensor) -> SimpleNamespace:
-        """The fields upstream's generation hooks read from ``tokenizer_output`` for text-only rows."""
+        """What upstream's hooks and mask builders read from ``tokenizer_output`` for text-only rows: ``real_pos``
+        (the first decode position) and every image-slice list either generation's builder reads, empty per row
+        (generation 1 reads ``joint_image_slices`` and ``gen_image_slices``; generation 2's
+        ``image_processor.prepare_full_attn_slices`` reads ``vae_image_slices``, ``vit_image_slices`` and
+        ``joint_image_slices``, every choice of its ``cond_image_type``, plus ``gen_image_slices``)."""
         rows = real_pos.shape[0]
-        return SimpleNamespace(real_pos=real_pos, joint_image_slices=[[] for _ in range(rows)],
-                               gen_image_slices=[[] for _ in range(rows)])
+        return SimpleNamespace(real_pos=real_pos, **{name: [[] for _ in range(rows)] for name in IMAGE_SLICE_FIELDS})
+
+    def _as_generate_sets(self) -> None:
+        """Set on the model what upstream's own ``generate`` sets before it drives the hooks, since the harness
+        drives prepare/forward/update itself: generation 2's ``forward`` passes ``self.post_token_len`` on, which
+        only ``generate`` assigns (the length after the last ``<img>`` token: None, as text-only rows have none).
+        ``generate`` also enters a CUDA autocast for gen_text; the harness does not (module docstring)."""
+        if self.generation == 2:
+            self.model.post_token_len = None
+
+    def model_kwargs(self, real_pos: torch.Tensor, width: int, cache: Any, rope_len: int) -> dict[str, Any]:
+        """The model kwargs upstream's ``generate`` hands its hooks for text-only rows right-padded to ``width``:
+        prefill ``position_ids = arange(width)``, the cache, ``mode="gen_text"``, ``tokenizer_output`` and this
+        generation's RoPE over ``rope_len`` positions; the generate-time model state is set first."""
+        self._as_generate_sets()
+        rows, device = real_pos.shape[0], real_pos.device
+        return {"position_ids": torch.arange(width, device=device)[None].expand(rows, -1),
+                "past_key_values": cache, "mode": "gen_text",
+                "tokenizer_output": self._tokenizer_output(real_pos.reshape(rows, 1)),
+                **self.rope_kwargs(rows, rope_len, device)}
+
+    def generation_mask(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The bool ``[B, 1, L, L]`` mask upstream's ``_prepare_attention_mask_for_generation`` builds from
+        ``kwargs`` (it reads ``kwargs["tokenizer_output"]``), on the inputs' device (generation 1 builds it on
+        the CPU)."""
+        mask = getattr(self.model, compat.GENERATE_MASK_BUILDER)(input_ids, self.model.generation_config, kwargs)
+        return mask.to(input_ids.device)
 
     def _step(self, input_ids: torch.Tensor, kwargs: dict[str, Any],
               mask: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -127,14 +191,9 @@ class UpstreamBackend:
     # ------------------------------------------------------------------ batched loop hooks
     def begin(self, state: ARState) -> None:
         batch = state.batch
-        state.extra["model_kwargs"] = {
-            "attention_mask": batch.attention_mask,
-            "position_ids": batch.position_ids,
-            "past_key_values": state.cache,
-            "mode": "gen_text",
-            "tokenizer_output": self._tokenizer_output(state.real_pos[:, None]),
-            **self.rope_kwargs(batch.batch_size, state.max_cache_len, batch.input_ids.device),
-        }
+        kwargs = self.model_kwargs(state.real_pos, batch.width, state.cache, state.max_cache_len)
+        state.extra["model_kwargs"] = {**kwargs, "attention_mask": batch.attention_mask,
+                                       "position_ids": batch.position_ids}
 
     def _forward(self, state: ARState, mask: torch.Tensor | None) -> torch.Tensor:
         logits, state.extra["model_kwargs"] = self._step(state.input_ids, state.extra["model_kwargs"], mask)
@@ -179,12 +238,8 @@ class UpstreamBackend:
         total = length + max_new_tokens
         cache = self.new_cache(1, total, dynamic=True)
         input_ids = prompt[None]
-        kwargs: dict[str, Any] = {
-            "position_ids": torch.arange(length, device=device)[None], "past_key_values": cache, "mode": "gen_text",
-            "tokenizer_output": self._tokenizer_output(torch.tensor([[length]], device=device)),
-            **self.rope_kwargs(1, total, device)}
-        kwargs["attention_mask"] = getattr(self.model, compat.GENERATE_MASK_BUILDER)(
-            input_ids, self.model.generation_config, kwargs)
+        kwargs = self.model_kwargs(torch.tensor([length], device=device), length, cache, total)
+        kwargs["attention_mask"] = self.generation_mask(input_ids, kwargs)
         stops = _stops(eos, device)
         tokens, steps = [], []
         while True:
@@ -199,30 +254,31 @@ class UpstreamBackend:
         return StockRun(tokens=torch.stack(tokens), logits=torch.stack(steps).float(),
                         kv=_stack_kv(cache, 0, torch.arange(length + fed)))
 
-    def stock_padded(self, prompt: torch.Tensor, tokens: torch.Tensor, width: int, max_cache_len: int) -> torch.Tensor:
+    def stock_padded(self, prompt: torch.Tensor, tokens: torch.Tensor, width: int, max_cache_len: int,
+                     rows: int = 1, row: int = 0) -> torch.Tensor:
         """Teacher-forced stock logits ``[N, V]`` of one prompt right-padded to ``width`` in a static cache of
         ``max_cache_len`` slots (the batch's): upstream's own hooks and mask builder, the prefill mask's key axis
         padded with False to the cache length, prefill logits read at the last real column, each decode step
         under a mask admitting the row's own slots ``[0, real_pos + k]``. Only padding and the longer key axis
-        differ from ``stock_generate``: the legitimate rounding a bf16 policy must allow. No harness loop runs."""
+        differ from ``stock_generate``: the legitimate rounding a bf16 policy must allow. With ``rows`` > 1 the
+        prompt fills every row of a ``rows``-row batch (one uniform batch, which upstream's own hooks handle) and
+        ``row``'s logits come back: the batch shape the fast path runs, without its code. No harness loop runs."""
         length, count, device = int(prompt.numel()), int(tokens.numel()), prompt.device
-        buf = torch.full((1, max(width, length + count)), self.pad_id, dtype=torch.long, device=device)
-        buf[0, :length] = prompt
-        kwargs: dict[str, Any] = {
-            "position_ids": torch.arange(width, device=device)[None], "mode": "gen_text",
-            "past_key_values": self.new_cache(1, max_cache_len, dynamic=False),
-            "tokenizer_output": self._tokenizer_output(torch.tensor([[length]], device=device)),
-            **self.rope_kwargs(1, max_cache_len, device)}
-        causal = getattr(self.model, compat.GENERATE_MASK_BUILDER)(buf[:, :width], self.model.generation_config, kwargs)
-        mask = torch.zeros(1, 1, width, max_cache_len, dtype=torch.bool, device=device)
+        _check_row(rows, row)
+        buf = torch.full((rows, max(width, length + count)), self.pad_id, dtype=torch.long, device=device)
+        buf[:, :length] = prompt
+        kwargs = self.model_kwargs(torch.full((rows,), length, device=device), width,
+                                   self.new_cache(rows, max_cache_len, dynamic=False), max_cache_len)
+        causal = self.generation_mask(buf[:, :width], kwargs)
+        mask = torch.zeros(rows, 1, width, max_cache_len, dtype=torch.bool, device=device)
         mask[..., :width] = causal
         logits, kwargs = self._step(buf[:, :width], kwargs, mask)
-        steps = [logits[0, length - 1]]
+        steps = [logits[row, length - 1]]
         slots = torch.arange(max_cache_len, device=device)
         for k in range(count - 1):
-            buf[0, length + k] = tokens[k]  # upstream re-reads the input at position_ids = real_pos + k
-            logits, kwargs = self._step(buf, kwargs, (slots <= length + k)[None, None, None])
-            steps.append(logits[0, -1])
+            buf[:, length + k] = tokens[k]  # upstream re-reads the input at position_ids = real_pos + k
+            logits, kwargs = self._step(buf, kwargs, (slots <= length + k)[None, None, None].expand(rows, 1, 1, -1))
+            steps.append(logits[row, -1])
         return torch.stack(steps).float()
 
     def stock_prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,19 +286,20 @@ class UpstreamBackend:
         (what gen_image does): logits ``[B, L, V]`` and KV ``[B, layers, 2, H, L, hd]``. No harness seam runs."""
         bsz, length = ids.shape
         cache = self.new_cache(bsz, length, dynamic=False)
-        mask = getattr(self.model, compat.GENERATE_MASK_BUILDER)(ids, self.model.generation_config, {})
-        positions = torch.arange(length, device=ids.device)[None].expand(bsz, -1)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         mode="gen_text", **self.rope_kwargs(bsz, length, ids.device))
+        kwargs = self.model_kwargs(torch.full((bsz,), length, device=ids.device), length, cache, length)
+        out = self.model(input_ids=ids, attention_mask=self.generation_mask(ids, kwargs),
+                         position_ids=kwargs["position_ids"], past_key_values=cache, mode="gen_text",
+                         **self.rope_kwargs(bsz, length, ids.device))
         kv = torch.stack([_stack_kv(cache, i, torch.arange(length)) for i in range(bsz)])
         return out.logits.float().cpu(), kv.float().cpu()
 
     def full_forward(self, ids: torch.Tensor) -> torch.Tensor:
         """One unpadded, cache-free forward over ``ids [T]`` -> logits ``[T, V]``."""
         length = int(ids.numel())
-        mask = getattr(self.model, compat.GENERATE_MASK_BUILDER)(ids[None], self.model.generation_config, {})
-        out = self.model(input_ids=ids[None], attention_mask=mask, position_ids=torch.arange(length, device=ids.device)[
-            None], past_key_values=None, mode="gen_text", **self.rope_kwargs(1, length, ids.device))
+        kwargs = self.model_kwargs(torch.tensor([length], device=ids.device), length, None, length)
+        out = self.model(input_ids=ids[None], attention_mask=self.generation_mask(ids[None], kwargs),
+                         position_ids=kwargs["position_ids"], past_key_values=None, mode="gen_text",
+                         **self.rope_kwargs(1, length, ids.device))
         return out.logits[0]
 
 
@@ -333,29 +390,32 @@ class TransformersBackend:
         return StockRun(tokens=torch.stack(tokens), logits=torch.stack(steps).float(),
                         kv=_stack_kv(cache, 0, torch.arange(prompt.numel() + fed)))
 
-    def stock_padded(self, prompt: torch.Tensor, tokens: torch.Tensor, width: int, max_cache_len: int) -> torch.Tensor:
+    def stock_padded(self, prompt: torch.Tensor, tokens: torch.Tensor, width: int, max_cache_len: int,
+                     rows: int = 1, row: int = 0) -> torch.Tensor:
         """Teacher-forced logits ``[N, V]`` of one prompt right-padded to ``width`` in the model's own static cache
         of ``max_cache_len`` slots, hole layout (token k at slot ``width + k``, RoPE position ``real_pos + k``),
         every step masked to the row's own keys. Only padding and the longer key axis differ from
-        ``stock_generate``; no harness loop runs."""
+        ``stock_generate``; with ``rows`` > 1 the prompt fills every row of a uniform ``rows``-row batch and
+        ``row``'s logits come back (the fast path's batch shape, without its code). No harness loop runs."""
         from transformers import StaticCache
 
         length, count, device = int(prompt.numel()), int(tokens.numel()), prompt.device
-        ids = torch.full((1, width), self.pad_id, dtype=torch.long, device=device)
-        ids[0, :length] = prompt
+        _check_row(rows, row)
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long, device=device)
+        ids[:, :length] = prompt
         cache = StaticCache(config=self.model.config, max_cache_len=max_cache_len)
         slots = torch.arange(max_cache_len, device=device)
-        rows = torch.arange(width, device=device)[:, None]
-        prefill = ((slots[None] <= rows) & (slots[None] < length))[None, None]
-        logits = self._run(ids, prefill, torch.arange(width, device=device)[None], cache,
+        positions = torch.arange(width, device=device)[:, None]
+        prefill = ((slots[None] <= positions) & (slots[None] < length))[None, None].expand(rows, 1, -1, -1)
+        logits = self._run(ids, prefill, torch.arange(width, device=device)[None].expand(rows, -1), cache,
                            torch.arange(width, device=device))
-        steps = [logits[0, length - 1]]
+        steps = [logits[row, length - 1]]
         for k in range(count - 1):
             valid = (slots < length) | ((slots >= width) & (slots <= width + k))
-            logits = self._run(tokens[k].reshape(1, 1), valid[None, None, None],
-                               torch.tensor([[length + k]], device=device), cache,
+            logits = self._run(tokens[k].reshape(1, 1).expand(rows, 1), valid[None, None, None].expand(rows, 1, 1, -1),
+                               torch.full((rows, 1), length + k, device=device), cache,
                                torch.tensor([width + k], device=device))
-            steps.append(logits[0, -1])
+            steps.append(logits[row, -1])
         return torch.stack(steps).float()
 
     def stock_prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,9 +3,9 @@
 In bf16 a row's logits move when its prompt is right-padded and its keys sit in a longer (masked) key axis:
 SDPA's reductions run over a different length. A control that batches identical unpadded copies through the fast
 path cannot see that rounding (and runs the code under test), so the bound would collapse to its floor. The
-control here is stock code on the same row twice: B=1 on the unpadded prompt (``stock_generate``) against B=1 on
-the same prompt right-padded under its mask in a cache of the batch's length (``stock_padded``, teacher-forced on
-the first run's tokens). Rule:
+control here is stock code on the same row twice: B=1 on the unpadded prompt (``stock_generate``) against the
+same prompt right-padded under its mask in a cache of the batch's length, at the batch's row count
+(``stock_padded``, teacher-forced on the first run's tokens). Rule:
 
 - per row, KL(B=1 || batched) over every step whose context both runs share (the common token prefix and the
   first divergent step) must be at most ``k`` x the largest padded-control KL over the rows, plus ``floor``;
@@ -60,13 +60,15 @@ def flips(reference: Rollout, prefix: list[int]) -> tuple[list[bool], list[float
 @torch.no_grad()
 def padding_control(backend: Any, prompts: list[torch.Tensor], reference: Rollout, width: int,
                     max_cache_len: int) -> torch.Tensor:
-    """Per row, max over steps of KL(stock B=1 unpadded || stock B=1 right-padded to ``width`` in a cache of
-    ``max_cache_len``), teacher-forced on the unpadded run's tokens (same contexts, every step comparable)."""
+    """Per row, max over steps of KL(stock B=1 unpadded || stock right-padded to ``width`` in a cache of
+    ``max_cache_len``, at the batch's row count and the row's own position), teacher-forced on the unpadded
+    run's tokens (same contexts, every step comparable). The control runs the batch's GEMM shapes: in bf16 a
+    kernel picked for another row count rounds differently, and that rounding is legitimate."""
     out = []
     for row, prompt in enumerate(prompts):
         count = int(reference.lengths[row])
         tokens = reference.tokens[row, :count].to(prompt.device)
-        padded = backend.stock_padded(prompt, tokens, width, max_cache_len)
+        padded = backend.stock_padded(prompt, tokens, width, max_cache_len, rows=len(prompts), row=row)
         out.append(kl_rows(reference.logits[row, :count], padded).max())
     return torch.stack(out)
 

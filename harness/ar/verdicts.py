@@ -8,7 +8,7 @@ These functions take the policies as arguments so the GPU tier can reuse them wi
 fp32 tolerances are TOLERANCE_K x a floor measured on stock code on the same model (``stock_prefill_floor``,
 never below one fp32 eps of the values' magnitude), and a verdict fails when its tolerance leaves
 [K_MIN, K_MAX] x that floor. ``judge_growth`` judges the per-step error curve over all decode steps against the
-growth of a stock per-step floor curve (``padded_control_logp``): a bug that starts below the worst-element
+growth of a stock per-step floor curve (``batch_shape_control_logp``): a bug that starts below the worst-element
 tolerance and compounds step by step is not judged like noise.
 """
 
@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
+from harness import growth
 from harness.ar.loop import Rollout
 from harness.ar.spy import ARForwardSpy
-from harness.compare import Policy, Verdict, close, exact, max_abs_diff, noise_floor
-from harness.growth import GROWTH_BUDGET, GROWTH_K_MAX, GROWTH_K_MIN, growth_ratio
+from harness.compare import Policy, Verdict, close, exact, max_abs_diff
+from harness.floors import StockFloor
+from harness.growth import GROWTH_BUDGET, growth_ratio
 
 __all__ = [
     "GROWTH_BUDGET",
@@ -36,6 +38,7 @@ __all__ = [
     "TOLERANCE_K",
     "ARPolicies",
     "StockPrefillFloor",
+    "batch_shape_control_logp",
     "compare_case",
     "divergences",
     "exact_policies",
@@ -48,7 +51,6 @@ __all__ = [
     "judge_prefill_kv",
     "judge_slot0",
     "judge_tokens",
-    "padded_control_logp",
     "require_floor_bounds",
     "require_path",
     "resolution_curve",
@@ -73,14 +75,20 @@ TOLERANCE_K = 8.0
 K_MIN, K_MAX = 4.0, 16.0
 
 
+# The floor's stated minimum: one fp32 ulp at the compared values' own magnitude (max |log-prob|, max |KV|). A
+# measured floor of exactly zero is legitimate (the batched and alone GEMMs share kernels on some hosts); the
+# tolerance then rests on the values' own spacing, TOLERANCE_K ulps of their magnitude.
+FLOOR_ULPS = 1.0
+
+
 @dataclass(frozen=True)
 class StockPrefillFloor:
     """The fp32 rounding a batch shape alone causes: the same prompts prefilled batched vs one by one.
 
-    ``logp`` / ``kv`` are the measured max|d| (0 where the batched and alone GEMMs share kernels: then the
-    measurement says nothing about the resolution); ``logp_scale`` / ``kv_scale`` are the stock run's max
-    |log-prob| / |KV|. The floor is the larger of the measurement and one fp32 eps at that magnitude (the
-    spacing of the values being compared), so it is never 0 and k x floor never collapses.
+    ``logp`` / ``kv`` are the measured max|d| (0 where the batched and alone GEMMs share kernels); ``logp_scale``
+    / ``kv_scale`` are the stock run's max |log-prob| / |KV|; ``rows`` x ``length`` is the batch it prefilled (the
+    fast path's row count and width). The floor is the larger of the measurement and FLOOR_ULPS fp32 ulps at
+    that magnitude (``stock_floor``), so k x floor never collapses.
     """
 
     logp: float
@@ -88,23 +96,28 @@ class StockPrefillFloor:
     backend: str
     logp_scale: float = 0.0
     kv_scale: float = 0.0
+    rows: int = 4
+    length: int = 6
+
+    def stock_floor(self, quantity: str) -> StockFloor:
+        """The floor of ``"logp"`` or ``"kv"`` (slot 0 is KV) with its stated minimum."""
+        source = f"{self.rows} unpadded {self.length}-token prompts prefilled together vs alone"
+        if quantity == "logp":
+            return StockFloor(self.logp, self.logp_scale, FLOOR_ULPS, source=source)
+        if quantity in ("kv", "slot0"):
+            return StockFloor(self.kv, self.kv_scale, FLOOR_ULPS, source=source)
+        raise ValueError(f"a stock floor is measured for 'logp' or 'kv', got {quantity!r}")
 
     def floor(self, quantity: str) -> float:
-        """The floor of ``"logp"`` or ``"kv"`` (slot 0 is KV): max(measured, fp32 eps x magnitude)."""
-        if quantity == "logp":
-            return max(self.logp, FP32_EPS * self.logp_scale)
-        if quantity in ("kv", "slot0"):
-            return max(self.kv, FP32_EPS * self.kv_scale)
-        raise ValueError(f"a stock floor is measured for 'logp' or 'kv', got {quantity!r}")
+        """The floor value of ``quantity``: max(measured, FLOOR_ULPS fp32 ulps x magnitude)."""
+        return self.stock_floor(quantity).value
 
     def describe(self, quantity: str | None = None) -> str:
         parts = []
-        for name, measured, scale in (("logp", self.logp, self.logp_scale), ("KV", self.kv, self.kv_scale)):
+        for name in ("logp", "KV"):
             if quantity is None or name.lower() == ("kv" if quantity == "slot0" else quantity):
-                parts.append(f"{name} floor {self.floor(name.lower()):.1e} = max(measured {measured:.1e}, "
-                             f"fp32 eps x max|{name}| {scale:.3g})")
-        return (f"stock floor on {self.backend} (4 unpadded 6-token prompts prefilled together vs alone): "
-                + "; ".join(parts))
+                parts.append(f"{name} {self.stock_floor(name.lower()).describe()}")
+        return f"stock floor on {self.backend}: " + "; ".join(parts)
 
 
 def _model_device(backend: Any) -> torch.device:
@@ -117,7 +130,10 @@ def _model_device(backend: Any) -> torch.device:
 @torch.no_grad()
 def stock_prefill_floor(backend: Any, seed: int = 0, rows: int = 4, length: int = 6) -> StockPrefillFloor:
     """Measure the batch-shape floor with the backend's stock prefill only (no harness seam runs), on the
-    model's own device."""
+    model's own device. Pass the fast path's row count and width as ``rows`` and ``length``: a control at
+    another shape measures another GEMM's rounding."""
+    if rows < 1 or length < 1:
+        raise ValueError(f"a prefill floor needs rows >= 1 and length >= 1, got {rows} x {length}")
     gen = torch.Generator().manual_seed(seed)
     low = 1 if backend.pad_id == 0 else 0
     ids = torch.randint(low, backend.vocab_size, (rows, length), generator=gen)
@@ -130,7 +146,8 @@ def stock_prefill_floor(backend: Any, seed: int = 0, rows: int = 4, length: int 
     batched_logp = torch.log_softmax(batched_logits.double(), -1)
     logp = max_abs_diff(torch.log_softmax(batched_logits, -1), torch.log_softmax(alone_logits, -1))
     return StockPrefillFloor(logp=logp, kv=max_abs_diff(batched_kv, alone_kv), backend=backend.name,
-                             logp_scale=float(batched_logp.abs().max()), kv_scale=float(batched_kv.abs().max()))
+                             logp_scale=float(batched_logp.abs().max()), kv_scale=float(batched_kv.abs().max()),
+                             rows=rows, length=length)
 
 
 def fp32_tolerance(floor: StockPrefillFloor, quantity: str, k: float = TOLERANCE_K) -> float:
@@ -144,11 +161,10 @@ def fp32_tolerance(floor: StockPrefillFloor, quantity: str, k: float = TOLERANCE
 
 def require_floor_bounds(verdict: Verdict, tolerance: float, floor: StockPrefillFloor, quantity: str) -> Verdict:
     """The tolerance a verdict was judged at must lie in [K_MIN, K_MAX] x the stock floor of ``quantity``."""
-    value = floor.floor(quantity)
-    verdict = verdict.require(math.isfinite(value) and value > 0,
-                              f"stock {quantity} floor measured on {floor.backend} (finite, > 0)",
-                              floor_measured=value, floor_batch_shape=floor.kv if quantity != "logp" else floor.logp)
-    return verdict.require_bounded(tolerance, value, k_min=K_MIN, k_max=K_MAX, what=f"{quantity} atol")
+    stock = floor.stock_floor(quantity)
+    verdict = verdict.require(math.isfinite(stock.value) and stock.value > 0,
+                              f"stock {quantity} floor measured on {floor.backend} (finite, > 0)")
+    return verdict.require_bounded(tolerance, stock, k_min=K_MIN, k_max=K_MAX, what=f"{quantity} atol")
 
 
 @dataclass(frozen=True)
@@ -304,9 +320,6 @@ def require_path(verdict: Verdict, spy: ARForwardSpy, batch_size: int) -> Verdic
 
 # --------------------------------------------------------------------------------------------- growth
 
-MIN_GROWTH_STEPS = 6  # thirds of at least two steps each
-
-
 def step_curve(actual: torch.Tensor, expected: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Mean |actual - expected| per step of ``[B, N]`` log-probs over the rows that emitted that step (fp64;
     NaN stays NaN, a step no row emitted is NaN)."""
@@ -325,52 +338,39 @@ def resolution_curve(reference: Rollout) -> torch.Tensor:
 
 
 @torch.no_grad()
-def padded_control_logp(backend: Any, prompts: list[torch.Tensor], reference: Rollout, width: int,
-                        max_cache_len: int) -> torch.Tensor:
-    """Stock code only: each prompt at B=1 right-padded to ``width`` in a cache of ``max_cache_len`` slots
-    (the batch's), teacher-forced on the reference tokens; the log-prob of those tokens ``[B, N]``."""
+def batch_shape_control_logp(backend: Any, prompts: list[torch.Tensor], reference: Rollout, width: int,
+                             max_cache_len: int) -> torch.Tensor:
+    """Stock code only, at the fast path's shape: each prompt right-padded to ``width`` in every row of a
+    ``len(prompts)``-row batch over a cache of ``max_cache_len`` slots (the batch's), teacher-forced on the
+    reference tokens, read at the prompt's own row; the log-prob of those tokens ``[B, N]``. Its GEMMs have the
+    batch's row count at every step, so the rounding a batch shape brings shows here without the fast path."""
     out = torch.zeros_like(reference.logp)
     device = _model_device(backend)
+    rows = len(prompts)
     for row, prompt in enumerate(prompts):
         count = int(reference.lengths[row])
         tokens = reference.tokens[row, :count]
-        logits = backend.stock_padded(prompt.to(device), tokens.to(device), width, max_cache_len).cpu()
+        logits = backend.stock_padded(prompt.to(device), tokens.to(device), width, max_cache_len, rows=rows,
+                                      row=row).cpu()
         out[row, :count] = torch.log_softmax(logits.double(), dim=-1).gather(-1, tokens[:, None])[:, 0].float()
     return out
 
 
 def judge_growth(check_id: str, fast: Rollout, reference: Rollout, control_logp: torch.Tensor,
                  budget: float = GROWTH_BUDGET) -> Verdict:
-    """Per-step error of the batched log-probs vs B=1 (mean |d| over rows, fp64) against the stock floor curve
-    (B=1 unpadded vs B=1 right-padded in the batch's cache, ``control_logp``): the error's growth (mean of the
-    last third of the steps over the first third) may be at most ``budget`` x the floor's growth. Both curves
-    are floored at the values' fp32 resolution, and a floor that shrinks is read as flat (growth 1)."""
-    steps = int(reference.logp.shape[1])
-    if steps < MIN_GROWTH_STEPS:
-        raise ValueError(f"an error-growth check needs >= {MIN_GROWTH_STEPS} steps, got {steps}")
+    """Per-step error of the batched log-probs vs B=1 (mean |d| over the rows that emitted the step, fp64)
+    against the stock floor curve ``control_logp`` (``batch_shape_control_logp``: each prompt at the batch's
+    shape through stock code), judged by ``harness.growth.judge_growth``: both curves floored at the
+    log-probs' fp32 resolution, the error's growth at most ``budget`` x the floor's."""
     if fast.logp.shape != reference.logp.shape or control_logp.shape != reference.logp.shape:
         raise ValueError(f"log-prob shapes differ: fast {tuple(fast.logp.shape)}, reference "
                          f"{tuple(reference.logp.shape)}, control {tuple(control_logp.shape)}")
-    resolution = resolution_curve(reference)
-    error = torch.maximum(step_curve(fast.logp, reference.logp, reference.lengths), resolution)
-    floor = torch.maximum(step_curve(control_logp, reference.logp, reference.lengths), resolution)
-    grows, floor_grows = growth_ratio(error), growth_ratio(floor)
-    read = max(floor_grows, 1.0)
-    valid = math.isfinite(read)
-    policy = noise_floor(read if valid else math.inf, k=budget, reason=(
-        f"per-step error growth (mean of the last third / mean of the first third of {steps} steps) at most "
-        f"{budget:g} x the stock floor's growth {floor_grows:.3f} (read as >= 1); floor curve = stock B=1 "
-        f"unpadded vs stock B=1 right-padded in the batch's cache, mean |d logp| per step "
-        f"{float(floor.min()):.1e}..{float(floor.max()):.1e}, each point >= fp32 eps x mean|logp|"))
-    verdict = policy.judge(check_id, torch.tensor([grows], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
-                           what="error growth")
-    verdict = verdict.with_metrics(error_curve=[float(f"{float(c):.4g}") for c in error],
-                                   floor_curve=[float(f"{float(f):.4g}") for f in floor],
-                                   error_growth=grows, floor_growth=floor_grows,
-                                   logp_max_abs=max_abs_diff(fast.logp, reference.logp))
+    verdict = growth.judge_growth(
+        check_id, step_curve(fast.logp, reference.logp, reference.lengths),
+        step_curve(control_logp, reference.logp, reference.lengths), resolution_curve(reference),
+        control="stock B=1 unpadded vs stock right-padded at the batch's row count and width in its cache, "
+                "mean |d logp| per step", budget=budget)
+    verdict = verdict.with_metrics(logp_max_abs=max_abs_diff(fast.logp, reference.logp))
     tokens_equal = bool(torch.equal(fast.tokens, reference.tokens))
-    verdict = verdict.require(tokens_equal, "batched tokens equal B=1 on every step (every step's context shared)",
-                              common_prefix=_common_prefix(fast.tokens, reference.tokens))
-    verdict = verdict.require(bool(torch.isfinite(floor).all()) and float(floor.min()) > 0,
-                              f"stock per-step floor measured on all {steps} steps (finite, > 0)")
-    return verdict.require_bounded(policy.bound, read, k_min=GROWTH_K_MIN, k_max=GROWTH_K_MAX, what="growth budget")
+    return verdict.require(tokens_equal, "batched tokens equal B=1 on every step (every step's context shared)",
+                           common_prefix=_common_prefix(fast.tokens, reference.tokens))

@@ -5,12 +5,19 @@ A capture file holds ``query`` (B, Sq, H, D), ``key`` and ``value`` (B, Skv, Hkv
 bf16 activations converted to float32, so the synthetic generator rounds through bf16 the same way.
 Its mask comes from the contract's formula (the model's ground truth), never from the builder under
 test.
+
+Capture files are untrusted data: they are read with ``allow_pickle=False`` only, and anything that is
+not an npz archive of the four plain arrays (garbage, a truncated or corrupted archive, object arrays)
+is a ValueError naming the file, never advice to load it another way. ``validate_directory`` reads a
+directory's headers and checks the data of the files the checks will load, so a run stops on a bad
+file before any check.
 """
 
 from __future__ import annotations
 
 import re
 import zipfile
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,12 +35,15 @@ __all__ = [
     "SEED_CALLS",
     "Capture",
     "capture_name",
+    "check_shapes",
     "find_captures",
     "load_capture",
     "peek_shapes",
     "phase_capture_path",
     "save_capture",
     "synthetic_capture",
+    "validate_directory",
+    "validate_file",
 ]
 
 CAPTURE_ARRAYS = ("query", "key", "value", "mask")
@@ -129,16 +139,51 @@ def save_capture(capture: Capture, path: str | Path) -> Path:
     return path
 
 
+class _Unreadable(ValueError):
+    """A capture file that is not an npz archive of plain arrays."""
+
+
+def _unreadable(path: Path, what: str) -> _Unreadable:
+    return _Unreadable(f"capture file {path}: {what}; expected an npz archive (numpy.savez) of plain arrays "
+                       f"{list(CAPTURE_ARRAYS)}")
+
+
+# what reading a damaged archive may raise: a bad or truncated zip, a short or corrupted member, a bad npy header
+_READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, KeyError, SyntaxError,
+                NotImplementedError)
+
+
+def _open_archive(path: Path) -> zipfile.ZipFile:
+    if not path.is_file():
+        raise ValueError(f"capture file {path} does not exist")
+    if not zipfile.is_zipfile(path):  # never handed to np.load, which would offer to unpickle it
+        raise _unreadable(path, "not an npz archive (no zip directory: garbage, or truncated)")
+    try:
+        return zipfile.ZipFile(path)
+    except _READ_ERRORS as err:
+        raise _unreadable(path, f"a damaged zip archive ({type(err).__name__}: {err})") from None
+
+
 def load_capture(path: str | Path, scale: float = SEED_SCALE) -> Capture:
     """Read a capture file, naming the file and the array whenever it does not fit the format."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"capture file {path} does not exist")
-    with np.load(path, allow_pickle=False) as z:
-        missing = [name for name in CAPTURE_ARRAYS if name not in z.files]
-        if missing:
-            raise ValueError(f"capture {path.name}: missing arrays {missing}; the format holds {list(CAPTURE_ARRAYS)}")
-        arrays = {name: z[name] for name in CAPTURE_ARRAYS}
+    with _open_archive(path) as archive:
+        _headers(path, archive)  # every member's size agrees with its npy header before numpy reads its data
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            missing = [name for name in CAPTURE_ARRAYS if name not in z.files]
+            if missing:
+                raise ValueError(f"capture {path.name}: missing arrays {missing}; the format holds "
+                                 f"{list(CAPTURE_ARRAYS)}")
+            arrays = {name: z[name] for name in CAPTURE_ARRAYS}
+    except _Unreadable:
+        raise
+    except ValueError as err:
+        if str(err).startswith(f"capture {path.name}:"):
+            raise
+        raise _unreadable(path, _numpy_reason(err)) from None
+    except _READ_ERRORS as err:
+        raise _unreadable(path, f"a damaged archive member ({type(err).__name__}: {err})") from None
     for name in ("query", "key", "value"):
         if arrays[name].dtype != np.float32:
             raise TypeError(f"capture {path.name}: {name} must be float32, got {arrays[name].dtype}")
@@ -148,18 +193,101 @@ def load_capture(path: str | Path, scale: float = SEED_SCALE) -> Capture:
     return Capture(**tensors, scale=scale, name=path.name)
 
 
-def peek_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Array shapes of a capture file read from the npy headers only (no data loaded)."""
-    shapes = {}
-    with zipfile.ZipFile(path) as zf:
-        for member in zf.namelist():
-            with zf.open(member) as fh:
+def _numpy_reason(err: Exception) -> str:
+    """numpy's refusal in our words: object (pickled) arrays are never loaded, so no advice to allow them."""
+    text = str(err)
+    if "pickle" in text or "Object arrays" in text:
+        return "it holds object (pickled) arrays, which are never loaded"
+    return f"a damaged array ({type(err).__name__}: {text.splitlines()[0] if text else ''})"
+
+
+def _headers(path: Path, archive: zipfile.ZipFile) -> dict[str, tuple[tuple[int, ...], np.dtype, int]]:
+    """member name -> (shape, dtype, bytes its data takes) from each npy header; no array data is read."""
+    found = {}
+    for info in archive.infolist():
+        try:
+            with archive.open(info) as fh:
                 version = np.lib.format.read_magic(fh)
                 read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                         else np.lib.format.read_array_header_2_0)
-                shape, _, _ = read(fh)
-            shapes[member.removesuffix(".npy")] = tuple(shape)
+                shape, _, dtype = read(fh)
+                header_bytes = fh.tell()
+        except zipfile.BadZipFile as err:  # a small member is read whole, so its CRC is checked here already
+            raise _unreadable(path, f"member {info.filename!r} is damaged ({err})") from None
+        except _READ_ERRORS as err:
+            raise _unreadable(path, f"member {info.filename!r} is not a numpy array "
+                                    f"({type(err).__name__}: {err})") from None
+        if dtype.hasobject:
+            raise _unreadable(path, f"member {info.filename!r} holds object (pickled) data, which is never loaded")
+        expected = header_bytes + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if info.file_size != expected:
+            raise _unreadable(path, f"member {info.filename!r} holds {info.file_size} bytes where its header "
+                                    f"declares {expected} (truncated or padded)")
+        found[info.filename.removesuffix(".npy")] = (tuple(shape), dtype, expected)
+    return found
+
+
+def validate_file(path: str | Path, *, data: bool = True) -> dict[str, tuple[int, ...]]:
+    """Check one capture file against the format from its headers (and, with ``data``, every member's CRC).
+
+    Returns the array shapes; raises ValueError naming the file and what is wrong.
+    """
+    path = Path(path)
+    with _open_archive(path) as archive:
+        headers = _headers(path, archive)
+        missing = [name for name in CAPTURE_ARRAYS if name not in headers]
+        if missing:
+            raise ValueError(f"capture {path}: missing arrays {missing}; the format holds {list(CAPTURE_ARRAYS)}")
+        for name in ("query", "key", "value"):
+            if headers[name][1] != np.float32:
+                raise ValueError(f"capture {path}: {name} must be float32, got {headers[name][1]}")
+        if headers["mask"][1] != np.bool_:
+            raise ValueError(f"capture {path}: mask must be bool (True = may attend), got {headers['mask'][1]}")
+        shapes = {name: headers[name][0] for name in CAPTURE_ARRAYS}
+        check_shapes(str(path), shapes)
+        if data:
+            try:
+                bad = archive.testzip()
+            except _READ_ERRORS as err:
+                raise _unreadable(path, f"a damaged archive ({type(err).__name__}: {err})") from None
+            if bad is not None:
+                raise _unreadable(path, f"member {bad!r} fails its CRC check (corrupted)")
     return shapes
+
+
+def check_shapes(name: str, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The format's shape rules on shapes alone (a file's headers; Capture checks the same on its tensors)."""
+    q, k, v, m = (tuple(shapes[n]) for n in CAPTURE_ARRAYS)
+    for array, shape in (("query", q), ("key", k), ("value", v)):
+        if len(shape) != 4:
+            raise ValueError(f"capture {name}: {array} must be a (B, S, H, D) tensor, got shape {shape}")
+    if k != v:
+        raise ValueError(f"capture {name}: key {k} and value {v} differ")
+    if q[0] != k[0] or q[3] != k[3]:
+        raise ValueError(f"capture {name}: query {q} and key {k} must share batch and head dim")
+    if k[2] == 0 or q[2] % k[2]:
+        raise ValueError(f"capture {name}: {q[2]} query heads are not a multiple of {k[2]} key/value heads")
+    expected = (q[0], 1, q[1], k[1])
+    if m != expected:
+        raise ValueError(f"capture {name}: mask must be bool of shape (B, 1, Q, KV) = {expected}, got {m}")
+
+
+def validate_directory(directory: str | Path) -> list[Path]:
+    """Every capture file of ``directory`` checked from its headers, and the files the checks load (one per
+    phase) byte for byte: a ValueError naming the first bad file, before anything runs on them."""
+    files = find_captures(directory)
+    for path in files:
+        validate_file(path, data=False)
+    for path in sorted({phase_capture_path(directory, phase) for phase in SEED_CALLS}):
+        validate_file(path, data=True)
+    return files
+
+
+def peek_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Array shapes of a capture file read from the npy headers only (no data loaded)."""
+    path = Path(path)
+    with _open_archive(path) as archive:
+        return {name: shape for name, (shape, _, _) in _headers(path, archive).items()}
 
 
 def find_captures(directory: str | Path) -> list[Path]:

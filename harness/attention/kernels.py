@@ -23,7 +23,7 @@ from harness.attention.layout import AttentionLayout
 from harness.attention.spy import Launch
 
 __all__ = ["BLOCK", "KERNELS", "Fact", "KernelSpec", "block_coverage", "check_block", "get_kernel", "gqa_fact",
-           "register"]
+           "kernels_under_test", "register"]
 
 Fact = tuple[bool, str, dict[str, Any]]
 BLOCK = padded.BLOCK
@@ -209,6 +209,16 @@ def get_kernel(name: str) -> KernelSpec:
     raise TypeError(f"attention kernel {name!r} ({plugins.ATTENTION_KERNELS.origin(name) or 'unknown origin'}) must "
                     f"be a harness.attention.kernels.KernelSpec or a callable kernel(query, key, value, layout, *, "
                     f"scale=None), got {type(entry).__name__}")
+
+
+def kernels_under_test() -> tuple[str, ...]:
+    """Every registered kernel the catalogue judges (not the reference, not the negative control): the
+    shipped ones in their order, then an installed package's, by name."""
+    register(plugins)
+    shipped = [name for name, spec in KERNELS.items() if spec.under_test]
+    installed = [name for name in plugins.ATTENTION_KERNELS.names()
+                 if name not in KERNELS and get_kernel(name).under_test]
+    return (*shipped, *installed)
 
 
 def gqa_fact(launches: Sequence[Launch], kv_heads: int) -> Fact:

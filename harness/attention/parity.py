@@ -95,7 +95,7 @@ def compare_kernel(kernel: kernels.KernelSpec | str, capture: Capture, policy: P
     verdict = verdict.require(actual.dtype == q.dtype and tuple(actual.shape) == tuple(q.shape),
                               "the output is (B, H, Q, D) in the inputs' dtype",
                               output=f"{tuple(actual.shape)} {str(actual.dtype).split('.')[-1]}")
-    max_abs_floor = floor.max_abs if isinstance(floor, FloorControl) else floor
+    max_abs_floor = floor.max_abs_floor() if isinstance(floor, FloorControl) else floor
     for p in _policies(policy):
         verdict = bounded(verdict, p, max_abs_floor)
     if max_rel_l2 is not None:
@@ -104,7 +104,7 @@ def compare_kernel(kernel: kernels.KernelSpec | str, capture: Capture, policy: P
                                   rel_l2_bound=max_rel_l2)
         if not isinstance(floor, FloorControl):
             raise ValueError("max_rel_l2 needs floor=FloorControl: its stock relative L2 bounds it from both sides")
-        verdict = verdict.require_bounded(max_rel_l2, floor.rel_l2, k_min=K_MIN, k_max=K_MAX,
+        verdict = verdict.require_bounded(max_rel_l2, floor.rel_l2_floor(), k_min=K_MIN, k_max=K_MAX,
                                           what="relative L2 bound")
     if impl is not None:
         ran = conformance.calls("attention") - calls_before

@@ -20,6 +20,7 @@ import torch
 from harness.attention.capture import Capture
 from harness.attention.reference import attend_masked, expand_kv
 from harness.compare import NoiseFloor, Policy, Verdict, locate, max_abs_diff, noise_floor, rel_l2
+from harness.floors import StockFloor
 
 __all__ = [
     "BF16_K",
@@ -67,34 +68,59 @@ def in_dtype(capture: Capture, dtype: torch.dtype) -> Capture:
 # ----------------------------------------------------------------------------------------------- fp32
 
 
+# Every attention floor's stated minimum: one ulp of the reference's dtype at the compared quantity's own magnitude
+# (the output's max |value| for max|d|, 1 for a relative error). A kernel and its reference can agree bitwise.
+FLOOR_ULPS = 1.0
+
+
 @dataclass(frozen=True)
 class FloorControl:
-    """The reference's own error against an fp64 ground truth: the noise floor of its dtype."""
+    """The reference's own error against an fp64 ground truth: the noise floor of its dtype.
+
+    ``scale`` is the truth's max |value|, the magnitude the max|d| floor's minimum is counted in.
+    """
 
     max_abs: float
     rel_l2: float
     dtype: str
+    scale: float = 0.0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype.removeprefix("torch."))
+
+    def max_abs_floor(self) -> StockFloor:
+        """The max|d| floor, at least FLOOR_ULPS ulps of the output's magnitude."""
+        return StockFloor(self.max_abs, self.scale, FLOOR_ULPS, self.torch_dtype,
+                          source=f"masked SDPA {self.dtype} vs fp64")
+
+    def rel_l2_floor(self) -> StockFloor:
+        """The relative-L2 floor, at least FLOOR_ULPS ulps of a relative quantity (magnitude 1)."""
+        return StockFloor(self.rel_l2, 1.0, FLOOR_ULPS, self.torch_dtype,
+                          source=f"masked SDPA {self.dtype} vs fp64, relative L2")
 
 
 def floor_control(capture: Capture, reference: torch.Tensor | None = None) -> FloorControl:
     ref = reference_output(capture) if reference is None else reference
     truth = reference_output(capture, torch.float64)
-    return FloorControl(max_abs_diff(ref, truth), rel_l2(ref, truth), str(ref.dtype))  # both compare in fp64
+    return FloorControl(max_abs_diff(ref, truth), rel_l2(ref, truth), str(ref.dtype),  # both compare in fp64
+                        float(truth.abs().max()) if truth.numel() else 0.0)
 
 
 def floor_policy(control: FloorControl, k: float = FP32_K) -> NoiseFloor:
-    """max|d| within k x the reference's own error against fp64 on the same capture.
+    """max|d| within k x the reference's own error against fp64 on the same capture (at least its minimum).
 
     One missed key at S ~ 5k moves outputs by ~1e-4, two orders of magnitude above the fp32 floor
     (~1e-7 .. 5e-7 measured), so k = 4 leaves rounding room without hiding a mask bug.
     """
-    reason = f"k x masked SDPA {control.dtype} vs fp64 on the same capture"
-    return noise_floor(control.max_abs, k, metric="max_abs", reason=reason)
+    floor = control.max_abs_floor()
+    return noise_floor(floor.value, k, metric="max_abs", reason=f"k x {floor.describe()} on the same capture")
 
 
 def rel_l2_bound(control: FloorControl, k: float = FP32_K) -> float:
-    """The relative-L2 twin of ``floor_policy``: k x the reference's own relative L2 vs fp64."""
-    return k * control.rel_l2
+    """The relative-L2 twin of ``floor_policy``: k x the reference's own relative L2 vs fp64 (at least its
+    minimum)."""
+    return k * control.rel_l2_floor().value
 
 
 # ------------------------------------------------------------------------------------- low precision
@@ -113,6 +139,16 @@ class RowControl:
     relative: float
     worst_row: str
     dtype: str
+
+    def floor(self) -> StockFloor:
+        """The relative floor, at least FLOOR_ULPS ulps of ``dtype`` (a relative quantity: magnitude 1)."""
+        return StockFloor(self.relative, 1.0, FLOOR_ULPS, getattr(torch, self.dtype.removeprefix("torch.")),
+                          source=f"{self.dtype} masked SDPA vs fp64, worst row {self.worst_row}")
+
+    @property
+    def relative_floor(self) -> float:
+        """The relative floor a bound multiplies: the measurement, or its minimum where it showed less."""
+        return self.floor().value
 
 
 def row_control(capture: Capture, dtype: torch.dtype, truth: torch.Tensor | None = None) -> RowControl:
@@ -141,7 +177,8 @@ class RowScaledFloor(Policy):
     reason: str = ""
 
     def describe(self) -> str:
-        text = (f"row_scaled(max|d| per query row <= {self.k:g} x {self.control.relative:.3e} x the row's max|ref|, "
+        text = (f"row_scaled(max|d| per query row <= {self.k:g} x {self.control.relative_floor:.3e} x the row's "
+                f"max|ref|, "
                 f"control: {self.control.dtype} masked SDPA vs fp64)")
         return f"{text} [{self.reason}]" if self.reason else text
 
@@ -149,7 +186,7 @@ class RowScaledFloor(Policy):
         if actual.shape != expected.shape:
             raise ValueError(f"shape mismatch: actual {tuple(actual.shape)} vs expected {tuple(expected.shape)}")
         error, scale = _row_error_and_scale(actual, expected)
-        bound = self.k * self.control.relative * scale
+        bound = self.k * self.control.relative_floor * scale
         finite = bool(torch.isfinite(actual).all()) and bool(torch.isfinite(expected).all())
         metrics = {"max_abs": max_abs_diff(actual, expected), "rel_l2": rel_l2(actual, expected),
                    "relative_control": self.control.relative, "control_row": self.control.worst_row, "k": self.k}
@@ -166,7 +203,7 @@ class RowScaledFloor(Policy):
         passed = margin <= 1.0
         message = "" if passed else (
             f"{what}: {int((ratio > 1).sum())} / {ratio.numel()} query rows beyond the row bound; worst at {where}: "
-            f"max|d| {metrics['worst_row_error']:.3e} > {self.k:g} x {self.control.relative:.3e} x row max|ref| "
+            f"max|d| {metrics['worst_row_error']:.3e} > {self.k:g} x {self.control.relative_floor:.3e} x row max|ref| "
             f"{metrics['worst_row_scale']:.3e}")
         return Verdict(check_id, passed, metrics, self.describe(), margin, headline="row_ratio", tolerance=1.0,
                        message=message)
@@ -183,25 +220,26 @@ def low_precision_policy(capture: Capture, dtype: torch.dtype, truth: torch.Tens
 # ------------------------------------------------------------------------------------ two-sided bounds
 
 
-def bound_and_floor(policy: Policy, floor: float | None) -> tuple[float, float] | None:
+def bound_and_floor(policy: Policy, floor: float | StockFloor | None) -> tuple[float, float | StockFloor] | None:
     """(the policy's bound, the measured floor it is a multiple of), or None when it cannot be told.
 
     A noise-floor policy's bound is compared with ``floor`` (measured by the caller on stock code);
     a row-scaled policy carries its own: k x the relative control against the relative control.
     """
     if isinstance(policy, RowScaledFloor):
-        return policy.k * policy.control.relative, policy.control.relative
+        return policy.k * policy.control.relative_floor, policy.control.floor()
     if isinstance(policy, NoiseFloor) and floor is not None:
-        return policy.bound, float(floor)
+        return policy.bound, floor if isinstance(floor, StockFloor) else float(floor)
     return None
 
 
-def bounded(verdict: Verdict, policy: Policy, floor: float | None) -> Verdict:
+def bounded(verdict: Verdict, policy: Policy, floor: float | StockFloor | None) -> Verdict:
     """Require the policy's bound within [K_MIN, K_MAX] x its measured floor ("too loose" / "too tight")."""
     pair = bound_and_floor(policy, floor)
     if pair is None:
         return verdict.require(False, f"tolerance of {policy.describe()} is too loose: it is not a multiple of a "
                                       "floor measured on stock code")
     bound, measured = pair
+    value = measured.value if isinstance(measured, StockFloor) else measured
     return verdict.require_bounded(bound, measured, k_min=K_MIN, k_max=K_MAX).with_metrics(
-        bound_floor_multiple=bound / measured if measured > 0 else math.inf)
+        bound_floor_multiple=bound / value if value > 0 else math.inf)

@@ -7,16 +7,17 @@ fixed-size status exchange, never between a status exchange and the collective i
 1. probe: after decoding its pieces every rank all-gathers a fixed-size probe (status, count, latent
    length, dtype, shape); agreement is derived from ALL probes, so a decoder error or a ragged piece
    on one rank stops every rank together, before any payload moves;
-2. gather: buffers are allocated, then ``confirm("gather")`` (one int per rank), then the bare
-   payload collective, sized from the agreed probe so it cannot go ragged;
-3. assemble: the post-loop runs, then ``confirm("assemble")``: a rank whose post-loop failed makes
-   every rank raise instead of the others returning a video alone.
+2. gather: buffers are allocated, then ``confirm("gather")`` (one int per rank);
+3. assemble: the payload collective (sized from the agreed probe so it cannot go ragged) and the
+   post-loop run, then ``confirm("assemble")``: a rank that raised in or right after the payload
+   collective, or in its post-loop, makes every rank raise instead of the others returning a video alone.
 
 A failure anywhere therefore raises ShardedDecodeError on every rank within one status exchange,
 naming the failed rank, with no rank left inside a collective. The status exchanges are ordinary
 all-gathers of device tensors, so the same design holds on NCCL (no gloo-only monitored_barrier). What
-stays the transport's to report is a failure inside a collective itself (a dead peer, a broken link):
-the process-group timeout, or NCCL's async error handling, bounds that one.
+stays the launcher's to report is a peer that stops or dies inside a collective: the suite's worlds
+(harness.dist, and harness.launch under torchrun) raise on every rank within their fault bound, and a
+bare training job has its process-group timeout or NCCL's async error handling.
 """
 
 from __future__ import annotations

@@ -19,7 +19,11 @@ __all__ = ["MINIMAX_H3", "MINIMAX_H3_KIND", "VaeFamily", "register"]
 
 @dataclass(frozen=True)
 class VaeFamily:
-    """A video VAE the decode path can shard: its diffusers class and the calls under test."""
+    """A video VAE the decode path can shard: its diffusers class and the calls under test.
+
+    An installed VAE that gives ``tiny`` (a factory of a seeded random-init VAE from a config) gets the
+    decode catalogue's W x length matrix on it (``decode.<name>.t<frames>.w<W>.bitexact``); the suite's
+    own VAE keeps its tiny models in ``fixtures.decode_models``."""
 
     name: str
     class_name: str
@@ -27,6 +31,7 @@ class VaeFamily:
     sharded_decode: Callable[..., Any]  # sharded_decode(vae, z, group), the conformance signature
     stock_encode: Callable[..., Any]
     sharded_encode: Callable[..., Any]
+    tiny: Callable[[], Any] | None = None  # a seeded tiny VAE from a config: an installed VAE's CPU catalogue
 
     def drives(self, vae: Any) -> bool:
         return type(vae).__name__ == self.class_name

@@ -23,10 +23,25 @@ import torch
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import ShardedDecodeError
 
-__all__ = ["ClipServer", "PieceServer", "bound", "run_encode_post_loop", "run_post_loop", "serve_clips",
+__all__ = ["ClipServer", "PieceServer", "bound", "run_encode_post_loop", "run_post_loop", "same_bits", "serve_clips",
            "serve_encode_clips", "serve_tiles"]
 
 _MISSING = object()
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same values bit for bit: dtype, shape and every element's bit pattern.
+
+    Not ``torch.equal``: NaN != NaN there, so a latent holding a NaN would read as a plan mismatch, and
+    -0.0 == 0.0 would let a different input pass.
+    """
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    bits = _BITS.get(a.element_size())
+    if bits is None or a.is_complex():
+        return torch.equal(a, b)
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
 
 
 @contextlib.contextmanager
@@ -61,7 +76,7 @@ class PieceServer:
             raise ShardedDecodeError(f"the library asked {self.what} for piece {index} but only {len(self.pieces)} "
                                      "were gathered; the installed VAE no longer matches the plan")
         expected = self.expected(index)
-        if given.shape != expected.shape or not torch.equal(given, expected):
+        if not same_bits(given, expected):
             raise ShardedDecodeError(f"the library's {self.what} call {index} passed an input of shape "
                                      f"{tuple(given.shape)} that is not the planned one of shape "
                                      f"{tuple(expected.shape)}; the installed VAE no longer matches the plan")

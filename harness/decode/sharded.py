@@ -177,15 +177,16 @@ def _across_group(compute: Callable[[int], torch.Tensor], num_units: int, length
         failure = err
     exchange.confirm("gather", failure, rank, device, group)
     assert payload is not None
-    slabs = exchange.collect(payload, received, transport, target, group)
     result: torch.Tensor | None = None
     failure = None
-    if receiving:
-        try:
+    try:  # the payload collective and what follows it on this rank sit inside the protocol: a local failure
+        # in either reaches every rank through the assemble status, never leaving the others in a collective
+        slabs = exchange.collect(payload, received, transport, target, group)
+        if receiving:
             assert slabs is not None
             result = assemble(exchange.order_units(slabs, num_units, world_size))
-        except Exception as err:  # noqa: BLE001 - reported through the status exchange
-            failure = err
+    except Exception as err:  # noqa: BLE001 - reported through the status exchange
+        failure = err
     exchange.confirm("assemble", failure, rank, device, group)
     return result
 

@@ -25,8 +25,11 @@ __all__ = [
     "Guidance",
     "WrappedAdapter",
     "concat_branches",
+    "declared_layout",
     "guidance_at",
+    "model_timestep",
     "predict_velocity",
+    "split_branches",
 ]
 
 FUSED_COND_FIRST = "fused_cond_first"
@@ -111,6 +114,23 @@ def _check_layout(adapter: DenoiserAdapter, conditions: Conditions) -> None:
                          "[cond_B; uncond_B] rows with cfg_factor=2, not Conditions.negative")
 
 
+def model_timestep(adapter: DenoiserAdapter, sigma: torch.Tensor) -> torch.Tensor:
+    """The model's timestep for per-row ``sigma``: the adapter's hook, in its pipeline's units."""
+    return adapter.timestep(sigma)
+
+
+def declared_layout(adapter: DenoiserAdapter) -> str:
+    """The CFG layout the adapter declares: which half of a two-branch forward's rows is the cond branch."""
+    return adapter.cfg_layout
+
+
+def split_branches(layout: str, out: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cond, uncond) halves of a two-branch forward's output: ``[uncond; cond]`` uncond-first,
+    ``[cond; uncond]`` fused cond-first."""
+    first, second = out[:rows], out[rows:]
+    return (second, first) if layout == UNCOND_FIRST else (first, second)
+
+
 def predict_velocity(adapter: DenoiserAdapter, x: torch.Tensor, sigma: torch.Tensor | float,
                      conditions: Conditions, guidance_scale: float) -> torch.Tensor:
     """Velocity for ``x [N, *latent]`` at per-row ``sigma``, with CFG in the adapter's layout and combine.
@@ -123,11 +143,10 @@ def predict_velocity(adapter: DenoiserAdapter, x: torch.Tensor, sigma: torch.Ten
     if rows != conditions.batch:
         raise ValueError(f"latents have {rows} rows but the conditions are for batch {conditions.batch}")
     _check_layout(adapter, conditions)
-    timestep = adapter.timestep(as_rows(sigma, rows))
+    timestep = model_timestep(adapter, as_rows(sigma, rows))
     if not conditions.guided:
         return adapter.forward(x, timestep, broadcast_rows(conditions))
     fused = concat_branches(conditions.negative, conditions) if conditions.negative is not None else conditions
     out = adapter.forward(torch.cat([x, x]), torch.cat([timestep, timestep]), broadcast_rows(fused))
-    first, second = out[:rows], out[rows:]
-    uncond, cond = (first, second) if adapter.cfg_layout == UNCOND_FIRST else (second, first)
+    cond, uncond = split_branches(declared_layout(adapter), out, rows)
     return adapter.combine(cond, uncond, guidance_scale)

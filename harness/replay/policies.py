@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.compare import Policy, Verdict, exact, locate
+from harness.floors import StockFloor
 from harness.replay.controls import BatchShapeControl
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "K_MIN",
     "MODEL_DTYPES",
     "RESOLUTION",
+    "RESOLUTION_ULPS",
     "LocalScaleBound",
     "exact",
     "k_for",
@@ -41,7 +43,9 @@ BF16_K = 2.0  # bf16: 2 x the relative floor; its GEMMs round differently at eve
 # The smallest relative floor a policy uses: 4 fp32 ulps, the resolution of the SDE math (always fp32).
 # The model dtype's rounding enters through the measured control, not through a fixed step: a bf16 ulp
 # of a log-prob (which is dominated by its -log std term) would hide the velocity errors under it.
-RESOLUTION = 4 * torch.finfo(torch.float32).eps
+FP32_EPS = float(torch.finfo(torch.float32).eps)
+RESOLUTION_ULPS = 4.0
+RESOLUTION = RESOLUTION_ULPS * FP32_EPS
 MODEL_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # leading dims that keep their own scale: log_probs [B, S] per row; means [B, S, *latent] per (row, step)
 LOCAL_DIMS = {"log_probs": 1, "prev_sample_means": 2}
@@ -81,13 +85,20 @@ class LocalScaleBound(Policy):
         return max(self.relative_floor, self.resolution)
 
     @property
+    def stock_floor(self) -> StockFloor:
+        """The relative floor with its minimum: ``resolution`` is RESOLUTION_ULPS fp32 ulps of a relative
+        quantity (magnitude 1); the control may measure exactly zero on a batch-invariant host."""
+        return StockFloor(self.relative_floor, 1.0, self.resolution / FP32_EPS,
+                          source="stock serial at B rows vs at the fast path's shape, relative to the local magnitude")
+
+    @property
     def relative_bound(self) -> float:
         return self.k * self.effective_floor
 
     def describe(self) -> str:
         return (f"local_scale({self.dtype} {self.what}: |d| <= {self.k:g} x max(floor {self.relative_floor:.2e}, "
                 f"resolution {self.resolution:.2e}) x local |{self.what}|; floor = stock serial at B rows vs "
-                f"in an S x larger batch, relative to the local magnitude)")
+                f"at the fast path's S x cfg x B-row shape, relative to the local magnitude)")
 
     def judge(self, check_id, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
         if actual.shape != expected.shape:
@@ -122,7 +133,7 @@ class LocalScaleBound(Policy):
                        f"|{self.what}| {float(scale.reshape(-1)[at]):.3e})")
         verdict = Verdict(check_id, passed, metrics, self.describe(), margin, headline="max_relative_to_local",
                           tolerance=self.relative_bound, message=message)
-        return verdict.require_bounded(self.relative_bound, self.effective_floor, k_min=K_MIN, k_max=K_MAX,
+        return verdict.require_bounded(self.relative_bound, self.stock_floor, k_min=K_MIN, k_max=K_MAX,
                                        what=f"relative {self.what} bound")
 
 

@@ -7,18 +7,23 @@ the hash of every project source file and the pytest arguments: a rerun on uncha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["CoverageMap", "collect"]
+
+ENGINE_TESTS = "tests/test_mutation_engine.py"  # they exercise the engine on toy modules, never harness/
 
 
 @dataclass
@@ -78,14 +83,13 @@ class CoverageMap:
                    data["cache_users"], data["durations"], data["failing"], data["seconds"])
 
 
-_ENGINE_FILES = {"tests/test_mutation_engine.py"}  # the engine's own files do not change what tests cover
 
 
 def _fingerprint(repo: Path, files: list[str], pytest_args: list[str], roots: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps([files, pytest_args, list(roots)]).encode())
     sources = sorted(p for root in roots for p in (repo / root).rglob("*.py")
-                     if ".venv" not in p.parts and p.relative_to(repo).as_posix() not in _ENGINE_FILES
+                     if ".venv" not in p.parts and p.relative_to(repo).as_posix() != ENGINE_TESTS
                      and not p.relative_to(repo).as_posix().startswith("mutation/engine/"))
     sources += [repo / "conftest.py", repo / "pyproject.toml"]
     for path in sources:
@@ -96,27 +100,41 @@ def _fingerprint(repo: Path, files: list[str], pytest_args: list[str], roots: tu
 
 
 def collect(repo: Path, files: list[str], pytest_args: list[str], roots: tuple[str, ...], *,
-            cache_dir: Path, env: dict[str, str], log: callable = print) -> CoverageMap:
-    """The coverage map of ``files`` (repo-relative) under ``pytest_args``; cached by source hash."""
+            cache_dir: Path, env: dict[str, str], log: callable = print, jobs: int = 1) -> CoverageMap:
+    """The coverage map of ``files`` (repo-relative) under ``pytest_args``; cached by source hash. With ``jobs``
+    > 1 and no test paths in ``pytest_args``, the test files are split into that many shards run at once."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     cached = cache_dir / f"coverage-{_fingerprint(repo, files, pytest_args, roots)}.json"
     if cached.is_file():
         log(f"coverage: reusing {cached.relative_to(repo) if cached.is_relative_to(repo) else cached}")
         return CoverageMap.from_json(json.loads(cached.read_text()))
     began = time.perf_counter()
+    shards = _shards(repo, pytest_args, jobs, cache_dir)
     with tempfile.TemporaryDirectory(prefix="mutcov-") as tmp:
-        spec = {"files": [str(repo / f) for f in files], "roots": list(roots), "tmp": tmp}
-        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
-        log(f"coverage: running {' '.join(pytest_args)} once under coverage.py")
-        proc = subprocess.run([sys.executable, "-m", "mutation.engine.coverage_map", tmp, "--", *pytest_args],
-                              cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        result = Path(tmp) / "map.json"
-        if not result.is_file():
-            raise RuntimeError(f"the coverage pass failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
-        data = json.loads(result.read_text())
-    if data["exit"] not in (0, 1) or not data["durations"]:  # 1: some tests failed (they never kill); else broken
-        raise RuntimeError(f"the coverage pass ran {len(data['durations'])} tests and pytest exited {data['exit']} "
-                           f"(a collection or usage error?):\n{proc.stdout[-4000:]}")
+        log(f"coverage: running {' '.join(pytest_args)} once under coverage.py"
+            + (f", in {len(shards)} shards of test files" if len(shards) > 1 else ""))
+        commands, folders = [], []
+        for number, shard in enumerate(shards):
+            folder = Path(tmp) / f"shard{number}"
+            folder.mkdir()
+            spec = {"files": [str(repo / f) for f in files], "roots": list(roots), "tmp": str(folder)}
+            (folder / "spec.json").write_text(json.dumps(spec))
+            commands.append([sys.executable, "-m", "mutation.engine.coverage_map", str(folder), "--", *pytest_args,
+                             *shard])
+            folders.append(folder)
+        outputs = _run_passes(commands, repo, env)
+        parts = []
+        for folder, proc in zip(folders, outputs, strict=True):
+            result = folder / "map.json"
+            if not result.is_file():
+                raise RuntimeError(f"the coverage pass failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+            parts.append(json.loads(result.read_text()))
+    data = _merge(parts)
+    if any(p["exit"] not in (0, 1, 5) for p in parts) or not data["durations"]:  # 1: some tests failed (they never
+        # kill); 5: a shard selected no test; anything else is broken
+        raise RuntimeError(f"the coverage pass ran {len(data['durations'])} tests and pytest exited "
+                           f"{[p['exit'] for p in parts]} (a collection or usage error?):\n"
+                           + "\n".join(o.stdout[-2000:] for o in outputs))
     data["seconds"] = time.perf_counter() - began
     coverage_map = CoverageMap.from_json(data)
     coverage_map.lines = {_relative(repo, f): ls for f, ls in coverage_map.lines.items()}
@@ -125,6 +143,78 @@ def collect(repo: Path, files: list[str], pytest_args: list[str], roots: tuple[s
     log(f"coverage: {len(coverage_map.durations)} tests in {coverage_map.seconds:.0f} s "
         f"({len(coverage_map.failing)} not passing, never used to kill)")
     return coverage_map
+
+
+def _shards(repo: Path, pytest_args: list[str], jobs: int, cache_dir: Path) -> list[list[str]]:
+    """The test files of the default selection (the engine's own tests left out: they never run harness/) split
+    into ``jobs`` shards of about equal baseline time (the last coverage map's, else file size), or one shard of
+    nothing extra when the arguments name test paths."""
+    named = [a for a in pytest_args if not a.startswith("-") and (repo / a.split("::")[0]).exists()]
+    if named:
+        return [[]]
+    config = tomllib.loads((repo / "pyproject.toml").read_text())
+    roots = config.get("tool", {}).get("pytest", {}).get("ini_options", {}).get("testpaths", [])
+    tests = sorted(str(p.relative_to(repo)) for root in roots for p in (repo / root).rglob("test_*.py")
+                   if str(p.relative_to(repo)) != ENGINE_TESTS)
+    weight = {t: float((repo / t).stat().st_size) for t in tests}
+    previous = sorted(cache_dir.glob("coverage-*.json"), key=lambda p: p.stat().st_mtime)
+    if previous:
+        with contextlib.suppress(ValueError, KeyError, OSError):
+            seconds: dict[str, float] = {}
+            for test, duration in json.loads(previous[-1].read_text())["durations"].items():
+                seconds[test.split("::")[0]] = seconds.get(test.split("::")[0], 0.0) + duration
+            weight = {t: seconds.get(t, 0.1) for t in tests}
+    jobs = max(1, jobs)
+    shards: list[list[str]] = [[] for _ in range(jobs)]
+    load = [0.0] * jobs
+    for test in sorted(tests, key=lambda t: (-weight[t], t)):  # longest first, onto the lightest shard
+        lightest = load.index(min(load))
+        shards[lightest].append(test)
+        load[lightest] += weight[test]
+    return [sorted(shard) for shard in shards if shard]
+
+
+def _merge(parts: list[dict]) -> dict:
+    """One coverage map from the shards' maps: lines, caches and cache users are unions; tests are disjoint."""
+    lines: dict[str, dict[str, set[str]]] = {}
+    caches: dict[str, dict[str, set[str]]] = {}
+    users: dict[str, set[str]] = {}
+    durations: dict[str, float] = {}
+    failing: set[str] = set()
+    for part in parts:
+        for target, source in ((lines, part["lines"]), (caches, part["caches"])):
+            for file, by_line in source.items():
+                for line, names in by_line.items():
+                    target.setdefault(file, {}).setdefault(str(line), set()).update(names)
+        for label, contexts in part["cache_users"].items():
+            users.setdefault(label, set()).update(contexts)
+        durations.update(part["durations"])
+        failing.update(part["failing"])
+    return {"lines": {f: {k: sorted(v) for k, v in ls.items()} for f, ls in lines.items()},
+            "caches": {f: {k: sorted(v) for k, v in ls.items()} for f, ls in caches.items()},
+            "cache_users": {k: sorted(v) for k, v in users.items()}, "durations": durations,
+            "failing": sorted(failing), "seconds": 0.0}
+
+
+def _run_passes(commands: list[list[str]], repo: Path, env: dict[str, str]) -> list[subprocess.CompletedProcess]:
+    """The coverage shards at once, each in its own process group, so an interrupt takes their world ranks down."""
+    with contextlib.ExitStack() as stack:
+        outputs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in commands]
+        procs = [subprocess.Popen(c, cwd=repo, env=env, stdout=o, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=True) for c, o in zip(commands, outputs, strict=True)]
+        try:
+            codes = [proc.wait() for proc in procs]
+        except BaseException:
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            raise
+        done = []
+        for command, output, code in zip(commands, outputs, codes, strict=True):
+            output.seek(0)
+            done.append(subprocess.CompletedProcess(command, code, output.read(), None))
+        return done
 
 
 def _relative(repo: Path, file: str) -> str:

@@ -1,20 +1,24 @@
 """Mutation operators over Python source: where a plausible one-token bug can go, and the mutated tree.
 
 A site is found by walking the module's AST in a fixed order; a mutant names its site by that walk
-index, so the same source always yields the same mutants. Only code that runs when it is called is
-mutated: function bodies (methods, lambdas and nested functions included) and module-level constants
-``NAME = <number expression>``. Docstrings, annotations, decorators, ``raise`` arguments (error
-messages) and string constants are left alone: mutating them changes no computed value.
+index, so the same source always yields the same mutants. What is mutated is what reaches behaviour:
+function bodies (methods, lambdas and nested functions included), the defaults of functions and methods,
+module constants (``NAME = <number expression>``, annotated or not, and ``A, B = 1, 2``) and class
+constants and dataclass field defaults (``channel_dim = 1``, ``eta: float = 0.7``). Enum members are not:
+a member is a singleton compared by identity, so a live process cannot take a new value for it.
+Docstrings, annotations, decorators, ``raise`` arguments (error messages) and string constants are left
+alone: mutating them changes no computed value.
 """
 
 from __future__ import annotations
 
 import ast
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["OPERATORS", "Mutant", "apply", "find_mutants"]
+__all__ = ["OPERATORS", "Mutant", "apply", "apply_in_place", "find_mutants", "module_bindings", "parsed"]
 
 # one canonical replacement per operator: the classic one-token slips
 _BINOP_SWAP: dict[type[ast.operator], type[ast.operator]] = {
@@ -49,7 +53,10 @@ class Mutant:
     """One mutation of one module: where (file, line, walk index), what (operator, diff) and how to patch it.
 
     ``scope`` says how a live process takes the mutant: ``function`` (the code object of ``qualname``,
-    the outermost enclosing function, is replaced) or ``global`` (module constant ``qualname`` is rebound).
+    the outermost enclosing function, is replaced), ``default`` (a default of function ``qualname`` is
+    re-bound), ``class`` (class constant or field default ``qualname`` = ``Class.NAME`` is re-bound) or
+    ``global`` (module constant ``qualname`` is rebound). ``span`` is the first and last line of the
+    enclosing function or class (the lines whose tests may notice the mutant).
     """
 
     module: str
@@ -60,6 +67,10 @@ class Mutant:
     diff: str
     scope: str
     qualname: str
+    span: tuple[int, int] = (0, 0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "span", tuple(self.span))  # a list after a JSON round trip
 
     @property
     def key(self) -> str:
@@ -74,6 +85,30 @@ class _Site:
     scope: str
     qualname: str
     make: Callable[[ast.AST], ast.AST | None]
+    span: tuple[int, int]
+
+
+def module_bindings(body: list[ast.stmt]) -> list[tuple[str, ast.expr, ast.stmt]]:
+    """``(name, value, statement)`` for every ``NAME = value``, ``NAME: T = value`` and ``A, B = a, b`` in
+    ``body`` (a module's or a class's): the constants a mutant may rebind."""
+    found = []
+    for stmt in body:
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            target = stmt.targets[0]
+            if isinstance(target, ast.Name):
+                found.append((target.id, stmt.value, stmt))
+            elif (isinstance(target, ast.Tuple) and isinstance(stmt.value, ast.Tuple)
+                  and len(target.elts) == len(stmt.value.elts) and all(isinstance(e, ast.Name) for e in target.elts)):
+                found += [(e.id, v, stmt) for e, v in zip(target.elts, stmt.value.elts, strict=True)]
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
+            found.append((stmt.target.id, stmt.value, stmt))
+    return found
+
+
+def _enum(node: ast.ClassDef) -> bool:
+    """A class whose base names an enum (``enum.IntEnum``, ``Enum``, ``Flag``...): its members are not rebound."""
+    names = [base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "") for base in node.bases]
+    return any(name.endswith(("Enum", "Flag")) for name in names)
 
 
 def _number(node: ast.AST) -> bool:
@@ -113,23 +148,29 @@ class _Finder(ast.NodeVisitor):
         self._counter = 0
         self._classes: list[str] = []
         self._function: str | None = None   # qualname of the outermost enclosing function
-        self._global: str | None = None     # NAME of a module-level `NAME = <expr>` being walked
+        self._binding: tuple[str, str] | None = None  # (scope, qualname) of a default or constant being walked
+        self._span: tuple[int, int] = (0, 0)
         self._parents: list[ast.AST] = []
 
     # ------------------------------------------------------------------ scope tracking
     def _scope(self) -> tuple[str, str] | None:
         if self._function is not None:
             return "function", self._function
-        if self._global is not None:
-            return "global", self._global
-        return None
+        return self._binding
 
     def _add(self, node: ast.AST, operator: str, make: Callable[[ast.AST], ast.AST | None]) -> None:
         scope = self._scope()
         if scope is None:
             return
-        self.sites.append(_Site(self._counter, operator, node, scope[0], scope[1], make))
+        self.sites.append(_Site(self._counter, operator, node, scope[0], scope[1], make, self._span))
         self._counter += 1
+
+    def _visit_bound(self, value: ast.AST, scope: str, qualname: str, span: tuple[int, int]) -> None:
+        """Walk a default or a constant's value with its own scope (rebinding, not a code swap, applies it)."""
+        saved = self._binding, self._span
+        self._binding, self._span = (scope, qualname), span
+        self.visit(value)
+        self._binding, self._span = saved
 
     def generic_visit(self, node: ast.AST) -> None:
         self._parents.append(node)
@@ -141,14 +182,13 @@ class _Finder(ast.NodeVisitor):
 
     def visit_Module(self, node: ast.Module) -> None:
         self._parents.append(node)
+        constants = {id(stmt): [(n, v) for n, v, s in module_bindings([stmt]) if _has_number(v)] for stmt in node.body}
         for stmt in node.body:
             if _docstring(stmt, node):
                 continue
-            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                    and any(_number(n) for n in ast.walk(stmt.value))):
-                self._global = stmt.targets[0].id
-                self.visit(stmt.value)
-                self._global = None
+            if constants[id(stmt)]:
+                for name, value in constants[id(stmt)]:
+                    self._visit_bound(value, "global", name, (stmt.lineno, stmt.end_lineno or stmt.lineno))
             elif isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 self.visit(stmt)
         self._parents.pop()
@@ -156,23 +196,38 @@ class _Finder(ast.NodeVisitor):
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
         self._classes.append(node.name)
         self._parents.append(node)
+        constants = {} if self._function or _enum(node) else {
+            id(stmt): [(n, v) for n, v, s in module_bindings([stmt]) if _has_number(v)] for stmt in node.body}
         for stmt in node.body:
-            if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) or self._function:
+            if constants.get(id(stmt)):
+                for name, value in constants[id(stmt)]:
+                    self._visit_bound(value, "class", ".".join([*self._classes, name]),
+                                      (node.lineno, node.end_lineno or node.lineno))
+            elif isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) or self._function:
                 self.visit(stmt)
         self._parents.pop()
         self._classes.pop()
 
     def _visit_function(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         outer = self._function
+        qualname = ".".join([*self._classes, node.name])
+        span = (node.lineno, node.end_lineno or node.lineno)
+        defaults = [d for d in (*node.args.defaults, *node.args.kw_defaults) if d is not None]
+        for default in defaults:  # decorators and annotations run at definition time: not mutated
+            if outer is None:  # bound once, at import: the live function's defaults are rebound
+                self._visit_bound(default, "default", qualname, span)
+            else:  # evaluated each time the enclosing function runs: part of its code
+                self.visit(default)
+        saved_span = self._span
         if outer is None:
-            self._function = ".".join([*self._classes, node.name])
+            self._function, self._span = qualname, span
         self._parents.append(node)
-        for stmt in node.body:  # decorators, defaults and annotations run at definition time: not mutated
+        for stmt in node.body:
             if _docstring(stmt, node):
                 continue
             self.visit(stmt)
         self._parents.pop()
-        self._function = outer
+        self._function, self._span = outer, saved_span
 
     visit_FunctionDef = _visit_function
     visit_AsyncFunctionDef = _visit_function
@@ -283,12 +338,19 @@ class _Finder(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-# method calls whose removal changes what is computed (dtype, copy, layout, aliasing, sync), not lookups
+# method calls whose removal changes what is computed (dtype, copy, layout, aliasing, sync), not lookups.
+# Not `.cpu()`: the score is measured on the CPU tier, where `.cpu()` returns the very tensor it is called on,
+# so dropping it is equivalent by construction there (the gpu tier is what meets a CUDA tensor).
 _DROPPABLE = {
-    "float", "double", "half", "bfloat16", "long", "int", "bool", "clone", "contiguous", "detach", "cpu",
+    "float", "double", "half", "bfloat16", "long", "int", "bool", "clone", "contiguous", "detach",
     "item", "tolist", "squeeze", "flatten", "t", "sort", "reverse", "copy", "numpy", "abs", "exp", "log",
     "sqrt", "neg", "sum", "mean", "max", "min", "any", "all", "argmax", "cumsum", "wait", "barrier",
 }
+
+
+def _has_number(node: ast.AST) -> bool:
+    """A value with a number or a bool in it: a constant a one-token slip can change."""
+    return any(isinstance(n, ast.Constant) and type(n.value) in (int, float, bool) for n in ast.walk(node))
 
 
 def _negation_covered(test: ast.expr) -> bool:
@@ -375,7 +437,8 @@ def find_mutants(source: str, *, module: str, file: str) -> list[Mutant]:
         else:
             diff = _diff(lines, site.node, new)
         mutants.append(Mutant(module=module, file=file, line=site.node.lineno, index=site.index,
-                              operator=site.operator, diff=diff, scope=site.scope, qualname=site.qualname))
+                              operator=site.operator, diff=diff, scope=site.scope, qualname=site.qualname,
+                              span=site.span))
     return mutants
 
 
@@ -383,7 +446,32 @@ def apply(source: str, mutant: Mutant) -> ast.Module:
     """The module tree of ``source`` with ``mutant`` applied (compile it with the module's file name)."""
     tree = ast.parse(source, filename=mutant.file)
     mutated, site, _ = _replace(tree, mutant.index)
+    _check(site, mutant)
+    return mutated
+
+
+@functools.cache
+def parsed(source: str, file: str) -> tuple[ast.Module, list[_Site]]:
+    """The tree of ``source`` and its sites, once per process: the runner fills it before it forks, so a child
+    starts from it instead of parsing and walking the module again."""
+    tree = ast.parse(source, filename=file)
+    return tree, _sites(tree)
+
+
+def apply_in_place(source: str, mutant: Mutant) -> ast.Module:
+    """``apply`` without the copy: the cached tree of ``parsed`` itself is mutated and returned. Only for a
+    process that exits after using it (a forked mutant child), which never reads the cache again."""
+    tree, sites = parsed(source, mutant.file)
+    site = sites[mutant.index]
+    _check(site, mutant)
+    new = site.make(site.node)
+    if new is not site.node:
+        _swap_child(tree, site.node, new)
+    ast.fix_missing_locations(tree)
+    return tree
+
+
+def _check(site: _Site, mutant: Mutant) -> None:
     if site.operator != mutant.operator or site.node.lineno != mutant.line:
         raise ValueError(f"source changed since mutant {mutant.key} was found (site {site.index} is now "
                          f"{site.operator} at line {site.node.lineno})")
-    return mutated

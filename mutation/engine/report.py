@@ -6,7 +6,8 @@ from collections import Counter, defaultdict
 
 __all__ = ["document", "markdown", "score"]
 
-STATUSES = ("killed", "survived", "timeout", "equivalent")
+STATUSES = ("killed", "survived", "timeout", "equivalent", "error")
+ROW_KEYS = ("file", "line", "function", "operator", "diff", "status", "killed_by")
 
 
 def score(killed: int, survived: int, timeout: int) -> float:
@@ -16,13 +17,15 @@ def score(killed: int, survived: int, timeout: int) -> float:
 
 
 def document(mutants: list[dict]) -> dict:
-    """The JSON report: ``score``, the four counts and every mutant (file, line, operator, diff, status, killed_by)."""
+    """The JSON report: ``score``, the five counts and every mutant (file, line, function, operator, diff, status,
+    killed_by, and ``error`` for one that could not be applied: status ``error``, never in the score)."""
     counts = Counter(m["status"] for m in mutants)
-    rows = [{key: m[key] for key in ("file", "line", "operator", "diff", "status", "killed_by")}
+    rows = [{key: m.get(key, "") for key in ROW_KEYS} | ({"error": m.get("error", "")} if m["status"] == "error"
+                                                          else {})
             for m in sorted(mutants, key=lambda m: (m["file"], m["line"], m["operator"], m["diff"]))]
     return {"score": score(counts["killed"], counts["survived"], counts["timeout"]),
             "killed": counts["killed"], "survived": counts["survived"], "timeout": counts["timeout"],
-            "equivalent": counts["equivalent"], "mutants": rows}
+            "equivalent": counts["equivalent"], "errors": counts["error"], "mutants": rows}
 
 
 def _group(file: str) -> str:
@@ -35,26 +38,29 @@ def markdown(doc: dict, *, title: str, notes: list[str], uncovered: set[tuple[st
     out = [f"# {title}", "",
            f"**Score {doc['score']:.4f}** = killed / (killed + survived + timeout) = {doc['killed']} / "
            f"({doc['killed']} + {doc['survived']} + {doc['timeout']}); {doc['equivalent']} equivalent mutants "
-           "(reviewed, `mutation/equivalent_mutants.toml`) are excluded from the score.", ""]
+           "(reviewed, `mutation/equivalent_mutants.toml`) are excluded from the score; "
+           f"{doc.get('errors', 0)} could not be applied (errors).", ""]
     out += [f"- {note}" for note in notes] + [""]
-    groups: dict[str, Counter] = defaultdict(Counter)
-    for m in doc["mutants"]:
-        groups[_group(m["file"])][m["status"]] += 1
-    out += ["| path / module | mutants | killed | survived | timeout | equivalent | score |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
-    for name in sorted(groups):
-        c = groups[name]
-        out.append(f"| `{name}` | {sum(c.values())} | {c['killed']} | {c['survived']} | {c['timeout']} | "
-                   f"{c['equivalent']} | {score(c['killed'], c['survived'], c['timeout']):.3f} |")
+    for grouping, key in (("path", _group), ("module", lambda file: file)):
+        groups: dict[str, Counter] = defaultdict(Counter)
+        for m in doc["mutants"]:
+            groups[key(m["file"])][m["status"]] += 1
+        out += [f"| {grouping} | mutants | killed | survived | timeout | equivalent | errors | score |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for name in sorted(groups):
+            c = groups[name]
+            out.append(f"| `{name}` | {sum(c.values())} | {c['killed']} | {c['survived']} | {c['timeout']} | "
+                       f"{c['equivalent']} | {c['error']} | {score(c['killed'], c['survived'], c['timeout']):.3f} |")
+        out.append("")
     operators: dict[str, Counter] = defaultdict(Counter)
     for m in doc["mutants"]:
         operators[m["operator"]][m["status"]] += 1
-    out += ["", "| operator | mutants | killed | survived | timeout | score |", "|---|---:|---:|---:|---:|---:|"]
+    out += ["| operator | mutants | killed | survived | timeout | score |", "|---|---:|---:|---:|---:|---:|"]
     for name in sorted(operators):
         c = operators[name]
         out.append(f"| {name} | {sum(c.values())} | {c['killed']} | {c['survived']} | {c['timeout']} | "
                    f"{score(c['killed'], c['survived'], c['timeout']):.3f} |")
-    for status in ("survived", "timeout"):
+    for status in ("survived", "timeout", "error"):
         rows = [m for m in doc["mutants"] if m["status"] == status]
         out += ["", f"## {status.capitalize()} ({len(rows)})", ""]
         if not rows:
@@ -62,5 +68,12 @@ def markdown(doc: dict, *, title: str, notes: list[str], uncovered: set[tuple[st
         for m in rows:
             old, new = (part[2:] for part in m["diff"].split("\n", 1))
             tag = " (no passing test runs this line)" if uncovered and (m["file"], m["line"]) in uncovered else ""
-            out.append(f"- `{m['file']}:{m['line']}` {m['operator']}: `{old}` -> `{new}`{tag}")
+            tag += f": {m['error']}" if m.get("error") else ""
+            where = f" in `{m['function']}`" if m.get("function") else ""
+            out.append(f"- `{m['file']}:{m['line']}`{where} {m['operator']}: `{old}` -> `{new}`{tag}")
+    stale = doc.get("stale_equivalents", [])
+    if stale:
+        out += ["", f"## Stale equivalence entries ({len(stale)}): review each again", ""]
+        out += [f"- `{e['file']}` `{e['function']}` {e['operator']}: `{e['line']}` -> `{e['mutant']}` "
+                f"({e['matching_sites']} matching sites, {e['reviewed_sites']} reviewed)" for e in stale]
     return "\n".join(out) + "\n"

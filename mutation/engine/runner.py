@@ -6,15 +6,18 @@ functools caches (tiny models, seeded inputs), tears their fixtures down and res
 session, so no verdict, world or fixture outlives the warm-up. Each child (its own process group, so its world ranks
 die with it) patches the mutant into the live modules, clears the caches whose values were computed through
 the mutated line (the coverage map knows them), runs only the tests selected for that mutant,
-fastest first, stops at the first failure (``-x``) and reports. A child past its deadline is killed
-with its group: status ``timeout``. A test that kills a mutant is run once unmutated in a child of
-its own; a test that fails there cannot kill anything (its kills are re-run without it).
+fastest first, stops at the first failure (``-x``) and reports. A mutant that survives that first,
+capped pass runs again against all its other covering tests: only then is it a survivor. A child past
+its deadline is killed with its group: status ``timeout``. A test that kills a mutant is run once
+unmutated in a child of its own; a test that fails there cannot kill anything (its kills are re-run
+without it). The runner's scratch folder and every child go away with it, on an interrupt too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import importlib
 import json
 import os
 import shutil
@@ -28,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from mutation.engine.operators import Mutant
+from mutation.engine.operators import Mutant, parsed
 from mutation.engine.patching import PatchError, clear_caches, patch_live
 
 __all__ = ["MutantRunner"]
@@ -63,6 +66,8 @@ class MutantRunner:
     def _child(self, session: pytest.Session, items: list[pytest.Item], mutant: Mutant | None, stale: list[str],
                out: Path, *, stop_first: bool, timeout: float) -> None:
         os.setpgid(0, 0)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's cleanup handler is not the tests'
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         log = os.open(out.with_suffix(".log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -73,7 +78,7 @@ class MutantRunner:
         result: dict[str, Any]
         try:
             if mutant is not None:
-                patch_live(mutant, roots=self.roots)
+                patch_live(mutant, roots=self.roots, in_place=True)
             clear_caches(self.roots, stale)
         except (PatchError, SyntaxError, ValueError, TypeError) as err:
             out.write_text(json.dumps({"status": "error", "error": f"{type(err).__name__}: {err}"}))
@@ -119,9 +124,24 @@ class MutantRunner:
     def pytest_runtestloop(self, session: pytest.Session) -> bool:
         by_id = {item.nodeid: item for item in session.items}
         self._warm_up(session, by_id)
-        queue: list[dict] = [dict(job, tests=[t for t in job["tests"] if t in by_id]) for job in self.jobs]
+        queue: list[dict] = [dict(job, tests=[t for t in job["tests"] if t in by_id],
+                                  more=[t for t in job.get("more", []) if t in by_id]) for job in self.jobs]
+        _parse_before_forking(queue)
         running: dict[int, tuple[dict, float, Path]] = {}
         tmp = Path(tempfile.mkdtemp(prefix="mutrun-"))
+        try:
+            self._loop(session, by_id, queue, running, tmp)
+        finally:  # also on an interrupt: no child, no world rank and no scratch file outlives the runner
+            for pid in list(running):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+            shutil.rmtree(tmp, ignore_errors=True)
+        return True
+
+    def _loop(self, session: pytest.Session, by_id: dict[str, pytest.Item], queue: list[dict],
+              running: dict[int, tuple[dict, float, Path]], tmp: Path) -> None:
         serial = 0
         with self.results.open("a") as sink:
             while queue or running or self.unverified:
@@ -164,7 +184,6 @@ class MutantRunner:
                         result = {"status": "killed", "failed": ["<crash>"]}
                     del running[pid]
                     self._finish(sink, job, result, elapsed, queue)
-        return True
 
     def _ordered(self, job: dict) -> dict:
         """Tests that already killed a mutant of the same function go first: they are the likeliest killers."""
@@ -198,16 +217,30 @@ class MutantRunner:
             if not self.verified[test]:  # the test fails without the mutant: drop it and run again
                 queue.insert(0, dict(job, tests=[t for t in job["tests"] if t != test]))
                 return
+        if result["status"] == "survived" and job.get("more"):  # the capped pass is not the verdict
+            queue.insert(0, dict(job, tests=job["more"], more=[], timeout=job["more_timeout"], full=True,
+                                 first_seconds=round(elapsed, 2), first_tests=len(job["tests"])))
+            return
         killed_by = killers[:1] if killers else result.get("failed", [])[:1]
         if killers and job.get("mutant"):
             counts = self.killers.setdefault((job["mutant"]["file"], job["mutant"]["qualname"]), {})
             counts[killers[0]] = counts.get(killers[0], 0) + 1
+        tests = len(job["tests"]) + job.get("first_tests", 0)
         record = {"id": job["id"], "status": result["status"], "killed_by": killed_by,
-                  "seconds": round(elapsed, 2), "tests": len(job["tests"])}
+                  "seconds": round(elapsed + job.get("first_seconds", 0.0), 2), "tests": tests,
+                  "pass": 2 if job.get("full") else 1}
         if result.get("error"):
             record["error"] = result["error"]
         sink.write(json.dumps(record) + "\n")
         sink.flush()
+
+
+def _parse_before_forking(jobs: list[dict]) -> None:
+    """Parse each mutated module and find its sites once, here: every forked child inherits the result."""
+    for file in sorted({job["mutant"]["file"] for job in jobs if job.get("mutant")}):
+        module = next(job["mutant"]["module"] for job in jobs if job.get("mutant", {}).get("file") == file)
+        with contextlib.suppress(Exception):  # a module that cannot be imported errors in its child, named
+            parsed(Path(importlib.import_module(module).__file__ or "").read_text(), file)
 
 
 def _reset_parity_session(config: pytest.Config) -> None:
@@ -224,7 +257,12 @@ def _reset_parity_session(config: pytest.Config) -> None:
     config.stash[parity_plugin.SESSION_KEY] = fresh
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _interrupted)  # a terminated runner still cleans up (see pytest_runtestloop)
     split = argv.index("--")
     spec_file, results_file, workers, roots = argv[:split]
     spec = json.loads(Path(spec_file).read_text())
@@ -237,9 +275,12 @@ def main(argv: list[str]) -> int:
     return int(pytest.main([*argv[split + 1:], "-p", "no:cacheprovider"], plugins=[plugin]))
 
 
-def job_for(mutant: Mutant, tests: list[str], timeout: float, job_id: int, stale: list[str]) -> dict:
-    """A runner job: the mutant, its tests in run order, its deadline in seconds, the caches it makes stale."""
-    return {"id": job_id, "mutant": asdict(mutant), "tests": tests, "timeout": timeout, "stale": stale}
+def job_for(mutant: Mutant, tests: list[str], timeout: float, job_id: int, stale: list[str],
+            more: list[str] | None = None, more_timeout: float = 0.0) -> dict:
+    """A runner job: the mutant, its first-pass tests in run order and their deadline in seconds, the caches it
+    makes stale, and the rest of its covering tests (and their deadline) for a second pass if it survives."""
+    return {"id": job_id, "mutant": asdict(mutant), "tests": tests, "timeout": timeout, "stale": stale,
+            "more": list(more or []), "more_timeout": more_timeout}
 
 
 if __name__ == "__main__":

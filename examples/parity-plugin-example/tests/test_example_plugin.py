@@ -1,4 +1,10 @@
-"""The installed plugin as the suite sees it: found through the entry point, and judged like the suite's own."""
+"""The installed plugin as the suite sees it: found through the entry point, and judged like the suite's own.
+
+The suite generates its whole replay catalogue for the family (``pytest -m cpu -k pixart_example`` in the
+suite's checkout runs it, with the kill matrix); these tests prove the out-of-tree path from the package's
+side. ``harness.catalogue.load()`` imports the suite's catalogue modules (parity/, mutation/, gpu/), which
+live in the suite's checkout, not in the installed package: it needs the checkout on sys.path.
+"""
 
 import importlib.metadata
 
@@ -6,7 +12,7 @@ import pytest
 import torch
 from parity_plugin_example import kernels, pixart
 
-from harness import checkpoints, plugins
+from harness import catalogue, checkpoints, checks, plugins
 from harness.attention.layout import AttentionLayout
 from harness.attention.reference import masked_sdpa
 from harness.compare import close
@@ -40,7 +46,7 @@ def test_a_saved_checkpoint_is_detected_and_loaded_as_the_family(tmp_path):
 def test_batched_replay_matches_serial_on_every_row_and_step(cfg):
     family = pixart.FAMILY
     adapter = family.adapter(pixart.tiny_pixart())
-    conditions = adapter.example_conditions(BATCH, cfg, torch.Generator().manual_seed(cfg))
+    conditions = family.example_conditions(adapter, BATCH, cfg, torch.Generator().manual_seed(cfg))
     strategy = FlowGRPOSDE(eta=0.7)
     segment = rollout(adapter, conditions, strategy, flow_sigmas(STEPS), SDE_INDICES, adapter.latent_shape,
                       generator=torch.Generator().manual_seed(10 + cfg), guidance=4.5)
@@ -59,6 +65,13 @@ def test_batched_replay_matches_serial_on_every_row_and_step(cfg):
         print(verdict.describe())
         assert verdict.passed, verdict.describe()
         assert verdict.metrics["total"] == getattr(serial, what).numel()
+
+
+def test_the_suite_generates_its_replay_catalogue_for_the_family():
+    catalogue.load()  # the suite's checkout must be importable (run-examples puts it on PYTHONPATH)
+    ids = {c.id for c in checks.all_checks("cpu") if "pixart_example" in c.id}
+    assert {"replay.pixart_example.cfg1.log_probs", "replay.pixart_example.cfg2.prev_sample_means",
+            "replay.pixart_example.cfg2.replay_determinism", "replay.oracle.pipeline.pixart_example"} <= ids, ids
 
 
 @pytest.mark.parametrize("layout", [AttentionLayout(70, 96, 3, "prefill"), AttentionLayout(70, 96, 3, "denoise")],

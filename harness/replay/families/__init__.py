@@ -1,6 +1,7 @@
 """The replay families the suite ships, and lookups over every registered family (plugins included).
 
-A family is an adapter (CFG layout and combine) plus the checkpoint kind it drives. The suite's
+A family is an adapter (CFG layout and combine), the checkpoint kind it drives and the diffusers
+pipeline it is tied to (the pipeline oracle runs it under the scheduler named here). The suite's
 own register through the same door as an installed package's: ``register(plugins)``, named by the
 ``replay`` entry point of the ``fastpath_parity.plugins`` group. Lookups register the shipped
 families first (idempotent), so a source checkout whose installed metadata predates the entry point
@@ -9,22 +10,28 @@ still knows them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 from types import ModuleType
 
 from harness import plugins
 from harness.plugins import CheckpointKind
-from harness.replay.families.base import ModelAdapter, ReplayFamily
+from harness.replay.families.base import ModelAdapter, PipelineSpec, ReplayFamily
+from harness.replay.families.cogview4 import CogView4Adapter
 from harness.replay.families.flux import FluxAdapter
 from harness.replay.families.qwen_image import QwenImageAdapter
+from harness.replay.families.sana import SanaAdapter
 from harness.replay.families.sd3 import SD3Adapter
 
 __all__ = [
+    "COGVIEW4",
     "FLUX",
     "QWEN_IMAGE",
+    "SANA",
     "SD3",
     "SHIPPED",
     "ModelAdapter",
+    "PipelineSpec",
     "ReplayFamily",
     "family_for_class",
     "get_family",
@@ -39,11 +46,34 @@ def _kind(name: str, class_name: str, family: str) -> CheckpointKind:
     return CheckpointKind(name, feeds="replay", class_names=(class_name,), source="diffusers", family=family)
 
 
-SD3 = ReplayFamily("sd3", SD3Adapter, _kind("sd3_transformer", "SD3Transformer2DModel", "sd3"))
-FLUX = ReplayFamily("flux", FluxAdapter, _kind("flux_transformer", "FluxTransformer2DModel", "flux"))
+def _flow_match(**config: float | str | bool) -> Callable[[], object]:
+    """A factory of the flow-matching Euler scheduler with ``config`` (the pipeline derives t = 1000 sigma)."""
+    def build() -> object:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler(**config)
+    return build
+
+
+DYNAMIC_SHIFT = {"use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15}  # mu from the image size
+SD3 = ReplayFamily("sd3", SD3Adapter, _kind("sd3_transformer", "SD3Transformer2DModel", "sd3"),
+                   PipelineSpec("StableDiffusion3Pipeline", _flow_match(shift=3.0)))
+FLUX = ReplayFamily("flux", FluxAdapter, _kind("flux_transformer", "FluxTransformer2DModel", "flux"),
+                    PipelineSpec("FluxPipeline", _flow_match(**DYNAMIC_SHIFT), guidance_kwarg="true_cfg_scale"))
 QWEN_IMAGE = ReplayFamily("qwen_image", QwenImageAdapter,
-                          _kind("qwen_image_transformer", "QwenImageTransformer2DModel", "qwen_image"))
-SHIPPED = (SD3, FLUX, QWEN_IMAGE)
+                          _kind("qwen_image_transformer", "QwenImageTransformer2DModel", "qwen_image"),
+                          PipelineSpec("QwenImagePipeline", _flow_match(**DYNAMIC_SHIFT),
+                                       guidance_kwarg="true_cfg_scale"))
+# CogView4's scheduler config: a linear, resolution-dependent time shift on sigmas, timesteps left unshifted
+COGVIEW4 = ReplayFamily("cogview4", CogView4Adapter, _kind("cogview4_transformer", "CogView4Transformer2DModel",
+                                                           "cogview4"),
+                        PipelineSpec("CogView4Pipeline", _flow_match(
+                            base_image_seq_len=256, base_shift=0.25, max_image_seq_len=4096, max_shift=0.75,
+                            shift=1.0, time_shift_type="linear", use_dynamic_shifting=True)))
+SANA = ReplayFamily("sana", SanaAdapter, _kind("sana_transformer", "SanaTransformer2DModel", "sana"),
+                    PipelineSpec("SanaPipeline", _flow_match(shift=3.0),
+                                 call_kwargs={"negative_prompt": None, "use_resolution_binning": False}))
+SHIPPED = (SD3, FLUX, QWEN_IMAGE, COGVIEW4, SANA)
 
 
 def register(registry: ModuleType) -> None:
@@ -75,9 +105,16 @@ def family_for_class(class_name: str) -> ReplayFamily:
     matches = sorted({kind.family for _, kind in plugins.CHECKPOINT_KINDS.items()
                       if kind.feeds == "replay" and kind.family
                       and any(fnmatchcase(class_name, pattern) for pattern in kind.class_names)})
-    if len(matches) != 1:
-        what = "no registered replay family drives" if not matches else f"families {matches} all claim"
-        raise LookupError(f"{what} {class_name}; registered replay families: {_listing()}. Add one by "
-                          "registering a ReplayFamily and its CheckpointKind from a "
+    if not matches:
+        raise LookupError(f"no registered replay family drives {class_name}; registered replay families: "
+                          f"{_listing()}. Add one by registering a ReplayFamily and its CheckpointKind from a "
                           f"{plugins.ENTRY_POINT_GROUP!r} entry point")
+    if len(matches) > 1:
+        claims = "; ".join(f"{kind.name} (family {kind.family}, {plugins.CHECKPOINT_KINDS.origin(kind.name) or '?'})"
+                           for _, kind in plugins.CHECKPOINT_KINDS.items()
+                           if kind.feeds == "replay" and kind.family in matches
+                           and any(fnmatchcase(class_name, p) for p in kind.class_names))
+        raise LookupError(f"replay families {matches} all claim {class_name} through their checkpoint kinds: "
+                          f"{claims}. A model class picks one family: uninstall one of these packages or narrow "
+                          "its kind's class_names")
     return get_family(matches[0])

@@ -3,10 +3,11 @@
 As QwenImagePipeline runs it: latents stay packed ``[L, 4C]`` (L = (H/2)(W/2) tokens) through the
 whole loop, the model gets ``timestep = sigma``, padded prompt embeddings with
 ``encoder_hidden_states_mask`` (1 = real token; rows have unequal lengths) and ``img_shapes``, one
-``[(frames, H/2, W/2)]`` entry per sample. The pipeline runs its two branches as two forwards and
-combines ``comb * ||cond|| / ||comb||`` over the last (channel) dim of the packed latents; replay
-fuses the branches into one forward ``[uncond; cond]``, so both branches' prompts are padded to one
-length with their masks kept.
+``[(frames, H/2, W/2)]`` entry per sample: every sample of a call has the same image shape, so it is a
+shared field the adapter expands to the forward's rows. The pipeline runs its two branches as two
+forwards and combines ``comb * ||cond|| / ||comb||`` over the last (channel) dim of the packed latents;
+replay fuses the branches into one forward ``[uncond; cond]``, so both branches' prompts are padded to
+one length with their masks kept.
 """
 
 from __future__ import annotations
@@ -16,21 +17,12 @@ import torch
 from harness.replay import cfg as cfg_combines
 from harness.replay.conditions import Conditions
 from harness.replay.denoiser import UNCOND_FIRST
-from harness.replay.families.base import ModelAdapter, check_cfg
+from harness.replay.families.base import ModelAdapter, Prompts, padded_prompts, uncond_first_conditions
 
-__all__ = ["QWEN_TEXT_TOKENS", "QwenImageAdapter", "text_lengths"]
+__all__ = ["QWEN_TEXT_TOKENS", "QwenImageAdapter"]
 
 QWEN_TEXT_TOKENS = 6  # padded prompt length of the example conditions
-ROW_FIELDS = ("encoder_hidden_states", "encoder_hidden_states_mask", "img_shapes")
-
-
-def text_lengths(batch: int, tokens: int, generator: torch.Generator) -> list[int]:
-    """Seeded real-token counts in [2, tokens], unequal where the batch allows (row 0 is full)."""
-    drawn = torch.randint(2, tokens + 1, (batch,), generator=generator).tolist()
-    drawn[0] = tokens
-    if batch > 1 and len(set(drawn)) == 1:
-        drawn[-1] = 2
-    return [int(n) for n in drawn]
+ROW_FIELDS = ("encoder_hidden_states", "encoder_hidden_states_mask")
 
 
 class QwenImageAdapter(ModelAdapter):
@@ -50,6 +42,10 @@ class QwenImageAdapter(ModelAdapter):
         return ((self.latent_hw // 2) ** 2, self.module.config.in_channels)
 
     @property
+    def latent_size(self) -> tuple[int, int]:
+        return (self.latent_hw, self.latent_hw)
+
+    @property
     def img_shape(self) -> list[tuple[int, int, int]]:
         """One sample's ``img_shapes`` entry: one image of (1 frame, H/2, W/2) patches."""
         return [(1, self.latent_hw // 2, self.latent_hw // 2)]
@@ -58,23 +54,25 @@ class QwenImageAdapter(ModelAdapter):
         return sigma
 
     def forward(self, hidden: torch.Tensor, timestep: torch.Tensor, conditions: Conditions) -> torch.Tensor:
-        rows = conditions.rows
-        self.require_rows(conditions, ROW_FIELDS, hidden.shape[0])
+        rows, n = conditions.rows, hidden.shape[0]
+        self.require_rows(conditions, ROW_FIELDS, n)
+        self.require_shared(conditions, ("img_shape",))
+        if tuple(hidden.shape[1:]) != self.latent_shape:
+            raise ValueError(f"{type(self).__name__}: packed latents of shape {tuple(hidden.shape)} do not fit "
+                             f"{self.latent_hw} x {self.latent_hw} latents in 2 x 2 patches: expected "
+                             f"[N, {self.latent_shape[0]}, {self.latent_shape[1]}]")
+        img_shapes = [list(conditions.shared["img_shape"]) for _ in range(n)]
         return self.module(hidden_states=hidden, encoder_hidden_states=rows["encoder_hidden_states"],
                            encoder_hidden_states_mask=rows["encoder_hidden_states_mask"], timestep=timestep,
-                           img_shapes=list(rows["img_shapes"]), return_dict=False)[0]
+                           img_shapes=img_shapes, return_dict=False)[0]
 
-    def example_conditions(self, batch: int, cfg: int, generator: torch.Generator) -> Conditions:
-        """Seeded padded prompts with unequal masks per row and per branch; cfg=2 adds ``negative``."""
-        check_cfg(cfg)
-        joint_dim = self.module.config.joint_attention_dim
+    def example_prompts(self, batch: int, cfg: int, generator: torch.Generator) -> Prompts:
+        """Seeded padded prompts whose real lengths differ per row and per branch (cfg=2: negatives too)."""
+        return padded_prompts(batch, cfg, QWEN_TEXT_TOKENS, self.module.config.joint_attention_dim, generator,
+                              "prompt_embeds_mask", zero_padding=True)
 
-        def branch() -> Conditions:
-            lengths = text_lengths(batch, QWEN_TEXT_TOKENS, generator)
-            mask = (torch.arange(QWEN_TEXT_TOKENS)[None, :] < torch.tensor(lengths)[:, None]).long()
-            embeds = torch.randn(batch, QWEN_TEXT_TOKENS, joint_dim, generator=generator) * mask[..., None]
-            return Conditions(batch=batch, rows={"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask,
-                                                 "img_shapes": [self.img_shape for _ in range(batch)]})
-
-        cond = branch()
-        return Conditions(batch=batch, rows=cond.rows, negative=branch()) if cfg == 2 else cond
+    def conditions_from_prompts(self, prompts: Prompts, cfg: int) -> Conditions:
+        """Each branch's embeddings and mask as its rows (cfg=2: the negative branch under ``negative``)."""
+        return uncond_first_conditions(prompts, cfg, {"encoder_hidden_states": "prompt_embeds",
+                                                      "encoder_hidden_states_mask": "prompt_embeds_mask"},
+                                       shared={"img_shape": tuple(self.img_shape)})

@@ -1,0 +1,83 @@
+"""Where a run happened: the host fingerprint a report carries.
+
+Verdicts must not depend on the host, but margins do (a stock floor can be exactly zero on one CPU and not on
+another), so a report says which dispatch lane produced its numbers: torch's CPU capability, what MKL and
+oneDNN were asked to use, the CPU model and its vector extensions, the thread count and the accelerator.
+Everything here is fixed for a host and an environment, so the same command on the same host still gives
+the same report bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["fingerprint", "summary"]
+
+# The CPU flags that decide which GEMM and SDPA kernels a CPU build of torch dispatches to.
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                "amx_tile", "amx_bf16", "asimd", "sve")
+
+
+@functools.cache
+def _cpu() -> tuple[str, tuple[str, ...]]:
+    """(CPU model name, its vector flags among VECTOR_FLAGS) from /proc/cpuinfo where there is one."""
+    text = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        text = cpuinfo.read_text(errors="replace")
+    model = re.search(r"^(?:model name|Model|cpu model)\s*:\s*(.+)$", text, re.MULTILINE)
+    flags = re.search(r"^(?:flags|Features)\s*:\s*(.+)$", text, re.MULTILINE)
+    present = set(flags.group(1).split()) if flags else set()
+    return (model.group(1).strip() if model else platform.processor() or platform.machine(),
+            tuple(flag for flag in VECTOR_FLAGS if flag in present))
+
+
+@functools.cache
+def _library_versions() -> tuple[str, str]:
+    """(MKL version, oneDNN version) as torch's build configuration states them ("" when not built in)."""
+    config = torch.__config__.show()
+    mkl = re.search(r"Math Kernel Library Version ([^\s]+)", config)
+    onednn = re.search(r"MKL-DNN (v[^\s]+)", config)
+    return (mkl.group(1) if mkl else "", onednn.group(1) if onednn else "")
+
+
+def _device() -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"type": "cpu"}
+    return {"type": "cuda", "name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count(),
+            "cuda": torch.version.cuda or "", "capability": ".".join(map(str, torch.cuda.get_device_capability(0)))}
+
+
+def fingerprint() -> dict[str, Any]:
+    """The host as JSON-ready data: library builds, the ISA each was told to use, CPU, threads, device."""
+    model, flags = _cpu()
+    mkl, onednn = _library_versions()
+    return {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "auto"),
+        "mkl": {"version": mkl, "cbwr": os.environ.get("MKL_CBWR", "auto")},
+        "onednn": {"version": onednn,
+                   "max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "auto"))},
+        "cpu": {"model": model, "vector_flags": list(flags), "machine": platform.machine()},
+        "threads": torch.get_num_threads(),
+        "device": _device(),
+        "python": platform.python_version(),
+    }
+
+
+def summary(host: dict[str, Any]) -> str:
+    """One line for the terminal and the markdown report."""
+    device = host.get("device", {})
+    where = device.get("name") or device.get("type", "?")
+    return (f"torch {host.get('torch')} on {host.get('cpu', {}).get('model', '?')} ({where}); CPU capability "
+            f"{host.get('cpu_capability')}, MKL {host.get('mkl', {}).get('version')} CBWR="
+            f"{host.get('mkl', {}).get('cbwr')}, oneDNN {host.get('onednn', {}).get('version')} max ISA "
+            f"{host.get('onednn', {}).get('max_cpu_isa')}, {host.get('threads')} threads")

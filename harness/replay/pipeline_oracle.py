@@ -1,0 +1,383 @@
+"""The pipeline oracle: a family's adapter held to what its real diffusers pipeline hands the transformer.
+
+Parity (batched vs serial) cannot see a bug that hits stock and fast alike: a timestep in the wrong
+units, a CFG branch order declared backwards. Both are properties of how the adapter translates a
+pipeline's step into a model call, so the oracle runs the family's registered pipeline
+(``ReplayFamily.pipeline``) for ORACLE_STEPS steps from encoded prompts (no text encoder) with
+``output_type="latent"``, records every transformer forward (its arguments, bound to the forward's
+signature, and its output) and the combined prediction the pipeline hands its scheduler, then runs the
+adapter's denoiser (``predict_velocity``) at the same latents and sigma and holds it to the pipeline:
+
+- inputs, row by row, the pipeline's branches told apart by their prompt rows: the rows the adapter
+  declares cond carry the pipeline's cond inputs (CFG order), masks, pooled embeddings, guidance and
+  latents bitwise; the timestep within TIMESTEP_ULPS fp32 ulps of the pipeline's (the pipeline derives
+  t and sigma from each other through a few fp32 roundings; a wrong unit is off by orders of magnitude);
+  shared arguments (ids, image shapes) equal;
+- outputs: each branch's transformer output, and the combined velocity, within K_OUTPUT x a floor
+  measured on stock inputs only: the transformer run on the pipeline's own inputs in one forward of the
+  adapter's rows and positions, at the pipeline's timestep and at that timestep moved by its tolerance;
+  every bound is at least RESOLUTION (4 fp32 ulps) of the local magnitude (per row);
+- the family's combine applied to the pipeline's own branch outputs equals the pipeline's combined
+  prediction (only the arithmetic's rounding, RESOLUTION, may differ).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.compare import Verdict, close, expect, noise_floor
+from harness.replay import denoiser
+from harness.replay.denoiser import UNCOND_FIRST
+from harness.replay.families.base import ModelAdapter, Prompts, ReplayFamily
+
+__all__ = [
+    "K_OUTPUT",
+    "ORACLE_STEPS",
+    "RESOLUTION",
+    "TIMESTEP_ULPS",
+    "Forward",
+    "OracleError",
+    "PipelineRecord",
+    "PipelineStep",
+    "judge_family",
+    "record_forwards",
+    "run_pipeline",
+]
+
+ORACLE_STEPS = 2
+FP32_EPS = float(torch.finfo(torch.float32).eps)
+TIMESTEP_ULPS = 16.0  # the pipeline's t and sigma meet through its scheduler's fp32 shift and a division by 1000
+RESOLUTION = 4 * FP32_EPS  # the least relative bound of an output: 4 fp32 ulps of its local magnitude
+K_OUTPUT, K_MIN, K_MAX = 4.0, 2.0, 8.0
+PROMPT_KEY, NEGATIVE_KEY = "prompt_embeds", "negative_prompt_embeds"
+OTHER = {"cond": "uncond", "uncond": "cond"}
+
+
+class OracleError(ValueError):
+    """The oracle cannot line the pipeline's forwards up with the adapter's (a family registration problem)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Forward:
+    """One transformer call: its arguments bound to ``forward``'s signature (defaults applied) and output."""
+
+    arguments: dict[str, Any]
+    output: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineStep:
+    """What one denoising step of the pipeline did: its sigma, the latents it stepped, the transformer
+    calls it made and the combined prediction it handed the scheduler."""
+
+    sigma: torch.Tensor
+    latents: torch.Tensor
+    model_output: torch.Tensor
+    forwards: tuple[Forward, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineRecord:
+    prompts: Prompts
+    guidance: float
+    steps: tuple[PipelineStep, ...]
+
+
+def _bind(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+@contextlib.contextmanager
+def record_forwards(module: torch.nn.Module) -> Iterator[list[Forward]]:
+    """Every forward of ``module`` while the block runs: bound arguments and first output."""
+    calls: list[Forward] = []
+
+    def hook(mod, args, kwargs, output) -> None:
+        out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
+        calls.append(Forward(_bind(mod, args, kwargs), out.detach().clone()))
+
+    handle = module.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def build_pipeline(family: ReplayFamily, adapter: ModelAdapter) -> Any:
+    """The family's registered pipeline around the adapter's transformer, every other component None."""
+    if family.pipeline is None:
+        raise OracleError(f"replay family {family.name!r} registers no pipeline (ReplayFamily.pipeline): the pipeline "
+                          "oracle has nothing to hold its adapter to")
+    cls = family.pipeline.pipeline_class()
+    names = [name for name, p in inspect.signature(cls.__init__).parameters.items()
+             if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    components = dict.fromkeys(names)
+    components.update(transformer=adapter.module, scheduler=family.pipeline.scheduler())
+    pipe = cls(**components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_pipeline(family: ReplayFamily, adapter: ModelAdapter, prompts: Prompts, latents: torch.Tensor,
+                 guidance: float, steps: int = ORACLE_STEPS) -> PipelineRecord:
+    """Run the family's pipeline for ``steps`` steps from ``prompts`` and replay-layout ``latents``."""
+    pipe = build_pipeline(family, adapter)
+    scheduler_calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    step = pipe.scheduler.step
+
+    def recording_step(model_output, timestep, sample, *args, **kwargs):
+        scheduler_calls.append((model_output.detach().clone(), sample.detach().clone()))
+        return step(model_output, timestep, sample, *args, **kwargs)
+
+    pipe.scheduler.step = recording_step
+    h, w = adapter.latent_size
+    kwargs = {**prompts, **family.pipeline.call_kwargs, family.pipeline.guidance_kwarg: guidance,
+              "latents": adapter.to_pipeline_latents(latents), "height": h * pipe.vae_scale_factor,
+              "width": w * pipe.vae_scale_factor, "num_inference_steps": steps, "output_type": "latent",
+              "return_dict": False}
+    with torch.no_grad(), record_forwards(adapter.module) as calls:
+        pipe(**kwargs)
+    if len(scheduler_calls) != steps:
+        raise OracleError(f"{family.pipeline.class_name} stepped its scheduler {len(scheduler_calls)} times for "
+                          f"num_inference_steps={steps}")
+    grouped = _group_by_step(calls, len(calls) // steps, steps)
+    sigmas = pipe.scheduler.sigmas
+    return PipelineRecord(prompts, guidance, tuple(
+        PipelineStep(sigmas[i].to(torch.float32), sample, output, grouped[i])
+        for i, (output, sample) in enumerate(scheduler_calls)))
+
+
+def _group_by_step(calls: Sequence[Forward], per_step: int, steps: int) -> list[tuple[Forward, ...]]:
+    if per_step < 1 or per_step * steps != len(calls):
+        raise OracleError(f"the pipeline made {len(calls)} transformer calls over {steps} steps; expected the same "
+                          "number at every step")
+    return [tuple(calls[i * per_step:(i + 1) * per_step]) for i in range(steps)]
+
+
+# ------------------------------------------------------------------------------------------- comparing
+
+
+def _normal(value: Any) -> Any:
+    """A comparable form: an empty mapping is None (``joint_attention_kwargs={}`` vs left out)."""
+    if isinstance(value, Mapping):
+        return {k: _normal(v) for k, v in sorted(value.items())} or None
+    if isinstance(value, (list, tuple)):
+        return [_normal(v) for v in value]
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values: tensors by shape and value (dtype aside: an int64 mask equals a long one), containers
+    item by item."""
+    a, b = _normal(a), _normal(b)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and torch.equal(a.detach().double(), b.detach().double()))
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0]) if value.dim() else None
+    return len(value) if isinstance(value, (list, tuple)) else None
+
+
+def _stack(rows: Sequence[Any]) -> Any:
+    return torch.stack(list(rows)) if isinstance(rows[0], torch.Tensor) else list(rows)
+
+
+def adapter_order(layout: str, batch: int) -> list[tuple[str, int]]:
+    """(branch, sample) of each row of the adapter's two-branch forward, as its layout declares them."""
+    first, second = ("uncond", "cond") if layout == UNCOND_FIRST else ("cond", "uncond")
+    return [(first, b) for b in range(batch)] + [(second, b) for b in range(batch)]
+
+
+@dataclass(frozen=True, eq=False)
+class AlignedStep:
+    """The pipeline's forwards of one step rearranged into the adapter's rows: every row argument (and the
+    output) stacked in ``order``, the shared arguments as the pipeline passed them."""
+
+    order: list[tuple[str, int]]
+    rows: dict[str, Any]
+    shared: dict[str, Any]
+    output: torch.Tensor
+
+
+def align(step: PipelineStep, prompts: Prompts, prompt_arg: str, order: list[tuple[str, int]]) -> AlignedStep:
+    """Tell the pipeline's branches apart by their prompt rows and lay its rows out in ``order``."""
+    references = {"cond": prompts[PROMPT_KEY], "uncond": prompts[NEGATIVE_KEY]}
+    where: dict[tuple[str, int], tuple[int, int]] = {}
+    for index, forward in enumerate(step.forwards):
+        if prompt_arg not in forward.arguments or _count(forward.arguments[prompt_arg]) is None:
+            raise OracleError(f"the pipeline's transformer call has no row argument {prompt_arg!r} "
+                              f"(PipelineSpec.prompt_arg); its arguments: {sorted(forward.arguments)}")
+        value = forward.arguments[prompt_arg]
+        for r in range(_count(value)):
+            hits = [(branch, b) for branch, ref in references.items() for b in range(len(ref))
+                    if _same(value[r], ref[b])]
+            if len(hits) != 1:
+                raise OracleError(f"row {r} of the pipeline's {prompt_arg!r} matches {len(hits)} rows of "
+                                  f"{PROMPT_KEY} / {NEGATIVE_KEY}; expected exactly one (prompts must differ)")
+            where[hits[0]] = (index, r)
+    missing = [key for key in order if key not in where]
+    if missing:
+        raise OracleError(f"the pipeline's forwards carry no rows for {missing}")
+    counts = [_count(f.arguments[prompt_arg]) for f in step.forwards]
+    row_names = [name for name in step.forwards[0].arguments
+                 if all(_count(f.arguments.get(name)) == n for f, n in zip(step.forwards, counts, strict=True))]
+
+    def pick(name: str) -> Any:
+        return _stack([step.forwards[where[key][0]].arguments[name][where[key][1]] for key in order])
+
+    output = torch.stack([step.forwards[where[key][0]].output[where[key][1]] for key in order])
+    shared = {k: v for k, v in step.forwards[0].arguments.items() if k not in row_names}
+    return AlignedStep(order, {name: pick(name) for name in row_names}, shared, output)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """|actual - expected| per element over the local magnitude (max |expected| of its row), fp64."""
+    a, e = actual.detach().double(), expected.detach().double()
+    if a.shape != e.shape:
+        raise OracleError(f"shapes {tuple(a.shape)} and {tuple(e.shape)} differ")
+    scale = e.abs().flatten(1).amax(dim=1).reshape(-1, *([1] * (e.dim() - 1)))
+    diff = (a - e).abs()
+    return torch.where(scale > 0, diff / scale, torch.where(diff > 0, torch.inf, 0.0))
+
+
+def _within(check_id: str, what: str, actual: torch.Tensor, expected: torch.Tensor, floor: float,
+            reason: str) -> Verdict:
+    """Relative error within K_OUTPUT x max(floor, RESOLUTION), the bound held within [K_MIN, K_MAX] x it."""
+    effective = max(floor, RESOLUTION)
+    policy = noise_floor(effective, k=K_OUTPUT, reason=f"{reason}: floor {floor:.2e}, at least {RESOLUTION:.2e} "
+                                                       "(4 fp32 ulps) of the local magnitude")
+    rel = relative_error(actual, expected)
+    verdict = policy.judge(check_id, rel, torch.zeros_like(rel), dims=("row",), what=f"{what} (relative)")
+    return verdict.require_bounded(policy.bound, effective, k_min=K_MIN, k_max=K_MAX, what=f"{what} bound")
+
+
+def _to_replay(adapter: ModelAdapter, transformer_out: torch.Tensor) -> torch.Tensor:
+    """Transformer outputs in replay's layout; a learned-sigma head's second half of the channels is cut, as the
+    pipelines cut it."""
+    out = adapter.from_pipeline_latents(transformer_out.float())
+    channels = adapter.latent_shape[0]
+    if out.dim() > 1 and tuple(out.shape[1:]) != tuple(adapter.latent_shape) and out.shape[1] == 2 * channels:
+        out = out[:, :channels]
+    return out
+
+
+def _combined(adapter: ModelAdapter, out: torch.Tensor, order: list[tuple[str, int]], guidance: float) -> torch.Tensor:
+    """The family's combine of the cond and uncond rows of ``out`` (rows in ``order``), in replay layout."""
+    branch = {key: i for i, key in enumerate(order)}
+    batch = len(order) // 2
+    cond = out[[branch[("cond", b)] for b in range(batch)]]
+    uncond = out[[branch[("uncond", b)] for b in range(batch)]]
+    return adapter.combine(_to_replay(adapter, cond), _to_replay(adapter, uncond), guidance)
+
+
+def _control_outputs(adapter: ModelAdapter, aligned: AlignedStep, timestep_arg: str) -> list[torch.Tensor]:
+    """The transformer on the pipeline's own inputs, in one forward of the adapter's rows and positions, at the
+    pipeline's timestep and at it moved by its tolerance both ways (stock inputs only)."""
+    outputs = []
+    t = aligned.rows[timestep_arg]
+    for move in (0.0, 1.0, -1.0):
+        moved = (t.double() * (1.0 + move * TIMESTEP_ULPS * FP32_EPS)).to(torch.float32) if move else t
+        with torch.no_grad(), record_forwards(adapter.module) as calls:
+            adapter.module(**{**aligned.shared, **aligned.rows, timestep_arg: moved})
+        outputs.append(calls[0].output)
+    return outputs
+
+
+def judge_step(check_id: str, family: ReplayFamily, adapter: ModelAdapter, step: PipelineStep, prompts: Prompts,
+               guidance: float, label: str) -> Verdict:
+    """The adapter's denoiser at the step's latents and sigma against what the pipeline did at that step."""
+    spec = family.pipeline
+    conditions = adapter.conditions_from_prompts(prompts, 2)
+    batch = conditions.batch
+    x = adapter.from_pipeline_latents(step.latents).float()
+    with torch.no_grad(), record_forwards(adapter.module) as calls:
+        velocity = denoiser.predict_velocity(adapter, x, step.sigma.expand(batch), conditions, guidance)
+    rows = [_count(c.arguments.get(spec.prompt_arg)) for c in calls]
+    ran = expect(check_id, rows == [2 * batch], f"{label}: the denoiser ran one forward of both CFG branches "
+                                                f"({2 * batch} rows)", forwards=str(rows))
+    if not ran.passed:
+        return ran
+    mine = calls[0]
+    order = adapter_order(denoiser.declared_layout(adapter), batch)
+    aligned = align(step, prompts, spec.prompt_arg, order)
+    prompt_rows, pipeline_rows = mine.arguments[spec.prompt_arg], aligned.rows[spec.prompt_arg]
+    flipped = {(branch, b): r for r, (branch, b) in enumerate(order)}
+    cfg_order = all(_same(prompt_rows[r], pipeline_rows[r]) for r in range(2 * batch))
+    backwards = all(_same(prompt_rows[r], pipeline_rows[flipped[(OTHER[branch], b)]])
+                    for r, (branch, b) in enumerate(order))
+    mismatched = _input_mismatches(mine, aligned, spec.timestep_arg, order)
+    t_pipe = aligned.rows[spec.timestep_arg].double()
+    t_mine = torch.as_tensor(mine.arguments[spec.timestep_arg]).double().expand_as(t_pipe)
+    scale = float(t_pipe.abs().max())
+    verdict = close(atol=TIMESTEP_ULPS * FP32_EPS * scale, rtol=0.0,
+                    reason=f"timestep in the pipeline's units: within {TIMESTEP_ULPS:g} fp32 ulps of its "
+                           f"magnitude {scale:.4g}").judge(check_id, t_mine, t_pipe, dims=("row",),
+                                                           what=f"{label} timestep")
+    verdict = verdict.require(cfg_order, f"{label}: CFG order: the rows the adapter declares cond carry the "
+                                         "pipeline's prompt, the uncond rows its negative prompt",
+                              cfg_order_backwards=backwards)
+    verdict = verdict.require(not mismatched, f"{label}: every other transformer input equals the pipeline's, "
+                                              "row by row", **{f"input_{k}": v for k, v in mismatched.items()})
+    controls = _control_outputs(adapter, aligned, spec.timestep_arg)
+    branch_floor = max(float(relative_error(c, aligned.output).max()) for c in controls)
+    verdict = verdict.merge(_within(check_id, f"{label} branch outputs", mine.output, aligned.output, branch_floor,
+                                    "each branch's transformer output vs the pipeline's; floor = the transformer on "
+                                    "the pipeline's inputs at the adapter's batch shape, timestep moved by its "
+                                    "tolerance"))
+    reference = adapter.from_pipeline_latents(step.model_output.float())
+    own = _combined(adapter, aligned.output, order, guidance)
+    verdict = verdict.merge(_within(check_id, f"{label} combine", own, reference, 0.0,
+                                    f"the family's {adapter.cfg_combine} combine of the pipeline's own branch outputs "
+                                    "vs its combined prediction"))
+    combined_floor = max(float(relative_error(_combined(adapter, c, order, guidance), reference).max())
+                         for c in controls)
+    verdict = verdict.merge(_within(check_id, f"{label} velocity", velocity, reference, combined_floor,
+                                    "the denoiser's CFG-combined velocity vs the pipeline's combined prediction; "
+                                    "floor = the combine of the control outputs"))
+    return verdict.with_metrics(**{f"{label}_timestep_pipeline": scale, f"{label}_branch_floor": branch_floor,
+                                   f"{label}_velocity_floor": combined_floor})
+
+
+def _input_mismatches(mine: Forward, aligned: AlignedStep, timestep_arg: str,
+                      order: list[tuple[str, int]]) -> dict[str, str]:
+    """Transformer arguments (other than the timestep) where the adapter's call differs from the pipeline's."""
+    found = {}
+    for name in sorted(set(mine.arguments) | set(aligned.rows) | set(aligned.shared)):
+        if name == timestep_arg:
+            continue
+        value = mine.arguments.get(name)
+        if name in aligned.rows:
+            if _count(value) != len(order):
+                found[name] = f"{_count(value)} rows, expected {len(order)}"
+                continue
+            bad = [f"{branch}[{b}]" for r, (branch, b) in enumerate(order)
+                   if not _same(value[r], aligned.rows[name][r])]
+            if bad:
+                found[name] = "rows " + ", ".join(bad)
+        elif not _same(value, aligned.shared.get(name)):
+            found[name] = "differs from the pipeline's"
+    return found
+
+
+def judge_family(check_id: str, family: ReplayFamily, adapter: ModelAdapter, record: PipelineRecord) -> Verdict:
+    """Every recorded step, judged and merged."""
+    verdicts = [judge_step(check_id, family, adapter, step, record.prompts, record.guidance, f"step {i}")
+                for i, step in enumerate(record.steps)]
+    return functools.reduce(Verdict.merge, verdicts)

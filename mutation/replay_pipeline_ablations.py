@@ -1,0 +1,45 @@
+"""Ablations only the pipeline oracle can catch: bugs in how an adapter translates a pipeline step, which
+stock and batched replay share. Each claims the pipeline oracle of every registered replay family."""
+
+from __future__ import annotations
+
+import torch
+
+from fixtures.replay_families import family_names
+from harness.ablation import ablation
+from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
+
+ORACLE = [f"replay.oracle.pipeline.{family}" for family in family_names()]
+
+
+def _units_swapped(original):
+    def model_timestep(adapter, sigma: torch.Tensor) -> torch.Tensor:
+        """A hook in [0, 1000] answers sigma; a hook in [0, 1] answers 1000 sigma."""
+        t = original(adapter, sigma)
+        thousands = bool((t.double().abs() > 1.5 * sigma.double().abs()).any())
+        return sigma if thousands else sigma * 1000.0
+    return model_timestep
+
+
+ablation(
+    "replay.timestep_units_wrong", "harness.replay.denoiser:model_timestep", _units_swapped, wraps=True,
+    kills=ORACLE,
+    why="the model gets its timestep in the wrong units (sigma where the pipeline passes t in [0, 1000], or "
+        "1000 sigma where it passes sigma): stock and batched alike, so every parity check passes",
+    kill_mode="tolerance",
+)
+
+
+def _declared_backwards(original):
+    def declared_layout(adapter) -> str:
+        return UNCOND_FIRST if original(adapter) == FUSED_COND_FIRST else FUSED_COND_FIRST
+    return declared_layout
+
+
+ablation(
+    "replay.cfg_order_declared_wrong", "harness.replay.denoiser:declared_layout", _declared_backwards, wraps=True,
+    kills=ORACLE,
+    why="the CFG order is declared backwards (cond-first rows read as uncond-first, or the reverse): the combine "
+        "guides away from the prompt in stock and batched replay alike, the combine check included",
+    kill_mode="tolerance",
+)

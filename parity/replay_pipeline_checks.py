@@ -1,0 +1,50 @@
+"""Pipeline-oracle checks: every registered replay family's adapter held to its own diffusers pipeline.
+
+``replay.oracle.pipeline.<family>`` runs the family's registered pipeline (``ReplayFamily.pipeline``) on
+its tiny model for two steps from the adapter's example prompts (no text encoder, ``output_type="latent"``)
+and asserts that the adapter's denoiser, at the same latents and sigma, hands the transformer the same
+inputs (timestep in the pipeline's units, CFG branch order, masks, guidance, latents) and returns the
+same output (harness.replay.pipeline_oracle). Parity cannot see these bugs: they hit stock and fast alike.
+The pipeline's run touches no seam an ablation patches, so it is recorded once per family.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fixtures.replay_cases import BATCH, GUIDANCE
+from fixtures.replay_families import family_names
+from fixtures.replay_models import tiny_model
+from harness.checks import CheckContext, register
+from harness.compare import Verdict
+from harness.replay import discriminating, pipeline_oracle
+from harness.replay.families import get_family
+from harness.replay.families.base import ModelAdapter
+
+__all__ = ["FAMILIES", "oracle_record"]
+
+FAMILIES = family_names()
+
+
+@functools.cache
+def oracle_record(family: str) -> tuple[ModelAdapter, pipeline_oracle.PipelineRecord]:
+    """The family's adapter and its pipeline's record at cfg 2, from seeded discriminating prompts."""
+    registered = get_family(family)
+    adapter = registered.adapter(tiny_model(family))
+    prompts = adapter.example_prompts(BATCH, 2, torch.Generator().manual_seed(17))
+    discriminating.require_discriminating(adapter.conditions_from_prompts(prompts, 2), f"replay family {family!r}")
+    latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(18))
+    return adapter, pipeline_oracle.run_pipeline(registered, adapter, prompts, latents, float(GUIDANCE))
+
+
+def pipeline_oracle_check(family: str, ctx: CheckContext) -> Verdict:
+    adapter, record = oracle_record(family)
+    return pipeline_oracle.judge_family(f"replay.oracle.pipeline.{family}", get_family(family), adapter, record)
+
+
+for _family in FAMILIES:
+    register(f"replay.oracle.pipeline.{_family}",
+             doc=f"the {_family} adapter's denoiser gives its diffusers pipeline's model inputs and output")(
+        functools.partial(pipeline_oracle_check, _family))

@@ -1,0 +1,167 @@
+"""Every tolerance policy at a measured stock floor of exactly 0, of one ulp, and of a typical size.
+
+A floor is measured on stock code and can be exactly zero on one host (batch-invariant kernels) and not on
+another. Each policy must then (1) never collapse: its bound stays at least k_min x its stated minimum in ulps
+of the compared quantity's own magnitude, (2) still pass a candidate that differs by one ulp of that
+magnitude, (3) keep "too loose" / "too tight" meaningful, and (4) record which floor applied.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fixtures.replay_cases import fake_problem
+from harness.ar import verdicts
+from harness.attention.policy import FloorControl, RowControl, RowScaledFloor, bounded, floor_policy, rel_l2_bound
+from harness.compare import expect
+from harness.floors import StockFloor, eps
+from harness.growth import GROWTH_BUDGET, judge_growth
+from harness.replay.policies import RESOLUTION, LocalScaleBound
+
+pytestmark = pytest.mark.cpu
+
+EPS = eps(torch.float32)
+# measured floors as multiples of one ulp at the compared magnitude: zero, one ulp, a typical GEMM-order floor
+FLOORS = {"zero": 0.0, "one_ulp": 1.0, "typical": 37.0}
+
+
+# --------------------------------------------------------------------------------------------- StockFloor
+
+
+def test_a_stock_floor_is_its_measurement_or_its_minimum_whichever_is_larger():
+    zero = StockFloor(0.0, 24.0, 2.0, source="batched vs alone")
+    assert (zero.minimum, zero.value, zero.at_minimum) == (2 * EPS * 24.0, 2 * EPS * 24.0, True)
+    assert zero.metrics() == {"floor_measured": 0.0, "floor_minimum": 2 * EPS * 24.0, "floor_minimum_ulps": 2.0,
+                              "floor_at_minimum": True}
+    assert "measured 0.00e+00 (batched vs alone), 2 float32 ulps x magnitude 24" in zero.describe()
+    measured = StockFloor(1e-3, 24.0, 2.0)
+    assert (measured.value, measured.at_minimum) == (1e-3, False)
+    assert StockFloor(1.0, 1.0, 1.0, torch.bfloat16).minimum == 2.0**-7  # a bf16 ulp at 1
+    assert math.isinf(StockFloor(math.inf, 1.0, 1.0).value) and not StockFloor(math.inf, 1.0, 1.0).at_minimum
+    for bad in ({"ulps": 0.0}, {"ulps": math.inf}, {"measured": -1.0}, {"magnitude": -1.0}):
+        with pytest.raises(ValueError):
+            StockFloor(**{"measured": 0.0, "magnitude": 1.0, "ulps": 1.0, **bad})
+
+
+def test_require_bounded_keeps_too_loose_and_too_tight_meaningful_at_a_zero_floor():
+    floor = StockFloor(0.0, 1.0, 4.0)
+    fact = expect("t.floor", True, "ran")
+    inside = fact.require_bounded(8 * floor.minimum, floor, k_min=2.0, k_max=8.0)
+    assert inside.passed and inside.metrics["floor_at_minimum"] and inside.metrics["stock_floor"] == floor.minimum
+    loose = fact.require_bounded(9 * floor.minimum, floor, k_min=2.0, k_max=8.0)
+    tight = fact.require_bounded(1 * floor.minimum, floor, k_min=2.0, k_max=8.0)
+    assert "too loose" in loose.violated_facts[0] and "too tight" in tight.violated_facts[0]
+
+
+# ------------------------------------------------------------------------------------------ replay policies
+
+
+@pytest.mark.parametrize("ulps", FLOORS.values(), ids=FLOORS.keys())
+def test_replay_local_scale_bound(ulps):
+    """Relative floors: one ulp of a relative quantity is one fp32 eps; the minimum is RESOLUTION (4 ulps)."""
+    policy = LocalScaleBound("log_probs", relative_floor=ulps * EPS, resolution=RESOLUTION, k=4.0)
+    expected = torch.tensor([[-3.0, -1.5], [-0.25, -8.0]])
+    assert policy.relative_bound >= 4.0 * RESOLUTION
+    same = policy.judge("t.replay", expected.clone(), expected)
+    assert same.passed and same.metrics["floor_at_minimum"] == (ulps * EPS < RESOLUTION)
+    one_ulp = expected + EPS * expected.abs().amax(dim=1, keepdim=True)  # one ulp of each row's magnitude
+    assert policy.judge("t.replay", one_ulp, expected).passed
+    off = expected * (1 + 2 * policy.relative_bound)
+    assert not policy.judge("t.replay", off, expected).passed
+
+
+@pytest.mark.parametrize("ulps", FLOORS.values(), ids=FLOORS.keys())
+def test_replay_pi_old_ratio_floor(ulps):
+    """The ratio exp(dlogp) is near 1: its minimum counts ulps of 1 (or of the log-probs where larger), with or
+    without a measured floor."""
+    from parity.replay_oracle_checks import RATIO_FLOOR_ULPS, ratio_stock_floor
+
+    problem = fake_problem("cfg2")
+    magnitude = max(1.0, float(problem.segment.recorded_log_probs(problem.target).abs().max()))
+    floor = ratio_stock_floor(problem, (ulps * EPS, ulps * EPS, 0.0))
+    assert floor.minimum == RATIO_FLOOR_ULPS * EPS * magnitude > 0
+    assert floor.value == max(ulps * EPS, floor.minimum)
+    assert floor.value >= EPS  # a one-ulp ratio error (the measured 1.5e-8 on one host is below it) passes
+
+
+@pytest.mark.parametrize("ulps", FLOORS.values(), ids=FLOORS.keys())
+def test_replay_oracle_bound(ulps):
+    from parity.replay_oracle_checks import K_ORACLE, _bounded
+
+    oracle = torch.tensor([2.0, -4.0, 0.5], dtype=torch.float64)
+    scale = float(oracle.abs().max())
+    verdict = _bounded("t.oracle", "mean", oracle + EPS * scale, oracle, ulps * EPS * scale, scale)
+    assert verdict.passed, verdict.describe()
+    assert verdict.metrics["bound"] >= K_ORACLE * EPS * scale
+    assert verdict.metrics["floor_at_minimum"] == (ulps < 1)
+    far = _bounded("t.oracle", "mean", oracle + 2 * verdict.metrics["bound"], oracle, ulps * EPS * scale, scale)
+    assert not far.passed
+
+
+# ------------------------------------------------------------------------------------------------ growth
+
+
+@pytest.mark.parametrize("ulps", FLOORS.values(), ids=FLOORS.keys())
+def test_growth_judge(ulps):
+    """Per-step curves over 9 steps; the resolution is one ulp of a magnitude-2 quantity at every step."""
+    resolution = torch.full((9,), 2 * EPS, dtype=torch.float64)
+    floor = torch.full((9,), ulps * 2 * EPS, dtype=torch.float64)
+    flat = judge_growth("t.growth", resolution.clone(), floor, resolution, control="test")
+    assert flat.passed, flat.describe()
+    assert flat.tolerance == GROWTH_BUDGET and flat.metrics["floor_at_minimum"] is False  # a flat floor: growth 1
+    assert flat.metrics["floor_points_at_resolution"] == (9 if ulps <= 1 else 0)
+    growing = judge_growth("t.growth", resolution * torch.logspace(0, 3, 9, dtype=torch.float64), floor, resolution,
+                           control="test")
+    assert not growing.passed and growing.margin > 1
+    zero_everything = judge_growth("t.growth", torch.zeros(9), torch.zeros(9), resolution, control="test")
+    assert zero_everything.passed and zero_everything.metrics["error_growth"] == 1.0
+
+
+# ----------------------------------------------------------------------------------------------------- ar
+
+
+@pytest.mark.parametrize("ulps", FLOORS.values(), ids=FLOORS.keys())
+def test_ar_fp32_policies(ulps):
+    scale = 12.5
+    floor = verdicts.StockPrefillFloor(logp=ulps * EPS * scale, kv=ulps * EPS * 3.0, backend="hand",
+                                       logp_scale=scale, kv_scale=3.0)
+    policies = verdicts.fp32_policies(floor)
+    minimum = verdicts.FLOOR_ULPS * EPS * scale
+    assert policies.logp.atol == verdicts.TOLERANCE_K * max(ulps * EPS * scale, minimum) >= 8 * minimum
+    expected = torch.tensor([[-scale, -1.0]])
+    verdict = policies.logp.judge("t.ar", expected + EPS * scale, expected)  # one ulp at the magnitude
+    verdict = verdicts.require_floor_bounds(verdict, policies.logp.atol, floor, "logp")
+    assert verdict.passed, verdict.describe()
+    assert verdict.metrics["floor_at_minimum"] == (ulps < verdicts.FLOOR_ULPS)
+    loose = verdicts.require_floor_bounds(verdict, 2 * verdicts.K_MAX * floor.floor("logp"), floor, "logp")
+    assert any("too loose" in fact for fact in loose.violated_facts)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("ulps", FLOORS.values(), ids=FLOORS.keys())
+def test_attention_fp32_policy(ulps):
+    scale = 1.75
+    control = FloorControl(ulps * EPS * scale, ulps * EPS, "torch.float32", scale)
+    policy = floor_policy(control)
+    expected = torch.tensor([[scale, -0.5, 0.25]])
+    verdict = bounded(policy.judge("t.attention", expected + EPS * scale, expected), policy, control.max_abs_floor())
+    assert verdict.passed, verdict.describe()
+    assert policy.bound >= 4 * EPS * scale and rel_l2_bound(control) >= 4 * EPS
+    assert verdict.metrics["floor_at_minimum"] == (ulps < 1)
+
+
+@pytest.mark.parametrize("ulps", FLOORS.values(), ids=FLOORS.keys())
+def test_attention_bf16_row_policy(ulps):
+    bf16 = eps(torch.bfloat16)
+    policy = RowScaledFloor(RowControl(ulps * bf16, "batch 0, head 0, query row 0", "torch.bfloat16"), k=4.0)
+    expected = torch.tensor([[[[1.0, -2.0], [0.5, 0.25]]]], dtype=torch.float64)
+    one_ulp = expected + bf16 * expected.abs().amax(dim=-1, keepdim=True)
+    verdict = bounded(policy.judge("t.bf16", one_ulp, expected), policy, None)
+    assert verdict.passed, verdict.describe()
+    assert verdict.metrics["floor_at_minimum"] == (ulps < 1)
+    assert not policy.judge("t.bf16", expected * 3.0, expected).passed  # off by twice each row's magnitude

@@ -1,0 +1,67 @@
+"""The catalogues follow the registries: what an installed package registers (a replay family, an AR
+backend's tiny models, an attention kernel) is what the generated catalogues enumerate."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+
+from fixtures import ar_models
+from fixtures.replay_families import family_ids, family_names, family_traits
+from harness import plugins
+from harness.ar.backends import TransformersBackend
+from harness.attention import kernels
+from harness.replay.families import SHIPPED
+
+pytestmark = pytest.mark.cpu
+
+
+def test_every_shipped_replay_family_is_enumerated_with_its_layout():
+    assert set(family_names()) >= {family.name for family in SHIPPED}
+    assert family_traits("flux").branch_independent == ("pooled_projections",)
+    assert family_traits("cogview4").fused and not family_traits("cogview4").branch_independent
+    assert "replay.flux.cfg2.log_probs" in family_ids("cfg2.log_probs", fused=True, branch_independent=True)
+    assert "replay.sd3.cfg2.log_probs" not in family_ids("cfg2.log_probs", fused=True)
+
+
+def _tiny_qwen3(attn_implementation: str):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=ar_models.VOCAB, hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                        head_dim=8, pad_token_id=ar_models.PAD_ID,
+                                        attn_implementation=attn_implementation))
+
+
+class InstalledBackend(TransformersBackend):
+    """An installed AR backend that declares one tiny model for the CPU catalogue."""
+
+    tiny_models: ClassVar[dict] = {"installed_qwen3": _tiny_qwen3}
+
+
+def test_an_installed_ar_backend_brings_its_tiny_models_into_the_catalogue():
+    plugins.AR_BACKENDS.register("installed_test", InstalledBackend, origin="tests")
+    try:
+        assert ar_models.catalogue_models() == (*ar_models.SHIPPED_MODELS, "installed_qwen3")
+        built = ar_models.backend.__wrapped__("installed_qwen3")
+        assert isinstance(built, InstalledBackend) and built.name == "installed_qwen3"
+        assert not any(p.isnan().any() for p in built.model.parameters())
+    finally:
+        plugins.AR_BACKENDS.unregister("installed_test")
+    assert ar_models.catalogue_models() == ar_models.SHIPPED_MODELS
+
+
+def _registered_kernel(query, key, value, layout, *, scale=None):
+    """A bare registered kernel (the reference itself)."""
+    return kernels.get_kernel("sdpa")(query, key, value, layout, scale=scale)
+
+
+def test_a_registered_attention_kernel_is_judged_by_the_catalogue():
+    plugins.ATTENTION_KERNELS.register("installed_kernel_test", _registered_kernel, origin="tests")
+    try:
+        assert "installed_kernel_test" in kernels.kernels_under_test()[3:]
+        assert kernels.kernels_under_test()[:3] == ("decomposed", "flex", "block_padded")
+    finally:
+        plugins.ATTENTION_KERNELS.unregister("installed_kernel_test")
+    assert "installed_kernel_test" not in kernels.kernels_under_test()
