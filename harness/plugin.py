@@ -37,6 +37,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SESSION_KEY = pytest.StashKey["ParitySession"]()
 IMPLS_KEY = pytest.StashKey[dict[str, str]]()
 NOT_JUDGED_KEY = pytest.StashKey[dict[str, str]]()  # conformance mode: deselected check id -> why it cannot judge
+OWN_TESTS_KEY = pytest.StashKey[dict[str, int]]()  # conformance mode: path -> its deselected non-check tests
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -545,18 +546,22 @@ def item_path(item: pytest.Item) -> str | None:
 
 
 def conformance_items(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Conformance mode: keep only the paths under test, deselect their checks that cannot call the user's
-    implementation (kept, with their reasons, for the summary), and skip the suite's own ablations for them."""
+    """Conformance mode: keep only the checks of the paths under test, deselect those that cannot call the user's
+    implementation (kept, with their reasons, for the summary) and the paths' other tests (property and fault
+    tests of the suite's own implementation, counted for the summary), and skip the suite's own ablations."""
     under_test = config.stash.get(IMPLS_KEY, None)
     if not under_test:
         return
     kept, dropped = [], []
     not_judged: dict[str, str] = {}
+    own_tests: dict[str, int] = {}
     for item in items:
         path = item_path(item)
         check_id, ablated = item_check(item)
+        if path in under_test and check_id is None:
+            own_tests[path] = own_tests.get(path, 0) + 1
         reason = conformance.judged_by(str(check_id)) if path in under_test and check_id is not None else None
-        if path not in under_test or (reason is not None and not ablated):
+        if path not in under_test or check_id is None or (reason is not None and not ablated):
             dropped.append(item)
             if reason is not None:
                 not_judged[str(check_id)] = reason
@@ -568,20 +573,25 @@ def conformance_items(config: pytest.Config, items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.skip(reason=f"the suite's ablations patch the suite's seams, not {spec}; "
                                                     f"measure teeth with scripts/mutation-score --module {module}"))
     config.stash[NOT_JUDGED_KEY] = not_judged
+    config.stash[OWN_TESTS_KEY] = own_tests
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
 
 
-def not_judged_lines(not_judged: dict[str, str]) -> list[str]:
-    """The summary of the checks a conformance run deselected: one line per reason, naming its checks."""
+def not_judged_lines(not_judged: dict[str, str], own_tests: dict[str, int] | None = None) -> list[str]:
+    """The summary of what a conformance run deselected: the checks that cannot call the implementation under
+    test, one line per reason naming them; and per path, how many of its tests exercise the suite's own code."""
+    lines = [f"not judged: {count} {path} tests of the suite's own implementation (property, fault and unit "
+             "tests beside the catalogue, deselected: only the checks judge yours)"
+             for path, count in sorted((own_tests or {}).items())]
     if not not_judged:
-        return []
+        return lines
     by_reason: dict[str, list[str]] = {}
     for check_id, reason in sorted(not_judged.items()):
         by_reason.setdefault(reason, []).append(check_id)
-    lines = [f"not judged: {len(not_judged)} checks cannot call the implementation under test (deselected, "
-             "not passed):"]
+    lines.append(f"not judged: {len(not_judged)} checks cannot call the implementation under test (deselected, "
+                 "not passed):")
     lines += [f"  {', '.join(ids)}: {reason}" for reason, ids in by_reason.items()]
     return lines
 
@@ -622,7 +632,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.write_line(report.render_terminal(session.report_data))
     for problem in session.conformance_problems:
         terminalreporter.write_line(f"FAILED {problem}", red=True)
-    for line in not_judged_lines(config.stash.get(NOT_JUDGED_KEY, {})):
+    for line in not_judged_lines(config.stash.get(NOT_JUDGED_KEY, {}), config.stash.get(OWN_TESTS_KEY, {})):
         terminalreporter.write_line(line, yellow=True)
     for written in session.written:
         terminalreporter.write_line(f"parity report written to {written}")
