@@ -6,7 +6,8 @@ the pad id, records log-prob 0 and writes no more KV), the KV of every row read 
 model is driven through the backend's hooks (``harness.ar.backends``): ``new_cache``, ``begin``, ``prefill`` /
 ``decode`` (one forward each, given a bool mask), ``prefill_key_length`` / ``decode_key_length``,
 ``key_valid``, ``decode_write_slots``, ``token_columns``, ``logical_slots``; those hooks read the state a
-``harness.ar.loop.ARState`` carries, which is the only suite type the loop builds.
+``harness.ar.loop.ARState`` carries, which the loop takes from ``harness.ar.loop.init_state`` (the cache and
+the empty outputs, nothing of the loop itself).
 
 ``fast_rollout`` is right, with its own loop, masks, sampling, EOS bookkeeping and KV freeze for finished rows.
 Every other callable carries one realistic bug (see ``BUGS``); each must fail the ar checks it names.
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from harness.ar.loop import ARState, Rollout
+from harness.ar.loop import Rollout, init_state
 
 __all__ = ["BUGS", "CORRECT", "fast_rollout", "finished_rows_keep_sampling", "finished_rows_keep_writing_kv",
            "first_logits_at_the_padded_tail", "infers_lengths_from_pads", "no_decode_mask",
@@ -68,17 +69,9 @@ def _rollout(backend: Any, batch: Any, max_new_tokens: int, eos: Sequence[int], 
     real_pos = _real_pos(batch, flaws)
     rows, width = batch.batch_size, batch.width
     device = batch.input_ids.device
-    cache = backend.new_cache(rows, width + max_new_tokens, dynamic=rows == 1)
-    state = ARState(
-        backend=backend, batch=batch, real_pos=real_pos.to(device), cache=cache, max_new_tokens=max_new_tokens,
-        max_cache_len=width + max_new_tokens, eos=tuple(eos), input_ids=batch.input_ids.clone(),
-        tokens=torch.full((rows, max_new_tokens), backend.pad_id, dtype=torch.long, device=device),
-        logp=torch.zeros(rows, max_new_tokens, device=device),
-        logits=torch.zeros(rows, max_new_tokens, backend.vocab_size, device=device),
-        lengths=torch.zeros(rows, dtype=torch.long, device=device),
-        generated=torch.zeros(rows, dtype=torch.long, device=device),
-        finished=torch.zeros(rows, dtype=torch.bool, device=device))
-    backend.begin(state)
+    # the state the backend's hooks read (its cache, buffers and empty outputs), for the lengths decided above
+    state = init_state(backend, replace(batch, real_pos=real_pos[:, None]), max_new_tokens, eos)
+    cache = state.cache
     stop_ids = torch.tensor(tuple(eos), dtype=torch.long, device=device)
     everyone = torch.arange(rows, device=device)
     with torch.no_grad():
