@@ -6,14 +6,9 @@ import json
 
 import pytest
 
-from harness import ablation, checks, compat, conformance
+from harness import ablation, checks, conformance
 from harness.dist import World, WorldTaskError
 from tests import dist_tasks
-
-# A check's first run asks diffusers for the decode VAE class, which imports torch._dynamo: do it now, at import,
-# so pytester's in-process runs find those modules loaded (pytester drops what a test imported, and torch refuses
-# to register their operator library a second time).
-compat.path_unavailable("decode")
 
 # every test here is of the cpu tier but the spawned variant, a launcher test (tens of seconds on 2 cores)
 
