@@ -51,10 +51,11 @@ def not_judged(pattern: str, reason: str) -> None:
 
 def judged_by(check_id: str) -> str | None:
     """None when a conformance run judges ``check_id`` with the implementation under test, else the reason
-    it cannot (the first declared pattern that matches it)."""
+    it cannot: its own declaration, else the most specific (longest) declared pattern that matches it."""
     if check_id in _NOT_JUDGED:
         return _NOT_JUDGED[check_id]
-    return next((reason for pattern, reason in _NOT_JUDGED.items() if fnmatch.fnmatchcase(check_id, pattern)), None)
+    matching = [pattern for pattern in _NOT_JUDGED if fnmatch.fnmatchcase(check_id, pattern)]
+    return _NOT_JUDGED[max(matching, key=len)] if matching else None
 
 
 def not_judged_reasons() -> dict[str, str]:

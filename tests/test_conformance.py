@@ -217,6 +217,12 @@ def test_declarations_match_ids_and_patterns_and_keep_one_reason():
         conformance.not_judged("attention.cdemo.stock_*", "another reason")
     with pytest.raises(ValueError, match="say why"):
         conformance.not_judged("attention.cdemo.other", " ")
+    conformance.not_judged("attention.cdemo.stock_only.*", "a narrower reason")  # the most specific pattern wins
+    try:
+        assert conformance.judged_by("attention.cdemo.stock_only.x") == "a narrower reason"
+        assert conformance.judged_by("attention.cdemo.stock_x") == "compares the stock path with itself"
+    finally:
+        conformance._NOT_JUDGED.pop("attention.cdemo.stock_only.*")
 
 
 def _count_inside_ranks(start_method: str) -> None:
