@@ -163,10 +163,12 @@ def path_unavailable(path: str) -> str | None:
     The one test every generated item, decode test and tiny checkpoint asks, in the parent process, so
     a lane without the class skips the path with this reason instead of failing inside a rank.
     """
+    needed = PATH_NEEDS_DIFFUSERS.get(path)
+    if needed is None:  # diffusers (and the torch._dynamo it imports) loads only for a path that needs it
+        return None
     import diffusers
 
-    needed = PATH_NEEDS_DIFFUSERS.get(path)
-    if needed is None or diffusers_has(needed):
+    if diffusers_has(needed):
         return None
     return (f"diffusers {diffusers.__version__} has no {needed} (it needs diffusers >=0.40, whose huggingface-hub "
             f">=1.23 transformers 4.x refuses): the {path} path runs on the latest lock only")

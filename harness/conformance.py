@@ -2,32 +2,65 @@
 
 ``--impl PATH=MODULE:CALLABLE`` points a path's catalogue at an implementation that lives in a team's
 own framework, with the path's documented signature. Checks fetch the fast function through
-``resolve(path, default)``; the callable that comes back is wrapped so a check can prove the user's
-code ran (a silent fallback to anything else fails). Specs are plain strings so they travel into
-distributed ranks, forked or spawned, and are imported there.
+``resolve(path, default)``; the callable that comes back is wrapped so every call is counted (inside
+a world's ranks too: the counts travel back with each task), and a check that never called it under
+``--impl`` fails, so a silent fallback to anything else cannot pass. Specs are plain strings so they
+travel into distributed ranks, forked or spawned, and are imported there.
+
+A check that cannot call a user's implementation at all (a stock-only case, a check of the suite's own
+clip plan or mask builder, an option only the suite's implementation has) is declared here with
+``not_judged(pattern, reason)`` next to its registration: under ``--impl`` it is deselected and listed
+with its reason as "not judged", never reported as a pass.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
 import importlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["PATHS", "SIGNATURES", "active", "add_calls", "applied", "call_counts", "calls", "clear", "load_callable",
-           "resolve", "specs", "use"]
+__all__ = ["PATHS", "SIGNATURES", "active", "add_calls", "applied", "call_counts", "calls", "clear", "judged_by",
+           "load_callable", "not_judged", "not_judged_reasons", "resolve", "specs", "use"]
 
 PATHS = ("replay", "ar", "decode", "attention")
 SIGNATURES = {
-    "replay": "replay_batched(adapter, conditions, segment, ...)",
+    "replay": "replay_batched(adapter, conditions, segment, strategy, target, guidance=1.0, config=None)",
     "ar": "fast_rollout(backend, batch, max_new_tokens, eos)",
-    "decode": "sharded_decode(vae, z, group)",
+    "decode": "sharded_decode(vae, z, group, *, transport='all_gather', dst=0)",
     "attention": "kernel(query, key, value, layout, *, scale=None)",
 }
 
 _SPECS: dict[str, str] = {}
 _CALLS: dict[str, int] = {}
+_NOT_JUDGED: dict[str, str] = {}  # check id or fnmatch pattern -> why no implementation under test can run there
+
+
+def not_judged(pattern: str, reason: str) -> None:
+    """Declare that the checks matching ``pattern`` (an id or an fnmatch pattern) never call the implementation
+    under test, and why: under ``--impl`` they are deselected and listed as not judged."""
+    if not reason.strip():
+        raise ValueError(f"not_judged({pattern!r}): say why no implementation under test can run there")
+    if _NOT_JUDGED.get(pattern, reason) != reason:
+        raise ValueError(f"not_judged({pattern!r}) declared twice with different reasons: "
+                         f"{_NOT_JUDGED[pattern]!r} and {reason!r}")
+    _NOT_JUDGED[pattern] = reason
+
+
+def judged_by(check_id: str) -> str | None:
+    """None when a conformance run judges ``check_id`` with the implementation under test, else the reason
+    it cannot: its own declaration, else the most specific (longest) declared pattern that matches it."""
+    if check_id in _NOT_JUDGED:
+        return _NOT_JUDGED[check_id]
+    matching = [pattern for pattern in _NOT_JUDGED if fnmatch.fnmatchcase(check_id, pattern)]
+    return _NOT_JUDGED[max(matching, key=len)] if matching else None
+
+
+def not_judged_reasons() -> dict[str, str]:
+    """Every declaration: pattern -> reason."""
+    return dict(_NOT_JUDGED)
 
 
 def load_callable(spec: str) -> Callable[..., Any]:

@@ -169,18 +169,24 @@ def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg
         if message is None:
             break
         task_id, fn, args, kwargs, refs, impls = message
+        before = conformance.call_counts()
         try:
-            before = conformance.call_counts()
             with ablation.applied(refs), conformance.applied(impls):
                 result = fn(*args, **kwargs)
-            made = {p: n - before.get(p, 0) for p, n in conformance.call_counts().items() if n > before.get(p, 0)}
-            _send(conn, ("ok", task_id, (result, made)))
+            _send(conn, ("ok", task_id, (result, _calls_since(before))))
         except BaseException as err:  # noqa: BLE001 - every task failure goes back to the parent
-            _send(conn, ("raised", task_id, (f"{type(err).__name__}: {err}", traceback.format_exc())))
+            # a call that raised was still made: it counts (a fault check judges the user's code by its raise)
+            _send(conn, ("raised", task_id, (f"{type(err).__name__}: {err}", traceback.format_exc(),
+                                             _calls_since(before))))
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
     conn.close()
     os._exit(0)
+
+
+def _calls_since(before: dict[str, int]) -> dict[str, int]:
+    """Calls of the implementations under test made in this rank since ``before`` (harness.conformance)."""
+    return {p: n - before.get(p, 0) for p, n in conformance.call_counts().items() if n > before.get(p, 0)}
 
 
 class World:
@@ -379,7 +385,8 @@ class World:
                     conformance.add_calls(made)  # the implementation under test ran inside the rank
                     outcomes[rank] = RankOutcome(rank, "ok")
                 else:
-                    error, trace = payload
+                    error, trace, made = payload
+                    conformance.add_calls(made)  # a call that raised was still made
                     outcomes[rank] = RankOutcome(rank, "raised", stable_error(error), trace)
                     if outcomes[rank].error != error:
                         LOG.info("task %d, rank %d raised: %s", task_id, rank, error)

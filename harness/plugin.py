@@ -6,14 +6,12 @@ harness brings it to any pytest run.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import functools
 import os
 import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +36,8 @@ MARKERS = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SESSION_KEY = pytest.StashKey["ParitySession"]()
 IMPLS_KEY = pytest.StashKey[dict[str, str]]()
+NOT_JUDGED_KEY = pytest.StashKey[dict[str, str]]()  # conformance mode: deselected check id -> why it cannot judge
+OWN_TESTS_KEY = pytest.StashKey[dict[str, int]]()  # conformance mode: path -> its deselected non-check tests
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -135,9 +135,8 @@ class ParitySession:
         try:
             skip_unavailable_path(check_id)
             if key not in self.verdicts:
-                with watch_implementation(checks.get(check_id).path) as watch:
-                    verdict = checks.run_check(check_id, ctx or self.context())
-                verdict = watch.require_ran(verdict)
+                watch = ImplementationWatch(checks.get(check_id).path)
+                verdict = watch.require_ran(checks.run_check(check_id, ctx or self.context()))
                 self.verdicts[key] = dataclasses.replace(verdict, check_id=key) if label else verdict
         except OUTCOME_ERRORS as err:
             self.unfinished[key] = unfinished(key, err)
@@ -191,8 +190,12 @@ class ParitySession:
                                                                sorted(self.pairs_unfinished))]
         remote = ({"trusted": True, "ran": checkpoints.remote_code_ran()}
                   if self.config.getoption("trust_remote_code") else None)
-        return report.build([rows[k] for k in sorted(rows, key=rank)], kills, implementations=conformance.specs(),
+        data = report.build([rows[k] for k in sorted(rows, key=rank)], kills, implementations=conformance.specs(),
                             remote_code=remote, host=host.fingerprint())
+        not_judged = self.config.stash.get(NOT_JUDGED_KEY, {})
+        if not_judged:  # conformance mode: the checks deselected because they cannot call the user's code
+            data["not_judged"] = dict(sorted(not_judged.items()))
+        return data
 
     def close(self) -> None:
         for pool in self._pools.values():
@@ -231,51 +234,37 @@ def unfinished(check_label: str, err: BaseException, ablation_name: str = "") ->
 
 
 class ImplementationWatch:
-    """What one check did with the implementation under test for its path (conformance mode only)."""
+    """How often one check called the implementation under test for its path (conformance mode only).
+
+    The calls are counted by ``conformance.resolve``'s wrapper, in this process and inside every rank of a
+    world (each task brings its rank's count back), so a check whose work runs in ranks is seen too.
+    """
 
     def __init__(self, path: str):
         self.path = path
         self.spec = conformance.active(path)
-        self.fetched = 0
         self.calls_before = conformance.calls(path)
 
+    @property
+    def calls(self) -> int:
+        return conformance.calls(self.path) - self.calls_before
+
     def require_ran(self, verdict: Verdict) -> Verdict:
-        """A check that fetched the implementation under test must have called it: no silent fallback.
+        """Under ``--impl`` a check judges the user's implementation only if it called it: no silent fallback.
 
-        A check that never fetches it (a contract check on captured masks, say) judges no implementation
-        and is left as it is; ``pytest_sessionfinish`` fails a run whose path under test was never called.
+        A check that cannot call it is declared with ``conformance.not_judged`` and never reaches here (it
+        is deselected); any other check that did not call it fails, whatever its numbers say.
         """
-        if self.spec is None or not self.fetched or conformance.calls(self.path) > self.calls_before:
+        if self.spec is None:
             return verdict
-        return verdict.require(False, f"the implementation under test never ran ({self.spec} was fetched through "
-                                      "harness.conformance.resolve but not called)")
-
-
-@contextlib.contextmanager
-def watch_implementation(path: str) -> Iterator[ImplementationWatch]:
-    """Count the check's ``conformance.resolve(path, ...)`` calls while it runs (checks call it by module)."""
-    watch = ImplementationWatch(path)
-    if watch.spec is None:
-        yield watch
-        return
-    original = conformance.resolve
-
-    def resolve(wanted: str, default: Any) -> Any:
-        if wanted == path:
-            watch.fetched += 1
-        return original(wanted, default)
-
-    conformance.resolve = resolve
-    try:
-        yield watch
-    finally:
-        conformance.resolve = original
+        calls = self.calls
+        return verdict.require(calls > 0, f"the implementation under test ({self.spec}) ran in this check",
+                               impl_calls=calls)
 
 
 def never_ran(config: pytest.Config, judged_paths: set[str]) -> list[str]:
     """Paths under test whose checks ran while the user's implementation was never called in this process."""
-    return [f"--impl {path}={spec}: the implementation under test never ran in any {path} check (are the "
-            f"{path} checks fetching it through harness.conformance.resolve?)"
+    return [f"--impl {path}={spec}: no {path} check called the implementation under test"
             for path, spec in (config.stash.get(IMPLS_KEY, None) or {}).items()
             if path in judged_paths and conformance.calls(path) == 0]
 
@@ -348,8 +337,19 @@ def parity_list(pattern: str = "*") -> list[str]:
         if policy:
             fields.append(f"policy={policy}")
         fields.append("killers=" + (", ".join(sorted(killers.get(check.id, []))) or "none"))
+        fields.append(conformance_mark(check))
         lines.append("  ".join(fields))
     return lines
+
+
+def conformance_mark(check: checks.Check) -> str:
+    """Whether ``pytest -m cpu --impl PATH=...`` judges the user's implementation with this check, and if not, why."""
+    if check.path not in conformance.PATHS:
+        return "impl=none (no --impl path)"
+    if check.tier != "cpu":
+        return "impl=no (gpu tier; a conformance run is -m cpu)"
+    reason = conformance.judged_by(check.id)
+    return "impl=judged" if reason is None else f"impl=not judged ({reason})"
 
 
 def _bound_arguments(fn: Any) -> str:
@@ -546,23 +546,54 @@ def item_path(item: pytest.Item) -> str | None:
 
 
 def conformance_items(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Conformance mode: keep only the paths under test, and skip the suite's own ablations for them."""
+    """Conformance mode: keep only the checks of the paths under test, deselect those that cannot call the user's
+    implementation (kept, with their reasons, for the summary) and the paths' other tests (property and fault
+    tests of the suite's own implementation, counted for the summary), and skip the suite's own ablations."""
     under_test = config.stash.get(IMPLS_KEY, None)
     if not under_test:
         return
     kept, dropped = [], []
+    not_judged: dict[str, str] = {}
+    own_tests: dict[str, int] = {}
     for item in items:
         path = item_path(item)
-        (kept if path in under_test else dropped).append(item)
-        if path not in under_test or not item_check(item)[1]:
+        check_id, ablated = item_check(item)
+        if path in under_test and check_id is None:
+            own_tests[path] = own_tests.get(path, 0) + 1
+        reason = conformance.judged_by(str(check_id)) if path in under_test and check_id is not None else None
+        if path not in under_test or check_id is None or (reason is not None and not ablated):
+            dropped.append(item)
+            if reason is not None:
+                not_judged[str(check_id)] = reason
             continue
-        spec = under_test[path]
-        module = spec.partition(":")[0]
-        item.add_marker(pytest.mark.skip(reason=f"the suite's ablations patch the suite's seams, not {spec}; "
-                                                f"measure teeth with scripts/mutation-score --module {module}"))
+        kept.append(item)
+        if ablated:
+            spec = under_test[path]
+            module = spec.partition(":")[0]
+            item.add_marker(pytest.mark.skip(reason=f"the suite's ablations patch the suite's seams, not {spec}; "
+                                                    f"measure teeth with scripts/mutation-score --module {module}"))
+    config.stash[NOT_JUDGED_KEY] = not_judged
+    config.stash[OWN_TESTS_KEY] = own_tests
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def not_judged_lines(not_judged: dict[str, str], own_tests: dict[str, int] | None = None) -> list[str]:
+    """The summary of what a conformance run deselected: the checks that cannot call the implementation under
+    test, one line per reason naming them; and per path, how many of its tests exercise the suite's own code."""
+    lines = [f"not judged: {count} {path} tests of the suite's own implementation (property, fault and unit "
+             "tests beside the catalogue, deselected: only the checks judge yours)"
+             for path, count in sorted((own_tests or {}).items())]
+    if not not_judged:
+        return lines
+    by_reason: dict[str, list[str]] = {}
+    for check_id, reason in sorted(not_judged.items()):
+        by_reason.setdefault(reason, []).append(check_id)
+    lines.append(f"not judged: {len(not_judged)} checks cannot call the implementation under test (deselected, "
+                 "not passed):")
+    lines += [f"  {', '.join(ids)}: {reason}" for reason, ids in by_reason.items()]
+    return lines
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -601,6 +632,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.write_line(report.render_terminal(session.report_data))
     for problem in session.conformance_problems:
         terminalreporter.write_line(f"FAILED {problem}", red=True)
+    for line in not_judged_lines(config.stash.get(NOT_JUDGED_KEY, {}), config.stash.get(OWN_TESTS_KEY, {})):
+        terminalreporter.write_line(line, yellow=True)
     for written in session.written:
         terminalreporter.write_line(f"parity report written to {written}")
     for problem in session.write_errors:

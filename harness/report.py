@@ -10,7 +10,8 @@ The JSON shape is a contract for CI tools::
      "ablations": [{"name", "path", "kill_mode", "status",
                     "kills": [{"check", "status", "killed", "mode", "declared", "margin", ...}]}],
      "summary": {"checks", "passed", "failed", "skipped", "ablations", "killed",
-                 "pairs", "pairs_killed", "pairs_survived", "pairs_failed", "pairs_skipped"}}
+                 "pairs", "pairs_killed", "pairs_survived", "pairs_failed", "pairs_skipped"},
+     "not_judged": {check_id: reason}}               # only in conformance mode: checks that cannot call it
 
 A check's status is passed, failed (its verdict failed; or it raised, timed out or failed before giving
 one: then ``error`` says how and on which ranks) or skipped (``reason``); a pair's is killed, survived

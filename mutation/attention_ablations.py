@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from fixtures.attention_captures import INPUT_CASES
 from harness.ablation import ablation
 from harness.attention import kernels, masks, padded
 from harness.attention.decomposed import RowBlock
@@ -76,6 +77,13 @@ def _seed_block_always(original):
     return padded_length
 
 
+def _generated_image_only(original):
+    def image_spans(layout: AttentionLayout) -> tuple[tuple[int, int], ...]:
+        return original(layout)[-1:]
+
+    return image_spans
+
+
 def _special_rows_see_image(q_pos: torch.Tensor, kv_pos: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return masks.causal_mask(q_pos, kv_pos) | ((kv_pos >= start) & (kv_pos < end))
 
@@ -86,10 +94,11 @@ ablation(
            "attention.contract.prefill.mismatches", "attention.contract.prefill.density",
            "attention.contract.prefill.span", "attention.contract.denoise.density",
            "attention.contract.denoise.histogram", "attention.capture.prefill.contract",
-           "attention.denoise.decomposed.vs_sdpa", "attention.prefill.flex.vs_sdpa"],
+           "attention.denoise.decomposed.vs_sdpa", "attention.prefill.flex.vs_sdpa", "attention.images.flex.vs_sdpa"],
     why="the image block ends one token early: the span rows lose the last image key",
     kill_mode="fact",
     modes={"attention.denoise.decomposed.vs_sdpa": "tolerance", "attention.prefill.flex.vs_sdpa": "tolerance",
+           "attention.images.flex.vs_sdpa": "tolerance",
            "attention.gpu.prefill.flex": "tolerance",
            "attention.gpu.prefill.flex.block64": "tolerance"},
     fact={
@@ -106,10 +115,11 @@ ablation(
     kills=["attention.contract.prefill.mismatches", "attention.contract.prefill.span",
            "attention.contract.denoise.mismatches", "attention.contract.denoise.span",
            "attention.capture.denoise.contract", "attention.prefill.decomposed.vs_sdpa",
-           "attention.gqa.flex.vs_sdpa"],
+           "attention.gqa.flex.vs_sdpa", "attention.bf16.flex.vs_sdpa"],
     why="the image block starts one token late: the first image row is treated as a causal text row",
     kill_mode="fact",
-    modes={"attention.prefill.decomposed.vs_sdpa": "tolerance", "attention.gqa.flex.vs_sdpa": "tolerance"},
+    modes={"attention.prefill.decomposed.vs_sdpa": "tolerance", "attention.gqa.flex.vs_sdpa": "tolerance",
+           "attention.bf16.flex.vs_sdpa": "tolerance"},
     fact={
         "attention.contract.prefill.mismatches": "mask == formula with span",
         "attention.contract.prefill.span": "span detection recovers prefill",
@@ -122,10 +132,12 @@ ablation(
     "attention.is_causal_only", "harness.attention.masks:build_mask", _causal_only_mask,
     kills=["attention.contract.prefill.mismatches", "attention.contract.prefill.density",
            "attention.contract.denoise.histogram", "attention.capture.prefill.contract",
-           "attention.prefill.block_padded.vs_sdpa", "attention.mask_free.detected"],
+           "attention.prefill.block_padded.vs_sdpa", "attention.mask_free.detected",
+           "attention.bf16.block_padded.vs_sdpa"],
     why="the structured mask is dropped for is_causal: the image rows lose the bidirectional span block",
     kill_mode="fact",
-    modes={"attention.prefill.block_padded.vs_sdpa": "tolerance", "attention.mask_free.detected": "tolerance"},
+    modes={"attention.prefill.block_padded.vs_sdpa": "tolerance", "attention.mask_free.detected": "tolerance",
+           "attention.bf16.block_padded.vs_sdpa": "tolerance"},
     fact={
         "attention.contract.prefill.mismatches": "mask == formula with span",
         "attention.contract.prefill.density": "density rounds to the seed's",
@@ -138,7 +150,8 @@ ablation(
     kills=["attention.gpu.prefill.block_padded", "attention.gpu.denoise.block_padded",
            "attention.gpu.prefill.block_padded.block64", "attention.gpu.denoise.block_padded.block64",
            "attention.prefill.block_padded.vs_sdpa", "attention.denoise.block_padded.vs_sdpa",
-           "attention.denoise.block_padded.block64.vs_sdpa", "attention.gqa.block_padded.vs_sdpa"],
+           "attention.denoise.block_padded.block64.vs_sdpa", "attention.gqa.block_padded.vs_sdpa",
+           "attention.images.block_padded.vs_sdpa"],
     why="the zero pad keys stay visible to real rows: each row's softmax leaks weight onto padding",
     kill_mode="tolerance",
 )
@@ -146,7 +159,8 @@ ablation(
     "attention.split_wrong_row", "harness.attention.decomposed:split_rows", _split_one_row_late, wraps=True,
     kills=["attention.gpu.prefill.decomposed", "attention.gpu.denoise.decomposed",
            "attention.prefill.decomposed.vs_sdpa", "attention.denoise.decomposed.vs_sdpa",
-           "attention.gqa.decomposed.vs_sdpa"],
+           "attention.gqa.decomposed.vs_sdpa", "attention.images.decomposed.vs_sdpa",
+           "attention.aligned.decomposed.vs_sdpa", "attention.bf16.decomposed.vs_sdpa"],
     why="the decomposition splits one row late: the first span row runs causally and misses the image keys",
     kill_mode="tolerance",
 )
@@ -156,10 +170,12 @@ ablation(
     kills=["attention.gpu.denoise.flex", "attention.gpu.denoise.flex.block64", "attention.contract.denoise.mismatches",
            "attention.contract.denoise.density", "attention.contract.denoise.histogram",
            "attention.contract.denoise.span", "attention.capture.denoise.contract", "attention.denoise.flex.vs_sdpa",
-           "attention.denoise.block_padded.vs_sdpa", "attention.denoise.block_padded.block64.vs_sdpa"],
+           "attention.denoise.block_padded.vs_sdpa", "attention.denoise.block_padded.block64.vs_sdpa",
+           "attention.aligned.flex.vs_sdpa", "attention.aligned.block_padded.vs_sdpa"],
     why="the special rows are given the image rows' visibility: at denoise they see the whole span",
     kill_mode="fact",
     modes={"attention.denoise.flex.vs_sdpa": "tolerance", "attention.denoise.block_padded.vs_sdpa": "tolerance",
+           "attention.aligned.flex.vs_sdpa": "tolerance", "attention.aligned.block_padded.vs_sdpa": "tolerance",
            "attention.denoise.block_padded.block64.vs_sdpa": "tolerance", "attention.gpu.denoise.flex": "tolerance",
            "attention.gpu.denoise.flex.block64": "tolerance"},
     fact={
@@ -185,6 +201,15 @@ ablation(
     kill_mode="fact",
     fact="the launch runs block-aligned (64) lengths",
 )
+ablation(
+    "attention.earlier_images_dropped", "harness.attention.masks:image_spans", _generated_image_only, wraps=True,
+    kills=["attention.images.decomposed.vs_sdpa", "attention.images.flex.vs_sdpa",
+           "attention.images.block_padded.vs_sdpa", "attention.bf16.decomposed.vs_sdpa",
+           "attention.bf16.flex.vs_sdpa", "attention.bf16.block_padded.vs_sdpa"],
+    why="only the generated image's span is bidirectional: the rows of the prompt's earlier images stay causal and "
+        "miss the later keys of their own image",
+    kill_mode="tolerance",
+)
 
 
 # ------------------------------------------------------------------------------ installed kernels
@@ -203,7 +228,8 @@ def _key_value_swapped(original):
 if INSTALLED:  # claims every check of a kernel an installed package registers (none otherwise)
     ablation(
         "attention.key_value_swapped", "harness.attention.parity:_kernel_under_test", _key_value_swapped, wraps=True,
-        kills=[f"attention.{where}.{name}.vs_sdpa" for name in INSTALLED for where in ("prefill", "denoise", "gqa")],
+        kills=[f"attention.{where}.{name}.vs_sdpa" for name in INSTALLED
+               for where in ("prefill", "denoise", "gqa", *INPUT_CASES)],
         why="the harness hands the kernel under test its value where the key belongs: any kernel that honours its "
             "arguments gives another output",
         kill_mode="tolerance",

@@ -25,7 +25,7 @@ from harness.dist import WorldTaskError
 
 ENCODES = ["decode.encode.f40.w2.bitexact", "decode.encode.f51.w4.bitexact",
            "decode.encode.f40.w3.gather_dst1.bitexact", "decode.encode.f40.w2.fp16_autocast.bitexact"]
-FAIL_CLOSED = "ranks raise ShardedDecodeError; no hang"
+FAIL_CLOSED = "every rank raises within"
 
 # ------------------------------------------------------------------ gathered pieces left in rank-major order
 
@@ -119,7 +119,7 @@ ablation(
     name="decode.shape_agreement_local",
     seam="harness.decode.exchange:agree_on_shapes",
     replacement=_local_shape_only,
-    kills=["decode.fault.w8.decoder_raises", "decode.fault.w8.ragged_clip"],
+    kills=["decode.fault.w8.decoder_raises", "decode.fault.w8.ragged_clip", "decode.fault.w8.latents_ragged"],
     why="seed 003's first iteration: agreement from the local piece only leaves 7 ranks blocked in the next "
         "collective when rank 3's decoder raises (reported blocked after the grace period), and a ragged piece "
         "makes gloo abort the mismatched gather; either way not every rank raising ShardedDecodeError together",
@@ -409,4 +409,50 @@ ablation(
         "reads the labels, so only the library-call oracle sees it",
     kill_mode="fact",
     fact="every output frame's source clips match the library's cross-fade",
+)
+
+# ------------------------------------------------------------------ the group handed in ignored
+
+
+def _default_group(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def decode_across_group(vae: Any, z: torch.Tensor, *, group: Any, **options: Any) -> torch.Tensor:
+        return original(vae, z, group=None, **options)
+
+    return decode_across_group
+
+
+ablation(
+    name="decode.group_ignored",
+    seam="harness.decode.sharded:_decode_across_group",
+    replacement=_default_group,
+    wraps=True,
+    kills=["decode.t37.w8.subgroups.bitexact"],
+    why="the pieces are owned and gathered over the default group, not the group handed in: two subgroups decoding "
+        "two videos at once each assemble a video from both (group rank != global rank)",
+    kill_mode="tolerance",
+)
+
+# ------------------------------------------------------------------ a failed payload collective retried
+
+
+def _retried(original: Callable[..., Any]) -> Callable[..., Any]:
+    def collect(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - the bug: a transport error is swallowed and the collective re-run
+            return original(*args, **kwargs)
+
+    return collect
+
+
+ablation(
+    name="decode.payload_collective_retried",
+    seam="harness.decode.exchange:collect",
+    replacement=_retried,
+    wraps=True,
+    kills=["decode.fault.w8.group_raises"],
+    why="a transport error in the payload collective is swallowed and the collective re-run: the group that failed "
+        "returns a video instead of every rank raising the error it saw",
+    kill_mode="fact",
+    fact=FAIL_CLOSED,
 )

@@ -7,6 +7,11 @@ For the fake HunyuanImage-3 upstream and for each tiny transformers model (HunYu
 and ``ar.missing_real_pos.{b1,b4}``. fp32 tolerances are TOLERANCE_K x the stock floor measured on the same model.
 B=1 references, the floors and the models are seam-free and cached; every batched rollout runs inside its check
 (so an applied ablation always reaches it).
+
+Every rollout is given EOS ids, so every one meets a finished row (a rollout without EOS would let an
+implementation that keeps sampling or writing KV for finished rows pass): ``finished_rows`` stops two rows early
+against a stock B=1 run given the same EOS ids; every other case stops one row near its middle
+(``fixtures.ar_cases.eos_for_one_stop``), against its un-stopped stock reference cut at that EOS.
 """
 
 from __future__ import annotations
@@ -16,8 +21,7 @@ import functools
 import torch
 
 from fixtures import ar_models
-from fixtures.ar_cases import CASES, EXTRA, ARCase, eos_for_stops
-from harness import conformance
+from fixtures.ar_cases import CASES, EXTRA, ARCase, eos_for_one_stop, eos_for_stops, stopped_at_eos
 from harness.ar import loop, suite, verdicts
 from harness.ar.spy import ARForwardSpy
 from harness.checks import CheckContext, register
@@ -42,6 +46,21 @@ def _reference(model: str, case: ARCase, attn: str = "sdpa", eos: tuple[int, ...
     return loop.stock_rollout(ar_models.backend(model, attn), case.prompts(), case.max_new_tokens, eos)
 
 
+@functools.cache
+def _eos(model: str, case: ARCase, attn: str = "sdpa") -> tuple[int, ...]:
+    """The EOS id every rollout of ``case`` gets: it stops one row near the middle."""
+    eos = eos_for_one_stop(_reference(model, case, attn).tokens)
+    if not eos:
+        raise ValueError(f"ar case {case.name} on {model}: no token stops exactly one row early; pick another seed")
+    return eos
+
+
+@functools.cache
+def _stopped(model: str, case: ARCase, attn: str = "sdpa") -> loop.Rollout:
+    """The stock B=1 reference of ``case`` stopped at its EOS id."""
+    return stopped_at_eos(_reference(model, case, attn), _eos(model, case, attn), ar_models.backend(model).pad_id)
+
+
 def _policies(model: str, case: ARCase) -> verdicts.ARPolicies:
     unpadded_b1 = case.batch_size == 1 and (case.width is None or case.width == case.lengths[0])
     if model == "fake" and unpadded_b1:
@@ -57,13 +76,15 @@ def _finished_eos(model: str) -> tuple[int, ...]:
 
 def _case_check(model: str, case: ARCase, what: str, ctx: CheckContext) -> Verdict:
     return suite.compare_batched(f"ar.{model}.{case.name}.{what}", what, ar_models.backend(model), case.batch(),
-                                 case.max_new_tokens, _policies(model, case), _reference(model, case))
+                                 case.max_new_tokens, _policies(model, case), _stopped(model, case),
+                                 _eos(model, case))
 
 
 def _padded_b1(model: str, ctx: CheckContext) -> Verdict:
     case = EXTRA["padded_b1"]
     return suite.compare_padded_b1(f"ar.{model}.padded_b1.equals_unpadded", ar_models.backend(model), case.batch(),
-                                   case.max_new_tokens, _policies(model, case), _reference(model, case))
+                                   case.max_new_tokens, _policies(model, case), _stopped(model, case),
+                                   _eos(model, case))
 
 
 def _rollout_vs_replay(model: str, ctx: CheckContext) -> Verdict:
@@ -74,7 +95,7 @@ def _rollout_vs_replay(model: str, ctx: CheckContext) -> Verdict:
         f"fp32: cached batched decode vs one cache-free unpadded forward per row; {verdicts.TOLERANCE_K:g} x "
         f"{floor.describe('logp')}"))
     verdict = suite.compare_rollout_vs_replay(f"ar.{model}.rollout_vs_replay", ar_models.backend(model),
-                                              case.batch(), case.max_new_tokens, policy)
+                                              case.batch(), case.max_new_tokens, policy, _eos(model, case))
     return verdicts.require_floor_bounds(verdict, atol, floor, "logp")
 
 
@@ -90,7 +111,7 @@ def _nan_unused_slots(model: str, ctx: CheckContext) -> Verdict:
     case = EXTRA["nan_unused_slots"]
     return suite.compare_nan_unused_slots(f"ar.{model}.nan_unused_slots", ar_models.backend(model, "read_safe"),
                                           case.batch(), case.max_new_tokens, _policies(model, case),
-                                          _reference(model, case, attn="read_safe"))
+                                          _stopped(model, case, "read_safe"), _eos(model, case, "read_safe"))
 
 
 def _oracle(model: str, ctx: CheckContext) -> Verdict:
@@ -100,7 +121,7 @@ def _oracle(model: str, ctx: CheckContext) -> Verdict:
         f"fp32 log_softmax vs fp64 over the same logits: {ORACLE_ULPS:g} fp32 ulps of the stock run's max |logit| "
         f"{scale:.3g} (a log-prob is a logit minus a log-sum-exp of that size)"))
     return suite.check_greedy_logp_oracle(f"ar.{model}.oracle.greedy_logp", ar_models.backend(model), case.batch(),
-                                          case.max_new_tokens, policy)
+                                          case.max_new_tokens, policy, _eos(model, case))
 
 
 @functools.cache
@@ -108,23 +129,23 @@ def _growth_control(model: str) -> torch.Tensor:
     """The stock per-step floor's log-probs: each prompt right-padded in every row of a batch of the growth case's
     row count and width, in the batch's cache (stock code at the fast path's shape)."""
     case, batch = GROWTH_CASE, GROWTH_CASE.batch()
-    return verdicts.batch_shape_control_logp(ar_models.backend(model), case.prompts(), _reference(model, case),
-                                        batch.width, batch.width + case.max_new_tokens)
+    return verdicts.batch_shape_control_logp(ar_models.backend(model), case.prompts(), _stopped(model, case),
+                                             batch.width, batch.width + case.max_new_tokens)
 
 
 def _growth(model: str, ctx: CheckContext) -> Verdict:
     case, backend = GROWTH_CASE, ar_models.backend(model)
-    batch = case.batch()
-    fast_rollout = conformance.resolve("ar", loop.fast_rollout)
+    batch, eos, reference, control = case.batch(), _eos(model, case), _stopped(model, case), _growth_control(model)
+    fast_rollout = suite.fast_rollout()
     with ARForwardSpy(backend.model) as spy:
-        fast = fast_rollout(backend, batch, case.max_new_tokens)
-    verdict = verdicts.judge_growth(f"ar.{model}.growth.logp", fast, _reference(model, case), _growth_control(model))
+        fast = fast_rollout(backend, batch, case.max_new_tokens, eos)
+    verdict = verdicts.judge_growth(f"ar.{model}.growth.logp", fast, reference, control)
     return verdicts.require_path(verdict, spy, batch.batch_size)
 
 
 def _missing_real_pos(case: ARCase, ctx: CheckContext) -> Verdict:
     return suite.check_missing_real_pos(f"ar.missing_real_pos.b{case.batch_size}", ar_models.backend("fake"),
-                                        case.batch(), case.max_new_tokens)
+                                        case.batch(), case.max_new_tokens, eos=(1,))
 
 
 for _model in MODELS:

@@ -6,7 +6,15 @@ without it the synthetic seed captures written to a temp dir in the seed's npz f
 checks run each kernel on the seed's exact Q/KV lengths against masked SDPA on the capture's mask
 (1 head on CPU, all 8 on CUDA; see fixtures.attention_captures), under a noise-floor policy measured
 on that capture. The block-tiled kernels (flex, block_padded) run at the seed's 128 and again at 64
-(``attention.{phase}.{kernel}.block64.vs_sdpa``): numbers and launch proofs at each block size.
+(``attention.{phase}.{kernel}.block64.vs_sdpa``): numbers and launch proofs at each block size. A kernel
+check runs only on a capture whose mask its detected layout reproduces (else it fails, pointing at the
+capture's contract check, instead of judging against a misread layout).
+
+Beyond the seed's shapes, ``attention.{images,aligned,bf16}.{kernel}.vs_sdpa`` and ``attention.gqa.*`` feed
+every kernel the input classes of the conformance contract (fixtures.attention_captures.INPUT_CASES):
+GQA with two key/value heads, several images, KV lengths that are multiples of the block, ``scale=None``,
+bf16. Under ``--impl attention=MOD:FN`` every kernel check judges the user's kernel; the contract and
+capture checks and the mask-free detection judge the suite's mask builder and reference only.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import functools
 
 from fixtures import attention_captures as seeds
+from harness import conformance
 from harness.attention import capture as capture_io
 from harness.attention import contract, kernels, masks, parity
 from harness.attention.layout import PHASES
@@ -141,6 +150,9 @@ for _phase in PHASES:
 
 def _compare(kernel: str, inputs: seeds.PhaseInputs, check_id: str, block: int = kernels.BLOCK) -> Verdict:
     """The kernel policy: max|d| and relative L2 each within 4 x the reference's own fp32-vs-fp64 error."""
+    if inputs.misread is not None:
+        return expect(check_id, False, "the capture's mask is its detected layout's (see attention.capture.*.contract)",
+                      misread=inputs.misread, capture=inputs.capture.name)
     return parity.compare_kernel(kernel, inputs.capture, parity.floor_policy(inputs.control), check_id,
                                  block=block, layout=inputs.layout, expected=inputs.expected,
                                  max_rel_l2=parity.rel_l2_bound(inputs.control), floor=inputs.control)
@@ -177,6 +189,24 @@ for _phase, _kernel in OTHER_BLOCK_CASES:
         functools.partial(_kernel_at_block, _phase, _kernel, OTHER_BLOCK))
 
 
+def _input_case(case: str, kernel: str, ctx: CheckContext) -> Verdict:
+    """A kernel on one input class of the conformance contract (small layout), at the seed block and at 64."""
+    inputs = seeds.case_inputs(case, _device(ctx))
+    check_id = f"attention.{case}.{kernel}.vs_sdpa"
+    blocks = (kernels.BLOCK, OTHER_BLOCK) if kernels.get_kernel(kernel).blocked else (kernels.BLOCK,)
+    verdicts = [parity.compare_kernel(kernel, inputs.capture, inputs.policy, check_id, block=block,
+                                      layout=inputs.case.layout, expected=inputs.expected,
+                                      max_rel_l2=inputs.max_rel_l2, floor=inputs.floor,
+                                      pass_scale=inputs.case.pass_scale) for block in blocks]
+    return functools.reduce(Verdict.merge, verdicts).with_metrics(inputs=inputs.case.describe())
+
+
+for _case in seeds.INPUT_CASES.values():
+    for _kernel in FAST_KERNELS:
+        register(f"attention.{_case.name}.{_kernel}.vs_sdpa", doc=f"{_kernel} vs masked SDPA: {_case.describe()}")(
+            functools.partial(_input_case, _case.name, _kernel))
+
+
 def _detection(check_id: str, phase: str, free: Verdict) -> Verdict:
     """A verdict that passes when ``free`` (the mask-free kernel's) fails by >= MASK_FREE_MIN_MARGIN.
 
@@ -203,3 +233,11 @@ def mask_free_detected(ctx: CheckContext) -> Verdict:
         verdicts.append(_compare("sdpa", inputs, check_id))
         verdicts.append(_detection(check_id, phase, _compare("mask_free", inputs, check_id)))
     return functools.reduce(Verdict.merge, verdicts)
+
+
+conformance.not_judged("attention.contract.*", "judges the suite's mask builder against the seed's formula; "
+                                               "no kernel runs")
+conformance.not_judged("attention.capture.*", "judges a capture file and the suite's mask builder; no kernel runs")
+conformance.not_judged("attention.mask_free.detected", "judges the suite's reference against the capture and "
+                                                       "the is_causal-only negative control; no kernel under test "
+                                                       "runs")

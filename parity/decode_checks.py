@@ -5,8 +5,13 @@ receiving rank's video must be bitwise the stock ``vae.decode(z)`` (max|d| 0, ma
 equal SHA-256), and the spies must show which path ran. The split is the automatic one unless a
 case names it: whole clips, or (clip, tile) pairs when that leaves the busiest rank less work (W > clips,
 W not dividing the clips). Beyond the matrix: every W from 1 to 8, forced splits, gather-to-one, fp16
-autocast and bf16, three repeated runs, a dtype change between calls, the sharded encode, faults at
-every step (each rank raises together) and the plan against the library's own call sequence.
+autocast and bf16, three repeated runs, a dtype change between calls, two subgroups of one world decoding
+two videos, the sharded encode, faults (every rank raises within the bound, the injected cause survives, the
+group works afterwards) and the plan against the library's own call sequence.
+
+Under ``--impl decode=MODULE:CALLABLE`` every check that can call the user's ``sharded_decode`` does (inside
+every rank); the rest (a world of one, the flag off, a split forced on the suite's own implementation, the
+encode, the clip-plan oracle, faults inside the suite's own implementation) are declared not judged.
 """
 
 from __future__ import annotations
@@ -17,15 +22,20 @@ from dataclasses import dataclass, replace
 import torch
 
 from fixtures import decode_models, decode_tasks
-from harness import checks
+from harness import checks, conformance
 from harness.compare import Verdict, exact
 from harness.decode import judge, oracle
 from harness.dist import WorldTaskError
 
-__all__ = ["CASES", "ENCODE_CASES", "FAULT_RANK", "FAULT_WORLD", "INSTALLED", "DecodeCase", "EncodeCase", "run_fault"]
+__all__ = ["CASES", "ENCODE_CASES", "FAULT_BOUND_S", "FAULT_RANK", "FAULT_WORLD", "INSTALLED", "DecodeCase",
+           "EncodeCase", "run_fault"]
 
 FAULT_WORLD = 8
 FAULT_RANK = 3
+# every rank must raise within this bound (a hung rank is one that has not answered by then): a tiny decode
+# fails in well under a second, so the bound is about hangs, not speed
+FAULT_BOUND_S = 20.0
+ALIVE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,7 @@ class DecodeCase:
     dst: int = 0
     split: str = "auto"
     autocast: str = ""
+    groups: tuple[tuple[int, ...], ...] = ()  # subgroups of the world, each decoding its own video
     tag: str = ""  # extra id part (bf16, batch2, flag_off, ...)
     what: str = "bitexact"
     family: str = ""  # an installed VAE; the suite's own when empty
@@ -52,10 +63,23 @@ class DecodeCase:
         family = f".{self.family}" if self.family else ""
         return f"decode{family}.t{self.frames}.w{self.world}{tag}.{self.what}"
 
+    @property
+    def not_judged(self) -> str | None:
+        """Why no user implementation can run in this case (None: a conformance run judges it)."""
+        if not self.shard:
+            return "the opt-in flag is off: the stock call runs, no sharded implementation"
+        if self.world == 1:
+            return "a world of one takes the stock call: no sharded implementation runs"
+        if self.split != "auto":
+            return (f"forces the suite's own {self.split} split, an option of its implementation only (yours picks "
+                    "its own split: judged where clips > ranks and where ranks > clips)")
+        return None
+
     def job(self) -> decode_tasks.TinyDecodeJob:
         vae = decode_models.VaeSpec(dtype=self.dtype, slicing=self.slicing)
         return decode_tasks.TinyDecodeJob(decode_models.LatentSpec(self.frames, batch=self.batch), vae, self.shard,
-                                          self.transport, self.dst, self.split, self.autocast, self.family)
+                                          self.transport, self.dst, self.split, self.autocast, self.groups,
+                                          self.family)
 
 
 MATRIX = tuple(DecodeCase(frames, world) for frames in (37, 22, 12) for world in (1, 2, 4, 8))
@@ -77,6 +101,8 @@ BEYOND = (
     DecodeCase(37, 4, transport="gather", dst=2, tag="gather_dst2"),  # tiles to rank 2 only
     DecodeCase(22, 2, transport="gather", tag="gather"),  # clips to rank 0 only
     DecodeCase(37, 4, shard=False, tag="flag_off", what="stock_call"),
+    # the group handed in is not the world: evens and odds each decode their own video, group rank != global rank
+    DecodeCase(37, 8, groups=((0, 2, 4, 6), (1, 3, 5, 7)), tag="subgroups"),
 )
 # every installed VAE (harness.plugins.VAES, with a tiny model) gets the seed's matrix on its own tiny model
 INSTALLED = tuple(replace(case, family=name) for name in decode_models.installed_vaes() for case in MATRIX)
@@ -84,12 +110,23 @@ CASES = MATRIX + BEYOND + INSTALLED
 
 
 def _decode_check(case: DecodeCase, ctx: checks.CheckContext) -> Verdict:
-    return judge.compare_sharded_decode(ctx.world(case.world), decode_tasks.decode_task, case.job(), case.check_id,
-                                        sharded=case.shard and case.world > 1, timeout_s=ctx.task_timeout_s)
+    sharded = case.shard and case.world > 1
+    if not case.groups:
+        return judge.compare_sharded_decode(ctx.world(case.world), decode_tasks.decode_task, case.job(),
+                                            case.check_id, sharded=sharded, timeout_s=ctx.task_timeout_s)
+    results = ctx.world(case.world).run(decode_tasks.decode_task, case.job(), timeout_s=ctx.task_timeout_s)
+    verdicts = []
+    for index, ranks in enumerate(case.groups):
+        group = sorted((r for r in results if r.group == index), key=lambda r: r.rank)
+        verdict = judge.judge_decode(case.check_id, group, sharded=sharded, what=f"decoded video of group {index}")
+        verdicts.append(verdict.with_metrics(**{f"group{index}_global_ranks": list(ranks)}))
+    return functools.reduce(Verdict.merge, verdicts)
 
 
 for _case in CASES:
     checks.register(_case.check_id)(functools.partial(_decode_check, _case))
+    if _case.not_judged:
+        conformance.not_judged(_case.check_id, _case.not_judged)
 
 
 # --------------------------------------------------------------------------------------------- repeats, dtypes
@@ -167,6 +204,8 @@ def _encode_check(case: EncodeCase, ctx: checks.CheckContext) -> Verdict:
 
 for _encode in ENCODE_CASES:
     checks.register(_encode.check_id)(functools.partial(_encode_check, _encode))
+conformance.not_judged("decode.encode.*", "the sharded encode is the suite's own; the decode conformance "
+                                          "signature is sharded_decode")
 
 
 # --------------------------------------------------------------------------------------------- oracle
@@ -183,25 +222,36 @@ def plan_against_library(ctx: checks.CheckContext) -> Verdict:
     return oracle.judge_plan_against_library("decode.oracle.call_sequence", cases)
 
 
+conformance.not_judged("decode.oracle.call_sequence", "judges the suite's clip plan against the library's own "
+                                                      "_decode calls; no sharded implementation runs")
+
+
 # --------------------------------------------------------------------------------------------- faults
 
 
 def run_fault(check_id: str, world, job: decode_tasks.DecodeJob, kind: str, fault_rank: int,
               timeout_s: float) -> Verdict:
-    """Inject ``kind`` on ``fault_rank`` and judge: every rank raises ShardedDecodeError naming it, none blocks,
-    and the group then decodes bit-exactly again (no rank left inside a collective)."""
+    """Inject ``kind`` (on ``fault_rank``, or on every rank for a group fault) and judge the behaviour: every rank
+    raises within the bound and none hangs, the injected exception survives in what was raised, and the group
+    still works afterwards: an all-gather over every rank completes (no rank left inside a collective or out of
+    step), and the same decode without the fault is bit-exact again (so raising on every call cannot pass)."""
+    bound = min(timeout_s, FAULT_BOUND_S)
+    outcomes, statuses = None, []
     try:
-        world.run(decode_tasks.fault_task, job, fault_rank, kind, timeout_s=timeout_s)
-        outcomes = []
+        outcomes = world.run(decode_tasks.fault_task, job, fault_rank, kind, timeout_s=bound)
     except WorldTaskError as err:
-        outcomes = err.outcomes
-    follow_up = "world torn down"
+        statuses = err.outcomes
+    group_error = "the world was torn down (a rank hung or died)"
     if world.alive:
-        results = world.run(decode_tasks.decode_task, job, timeout_s=timeout_s)
-        hashes = {r.sha256 for r in results if r.output is not None} | {results[0].stock_sha256}
-        follow_up = None if len(hashes) == 1 else f"{len(hashes)} distinct hashes"
-    return judge.judge_fault_outcomes(check_id, outcomes, world.size, fault_rank, decode_tasks.FAULT_KINDS[kind],
-                                      follow_up)
+        try:
+            world.run(decode_tasks.group_alive_task, timeout_s=ALIVE_TIMEOUT_S)
+            again = world.run(decode_tasks.decode_task, job, timeout_s=bound)
+            hashes = {r.sha256 for r in again if r.output is not None} | {again[0].stock_sha256}
+            group_error = None if len(hashes) == 1 else f"the decode after the fault gave {len(hashes)} distinct hashes"
+        except WorldTaskError as err:
+            group_error = str(err).splitlines()[0][:240]
+    return judge.judge_fault(check_id, world.size, fault_rank, bound, outcomes, statuses,
+                             decode_tasks.RAISING.get(kind, ""), group_error)
 
 
 def _fault_check(kind: str, ctx: checks.CheckContext) -> Verdict:
@@ -211,4 +261,9 @@ def _fault_check(kind: str, ctx: checks.CheckContext) -> Verdict:
 
 
 for _kind in decode_tasks.FAULTS:
-    checks.register(f"decode.fault.w{FAULT_WORLD}.{_kind}")(functools.partial(_fault_check, _kind))
+    checks.register(f"decode.fault.w{FAULT_WORLD}.{_kind}",
+                    doc=f"{decode_tasks.FAULT_KINDS[_kind]}: every rank raises in time, cause kept, group works")(
+        functools.partial(_fault_check, _kind))
+for _kind, _what in decode_tasks.SUITE_FAULTS.items():
+    conformance.not_judged(f"decode.fault.w{FAULT_WORLD}.{_kind}",
+                           f"{_what}: a fault inside the suite's implementation, not at a boundary yours owns")

@@ -23,6 +23,7 @@ from fakes.replay_conditions import HI3_FIELDS, SD3_FIELDS, labelled_conditions,
 from fixtures.replay_cases import BATCH, UNSORTED_TARGET, fake_problem, real_control, real_problem
 from fixtures.replay_families import QUANTITIES, family_names
 from fixtures.replay_models import tiny_model
+from harness import conformance
 from harness.checks import CheckContext, register
 from harness.compare import Verdict, exact, expect, expect_raises
 from harness.replay import cfg as cfg_combines
@@ -447,3 +448,21 @@ def conditions_discriminate(family: str, ctx: CheckContext) -> Verdict:
 for _family in FAMILIES:
     _register(f"replay.{_family}.conditions_discriminate", conditions_discriminate, _family,
               doc=f"the {_family} example conditions tell rows and CFG branches apart; a repeated row is refused")
+
+
+# Under --impl replay=MODULE:CALLABLE every other replay check calls the user's replay_batched; these cannot.
+for _pattern, _reason in {
+    "replay.cfg2.step_varying_guidance": "judges the suite's replay() dispatcher, whose own guard sends a varying "
+                                         "schedule to the serial loop (your replay_batched's decline is judged by "
+                                         "replay.guard.step_varying_guidance)",
+    **{f"replay.tiling.{name}": "judges the suite's tile_conditions seam directly; no batched replay runs"
+       for name in ("branch_major", "repeats_identity", "rope_cache", "fused_uncond_cleared", "repeats_zero",
+                    "repeats_negative")},
+    "replay.*.cfg2.pipeline_combine": "judges the family's CFG combine against its pipeline's; no batched replay runs",
+    "replay.*.row_count_refused": "judges the family adapter's refusal of a short row field; no batched replay runs",
+    "replay.*.conditions_discriminate": "judges the family's example conditions (rows and CFG branches told apart); "
+                                        "no batched replay runs",
+    "replay.oracle.*": "judges the SDE step, CFG combine or rollout stock and fast share against an independent "
+                       "oracle; no batched replay runs",
+}.items():
+    conformance.not_judged(_pattern, _reason)

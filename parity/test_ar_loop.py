@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fixtures import ar_models
-from fixtures.ar_cases import eos_for_stops, prompt_ids
+from fixtures.ar_cases import eos_for_one_stop, eos_for_stops, prompt_ids
 from harness.ar import cache as ar_cache
 from harness.ar import loop, probes, suite, verdicts
 from harness.ar.backends import StockRun
@@ -380,3 +380,11 @@ def test_nan_fact_sees_a_mask_that_reads_pads() -> None:
     policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
     verdict = suite.compare_nan_unused_slots("ar.fake.test.nan", AdmitsPads(backend), batch, 3, policies, reference)
     assert FINITE_FACT in verdict.violated_facts and verdict.metrics["nonfinite_logits"] == 2 * V
+
+
+def test_one_stop_eos_is_first_emitted_mid_rollout_by_one_row_only() -> None:
+    """The EOS may recur later in its own row (the row stops at its first), never in another row or at an edge."""
+    assert eos_for_one_stop(torch.tensor([[94, 95, 67, 95, 67]])) == (67,)  # 95 came at step 1 first: step 2 wins
+    assert eos_for_one_stop(torch.tensor([[1, 2, 3, 4, 5], [6, 3, 8, 9, 10]])) == (8,)  # 3 is in both rows
+    assert eos_for_one_stop(torch.tensor([[1, 1, 1, 2], [3, 3, 3, 3]])) == ()  # nothing starts mid-rollout
+

@@ -77,6 +77,8 @@ def _applies(name: str, case: LowPrecisionCase, layout: AttentionLayout) -> str:
         return "trailing special rows already see the whole span causally"
     if name == "attention.gqa_kv_expanded" and case.kv_heads == case.heads:
         return "no GQA groups"
+    if name == "attention.earlier_images_dropped" and (not layout.images or layout.phase == "denoise"):
+        return "no earlier image" if not layout.images else "earlier images lie in the prefix every denoise row sees"
     if name == "attention.block_size_ignored" and all(
             -(-n // case.block) * case.block == padded.padded_length(n) for n in (layout.q_len, layout.kv_len)):
         return f"block {case.block} pads to the seed block's lengths"
@@ -144,6 +146,7 @@ def test_every_ablation_is_killed_in_bf16_over_drawn_layouts(capsys):
     @settings(max_examples=2, derandomize=True, deadline=None, database=None)
     @example(ISSUE_CASE)
     @example(LowPrecisionCase(9, 40, 2, 64, 4, 1, 7))  # GQA 4/1 at block 64: pads to 64, not 128
+    @example(LowPrecisionCase(40, 48, 3, 64, 4, 2, 3, images=((4, 24),)))  # an earlier image of 20 tokens
     @given(low_precision_cases())
     def run(case: LowPrecisionCase) -> None:
         sizes = f"{case.text}+{case.image}+{case.special} block {case.block} heads {case.heads}/{case.kv_heads}"

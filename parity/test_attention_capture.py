@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -83,3 +85,23 @@ def test_select_heads_keeps_gqa_groups():
     assert two.query.equal(capture.query[:, :, :2]) and two.key.equal(capture.key[:, :, :1])
     with pytest.raises(ValueError, match="multiple of the GQA group 2"):
         capture.select_heads(1)
+
+
+def test_kernel_checks_are_gated_on_the_capture_being_read_right():
+    """A capture whose mask the detected layout does not rebuild fails every kernel check (instead of judging a
+    kernel against a misread layout); a capture with several images is read right and judged."""
+    from fixtures.attention_captures import _inputs
+    from parity.attention_checks import _compare
+
+    several = AttentionLayout(30, 40, 2, "prefill", images=((3, 9), (12, 20)))
+    read = _inputs(small_capture(several, heads=2, kv_heads=1, seed=5))
+    assert read.misread is None and read.layout == several
+    assert _compare("decomposed", read, "attention.test").passed
+    capture = small_capture(several, heads=2, kv_heads=1, seed=5)
+    mask = capture.mask.clone()
+    mask[0, 0, 5, 25] = True  # a pair no structured layout admits
+    misread = _inputs(dataclasses.replace(capture, mask=mask))
+    assert misread.misread is not None
+    verdict = _compare("decomposed", misread, "attention.test")
+    assert not verdict.passed and verdict.violated_facts == [
+        "the capture's mask is its detected layout's (see attention.capture.*.contract)"]

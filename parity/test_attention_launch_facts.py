@@ -58,7 +58,8 @@ def _decomposed_launches(rows=(2, 3, 1), kinds=("causal_bias", "none", "causal_b
 def test_decomposed_facts_hold_for_its_own_launches_and_fail_one_at_a_time():
     order, free, fewer = ("launch rows partition the query rows in order",
                           "no dense mask is materialised and the span rows run unmasked",
-                          "computes fewer pairs than the dense reference")
+                          "computes only its row blocks' pairs: fewer than the dense reference unless the mask is "
+                          "dense")
     assert [(b.start, b.stop, b.kv_stop, b.causal, b.pairs) for b in decomposed.split_rows(PREFILL)] == [
         (0, 2, 2, True, 4), (2, 5, 5, False, 15), (5, 6, 6, True, 6)]
     assert kernels.KERNELS["decomposed"].pairs(PREFILL, 128) == 25
@@ -72,6 +73,10 @@ def test_decomposed_facts_hold_for_its_own_launches_and_fail_one_at_a_time():
     assert not _facts("decomposed", [_sdpa(6, 6, "none")] * 3)[fewer]
     dense_pairs = _facts("decomposed", [_sdpa(2, 6, "causal_bias"), _sdpa(3, 6, "none"), _sdpa(1, 6, "causal_bias")])
     assert [text for text, ok in dense_pairs.items() if not ok] == [fewer]  # 36 pairs: no fewer than dense
+    # dense but valid layouts (image-only prefill; denoise without special rows): one unmasked block of all pairs
+    for layout in (AttentionLayout(0, 4, 0, "prefill"), AttentionLayout(2, 3, 0, "denoise")):
+        facts = _facts("decomposed", [_sdpa(layout.q_len, layout.kv_len, "none")], layout)
+        assert all(facts.values()), (layout.describe(), facts)
     flexed = _decomposed_launches()
     flexed[1] = dataclasses.replace(flexed[1], primitive="flex")
     assert [text for text, ok in _facts("decomposed", flexed).items() if not ok] == ["one sdpa launch per row block"]

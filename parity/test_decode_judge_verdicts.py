@@ -101,16 +101,61 @@ def test_the_plan_oracle_passes_the_plan_and_names_same_shaped_wrong_windows(mon
     assert flipped.metrics["tile_mismatches"] == ["t9 (2, 2) tiling=on: plan 2 tiles, library 2"]
 
 
-@pytest.mark.cpu
+def _outcome(rank: int, raised: str = "RuntimeError: stop", *, fired: int = 0, kept: bool | None = None,
+             seconds: float = 0.1) -> judge.FaultOutcome:
+    return judge.FaultOutcome(rank, raised, seconds, fired, kept)
+
+
 def test_a_fault_that_other_ranks_never_hear_of_fails_even_without_a_hang():
     """Rank 1 raises alone while the others return: nobody is stuck, but the group did not fail together."""
+    alone = [_outcome(0, ""), _outcome(1, fired=1, kept=True), _outcome(2, "")]
+    verdict = judge.judge_fault("decode.fault", 3, 1, 20.0, alone, keeps_cause="fault rank")
+    assert not verdict.passed
+    assert verdict.metrics["outcome"] == "1/3 ranks raise; ranks [0, 2] returned"
+    together = [_outcome(0), _outcome(1, fired=1, kept=True), _outcome(2)]
+    assert judge.judge_fault("decode.fault", 3, 1, 20.0, together, keeps_cause="fault rank").passed
+
+
+def test_faults_are_judged_by_behaviour_not_by_wording():
+    """Any exception type and message will do; what counts is that every rank raised in time, the fault struck,
+    the injected cause survives where it must, and the group works afterwards."""
+    plain = [_outcome(0, "ValueError: whatever the wording"), _outcome(1, "KeyError: 3", fired=1, kept=True)]
+    assert judge.judge_fault("decode.fault", 2, 1, 20.0, plain, keeps_cause="fault rank").passed
+    lost = [plain[0], _outcome(1, "RuntimeError: failed", fired=1, kept=False)]
+    verdict = judge.judge_fault("decode.fault", 2, 1, 20.0, lost, keeps_cause="fault rank")
+    assert verdict.violated_facts == ["the injected exception survives in the __cause__/__context__ chain of what "
+                                      "rank 1 raised"]
+    slow = [plain[0], _outcome(1, "KeyError: 3", fired=1, kept=True, seconds=25.0)]
+    verdict = judge.judge_fault("decode.fault", 2, 1, 20.0, slow, keeps_cause="fault rank")
+    assert verdict.violated_facts == ["every rank raises within 20 s; no rank hangs or returns"]
+    never = [plain[0], _outcome(1, "KeyError: 3")]  # the implementation never reached the faulty decoder
+    verdict = judge.judge_fault("decode.fault", 2, 1, 20.0, never)
+    assert verdict.violated_facts == ["the fault struck on rank(s) [1]"]
+    broken = judge.judge_fault("decode.fault", 2, 1, 20.0, plain, keeps_cause="fault rank", group_error="hung")
+    assert broken.violated_facts == [judge.GROUP_WORKS] and broken.metrics["follow_up"] == "hung"
+
+
+def test_a_hung_rank_fails_with_the_world_statuses():
     from harness.dist import RankOutcome
 
-    alone = [RankOutcome(0, "ok"), RankOutcome(1, "raised", "ShardedDecodeError: rank 1 failed: boom"),
-             RankOutcome(2, "ok")]
-    verdict = judge.judge_fault_outcomes("decode.fault", alone, 3, 1, "boom", None)
-    assert not verdict.passed
-    assert verdict.metrics["outcome"] == "1/3 ranks raise; no hang"
-    assert verdict.metrics["sharded_decode_errors"] == "1/3"
-    together = [RankOutcome(r, "raised", "ShardedDecodeError: rank 1 failed: boom") for r in range(3)]
-    assert judge.judge_fault_outcomes("decode.fault", together, 3, 1, "boom", None).passed
+    statuses = [RankOutcome(0, "ok"), RankOutcome(1, "hung", "no result within 20 s")]
+    verdict = judge.judge_fault("decode.fault", 2, 1, 20.0, None, statuses, group_error="the world was torn down")
+    assert not verdict.passed and verdict.metrics["outcome"] == "hung on ranks [1]"
+    assert set(verdict.violated_facts) == {"every rank raises within 20 s; no rank hangs or returns",
+                                           judge.GROUP_WORKS}
+
+
+def test_a_bad_frame_names_the_rank_that_decoded_its_clip():
+    """The decoder inputs each rank fingerprinted, matched against the stock decode's, name a bad frame's maker."""
+    answers = _answers(True)
+    answers[0] = dataclasses.replace(answers[0], stock_decoded=tuple(f"p{i}" for i in range(18)),
+                                     decoded=tuple(f"p{i}" for i in range(9)))
+    answers[1] = dataclasses.replace(answers[1], decoded=tuple(f"p{i}" for i in range(9, 18)))
+    bad = answers[1].output.clone()
+    bad[:, :, 30] += 1.0
+    answers[1] = dataclasses.replace(answers[1], output=bad, sha256=sha256(bad))
+    verdict = judge.judge_decode("decode.t12.w2.bitexact", answers, sharded=True)
+    assert verdict.metrics["clip_producers"] == "clip 0: rank 0; clip 1: rank 1"
+    assert "frame 30 (clip 1 on rank 1)" in verdict.message, verdict.message
+    assert judge.frame_labels(answers[0].work.clips, 39, {0: [0]})[18] == (
+        "18 (clip 0 on rank 0/1 (its planned input decoded on no rank) cross-fade)")

@@ -44,3 +44,12 @@ def test_an_outside_implementation_with_the_nesting_swapped_fails(impl):
     impl("fixtures.replay_impls:nesting_swapped")
     # uncond-first layouts have one branch per Conditions, so only the fused layouts can show the bug
     assert _judge_all() == {"fake.cfg2": False, "fake.uncond_first": True, "flux.cfg2": False}
+
+
+def test_a_failing_replay_verdict_breaks_the_error_down_per_target_step(impl):
+    impl("fixtures.replay_impls:nesting_swapped")
+    problem = fake_problem("cfg2")
+    verdict = compare_replay(problem, exact(), "c", "log_probs")
+    assert not verdict.passed
+    steps = [part.split(":")[0] for part in verdict.metrics["max_abs_per_step"].split(", ")]
+    assert steps == [f"step {s}" for s in problem.target]  # in target order, every step named

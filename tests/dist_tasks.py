@@ -31,6 +31,21 @@ def pid() -> int:
     return os.getpid()
 
 
+def double(x: int) -> int:
+    """An implementation under test for the conformance counting test (importable in a spawned rank)."""
+    return 2 * x
+
+
+def call_implementation(path: str, raise_after: bool) -> int:
+    """Call the implementation under test of ``path`` once on this rank (then raise, if asked)."""
+    from harness import conformance
+
+    answer = conformance.resolve(path, lambda x: x)(1)
+    if raise_after:
+        raise RuntimeError(f"rank {dist.get_rank()} raised after calling the implementation under test")
+    return answer
+
+
 def signal_on(rank: int, signum: int) -> int:
     """``rank`` stops or kills itself (SIGSTOP, SIGKILL); the others answer at once."""
     import os

@@ -1,13 +1,16 @@
 """Conformance mode (--impl): a user's callable judged by a path's checks, the other paths deselected,
-the suite's own ablations skipped for it, the report naming it, a silent fallback failing."""
+the suite's own ablations skipped for it, the report naming it, a check that never calls it failing, one
+declared unable to call it deselected and listed as not judged, calls counted inside every rank."""
 
 import json
 
 import pytest
 
 from harness import ablation, checks, conformance
+from harness.dist import World, WorldTaskError
+from tests import dist_tasks
 
-pytestmark = pytest.mark.cpu
+# every test here is of the cpu tier but the spawned variant, a launcher test (tens of seconds on 2 cores)
 
 SUITE_IMPL = '''
 def scale(x):
@@ -63,6 +66,17 @@ def cdemo_unwired(ctx):
                          torch.tensor(suite_impl.stock(x)))
 
 
+@register("attention.cdemo.stock_only")
+def cdemo_stock_only(ctx):
+    """Compares the stock path with itself: no implementation under test can run here, and it says so."""
+    x = [1.0, 2.0]
+    return exact().judge("attention.cdemo.stock_only", torch.tensor(suite_impl.stock(x)),
+                         torch.tensor(suite_impl.stock(x)))
+
+
+conformance.not_judged("attention.cdemo.stock_*", "compares the stock path with itself")
+
+
 @register("replay.cdemo.exact")
 def replay_exact(ctx):
     x = [1.0]
@@ -114,12 +128,14 @@ PATH_TESTS = {
 
 @pytest.fixture(autouse=True)
 def _clean():
+    conformance._NOT_JUDGED.pop("attention.cdemo.stock_*", None)
     checks._forget("attention.cdemo.")
     checks._forget("replay.cdemo.")
     ablation._forget("attention.cdemo")
     ablation._forget("replay.cdemo")
     conformance.clear()
     yield
+    conformance._NOT_JUDGED.pop("attention.cdemo.stock_*", None)
     checks._forget("attention.cdemo.")
     checks._forget("replay.cdemo.")
     ablation._forget("attention.cdemo")
@@ -135,17 +151,20 @@ def suite(pytester):
     return pytester
 
 
+@pytest.mark.cpu
 def test_without_impl_every_path_and_the_kill_matrix_run(suite):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu")
-    result.assert_outcomes(passed=11)
+    result.assert_outcomes(passed=12)
 
 
+@pytest.mark.cpu
 def test_a_right_implementation_passes_and_the_report_names_it(suite):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", "attention=user_impl:right",
                              "-k", "not fallback and not unwired", "-rs", "--parity-report=out/r.json",
                              "--parity-report=out/r.md")
-    # kept: the attention check and the attention path's own test; skipped: the suite's attention ablation
-    result.assert_outcomes(passed=2, skipped=1, deselected=8)
+    # kept: the attention check; skipped: the suite's attention ablation; deselected: the replay items, the
+    # stock-only check a conformance run cannot judge, and the attention path's own test (the suite's code)
+    result.assert_outcomes(passed=1, skipped=1, deselected=10)
     result.stdout.fnmatch_lines(["conformance mode: attention checks judge user_impl:right*"])  # the header
     result.stdout.fnmatch_lines(["implementation under test for attention: user_impl:right"])  # the report
     result.stdout.fnmatch_lines(["*the suite's ablations patch the suite's seams, not user_impl:right; measure "
@@ -153,34 +172,85 @@ def test_a_right_implementation_passes_and_the_report_names_it(suite):
     data = json.loads((suite.path / "out/r.json").read_text())
     assert data["implementations"] == {"attention": "user_impl:right"}
     assert [c["id"] for c in data["checks"]] == ["attention.cdemo.exact"]
+    assert data["not_judged"] == {"attention.cdemo.stock_only": "compares the stock path with itself"}
+    result.stdout.fnmatch_lines(["not judged: 1 attention tests of the suite's own implementation (property, fault "
+                                 "and unit tests beside the catalogue, deselected: only the checks judge yours)",
+                                 "not judged: 1 checks cannot call the implementation under test (deselected, not "
+                                 "passed):", "  attention.cdemo.stock_only: compares the stock path with itself"])
     assert "**implementation under test for attention**: `user_impl:right`" in (suite.path / "out/r.md").read_text()
     assert conformance.specs() == {}  # the run's specs do not outlive it
 
 
+@pytest.mark.cpu
 def test_a_buggy_implementation_fails_naming_the_check(suite):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", "attention=user_impl:off_by_one",
                              "-k", "not fallback and not unwired")
-    result.assert_outcomes(failed=1, passed=1, skipped=1, deselected=8)
+    result.assert_outcomes(failed=1, skipped=1, deselected=10)
     result.stdout.fnmatch_lines(["FAILED*test_parity_check[[]attention.cdemo.exact[]]*"])
 
 
+@pytest.mark.cpu
 def test_a_check_that_fetches_the_implementation_and_falls_back_fails(suite):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", "attention=user_impl:right",
                              "-k", "test_parity_check and fallback")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*the implementation under test never ran (user_impl:right was fetched through "
-                                 "harness.conformance.resolve but not called)*"])
+    result.stdout.fnmatch_lines(["*VIOLATED: the implementation under test (user_impl:right) ran in this check*"])
 
 
-def test_a_run_whose_checks_never_call_the_implementation_fails(suite):
+@pytest.mark.cpu
+def test_a_check_that_never_calls_the_implementation_fails_whatever_its_numbers(suite):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", "attention=user_impl:right",
                              "-k", "test_parity_check and unwired")
-    result.assert_outcomes(passed=1)  # the check judges the suite's code, as it is written to...
-    assert result.ret == pytest.ExitCode.TESTS_FAILED  # ...but the run judged nothing of the user's
-    result.stdout.fnmatch_lines(["FAILED --impl attention=user_impl:right: the implementation under test never ran "
-                                 "in any attention check*"])
+    result.assert_outcomes(failed=1)  # the numbers of the suite's own code pass; they judge nothing of the user's
+    result.stdout.fnmatch_lines(["*VIOLATED: the implementation under test (user_impl:right) ran in this check*",
+                                 "FAILED --impl attention=user_impl:right: no attention check called the "
+                                 "implementation under test"])
 
 
+@pytest.mark.cpu
+def test_declarations_match_ids_and_patterns_and_keep_one_reason():
+    conformance.not_judged("attention.cdemo.stock_*", "compares the stock path with itself")
+    assert conformance.judged_by("attention.cdemo.stock_only") == "compares the stock path with itself"
+    assert conformance.judged_by("attention.cdemo.exact") is None
+    conformance.not_judged("attention.cdemo.stock_*", "compares the stock path with itself")  # idempotent
+    with pytest.raises(ValueError, match="declared twice with different reasons"):
+        conformance.not_judged("attention.cdemo.stock_*", "another reason")
+    with pytest.raises(ValueError, match="say why"):
+        conformance.not_judged("attention.cdemo.other", " ")
+    conformance.not_judged("attention.cdemo.stock_only.*", "a narrower reason")  # the most specific pattern wins
+    try:
+        assert conformance.judged_by("attention.cdemo.stock_only.x") == "a narrower reason"
+        assert conformance.judged_by("attention.cdemo.stock_x") == "compares the stock path with itself"
+    finally:
+        conformance._NOT_JUDGED.pop("attention.cdemo.stock_only.*")
+
+
+def _count_inside_ranks(start_method: str) -> None:
+    """The implementation under test travels to each rank as a spec; each rank's calls come back with its
+    answer, a raise included (a fault check judges the user's code by the raise)."""
+    with World(2, start_method=start_method) as world:
+        conformance.use("attention", "tests.dist_tasks:double")
+        try:
+            assert world.run(dist_tasks.call_implementation, "attention", False) == [2, 2]
+            assert conformance.calls("attention") == 2
+            with pytest.raises(WorldTaskError, match="raised after calling"):
+                world.run(dist_tasks.call_implementation, "attention", True)
+            assert conformance.calls("attention") == 4
+        finally:
+            conformance.clear()
+
+
+@pytest.mark.cpu
+def test_calls_made_inside_forked_ranks_are_counted_even_when_the_call_raises():
+    _count_inside_ranks("fork")
+
+
+@pytest.mark.launch
+def test_calls_made_inside_spawned_ranks_are_counted_even_when_the_call_raises():
+    _count_inside_ranks("spawn")
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize(("given", "message"), [
     ("attention", "--impl 'attention': expected PATH=MODULE:CALLABLE"),
     ("video=user_impl:right", "unknown path 'video'"),
@@ -196,6 +266,7 @@ def test_a_bad_spec_is_a_usage_error_naming_it(suite, given, message):
     assert message in result.stderr.str()
 
 
+@pytest.mark.cpu
 def test_one_path_under_test_twice_is_a_usage_error(suite):
     result = suite.runpytest("-p", "harness.plugin", "--impl", "attention=user_impl:right",
                              "--impl", "attention=user_impl:off_by_one")

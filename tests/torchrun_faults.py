@@ -52,12 +52,14 @@ def _fault_here():
     def collect_then_raise(*args, **kwargs):
         original_collect(*args, **kwargs)
         _note(fault_at=time.time())
-        raise decode_tasks.InjectedFault(f"injected fault right after the payload gather on rank {RANK}")
+        raise decode_tasks.InjectedFault(f"torchrun:after-gather:rank{RANK}",
+                                         f"injected fault right after the payload gather on rank {RANK}")
 
     def leave_at_assemble(step, *args, **kwargs):
         if step == "assemble":
             _note(fault_at=time.time())
-            raise decode_tasks.InjectedFault(f"injected fault outside the protocol on rank {RANK}")
+            raise decode_tasks.InjectedFault(f"torchrun:outside-protocol:rank{RANK}",
+                                             f"injected fault outside the protocol on rank {RANK}")
         return original_confirm(step, *args, **kwargs)
 
     return {"sigstop": ("decoder", stop_or_kill), "sigkill": ("decoder", stop_or_kill),

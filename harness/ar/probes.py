@@ -1,17 +1,20 @@
-"""Probed batched rollouts: the batched loop driven step by step with a measurement between steps.
+"""Probed batched rollouts: any rollout function, measured through hooks on the model's forwards.
 
-- ``nan_probe_rollout`` plants NaN in every cache slot before the run, and after the prefill in every slot a
-  row may no longer read (its pads, the never-written tail). With a mask that admits exactly the valid keys and a
-  kernel that skips masked slots, every logit stays finite; one admitted dead slot turns a row to NaN.
+- ``nan_probe_rollout`` plants NaN in every cache slot before the first forward, and after the prefill in every
+  slot a row may no longer read (its pads, the never-written tail). With a mask that admits exactly the valid
+  keys and a kernel that skips masked slots, every logit stays finite; one admitted dead slot turns a row to NaN.
 - ``footprint_rollout`` snapshots the cache after the prefill and reports, per row, every slot written after
   the prefill that is not one of the row's own generated tokens: a finished row must stop writing KV.
 
-Nothing inside the loop changes: the probes only read and write the cache between ``step`` calls.
+The rollout under test is a black box ``rollout(backend, batch, max_new_tokens, eos)`` (the suite's
+``fast_rollout`` or a user's under ``--impl ar=...``): the probes only see the cache its forwards are given
+(``past_key_values``), before the first forward and after it, so nothing inside the rollout changes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,10 +22,12 @@ import torch
 
 from harness.ar import cache as ar_cache
 from harness.ar.batch import ARBatch
-from harness.ar.loop import ARState, Rollout, collect, init_state, step
+from harness.ar.loop import Rollout, fast_rollout, real_positions
 from harness.ar.spy import ARForwardSpy
 
 __all__ = ["ProbedRun", "dead_slots", "footprint_rollout", "nan_probe_rollout"]
+
+RolloutFn = Callable[..., Rollout]
 
 
 @dataclass
@@ -35,57 +40,98 @@ class ProbedRun:
     stray_writes: dict[int, list[int]] = field(default_factory=dict)  # row -> slots written while not allowed
 
 
-def dead_slots(state: ARState) -> torch.Tensor:
-    """``[B, max_cache_len]`` True where a slot is not one of the row's valid keys (after the prefill)."""
-    bsz = state.batch.batch_size
-    dead = torch.ones(bsz, state.max_cache_len, dtype=torch.bool)
-    for i in range(bsz):
-        live = state.backend.logical_slots(int(state.real_pos[i]), state.batch.width, int(state.generated[i]))
-        dead[i, live] = False
+def dead_slots(backend: Any, batch: ARBatch, max_cache_len: int) -> torch.Tensor:
+    """``[B, max_cache_len]`` True where a slot is not one of the row's valid keys right after the prefill."""
+    real_pos = real_positions(batch)
+    dead = torch.ones(batch.batch_size, max_cache_len, dtype=torch.bool)
+    for i in range(batch.batch_size):
+        dead[i, backend.logical_slots(int(real_pos[i]), batch.width, 0)] = False
     return dead
 
 
-def nan_probe_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()) -> ProbedRun:
-    """Run the batched loop with NaN in every unused and dead slot; count non-finite logits of emitting rows."""
-    with ARForwardSpy(backend.model) as spy:
-        state = init_state(backend, batch, max_new_tokens, eos)
-        static = not ar_cache.is_dynamic(state.cache)
-        if static:
-            ar_cache.preallocate(state.cache, batch.batch_size, backend.kv_heads, backend.head_dim,
-                                 backend.model.dtype, batch.input_ids.device, float("nan"))
-        step(state)
-        poisoned = ar_cache.fill_slots(state.cache, dead_slots(state), float("nan")) if static else 0
-        while not state.done:
-            step(state)
-    rollout = collect(state)
-    emitted = torch.arange(max_new_tokens)[None] < rollout.lengths[:, None]
-    bad = int((~torch.isfinite(rollout.logits[emitted])).sum())
-    return ProbedRun(rollout, spy, static, poisoned_slots=poisoned, nonfinite_logits=bad)
+def _cache_of(kwargs: dict[str, Any]) -> Any:
+    return kwargs.get("past_key_values", kwargs.get("cache"))
 
 
-def footprint_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()) -> ProbedRun:
-    """Run the batched loop and find every slot a row wrote after the prefill outside its generated tokens."""
-    with ARForwardSpy(backend.model) as spy:
-        state = init_state(backend, batch, max_new_tokens, eos)
-        step(state)
-        static = not ar_cache.is_dynamic(state.cache)
-        after_prefill = [(k.clone(), v.clone()) for k, v in ar_cache.layer_buffers(state.cache)] if static else []
-        while not state.done:
-            step(state)
+@contextlib.contextmanager
+def _around_prefill(model: Any, before: Callable[[Any], None], after: Callable[[Any], None]) -> Iterator[list[Any]]:
+    """Call ``before(cache)`` ahead of the model's first forward and ``after(cache)`` once it returned; yields
+    the list the first forward's cache is put in (empty when no forward ran)."""
+    seen: list[Any] = []
+
+    def pre(module: Any, args: tuple, kwargs: dict) -> None:
+        if not seen:
+            seen.append(_cache_of(kwargs))
+            before(seen[0])
+
+    def post(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        if len(seen) == 1:
+            seen.append("prefill done")
+            after(seen[0])
+
+    handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
+               model.register_forward_hook(post, with_kwargs=True)]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _static(cache: Any) -> bool:
+    return cache is not None and not ar_cache.is_dynamic(cache)
+
+
+def nan_probe_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = (),
+                      rollout: RolloutFn = fast_rollout) -> ProbedRun:
+    """Run ``rollout`` with NaN in every unused and dead slot; count non-finite logits of emitting rows."""
+    max_cache_len = batch.width + max_new_tokens
+    poisoned = [0]
+
+    def before(cache: Any) -> None:
+        if _static(cache):
+            ar_cache.preallocate(cache, batch.batch_size, backend.kv_heads, backend.head_dim, backend.model.dtype,
+                                 batch.input_ids.device, float("nan"))
+
+    def after(cache: Any) -> None:
+        if _static(cache):
+            poisoned[0] = ar_cache.fill_slots(cache, dead_slots(backend, batch, max_cache_len), float("nan"))
+
+    with ARForwardSpy(backend.model) as spy, _around_prefill(backend.model, before, after) as seen:
+        result = rollout(backend, batch, max_new_tokens, eos)
+    emitted = torch.arange(result.tokens.shape[1])[None] < result.lengths[:, None]
+    bad = int((~torch.isfinite(result.logits[emitted])).sum())
+    static = bool(seen) and _static(seen[0])
+    return ProbedRun(result, spy, static, poisoned_slots=poisoned[0], nonfinite_logits=bad)
+
+
+def footprint_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = (),
+                      rollout: RolloutFn = fast_rollout) -> ProbedRun:
+    """Run ``rollout`` and find every slot a row wrote after the prefill outside its generated tokens."""
+    after_prefill: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def after(cache: Any) -> None:
+        if _static(cache):
+            after_prefill.extend((k.clone(), v.clone()) for k, v in ar_cache.layer_buffers(cache))
+
+    with ARForwardSpy(backend.model) as spy, _around_prefill(backend.model, lambda cache: None, after) as seen:
+        result = rollout(backend, batch, max_new_tokens, eos)
+    static = bool(seen) and _static(seen[0])
     stray: dict[int, list[int]] = {}
-    rollout = collect(state)
-    if static:
-        changed = torch.zeros(batch.batch_size, state.max_cache_len, dtype=torch.bool)
-        for (k0, v0), (k1, v1) in zip(after_prefill, ar_cache.layer_buffers(state.cache), strict=True):
-            for before, after in ((k0, k1), (v0, v1)):
-                same = (before == after) | (torch.isnan(before) & torch.isnan(after))
+    if static and after_prefill:
+        real_pos = real_positions(batch)
+        final = ar_cache.layer_buffers(seen[0])
+        slots = final[0][0].shape[2]
+        changed = torch.zeros(batch.batch_size, slots, dtype=torch.bool)
+        for (k0, v0), (k1, v1) in zip(after_prefill, final, strict=True):
+            for before, now in ((k0, k1), (v0, v1)):
+                same = (before == now) | (torch.isnan(before) & torch.isnan(now))
                 changed |= ~same.all(dim=-1).all(dim=1).cpu()
         for i in range(batch.batch_size):
-            rp, fed = int(state.real_pos[i]), int(rollout.lengths[i]) - 1  # the last token is never fed
-            own = backend.logical_slots(rp, batch.width, fed)[rp:]
-            allowed = torch.zeros(state.max_cache_len, dtype=torch.bool)
-            allowed[own] = True
+            rp, fed = int(real_pos[i]), max(int(result.lengths[i]) - 1, 0)  # the last token is never fed
+            allowed = torch.zeros(slots, dtype=torch.bool)
+            allowed[backend.logical_slots(rp, batch.width, fed)[rp:]] = True
             extra = (changed[i] & ~allowed).nonzero().squeeze(-1).tolist()
             if extra:
                 stray[i] = extra
-    return ProbedRun(rollout, spy, static, stray_writes=stray)
+    return ProbedRun(result, spy, static, stray_writes=stray)

@@ -34,29 +34,35 @@ __all__ = [
 CASE_QUANTITIES = ("tokens", "logp", "prefill_kv", "slot0")
 
 
+def fast_rollout() -> Any:
+    """The rollout under test: the suite's ``fast_rollout`` or a user's, via ``--impl ar=...``."""
+    return conformance.resolve("ar", loop.fast_rollout)
+
+
 def _fast(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()):
-    """The implementation under test (the suite's ``fast_rollout`` or a user's, via ``--impl ar=...``) under the
-    forward spy: a user's callable that never runs the model's forwards at the batch fails the path facts."""
-    fast_rollout = conformance.resolve("ar", loop.fast_rollout)
+    """The implementation under test under the forward spy: a user's callable that never runs the model's
+    forwards at the batch fails the path facts."""
+    rollout_fn = fast_rollout()
     with ARForwardSpy(backend.model) as spy:
-        rollout = fast_rollout(backend, batch, max_new_tokens, eos)
+        rollout = rollout_fn(backend, batch, max_new_tokens, tuple(eos))
     return rollout, spy
 
 
 def compare_batched(check_id: str, what: str, backend: Any, batch: ARBatch, max_new_tokens: int,
-                    policies: verdicts.ARPolicies, reference: loop.Rollout) -> Verdict:
-    """One quantity (tokens / logp / prefill_kv / slot0) of the batched rollout vs per-row B=1 runs."""
-    fast, spy = _fast(backend, batch, max_new_tokens)
+                    policies: verdicts.ARPolicies, reference: loop.Rollout, eos: Sequence[int] = ()) -> Verdict:
+    """One quantity (tokens / logp / prefill_kv / slot0) of the batched rollout vs per-row B=1 runs (the
+    reference stopped at ``eos`` like the rollout)."""
+    fast, spy = _fast(backend, batch, max_new_tokens, eos)
     verdict = verdicts.compare_case(what, check_id, fast, reference, policies)
     return verdicts.require_path(verdict, spy, batch.batch_size)
 
 
 def compare_padded_b1(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int,
-                      policies: verdicts.ARPolicies, reference: loop.Rollout) -> Verdict:
+                      policies: verdicts.ARPolicies, reference: loop.Rollout, eos: Sequence[int] = ()) -> Verdict:
     """A right-padded B=1 prompt through the fast path equals the unpadded prompt's stock run."""
     if batch.batch_size != 1 or batch.real_pos is None or int(batch.real_pos[0, 0]) >= batch.width:
         raise ValueError("compare_padded_b1 needs one right-padded row (real_pos < width)")
-    fast, spy = _fast(backend, batch, max_new_tokens)
+    fast, spy = _fast(backend, batch, max_new_tokens, eos)
     verdict = verdicts.compare_case("tokens", check_id, fast, reference, policies)
     for what in ("logp", "prefill_kv"):
         verdict = verdict.merge(verdicts.compare_case(what, check_id, fast, reference, policies))
@@ -64,9 +70,9 @@ def compare_padded_b1(check_id: str, backend: Any, batch: ARBatch, max_new_token
 
 
 def compare_rollout_vs_replay(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int,
-                              policy: Policy) -> Verdict:
+                              policy: Policy, eos: Sequence[int] = ()) -> Verdict:
     """The batched rollout's recorded log-probs equal a teacher-forced, unpadded replay of its own tokens."""
-    fast, spy = _fast(backend, batch, max_new_tokens)
+    fast, spy = _fast(backend, batch, max_new_tokens, eos)
     replayed = teacher_forced_logp(backend, batch.prompts(), fast)
     verdict = policy.judge(check_id, fast.logp, replayed, dims=("row", "step"), what="rollout vs replay log_probs")
     return verdicts.require_path(verdict, spy, batch.batch_size)
@@ -75,7 +81,7 @@ def compare_rollout_vs_replay(check_id: str, backend: Any, batch: ARBatch, max_n
 def compare_finished_rows(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int],
                           policies: verdicts.ARPolicies, reference: loop.Rollout) -> Verdict:
     """Rows that emit EOS stop sampling and stop writing KV; each equals its B=1 run stopped at EOS."""
-    run = probes.footprint_rollout(backend, batch, max_new_tokens, eos)
+    run = probes.footprint_rollout(backend, batch, max_new_tokens, tuple(eos), rollout=fast_rollout())
     fast = run.rollout
     verdict = verdicts.compare_case("tokens", check_id, fast, reference, policies)
     verdict = verdict.merge(verdicts.compare_case("logp", check_id, fast, reference, policies))
@@ -92,9 +98,10 @@ def compare_finished_rows(check_id: str, backend: Any, batch: ARBatch, max_new_t
 
 
 def compare_nan_unused_slots(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int,
-                             policies: verdicts.ARPolicies, reference: loop.Rollout) -> Verdict:
+                             policies: verdicts.ARPolicies, reference: loop.Rollout,
+                             eos: Sequence[int] = ()) -> Verdict:
     """NaN in every unused or dead cache slot; every logit stays finite and the tokens stay right."""
-    run = probes.nan_probe_rollout(backend, batch, max_new_tokens)
+    run = probes.nan_probe_rollout(backend, batch, max_new_tokens, tuple(eos), rollout=fast_rollout())
     verdict = verdicts.compare_case("tokens", check_id, run.rollout, reference, policies)
     verdict = verdict.require(run.static and run.poisoned_slots > 0,
                               "NaN planted in every unused slot before the run and every dead slot after prefill",
@@ -106,10 +113,15 @@ def compare_nan_unused_slots(check_id: str, backend: Any, batch: ARBatch, max_ne
     return verdicts.require_path(verdict, run.spy, batch.batch_size)
 
 
-def check_missing_real_pos(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int) -> Verdict:
-    """Without tokenizer_output.real_pos the loop refuses to start, naming real_pos (at any batch size)."""
-    return expect_raises(check_id, lambda: loop.init_state(backend, batch.without_real_pos(), max_new_tokens),
-                         ValueError, match="real_pos")
+def check_missing_real_pos(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int,
+                           eos: Sequence[int] = ()) -> Verdict:
+    """Without tokenizer_output.real_pos the rollout refuses to start with a ValueError naming real_pos (at any
+    batch size), before any forward."""
+    rollout_fn = fast_rollout()
+    with ARForwardSpy(backend.model) as spy:
+        verdict = expect_raises(check_id, lambda: rollout_fn(backend, batch.without_real_pos(), max_new_tokens,
+                                                             tuple(eos)), ValueError, match="real_pos")
+    return verdict.require(not spy.calls, "refused before any forward", forwards=len(spy.calls))
 
 
 def _oracle_errors(rollout: loop.Rollout) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -127,13 +139,13 @@ def _oracle_errors(rollout: loop.Rollout) -> tuple[torch.Tensor, torch.Tensor, i
 
 
 def check_greedy_logp_oracle(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int,
-                             policy: Policy) -> Verdict:
+                             policy: Policy, eos: Sequence[int] = ()) -> Verdict:
     """Both rollouts' greedy picks and recorded log-probs against an fp64 softmax of their own logits.
 
     Parity compares fast with stock, and both record through ``loop.token_logprob``; this is the independent
     oracle for that shared piece. The stock run is made here, uncached, so an ablation cannot poison a cache."""
-    fast, spy = _fast(backend, batch, max_new_tokens)
-    stock = loop.stock_rollout(backend, batch.prompts(), max_new_tokens)
+    fast, spy = _fast(backend, batch, max_new_tokens, eos)
+    stock = loop.stock_rollout(backend, batch.prompts(), max_new_tokens, tuple(eos))
     fast_rec, fast_oracle, fast_off = _oracle_errors(fast)
     stock_rec, stock_oracle, stock_off = _oracle_errors(stock)
     verdict = policy.judge(check_id, torch.cat([fast_rec, stock_rec]), torch.cat([fast_oracle, stock_oracle]),

@@ -334,6 +334,7 @@ def synthetic_capture(layout: AttentionLayout, *, heads: int = SEED_HEADS, kv_he
     query = normal(layout.q_len, heads)
     key = normal(layout.kv_len, kv_heads)
     value = normal(layout.kv_len, kv_heads)
-    mask = formula_mask(layout.q_len, layout.kv_len, layout.span)[None, None].repeat(batch, 1, 1, 1)  # own copy
+    mask = formula_mask(layout.q_len, layout.kv_len, layout.span, images=layout.images)[None, None].repeat(
+        batch, 1, 1, 1)  # own copy
     name = f"synthetic_{capture_name(SEED_CALLS.get(layout.phase, 0))}"
     return Capture(query, key, value, mask, scale=head_dim ** -0.5, name=name)

@@ -1,9 +1,10 @@
 """The mask contract as the seed states it, and a verifier for any mask or capture.
 
 ``formula_mask`` writes the seed's statement ``mask[i, j] = (j <= i) OR (i and j both in [a, b))``
-directly, deliberately sharing nothing with ``harness.attention.masks``: it is the oracle the builder
-and the captured masks are judged against. Every mask of the structured family gives each query row
-a prefix of the keys, so the row-visibility counts locate the span without knowing the layout.
+directly (with earlier images: OR both in any one image span), deliberately sharing nothing with
+``harness.attention.masks``: it is the oracle the builder and the captured masks are judged against.
+Every mask of the structured family gives each query row a prefix of the keys, so the row-visibility
+counts locate the spans without knowing the layout.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "density",
     "detect_layout",
     "detect_span",
+    "detect_spans",
     "formula_mask",
     "layout_for",
     "mask_grid",
@@ -49,24 +51,26 @@ def mask_grid(mask: torch.Tensor) -> torch.Tensor:
 
 
 def formula_mask(q_len: int, kv_len: int, span: tuple[int, int],
-                 device: torch.device | str | None = None) -> torch.Tensor:
-    """The seed's contract for Q query rows bottom-right aligned with KV keys, span [a, b).
+                 device: torch.device | str | None = None, *, images: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+    """The seed's contract for Q query rows bottom-right aligned with KV keys, span [a, b) (and any earlier
+    image spans, each bidirectional the same way).
 
     Pure and seam-free, so the last few are cached (28 MB each at the seed's S): treat as read-only.
     """
-    return _formula_mask(int(q_len), int(kv_len), (int(span[0]), int(span[1])), str(torch.device(device or "cpu")))
+    spans = tuple((int(a), int(b)) for a, b in (*images, span))
+    return _formula_mask(int(q_len), int(kv_len), spans, str(torch.device(device or "cpu")))
 
 
 @functools.lru_cache(maxsize=4)
-def _formula_mask(q_len: int, kv_len: int, span: tuple[int, int], device: str) -> torch.Tensor:
+def _formula_mask(q_len: int, kv_len: int, spans: tuple[tuple[int, int], ...], device: str) -> torch.Tensor:
     if q_len > kv_len:
         raise ValueError(f"query rows ({q_len}) cannot exceed keys ({kv_len}): queries are a suffix of the keys")
-    a, b = span
     i = torch.arange(kv_len - q_len, kv_len, device=device)
     j = torch.arange(kv_len, device=device)
-    i_in = (i >= a) & (i < b)
-    j_in = (j >= a) & (j < b)
-    return (j[None, :] <= i[:, None]) | (i_in[:, None] & j_in[None, :])
+    mask = j[None, :] <= i[:, None]
+    for a, b in spans:
+        mask = mask | (((i >= a) & (i < b))[:, None] & ((j >= a) & (j < b))[None, :])
+    return mask
 
 
 def row_visibility(mask: torch.Tensor) -> torch.Tensor:
@@ -94,23 +98,34 @@ def _histogram(counts: torch.Tensor) -> dict[int, int]:
 
 
 def detect_span(mask: torch.Tensor) -> tuple[int, int] | None:
-    """The image span [a, b) of a structured mask, or None when every row is purely causal.
+    """The (generated) image span [a, b) of a structured mask: the last of its spans, or None when every row is
+    purely causal (see ``detect_spans``)."""
+    spans = detect_spans(mask)
+    return spans[-1] if spans else None
 
-    A span row at position i sees the prefix [0, b), more than the causal i + 1: the first such
-    row is a, its count is b. (A one-token span is indistinguishable from causal.)
+
+def detect_spans(mask: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """Every bidirectional span [a, b) of a structured mask, in order.
+
+    A span row at position i sees the prefix [0, b), more than the causal i + 1: each run of such rows
+    sharing one count b starts at a. (A one-token span is indistinguishable from causal.)
     """
     grid = mask_grid(mask)
-    return _span_from_counts(row_visibility(grid), grid.shape[1])
+    return _spans_from_counts(row_visibility(grid), grid.shape[1])
 
 
-def _span_from_counts(counts: torch.Tensor, kv_len: int) -> tuple[int, int] | None:
+def _spans_from_counts(counts: torch.Tensor, kv_len: int) -> tuple[tuple[int, int], ...]:
     q_len = counts.shape[0]
     pos = torch.arange(kv_len - q_len, kv_len, device=counts.device)
-    wider = (counts > pos + 1).nonzero()
-    if wider.numel() == 0:
-        return None
-    first = int(wider[0, 0])
-    return int(pos[first]), int(counts[first])
+    wider = (counts > pos + 1).nonzero().flatten().tolist()
+    spans: list[tuple[int, int]] = []
+    previous = None
+    for row in wider:
+        count = int(counts[row])
+        if previous is None or row != previous + 1 or count != spans[-1][1]:
+            spans.append((int(pos[row]), count))
+        previous = row
+    return tuple(spans)
 
 
 def detect_layout(mask: torch.Tensor) -> AttentionLayout:
@@ -119,11 +134,14 @@ def detect_layout(mask: torch.Tensor) -> AttentionLayout:
     q_len, kv_len = grid.shape
     if q_len > kv_len:
         raise ValueError(f"mask has more query rows ({q_len}) than keys ({kv_len}); expected Q <= KV")
-    return layout_for(q_len, kv_len, detect_span(grid))
+    *images, span = detect_spans(grid) or (None,)
+    return layout_for(q_len, kv_len, span, tuple(images))
 
 
-def layout_for(q_len: int, kv_len: int, span: tuple[int, int] | None) -> AttentionLayout:
-    """The layout of a Q x KV mask whose detected span is ``span`` (see ``detect_layout``)."""
+def layout_for(q_len: int, kv_len: int, span: tuple[int, int] | None,
+               images: tuple[tuple[int, int], ...] = ()) -> AttentionLayout:
+    """The layout of a Q x KV mask whose detected span is ``span`` and earlier image spans ``images``
+    (see ``detect_layout``)."""
     if q_len > kv_len:
         raise ValueError(f"mask has more query rows ({q_len}) than keys ({kv_len}); expected Q <= KV")
     if span is None:
@@ -133,7 +151,7 @@ def layout_for(q_len: int, kv_len: int, span: tuple[int, int] | None) -> Attenti
     if b > kv_len or a >= b:
         raise ValueError(f"detected span [{a}, {b}) does not fit {kv_len} keys")
     if q_len == kv_len:
-        return AttentionLayout(a, b - a, kv_len - b, "prefill")
+        return AttentionLayout(a, b - a, kv_len - b, "prefill", images)
     offset = kv_len - q_len
     if b != kv_len:
         raise ValueError(f"denoise mask ({q_len} x {kv_len}) has keys past the span end {b}; "
@@ -141,7 +159,7 @@ def layout_for(q_len: int, kv_len: int, span: tuple[int, int] | None) -> Attenti
     if a < offset:
         raise ValueError(f"denoise mask ({q_len} x {kv_len}): span start {a} lies before query row 0 "
                          f"(position {offset}); expected special rows then the image span")
-    return AttentionLayout(a, b - a, a - offset, "denoise")
+    return AttentionLayout(a, b - a, a - offset, "denoise", images)
 
 
 @dataclass(frozen=True)
@@ -156,6 +174,7 @@ class ContractReport:
     first_mismatch: tuple[int, int] | None
     density: float
     histogram: dict[int, int]
+    detected_images: tuple[tuple[int, int], ...] = ()  # spans detected before ``detected_span``
 
     @property
     def total(self) -> int:
@@ -180,15 +199,19 @@ def mask_mismatches(actual: torch.Tensor, expected: torch.Tensor) -> tuple[int, 
     return int(diff.sum()), (int(at[0]), int(at[1]))
 
 
-def verify_mask(mask: torch.Tensor, span: tuple[int, int] | None = None) -> ContractReport:
-    """Check ``mask`` against the formula at ``span`` (default: the span detected in the mask)."""
+def verify_mask(mask: torch.Tensor, span: tuple[int, int] | None = None, *,
+                images: tuple[tuple[int, int], ...] = ()) -> ContractReport:
+    """Check ``mask`` against the formula at ``span`` with the earlier image spans ``images`` (default: the spans
+    detected in the mask, earlier images included)."""
     grid = mask_grid(mask)
     q_len, kv_len = grid.shape
     counts = row_visibility(grid)
-    detected = _span_from_counts(counts, kv_len)
+    spans = _spans_from_counts(counts, kv_len)
+    detected = spans[-1] if spans else None
+    images = spans[:-1] if span is None else tuple(images)
     use = span if span is not None else detected
     if use is None:
         use = (kv_len, kv_len)  # no span: the formula is plain causal
-    bad, first = mask_mismatches(grid, formula_mask(q_len, kv_len, use, device=grid.device))
+    bad, first = mask_mismatches(grid, formula_mask(q_len, kv_len, use, device=grid.device, images=images))
     return ContractReport(q_len, kv_len, span, detected, bad, first, _density(counts, grid.numel()),
-                          _histogram(counts))
+                          _histogram(counts), images)

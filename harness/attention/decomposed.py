@@ -1,9 +1,10 @@
 """Decomposed kernel: causal rows and span rows partition the queries, outputs concatenate.
 
 Every row of the structured mask sees a prefix of the keys: a causal row at position p sees [0, p],
-a span row sees [0, span end). So the query rows split into contiguous blocks that each need either
-a lower-right causal mask or no mask at all, and because the blocks partition the rows (not the
-keys) their outputs merge by ``torch.cat`` with no log-sum-exp merge.
+a span row sees [0, span end) (an earlier image's row, [0, that image's end)). So the query rows split
+into contiguous blocks that each need either a lower-right causal mask or no mask at all, and because
+the blocks partition the rows (not the keys) their outputs merge by ``torch.cat`` with no log-sum-exp
+merge.
 """
 
 from __future__ import annotations
@@ -39,13 +40,15 @@ class RowBlock:
 
 
 def split_rows(layout: AttentionLayout) -> tuple[RowBlock, ...]:
-    """Causal rows before the span, the span rows, causal rows after it (empty blocks dropped)."""
-    start, end = masks.span_bounds(layout)
+    """Causal rows before each span, the span's rows, and causal rows after the last (empty blocks dropped)."""
     offset, q_len = layout.q_offset, layout.q_len
-    lo = min(max(start - offset, 0), q_len)
-    hi = min(max(end - offset, lo), q_len)
-    blocks = (RowBlock(0, lo, offset + lo, True), RowBlock(lo, hi, end, False),
-              RowBlock(hi, q_len, offset + q_len, True))
+    blocks, row = [], 0
+    for start, end in masks.image_spans(layout):
+        lo = min(max(start - offset, row), q_len)
+        hi = min(max(end - offset, lo), q_len)
+        blocks += [RowBlock(row, lo, offset + lo, True), RowBlock(lo, hi, end, False)]
+        row = hi
+    blocks.append(RowBlock(row, q_len, offset + q_len, True))
     return tuple(b for b in blocks if b.rows > 0)
 
 

@@ -23,12 +23,12 @@ __all__ = ["block_mask_for", "blocks_from_dense", "flex_structured", "mask_mod_f
 
 def mask_mod_for(layout: AttentionLayout) -> Callable[..., torch.Tensor]:
     """flex's ``mask_mod(b, h, q_idx, kv_idx)`` for ``layout`` (query rows shifted by q_offset)."""
-    span = masks.span_bounds(layout)
+    *images, span = masks.image_spans(layout)
     specials = layout.special_positions
     offset = layout.q_offset
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return masks.visibility(q_idx + offset, kv_idx, span, specials)
+        return masks.visibility(q_idx + offset, kv_idx, span, specials, tuple(images))
 
     return mask_mod
 

@@ -5,6 +5,10 @@ special tokens. Prefill queries every position against every key. Denoise re-que
 special rows (the ``special_len`` positions just before the span) and the image span against the
 cached keys ``[0, span end)``, so its query rows are bottom-right aligned with the keys: query row
 ``r`` sits at absolute position ``q_offset + r``.
+
+A prompt may hold earlier images (conditioning images, as in image editing): ``images`` lists their
+spans inside the text prefix, each bidirectional like the generated image's span. At prefill their rows
+see their whole span; at denoise they lie in the cached prefix that every re-queried row sees anyway.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class AttentionLayout:
     image_len: int
     special_len: int
     phase: Phase = "prefill"
+    images: tuple[tuple[int, int], ...] = ()  # earlier image spans [start, end) inside the text prefix, in order
 
     def __post_init__(self) -> None:
         for name in ("text_len", "image_len", "special_len"):
@@ -42,11 +47,33 @@ class AttentionLayout:
         if self.phase == "denoise" and self.special_len > self.text_len:
             raise ValueError(f"denoise re-queries the {self.special_len} special rows just before the image span, "
                              f"so special_len must be <= text_len ({self.text_len})")
+        self._check_images()
+
+    def _check_images(self) -> None:
+        if not isinstance(self.images, tuple):
+            raise TypeError(f"AttentionLayout.images must be a tuple of (start, end) spans, got "
+                            f"{type(self.images).__name__}")
+        edge = 0
+        limit = self.text_len - (self.special_len if self.phase == "denoise" else 0)
+        for span in self.images:
+            if (not isinstance(span, tuple) or len(span) != 2
+                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in span)):
+                raise TypeError(f"AttentionLayout.images holds (start, end) int pairs, got {span!r}")
+            start, end = span
+            if start < edge or end - start < 2 or end > limit:
+                raise ValueError(f"earlier image span {span} must hold >= 2 tokens, follow the previous one (from "
+                                 f"{edge}) and end by {limit} (inside the text prefix, before the re-queried rows)")
+            edge = end
 
     @property
     def span(self) -> tuple[int, int]:
         """The declared image span [start, end) in absolute positions."""
         return self.text_len, self.text_len + self.image_len
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """Every bidirectional span in order: the earlier images, then the generated image's ``span``."""
+        return (*self.images, self.span)
 
     @property
     def kv_len(self) -> int:
@@ -73,8 +100,9 @@ class AttentionLayout:
 
     def describe(self) -> str:
         start, end = self.span
+        images = "".join(f", image [{a}, {b})" for a, b in self.images)
         return (f"{self.phase} {self.text_len} text + {self.image_len} image + {self.special_len} special: "
-                f"Q {self.q_len} x KV {self.kv_len}, span [{start}, {end})")
+                f"Q {self.q_len} x KV {self.kv_len}, span [{start}, {end}){images}")
 
 
 SEED_PREFILL = AttentionLayout(1249, 4096, 3, "prefill")

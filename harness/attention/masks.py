@@ -17,6 +17,7 @@ __all__ = [
     "causal_mask",
     "causal_only",
     "image_span_mask",
+    "image_spans",
     "positions",
     "span_bounds",
     "special_row_visibility",
@@ -27,6 +28,11 @@ __all__ = [
 def span_bounds(layout: AttentionLayout) -> tuple[int, int]:
     """[start, end) of the bidirectional image block in absolute positions."""
     return layout.text_len, layout.text_len + layout.image_len
+
+
+def image_spans(layout: AttentionLayout) -> tuple[tuple[int, int], ...]:
+    """Every bidirectional block in order: the prompt's earlier images, then the generated image's span."""
+    return (*layout.images, span_bounds(layout))
 
 
 def causal_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
@@ -47,11 +53,14 @@ def special_row_visibility(q_pos: torch.Tensor, kv_pos: torch.Tensor, start: int
 
 
 def visibility(q_pos: torch.Tensor, kv_pos: torch.Tensor, span: tuple[int, int],
-               specials: tuple[int, int]) -> torch.Tensor:
-    """May query position ``q_pos`` attend to key position ``kv_pos``? Broadcasts; vmap-safe."""
+               specials: tuple[int, int], images: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+    """May query position ``q_pos`` attend to key position ``kv_pos``? Broadcasts; vmap-safe. ``images`` are
+    the earlier image blocks, bidirectional like ``span``."""
     start, end = span
     lo, hi = specials
     structured = causal_mask(q_pos, kv_pos) | image_span_mask(q_pos, kv_pos, start, end)
+    for image_start, image_end in images:
+        structured = structured | image_span_mask(q_pos, kv_pos, image_start, image_end)
     is_special = (q_pos >= lo) & (q_pos < hi)
     return torch.where(is_special, special_row_visibility(q_pos, kv_pos, start, end), structured)
 
@@ -66,7 +75,8 @@ def positions(layout: AttentionLayout, device: torch.device | str | None = None)
 def build_mask(layout: AttentionLayout, device: torch.device | str | None = None) -> torch.Tensor:
     """The (Q, KV) bool mask of ``layout``; True = may attend."""
     q_pos, kv_pos = positions(layout, device)
-    return visibility(q_pos, kv_pos, span_bounds(layout), layout.special_positions)
+    *images, span = image_spans(layout)
+    return visibility(q_pos, kv_pos, span, layout.special_positions, tuple(images))
 
 
 def causal_only(layout: AttentionLayout, device: torch.device | str | None = None) -> torch.Tensor:

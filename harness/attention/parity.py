@@ -59,7 +59,7 @@ def _kernel_under_test(spec: kernels.KernelSpec, block: int) -> tuple[kernels.re
 def compare_kernel(kernel: kernels.KernelSpec | str, capture: Capture, policy: Policy | Sequence[Policy],
                    check_id: str, *, block: int = kernels.BLOCK, layout: AttentionLayout | None = None,
                    expected: torch.Tensor | None = None, max_rel_l2: float | None = None,
-                   floor: FloorControl | float | None = None) -> Verdict:
+                   floor: FloorControl | float | None = None, pass_scale: bool = True) -> Verdict:
     """Run ``kernel`` (a registered name or a KernelSpec) on ``capture`` at ``block`` and judge it
     against the capture's masked SDPA under ``policy``.
 
@@ -68,7 +68,8 @@ def compare_kernel(kernel: kernels.KernelSpec | str, capture: Capture, policy: P
     code that every bound must stay within [K_MIN, K_MAX] of (a FloorControl bounds max|d| and the
     relative L2; a float bounds max|d|; a row-scaled policy carries its own control). The verdict
     also requires the kernel's launch facts at ``block`` (and, for a GQA capture, that the compressed
-    key/value heads reached every launch). Under ``--impl attention=MOD:FN`` the
+    key/value heads reached every launch). ``pass_scale=False`` calls the kernel with ``scale=None``
+    (the capture's scale must then be the default 1 / sqrt(D)). Under ``--impl attention=MOD:FN`` the
     user's callable replaces every kernel under test and must be seen to run.
     """
     spec = kernels.get_kernel(kernel) if isinstance(kernel, str) else kernel
@@ -81,13 +82,19 @@ def compare_kernel(kernel: kernels.KernelSpec | str, capture: Capture, policy: P
     expected = reference_output(capture) if expected is None else expected
     fn, impl = _kernel_under_test(spec, block)
     q, k, v = capture.heads_first()
+    if not pass_scale and capture.scale != q.shape[-1] ** -0.5:
+        raise ValueError(f"scale=None means 1 / sqrt({q.shape[-1]}), but capture {capture.name} was computed at "
+                         f"scale {capture.scale}")
     calls_before = conformance.calls("attention")
     with spy.recording() as launches:
-        actual = fn(q, k, v, layout, scale=capture.scale)
+        actual = fn(q, k, v, layout, scale=capture.scale if pass_scale else None)
     name = spec.name if impl is None else impl
     what = f"{name} output on {capture.name}"
     judged = [p.judge(check_id, actual, expected, dims=OUTPUT_DIMS, what=what) for p in _policies(policy)]
     verdict = functools.reduce(Verdict.merge, judged)
+    verdict = verdict.require(actual.dtype == q.dtype and tuple(actual.shape) == tuple(q.shape),
+                              "the output is (B, H, Q, D) in the inputs' dtype",
+                              output=f"{tuple(actual.shape)} {str(actual.dtype).split('.')[-1]}")
     max_abs_floor = floor.max_abs_floor() if isinstance(floor, FloorControl) else floor
     for p in _policies(policy):
         verdict = bounded(verdict, p, max_abs_floor)
@@ -109,7 +116,8 @@ def compare_kernel(kernel: kernels.KernelSpec | str, capture: Capture, policy: P
             ok, fact, metrics = kernels.gqa_fact(launches, capture.kv_heads)
             verdict = verdict.require(ok, fact, **metrics)
     return verdict.with_metrics(kernel=name, block=block, layout=layout.describe(), heads=capture.heads,
-                                kv_heads=capture.kv_heads)
+                                kv_heads=capture.kv_heads, scale="given" if pass_scale else "None",
+                                dtype=str(q.dtype).split(".")[-1])
 
 
 def _where(first: tuple[int, int] | None) -> str:

@@ -5,7 +5,12 @@ real checkpoint over NCCL is held to exactly the CPU tier's rules: every receivi
 bitwise the stock ``vae.decode(z)`` (dtype and shape included, equal SHA-256), ranks that receive
 nothing return None, and the counts prove which path ran (each piece decoded exactly once across
 the world and the fail-closed collective sequence on the sharded path; every decoder call on every
-rank and no collective on the stock one).
+rank and no collective on the stock one). A bad frame is named with the clip(s) it comes from and the
+rank(s) that decoded them, as measured (decoder inputs fingerprinted), so the message holds for any plan.
+
+Faults are judged by behaviour, not by wording (``judge_fault``): every rank raises within the bound and
+none hangs, the injected exception survives in the raised error's cause/context chain, and the group
+still works afterwards.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from harness.compare import Policy, Verdict, exact, expect
 from harness.decode import exchange
 from harness.decode import plan as plan_mod
 
-__all__ = ["RankDecode", "busiest_shares", "compare_sharded_decode", "expected_collectives", "frame_labels",
-           "judge_decode", "judge_fault_outcomes", "piece_calls"]
+__all__ = ["FaultOutcome", "RankDecode", "busiest_shares", "compare_sharded_decode", "expected_collectives",
+           "frame_labels", "judge_decode", "judge_fault", "piece_calls", "producers"]
 
 
 @dataclass
@@ -46,12 +51,51 @@ class RankDecode:
     stock: torch.Tensor | None = None  # rank 0's stock output, same process, when asked for
     stock_sha256: str | None = None
     received_bytes: int = 0  # bytes of gathered pieces this rank received (memory it held for them)
+    group: int = 0  # which subgroup of the world this rank decoded in (its ``rank`` is its rank there)
+    decoded: tuple[str, ...] = ()  # fingerprints of this rank's decoder inputs during the call under test
+    stock_decoded: tuple[str, ...] = ()  # rank 0: fingerprints of the stock decode's decoder inputs, in call order
 
 
-def frame_labels(plan: plan_mod.ClipPlan, num_frames: int) -> list[str]:
-    """Name each output pixel frame by the clip(s) it came from, for failure messages."""
-    return [f"{frame} (clip {'/'.join(map(str, src))}{' cross-fade' if len(src) > 1 else ''})"
+@dataclass(frozen=True)
+class FaultOutcome:
+    """What one rank's call did under an injected fault (harness-side, so judging needs no test code)."""
+
+    rank: int
+    raised: str  # "Type: message" of what the call raised; "" when it returned
+    seconds: float  # from the call to its raise (or return)
+    fired: int  # how often the fault struck on this rank (0: it never did)
+    root_cause_kept: bool | None  # the injected exception is in the raised one's chain; None: none injected here
+
+
+def frame_labels(plan: plan_mod.ClipPlan, num_frames: int, made_by: dict[int, list[int]] | None = None) -> list[str]:
+    """Name each output pixel frame by the clip(s) it came from and, with ``made_by`` (clip -> ranks that decoded
+    a piece of it), the rank(s) that produced them, for failure messages."""
+    def clip(c: int) -> str:
+        if made_by is None:
+            return str(c)
+        ranks = made_by.get(c)
+        return f"{c} on rank {'+'.join(map(str, ranks))}" if ranks else f"{c} (its planned input decoded on no rank)"
+
+    return [f"{frame} (clip {'/'.join(clip(c) for c in src)}{' cross-fade' if len(src) > 1 else ''})"
             for frame, src in enumerate(plan_mod.frame_sources(plan, num_frames))]
+
+
+def producers(results: Sequence[RankDecode]) -> dict[int, list[int]] | None:
+    """clip -> the ranks whose decoder decoded one of its planned pieces, matched by input fingerprint against
+    the stock decode's own calls (clip-major, as the library makes them); None without fingerprints."""
+    first = results[0]
+    if not first.stock_decoded or first.work is None:
+        return None
+    per_clip = first.work.tiles_per_clip
+    clip_of: dict[str, int] = {}
+    for index, printed in enumerate(first.stock_decoded):
+        clip_of.setdefault(printed, (index // per_clip) % first.work.clips.num_clips)
+    made_by: dict[int, set[int]] = {}
+    for r in results:
+        for printed in r.decoded:
+            if printed in clip_of:
+                made_by.setdefault(clip_of[printed], set()).add(r.rank)
+    return {c: sorted(ranks) for c, ranks in sorted(made_by.items())}
 
 
 def piece_calls(work: plan_mod.WorkPlan, rank: int, world: int) -> tuple[int, int]:
@@ -109,9 +153,20 @@ def judge_decode(check_id: str, results: Sequence[RankDecode], *, sharded: bool,
         "ranks_matching_stock_sha": f"{sum(h == stock_sha for h in hashes)}/{len(receivers)}",
         "decoder_calls_per_rank": ", ".join(str(r.decoder_calls) for r in results),
     }
+    impl = [r.impl_calls for r in results]
+    foreign = any(c is not None for c in impl)  # a user's implementation: its own ownership and collectives
     if work is not None:
-        metrics.update(split=work.split, clips=work.clips.num_clips, tiles_per_clip=work.tiles_per_clip,
-                       busiest_share=round(busiest_shares(work, world), 4) if sharded else 1.0)
+        metrics["clips"] = work.clips.num_clips
+        if foreign:  # the suite's plan says nothing of the user's: report what was measured instead
+            del metrics["pieces"]
+            metrics["decoder_calls_total"] = sum(r.decoder_calls for r in results)
+        else:
+            metrics.update(split=work.split, tiles_per_clip=work.tiles_per_clip,
+                           busiest_share=round(busiest_shares(work, world), 4) if sharded else 1.0)
+    made_by = producers(results) if sharded else None
+    if made_by is not None:
+        metrics["clip_producers"] = "; ".join(f"clip {c}: rank {'/'.join(map(str, ranks))}"
+                                              for c, ranks in made_by.items())
     outputs = [r.output for r in receivers]
     shapes = sorted({tuple(o.shape) if o is not None else () for o in outputs})
     if shapes != [tuple(stock.shape)]:
@@ -120,7 +175,7 @@ def judge_decode(check_id: str, results: Sequence[RankDecode], *, sharded: bool,
     else:
         actual = torch.stack([o for o in outputs if o is not None])
         expected = stock.unsqueeze(0).expand_as(actual)
-        labels = {"frame": frame_labels(work.clips, stock.shape[2])} if work is not None else None
+        labels = {"frame": frame_labels(work.clips, stock.shape[2], made_by)} if work is not None else None
         verdict = policy.judge(check_id, actual, expected, dims=("rank", "batch", "channel", "frame"),
                                labels=labels, what=what)
         verdict = dataclasses.replace(verdict, metrics={**verdict.metrics, **metrics})
@@ -128,8 +183,6 @@ def judge_decode(check_id: str, results: Sequence[RankDecode], *, sharded: bool,
                               "every receiving rank's SHA-256 equals the stock output's")
     decoder = [r.decoder_calls for r in results]
     seen = [{k: v for k, v in r.collectives.items() if v} for r in results]
-    impl = [r.impl_calls for r in results]
-    foreign = any(c is not None for c in impl)  # a user's implementation: its own ownership and collectives
     if sharded and foreign:
         total = (work.decoder_calls if work is not None else first.pieces) * calls
         counted = decoder if work is not None else [r.clip_calls for r in results]
@@ -137,6 +190,10 @@ def judge_decode(check_id: str, results: Sequence[RankDecode], *, sharded: bool,
                                   pieces_per_rank=", ".join(map(str, counted)), pieces_total=total)
         verdict = verdict.require(all(seen), "every rank communicated (a collective ran on every rank)",
                                   collectives_per_rank="; ".join(str(s or "none") for s in seen))
+        holders = [r.rank for r in results if r.output is not None]
+        verdict = verdict.require(holders == [r.rank for r in receivers],
+                                  f"only the receiving ranks hold the output ({transport}); the others return None",
+                                  ranks_holding_output=holders)
     elif sharded:
         holders = [r.rank for r in results if r.output is not None]
         verdict = verdict.require(holders == [r.rank for r in receivers],
@@ -176,23 +233,41 @@ def compare_sharded_decode(world: Any, task: Callable[..., Sequence[RankDecode]]
     return judge_decode(check_id, results, sharded=sharded, policy=policy)
 
 
-def judge_fault_outcomes(check_id: str, outcomes: Sequence[Any], size: int, fault_rank: int, cause: str,
-                         follow_up: str | None) -> Verdict:
-    """Every rank must raise ShardedDecodeError naming ``fault_rank`` (whose own error names ``cause``), none may
-    block or hang, and the group must decode bit-exactly again afterwards (``follow_up`` None: it did)."""
-    statuses = [o.status for o in outcomes] or ["ok"] * size
-    raised = [o for o in outcomes if o.status == "raised"]
-    together = [o for o in raised if "ShardedDecodeError" in o.error]
-    stuck = {s: statuses.count(s) for s in ("blocked", "hung", "died") if s in statuses}
-    named = all(f"rank {fault_rank}" in o.error for o in together)
-    cause_here = any(o.rank == fault_rank and cause in o.error for o in together)
-    ok = len(together) == size and not stuck
-    words = f"{len(raised)}/{size} ranks raise; " + ("no hang" if not stuck else
-                                                     ", ".join(f"{n} {s}" for s, n in stuck.items()))
-    verdict = expect(check_id, ok, f"{size}/{size} ranks raise ShardedDecodeError; no hang", outcome=words,
-                     sharded_decode_errors=f"{len(together)}/{size}",
-                     rank_outcomes=[o.line()[:240] for o in outcomes] or ["every rank returned a video"])
-    verdict = verdict.require(named and cause_here,
-                              f"every rank's error names rank {fault_rank}, and rank {fault_rank}'s names the fault")
-    return verdict.require(follow_up is None, "the group decodes again afterwards: no rank was left in a collective",
-                           follow_up=follow_up or "bit-exact on every rank")
+GROUP_WORKS = ("the group works afterwards (an all-gather over every rank, then the same decode without the fault, "
+               "bit-exact)")
+
+
+def judge_fault(check_id: str, size: int, fault_rank: int, bound_s: float, outcomes: Sequence[FaultOutcome] | None,
+                world_outcomes: Sequence[Any] = (), keeps_cause: str = "", group_error: str | None = None) -> Verdict:
+    """Judge a fault by behaviour: every rank raised within ``bound_s`` and none hung or returned; the fault struck
+    where it was injected; the injected exception survives in the chain of what rank ``fault_rank`` raised
+    (``keeps_cause="fault rank"``) or every rank raised (``"every rank"``); the group works afterwards
+    (``group_error`` None: an all-gather completes and the decode without the fault is bit-exact again).
+    ``outcomes`` is every rank's FaultOutcome, or None when the task itself did not come back from every rank
+    (``world_outcomes``: the world's per-rank statuses, hung ranks among them)."""
+    if outcomes is None:
+        stuck = {s: [o.rank for o in world_outcomes if o.status == s] for s in ("hung", "blocked", "died", "raised")}
+        words = "; ".join(f"{s} on ranks {ranks}" for s, ranks in stuck.items() if ranks) or "no answer"
+        verdict = expect(check_id, False, f"every rank raises within {bound_s:g} s; no rank hangs or returns",
+                         outcome=words, rank_outcomes=[o.line()[:240] for o in world_outcomes])
+        return verdict.require(group_error is None, GROUP_WORKS, follow_up=group_error or "the group answered")
+    raised = [o for o in outcomes if o.raised]
+    returned = [o.rank for o in outcomes if not o.raised]
+    slow = [o.rank for o in raised if o.seconds > bound_s]
+    slowest = max((o.seconds for o in outcomes), default=0.0)
+    words = f"{len(raised)}/{size} ranks raise" + (f"; ranks {returned} returned" if returned else "") + \
+        (f"; ranks {slow} past {bound_s:g} s" if slow else "")
+    verdict = expect(check_id, not returned and not slow and len(outcomes) == size,
+                     f"every rank raises within {bound_s:g} s; no rank hangs or returns", outcome=words,
+                     slowest_raise_s=round(slowest, 3),
+                     rank_outcomes=[f"rank {o.rank}: {o.raised or 'returned'}"[:240] for o in outcomes])
+    struck = [o.rank for o in outcomes if o.fired]
+    where = [fault_rank] if keeps_cause != "every rank" else list(range(size))
+    verdict = verdict.require(all(r in struck for r in where), f"the fault struck on rank(s) {where}",
+                              fault_struck_on=struck)
+    if keeps_cause:
+        lost = [o.rank for o in outcomes if o.rank in where and o.raised and o.root_cause_kept is not True]
+        who = "every rank" if keeps_cause == "every rank" else f"rank {fault_rank}"
+        verdict = verdict.require(not lost, f"the injected exception survives in the __cause__/__context__ chain of "
+                                            f"what {who} raised", root_cause_lost_on=lost)
+    return verdict.require(group_error is None, GROUP_WORKS, follow_up=group_error or "the group decodes again")

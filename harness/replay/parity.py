@@ -90,7 +90,13 @@ def judge_result(policy: Policy, check_id: str, actual: torch.Tensor, expected: 
                       actual_shape=str(list(actual.shape)), expected_shape=str(list(expected.shape)))
     verdict = policy.judge(check_id, actual, expected, dims=("row", "step"), labels={"step": list(target)},
                            what=what)
-    return verdict.require(verdict.metrics.get("total") == expected.numel(), "every row and step compared")
+    verdict = verdict.require(verdict.metrics.get("total") == expected.numel(), "every row and step compared")
+    if not verdict.passed:  # which target steps went wrong, in target order: one bug hits one step, another all
+        diff = (actual.detach().double() - expected.detach().double()).abs().transpose(0, 1).reshape(len(target), -1)
+        worst = diff.nan_to_num(nan=float("inf")).amax(dim=1).tolist()
+        verdict = verdict.with_metrics(max_abs_per_step=", ".join(f"step {step}: {d:.3e}"
+                                                                  for step, d in zip(target, worst, strict=True)))
+    return verdict
 
 
 def compare_replay(problem: ReplayProblem, policy: Policy, check_id: str, what: str = "log_probs") -> Verdict:

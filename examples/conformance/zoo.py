@@ -1,0 +1,164 @@
+"""The bug zoo: every implementation in ``examples/conformance/zoo_<path>.py`` judged as a team would judge its
+own, by ``pytest -m cpu --impl PATH=zoo_<path>:NAME``, one run each.
+
+Each zoo module holds one right implementation of its path (``CORRECT``, the callable named like the path's
+signature) and realistic buggy ones (``BUGS``: name -> (flaws, what the bug is)). The right one must pass
+with every check of its path either judged (and passed) or declared not judged; every buggy one must fail,
+naming the checks it fails; one that never works (``FAILS_EVERYWHERE``) must fail every check it is judged
+by. Prints the table (implementation -> verdict -> failing checks) and exits 1 when
+any implementation does not do what it should.
+
+    python examples/conformance/zoo.py                        # every path
+    python examples/conformance/zoo.py --path decode --markdown reports/zoo-decode.md
+    python examples/conformance/zoo.py --only ar:ignores_eos  # one implementation
+
+Run from the repository root, with ``examples/conformance`` importable (``examples/run-examples`` sets it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PATHS = {"replay": "replay_batched", "ar": "fast_rollout", "decode": "sharded_decode", "attention": "attend"}
+FAILED_ITEM = re.compile(r"^FAILED \S*::test_parity_check\[([^\]]+)\]")
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: str
+    name: str
+    expected: str  # "pass", "fail" (naming its checks) or "fail all" (every judged check)
+    bug: str
+
+    @property
+    def spec(self) -> str:
+        return f"zoo_{self.path}:{self.name}"
+
+
+@dataclass
+class Outcome:
+    entry: Entry
+    exit_code: int
+    judged: list[str] = field(default_factory=list)
+    failing: list[str] = field(default_factory=list)
+    not_judged: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # checks of the path neither judged nor declared not judged
+    seconds: float = 0.0
+
+    @property
+    def verdict(self) -> str:
+        if self.exit_code == 0 and not self.failing and not self.missing:
+            return "PASS"
+        if self.exit_code == 1 and self.failing:
+            return "FAIL ALL" if self.failing == self.judged else "FAIL"
+        return f"ERROR (pytest exit {self.exit_code})"
+
+    @property
+    def as_expected(self) -> bool:
+        if self.entry.expected == "fail":
+            return self.verdict in ("FAIL", "FAIL ALL")
+        return self.verdict == self.entry.expected.upper()
+
+
+def entries(paths: list[str]) -> list[Entry]:
+    found = []
+    for path in paths:
+        module = importlib.import_module(f"zoo_{path}")
+        found.append(Entry(path, PATHS[path], "pass", "right (independent of the suite's own)"))
+        found += [Entry(path, name, "fail", why) for name, (_, why) in module.BUGS.items()]
+        found += [Entry(path, name, "fail all", why) for name, why in getattr(module, "FAILS_EVERYWHERE", {}).items()]
+    return found
+
+
+def catalogue(path: str) -> list[str]:
+    from harness import catalogue as catalogue_mod
+    from harness import checks
+
+    catalogue_mod.load()
+    return sorted(c.id for c in checks.all_checks("cpu", path=path))
+
+
+def judge(entry: Entry, tests: list[str], extra: list[str]) -> Outcome:
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        command = [sys.executable, "-m", "pytest", "-m", "cpu", "-q", "-rf", "-p", "no:cacheprovider",
+                   "--impl", f"{entry.path}={entry.spec}", f"--parity-report={report}", *tests, *extra]
+        began = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        seconds = time.perf_counter() - began
+        data = json.loads(report.read_text()) if report.exists() else {"checks": []}
+    failing = {c["id"] for c in data["checks"] if not c["passed"]}
+    failing |= {m.group(1) for line in done.stdout.splitlines() if (m := FAILED_ITEM.match(line))}
+    judged = sorted({c["id"] for c in data["checks"]} | failing)
+    not_judged = sorted(data.get("not_judged", {}))
+    outcome = Outcome(entry, done.returncode, judged, sorted(failing), not_judged, seconds=seconds)
+    outcome.missing = sorted(set(catalogue(entry.path)) - set(judged) - set(not_judged))
+    if not outcome.as_expected:
+        print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", file=sys.stderr)
+    return outcome
+
+
+def table(outcomes: list[Outcome]) -> str:
+    lines = ["| implementation | expected | verdict | judged | failing checks |", "|---|---|---|---|---|"]
+    for o in outcomes:
+        shown = ", ".join(f"`{c}`" for c in o.failing[:8]) + (f" (+{len(o.failing) - 8} more)"
+                                                              if len(o.failing) > 8 else "")
+        failing = f"{len(o.failing)}: {shown}" if o.failing else "none"
+        if o.missing:
+            failing += f"; not run: {', '.join(o.missing[:5])}"
+        lines.append(f"| `{o.entry.spec}` ({o.entry.bug}) | {o.entry.expected} | {o.verdict} | "
+                     f"{len(o.judged)} (+{len(o.not_judged)} not judged) | {failing} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--path", action="append", choices=sorted(PATHS), help="only these paths (repeatable)")
+    parser.add_argument("--only", action="append", metavar="PATH:NAME", help="only these implementations")
+    parser.add_argument("--tests", nargs="*", default=["parity/test_parity.py"],
+                        help="what each run collects (default: the check catalogue, parity/test_parity.py)")
+    parser.add_argument("--markdown", help="write the table here too")
+    parser.add_argument("--json", help="write every outcome here")
+    args, extra = parser.parse_known_args(argv)
+    sys.path[:0] = [str(Path(__file__).resolve().parent), os.getcwd()]  # the zoo modules; the suite's checkout
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
+                                                             os.environ.get("PYTHONPATH")]))
+    todo = entries(args.path or list(PATHS))
+    if args.only:
+        todo = [e for e in todo if f"{e.path}:{e.name}" in args.only]
+    outcomes = []
+    for entry in todo:
+        outcome = judge(entry, args.tests, extra)
+        outcomes.append(outcome)
+        mark = "ok" if outcome.as_expected else "UNEXPECTED"
+        print(f"zoo: {entry.spec}: {outcome.verdict} ({len(outcome.failing)} failing of {len(outcome.judged)} "
+              f"judged, {outcome.seconds:.0f} s) [{mark}]", flush=True)
+    text = table(outcomes)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(text + "\n")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps([{"implementation": o.entry.spec, "expected": o.entry.expected,
+                                                "verdict": o.verdict, "bug": o.entry.bug, "failing": o.failing,
+                                                "judged": o.judged, "not_judged": o.not_judged,
+                                                "missing": o.missing} for o in outcomes], indent=1) + "\n")
+    wrong = [o.entry.spec for o in outcomes if not o.as_expected]
+    if wrong:
+        print(f"zoo: UNEXPECTED outcomes: {', '.join(wrong)}", file=sys.stderr)
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

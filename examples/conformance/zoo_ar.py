@@ -1,0 +1,157 @@
+"""Batched AR rollouts written the way a team's own framework would, for ``--impl ar=zoo_ar:NAME``.
+
+Signature: ``fast_rollout(backend, batch, max_new_tokens, eos)`` returning a ``harness.ar.loop.Rollout``:
+B right-padded prompts decoded in one batch, greedy, each row stopping at its first EOS id (it then emits
+the pad id, records log-prob 0 and writes no more KV), the KV of every row read back in logical order. The
+model is driven through the backend's hooks (``harness.ar.backends``): ``new_cache``, ``begin``, ``prefill`` /
+``decode`` (one forward each, given a bool mask), ``prefill_key_length`` / ``decode_key_length``,
+``key_valid``, ``decode_write_slots``, ``token_columns``, ``logical_slots``; those hooks read the state a
+``harness.ar.loop.ARState`` carries, which the loop takes from ``harness.ar.loop.init_state`` (the cache and
+the empty outputs, nothing of the loop itself).
+
+``fast_rollout`` is right, with its own loop, masks, sampling, EOS bookkeeping and KV freeze for finished rows.
+Every other callable carries one realistic bug (see ``BUGS``); each must fail the ar checks it names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from harness.ar.loop import Rollout, init_state
+
+__all__ = ["BUGS", "CORRECT", "fast_rollout", "finished_rows_keep_sampling", "finished_rows_keep_writing_kv",
+           "first_logits_at_the_padded_tail", "infers_lengths_from_pads", "no_decode_mask",
+           "tokens_appended_at_the_tail"]
+
+
+@dataclass(frozen=True)
+class Flaws:
+    """Which bug the loop carries (all False: the right one)."""
+
+    ignore_eos: bool = False  # rows keep sampling after their EOS
+    write_after_eos: bool = False  # finished rows stop sampling but their KV slot is still written
+    tail_logits: bool = False  # first token read from the last column, not each row's last real token
+    append_tokens: bool = False  # the next input token appended at the buffer's tail (rows fed their own pads)
+    no_decode_mask: bool = False  # decode steps run unmasked ("full attention of 1 x seqlen")
+    lengths_from_pads: bool = False  # no real_pos: each row's length taken from its first pad id
+
+
+def _real_pos(batch: Any, flaws: Flaws) -> torch.Tensor:
+    if batch.real_pos is None:
+        if flaws.lengths_from_pads:
+            is_pad = batch.input_ids == batch.pad_id
+            first = torch.where(is_pad.any(dim=1), is_pad.int().argmax(dim=1), batch.input_ids.shape[1])
+            return first.long()
+        raise ValueError("fast_rollout needs tokenizer_output.real_pos (each row's unpadded length)")
+    return batch.real_pos.reshape(-1).long()
+
+
+def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _kept(cache: Any, rows: torch.Tensor, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What finished rows hold at the slots this step will write (put back after the forward)."""
+    return [(k[rows, :, slots[rows]].clone(), v[rows, :, slots[rows]].clone()) for k, v in _layers(cache)]
+
+
+def _put_back(cache: Any, rows: torch.Tensor, slots: torch.Tensor, kept: list[tuple[torch.Tensor, torch.Tensor]]):
+    for (k, v), (k_old, v_old) in zip(_layers(cache), kept, strict=True):
+        k[rows, :, slots[rows]] = k_old
+        v[rows, :, slots[rows]] = v_old
+
+
+def _rollout(backend: Any, batch: Any, max_new_tokens: int, eos: Sequence[int], flaws: Flaws) -> Rollout:
+    real_pos = _real_pos(batch, flaws)
+    rows, width = batch.batch_size, batch.width
+    device = batch.input_ids.device
+    # the state the backend's hooks read (its cache, buffers and empty outputs), for the lengths decided above
+    state = init_state(backend, replace(batch, real_pos=real_pos[:, None]), max_new_tokens, eos)
+    cache = state.cache
+    stop_ids = torch.tensor(tuple(eos), dtype=torch.long, device=device)
+    everyone = torch.arange(rows, device=device)
+    with torch.no_grad():
+        for step in range(max_new_tokens):
+            if step == 0:
+                keys = backend.prefill_key_length(state)
+                mask = torch.zeros(rows, 1, width, keys, dtype=torch.bool, device=device)
+                mask[..., :width] = batch.attention_mask
+                logits = backend.prefill(state, mask)
+                column = torch.full_like(real_pos, width - 1) if flaws.tail_logits else real_pos - 1
+                picked = logits[everyone, column.to(device)].float()
+            else:
+                live = ~state.finished
+                writes = torch.ones_like(live) if flaws.write_after_eos else live
+                generated = state.generated + writes.long()
+                keys = backend.decode_key_length(state)
+                valid = backend.key_valid(state, generated, keys)
+                mask = None if flaws.no_decode_mask else valid[:, None, None, :]
+                frozen = ~writes
+                slots = backend.decode_write_slots(state)
+                kept = _kept(cache, frozen, slots) if bool(frozen.any()) else None
+                logits = backend.decode(state, mask)
+                if kept is not None:
+                    _put_back(cache, frozen, slots, kept)
+                state.generated = generated
+                picked = logits[:, -1].float()
+            emitting = torch.ones_like(state.finished) if flaws.ignore_eos else ~state.finished
+            token = picked.argmax(dim=-1)
+            logp = torch.log_softmax(picked, dim=-1).gather(-1, token[:, None])[:, 0]
+            token = torch.where(emitting, token, backend.pad_id)
+            state.tokens[:, step] = token
+            state.logp[:, step] = torch.where(emitting, logp, 0.0)
+            state.logits[:, step] = picked
+            state.lengths = torch.where(emitting, step + 1, state.lengths)
+            if not flaws.ignore_eos:
+                state.finished = state.finished | (emitting & torch.isin(token, stop_ids))
+            if flaws.append_tokens:
+                columns = torch.full_like(real_pos, state.input_ids.shape[1]).to(device)
+            else:
+                columns = backend.token_columns(state)
+            grown = torch.cat([state.input_ids, torch.zeros_like(state.input_ids[:, :1])], dim=1)
+            state.input_ids = grown.scatter(1, columns[:, None], token[:, None])
+            state.step_idx += 1
+            if bool(state.finished.all()):
+                break
+    kv = []
+    for i in range(rows):
+        slots = backend.logical_slots(int(real_pos[i]), width, int(state.generated[i]))
+        kv.append(torch.stack([torch.stack([k[i][:, slots.to(k.device)], v[i][:, slots.to(v.device)]])
+                               for k, v in _layers(cache)]).float().cpu())
+    return Rollout(state.tokens.cpu(), state.logp.cpu(), state.logits.cpu(), state.lengths.cpu(), real_pos.cpu(),
+                   tuple(kv))
+
+
+def _implementation(flaws: Flaws, doc: str):
+    def fast_rollout(backend: Any, batch: Any, max_new_tokens: int, eos: Sequence[int] = ()) -> Rollout:
+        return _rollout(backend, batch, max_new_tokens, eos, flaws)
+
+    fast_rollout.__doc__ = doc
+    return fast_rollout
+
+
+CORRECT = Flaws()
+fast_rollout = _implementation(CORRECT, "Right: per-row first logits, token columns, decode masks, EOS, KV freeze.")
+BUGS = {
+    "finished_rows_keep_sampling": (replace(CORRECT, ignore_eos=True), "rows keep sampling after their EOS"),
+    "finished_rows_keep_writing_kv": (replace(CORRECT, write_after_eos=True),
+                                      "finished rows stop sampling but keep writing their KV slot"),
+    "first_logits_at_the_padded_tail": (replace(CORRECT, tail_logits=True),
+                                        "the first token read at the last column, a pad for shorter rows"),
+    "tokens_appended_at_the_tail": (replace(CORRECT, append_tokens=True),
+                                    "sampled tokens appended at the buffer's tail: short rows are fed their pads"),
+    "no_decode_mask": (replace(CORRECT, no_decode_mask=True),
+                       "decode steps unmasked over the static cache (pads and unwritten slots read)"),
+    "infers_lengths_from_pads": (replace(CORRECT, lengths_from_pads=True),
+                                 "without real_pos each row's length is guessed from its first pad id"),
+}
+finished_rows_keep_sampling = _implementation(*BUGS["finished_rows_keep_sampling"])
+finished_rows_keep_writing_kv = _implementation(*BUGS["finished_rows_keep_writing_kv"])
+first_logits_at_the_padded_tail = _implementation(*BUGS["first_logits_at_the_padded_tail"])
+tokens_appended_at_the_tail = _implementation(*BUGS["tokens_appended_at_the_tail"])
+no_decode_mask = _implementation(*BUGS["no_decode_mask"])
+infers_lengths_from_pads = _implementation(*BUGS["infers_lengths_from_pads"])

@@ -1,0 +1,148 @@
+"""Batched replays written the way a team's own framework would, for ``--impl replay=zoo_replay:NAME``.
+
+Signature: ``replay_batched(adapter, conditions, segment, strategy, target, guidance=1.0, config=None)``
+returning a ``harness.replay.segment.ReplayResult`` (log_probs [B, S] with column s for target[s],
+prev_sample_means [B, S, ...]), or None when it declines (the flag is off, one step, a stateful solver, or
+guidance that varies over the targets: the caller then replays serially). ``guidance`` is a float or a
+per-step schedule. The building blocks are the suite's public ones a trainer shares with its rollout
+(``predict_velocity`` runs the adapter's one forward and the family's CFG combine, ``sde_step`` the SDE
+transition); the stacking, the condition tiling and the guards are this module's own.
+
+``replay_batched`` is right: conditions tiled branch-major (``[cond x S, uncond x S]``, so a fused model's
+midpoint split keeps the branches apart), the guidance of the targets' own step. Every other callable
+carries one realistic bug (see ``BUGS``); each must fail the replay checks it names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from harness.replay.conditions import Conditions, concat_payloads, payload_rows, slice_rows
+from harness.replay.denoiser import predict_velocity
+from harness.replay.sde import sde_step
+from harness.replay.segment import ReplayResult
+
+__all__ = ["BUGS", "CORRECT", "guidance_at_step_zero", "log_probs_not_transposed", "nesting_swapped",
+           "never_declines", "one_sigma_for_every_step", "replay_batched", "targets_sorted"]
+
+
+@dataclass(frozen=True)
+class Flaws:
+    """Which bug the replay carries (all False: the right one)."""
+
+    step_major: bool = False  # conditions tiled [cond, uncond] x S: the midpoint split mixes branches
+    guidance_step0: bool = False  # the scale read at step 0, not at the targets
+    no_transpose: bool = False  # [S*B] log-probs reshaped straight to [B, S]
+    sorted_targets: bool = False  # targets replayed (and returned) in sorted order
+    no_guards: bool = False  # batches whatever it is given
+    first_sigma: bool = False  # every row stepped with the first target's sigma
+
+
+def _scale(guidance: Any, step: int) -> float:
+    if isinstance(guidance, (int, float)) and not isinstance(guidance, bool):
+        return float(guidance)
+    if not 0 <= step < len(guidance):
+        raise ValueError(f"guidance schedule has {len(guidance)} entries; no scale for step {step}")
+    return float(guidance[step])
+
+
+def _declines(config: Any, strategy: Any, steps: Sequence[int], guidance: Any) -> bool:
+    """The cases the batched path must leave to the serial loop."""
+    return (config is None or not config.batch_replay_steps or len(steps) <= 1
+            or not getattr(strategy, "stateless", False) or len({_scale(guidance, s) for s in steps}) > 1)
+
+
+def _targets(segment: Any, target: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(target, (str, bytes)) or not isinstance(target, Sequence):
+        raise TypeError(f"target must be a sequence of step indices, got {type(target).__name__}")
+    steps = tuple(target)
+    if not steps or any(isinstance(s, bool) or not isinstance(s, int) for s in steps):
+        raise ValueError(f"target must hold int step indices, got {list(steps)}")
+    if len(set(steps)) != len(steps):
+        raise ValueError(f"target steps {list(steps)} appear more than once")
+    unknown = [s for s in steps if s not in segment.sde_indices]
+    if unknown:
+        raise ValueError(f"target steps {unknown} are not SDE steps of this segment")
+    return steps
+
+
+def _tiled(conditions: Conditions, repeats: int, flaws: Flaws) -> Conditions:
+    """Every row field to cfg x S x B rows: branch groups outside, the S copies inside (or backwards)."""
+    batch, branches = conditions.batch, conditions.cfg_factor
+    rows = {}
+    for name, value in conditions.rows.items():
+        per_branch = payload_rows(value) == batch * branches
+        groups = [slice_rows(value, b * batch, (b + 1) * batch) if per_branch else value for b in range(branches)]
+        ordered = ([g for _ in range(repeats) for g in groups] if flaws.step_major
+                   else [g for g in groups for _ in range(repeats)])
+        rows[name] = concat_payloads(ordered)
+    negative = None if conditions.negative is None else _tiled(conditions.negative, repeats, flaws)
+    return dataclasses.replace(conditions, batch=batch * repeats, rows=rows, negative=negative, fused_uncond=None)
+
+
+def _replay(adapter: Any, conditions: Conditions, segment: Any, strategy: Any, target: Sequence[int],
+            guidance: Any, config: Any, flaws: Flaws) -> ReplayResult | None:
+    steps = _targets(segment, target)
+    conditions.validate()
+    if conditions.batch != segment.batch:
+        raise ValueError(f"conditions hold {conditions.batch} rows but the segment {segment.batch} samples")
+    if not flaws.no_guards and _declines(config, strategy, steps, guidance):
+        return None
+    if flaws.sorted_targets:
+        steps = tuple(sorted(steps))
+    count, batch = len(steps), segment.batch
+    x = torch.cat([segment.latent_at(s) for s in steps]).float()
+    prev = torch.cat([segment.latent_at(s + 1) for s in steps])
+    at = torch.tensor(steps).repeat_interleave(batch)
+    if flaws.first_sigma:
+        at = torch.full_like(at, steps[0])
+    sigma, sigma_next = segment.sigmas[at], segment.sigmas[at + 1]
+    scale = _scale(guidance, 0 if flaws.guidance_step0 else steps[0])
+    tiled = conditions if count == 1 else _tiled(conditions, count, flaws)
+    velocity = predict_velocity(adapter, x, sigma, tiled, scale)
+    out = sde_step(strategy, x, velocity, sigma, sigma_next, segment.sigma_max, trajectory_dtype=segment.dtype,
+                   prev=prev)
+    if flaws.no_transpose:
+        log_probs = out.log_prob.reshape(batch, count)
+    else:
+        log_probs = out.log_prob.reshape(count, batch).transpose(0, 1).contiguous()
+    means = out.mean.reshape(count, batch, *out.mean.shape[1:]).transpose(0, 1).contiguous()
+    return ReplayResult(log_probs, means, steps)
+
+
+def _implementation(flaws: Flaws, doc: str):
+    def replay_batched(adapter: Any, conditions: Conditions, segment: Any, strategy: Any, target: Sequence[int],
+                       guidance: Any = 1.0, config: Any = None) -> ReplayResult | None:
+        return _replay(adapter, conditions, segment, strategy, target, guidance, config, flaws)
+
+    replay_batched.__doc__ = doc
+    return replay_batched
+
+
+CORRECT = Flaws()
+replay_batched = _implementation(CORRECT, "Right: branch-major tiling, the targets' own guidance, the guards.")
+BUGS = {
+    "nesting_swapped": (replace(CORRECT, step_major=True),
+                        "conditions tiled step-major outside: a fused model's midpoint split mixes the branches"),
+    "guidance_at_step_zero": (replace(CORRECT, guidance_step0=True),
+                              "the guidance scale read at step 0, not at the targets"),
+    "log_probs_not_transposed": (replace(CORRECT, no_transpose=True),
+                                 "[S*B] log-probs reshaped straight to [B, S]: columns hold other rows' steps"),
+    "targets_sorted": (replace(CORRECT, sorted_targets=True),
+                       "targets replayed in sorted order: column s is no longer target[s]"),
+    "never_declines": (replace(CORRECT, no_guards=True),
+                       "no guards: batches with the flag off, one step, a stateful solver or varying guidance"),
+    "one_sigma_for_every_step": (replace(CORRECT, first_sigma=True),
+                                 "every stacked row stepped with the first target's sigma"),
+}
+nesting_swapped = _implementation(*BUGS["nesting_swapped"])
+guidance_at_step_zero = _implementation(*BUGS["guidance_at_step_zero"])
+log_probs_not_transposed = _implementation(*BUGS["log_probs_not_transposed"])
+targets_sorted = _implementation(*BUGS["targets_sorted"])
+never_declines = _implementation(*BUGS["never_declines"])
+one_sigma_for_every_step = _implementation(*BUGS["one_sigma_for_every_step"])
