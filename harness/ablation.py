@@ -2,8 +2,9 @@
 
 A seam is a module-level function (``"harness.replay.tiling:tile_conditions"``). Applying an
 ablation swaps that attribute from outside and always restores it, so implementation code carries
-no test-only flags. Active ablations travel with distributed tasks (harness.dist re-applies them
-inside each rank), because ranks forked before the patch would not see it.
+no test-only flags. Active ablations travel with distributed tasks (registered as a carried context,
+harness.carried, that every world re-applies inside each rank), because ranks forked before the patch
+would not see it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness import checks
+from harness import carried, checks
+from harness.dist import WorldTimeout
 
 __all__ = ["KILL_MODES", "Ablation", "KillResult", "ablation", "active", "all_ablations", "applied",
            "drop_inherited", "get", "run_under", "validate_claims"]
@@ -230,6 +232,10 @@ def applied(refs: Sequence[tuple[str, str]]) -> Iterator[None]:
         yield
 
 
+carried.CARRIED.register("ablations", carried.Carried("ablations", capture=active, enter=applied,
+                                                     reset=drop_inherited), origin=__name__)
+
+
 @dataclass(frozen=True)
 class KillResult:
     """What one check did under one ablation.
@@ -251,19 +257,13 @@ class KillResult:
     declared: str = ""
 
 
-def _hang_types() -> tuple[type[BaseException], ...]:
-    from harness.dist import WorldTimeout  # harness.dist imports this module
-
-    return (WorldTimeout,)
-
-
 def run_under(item: Ablation, check_id: str, ctx: checks.CheckContext) -> KillResult:
     """Run ``check_id`` with ``item`` applied and say whether it was killed in its declared mode."""
     declared = item.mode_for(check_id)
     previous = ctx.task_timeout_s
     if item.hang_timeout_s is not None:
         ctx.task_timeout_s = item.hang_timeout_s
-    hang = _hang_types()
+    hang = (WorldTimeout,)
     try:
         with item.apply():
             verdict = checks.run_check(check_id, ctx)

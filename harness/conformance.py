@@ -22,6 +22,8 @@ import importlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from harness import carried
+
 __all__ = ["PATHS", "SIGNATURES", "active", "add_calls", "applied", "call_counts", "calls", "clear", "judged_by",
            "load_callable", "not_judged", "not_judged_reasons", "resolve", "specs", "use"]
 
@@ -144,3 +146,14 @@ def applied(given: Mapping[str, str]) -> Iterator[None]:
     finally:
         _SPECS.clear()
         _SPECS.update(saved)
+
+
+def _calls_since(before: Mapping[str, int]) -> dict[str, int]:
+    """Calls made in this process since ``before`` (a rank's tally for one task)."""
+    return {p: n - before.get(p, 0) for p, n in _CALLS.items() if n > before.get(p, 0)}
+
+
+# specs travel into every rank of a world with each task; the calls made there come back with its answer
+carried.CARRIED.register("implementations", carried.Carried(
+    "implementations", capture=specs, enter=applied, reset=clear, mark=call_counts, tally=_calls_since,
+    absorb=add_calls), origin=__name__)
