@@ -2,22 +2,25 @@
 
 A seam is a module-level function (``"harness.replay.tiling:tile_conditions"``). Applying an
 ablation swaps that attribute from outside and always restores it, so implementation code carries
-no test-only flags. Active ablations travel with distributed tasks (harness.dist re-applies them
-inside each rank), because ranks forked before the patch would not see it.
+no test-only flags. Active ablations travel with distributed tasks (registered as a carried context,
+harness.carried, that every world re-applies inside each rank), because ranks forked before the patch
+would not see it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness import checks
+from harness import carried, checks
+from harness.dist import WorldTimeout
+from harness.paths import path_of
+from harness.registry import Registry, import_ref, load_ref, split_ref
 
-__all__ = ["KILL_MODES", "Ablation", "KillResult", "ablation", "active", "all_ablations", "applied",
+__all__ = ["ABLATIONS", "KILL_MODES", "Ablation", "KillResult", "ablation", "active", "all_ablations", "applied",
            "drop_inherited", "get", "run_under", "validate_claims"]
 
 # How an ablation must be caught. "tolerance": the ablated verdict fails with a number over its tolerance
@@ -52,7 +55,7 @@ class Ablation:
 
     @property
     def path(self) -> str:
-        return self.name.split(".", 1)[0]
+        return path_of(self.name)
 
     def mode_for(self, check_id: str) -> str:
         """The kill mode declared for one claimed check."""
@@ -103,26 +106,14 @@ def drop_inherited() -> list[str]:
 
 
 def resolve_seam(seam: str) -> tuple[Any, str]:
-    """``"pkg.module:function"`` -> (module object, attribute name); unknown seams raise naming them."""
-    module_name, sep, attr = seam.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"seam {seam!r} must read 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"seam {seam!r}: module {module_name!r} cannot be imported ({err})") from err
-    owner: Any = module
-    *parents, leaf = attr.split(".")
-    for part in parents:
-        if not hasattr(owner, part):
-            raise ValueError(f"seam {seam!r}: {module_name} has no attribute path {attr!r}")
-        owner = getattr(owner, part)
+    """``"pkg.module:function"`` -> (owner object, attribute name); unknown seams raise naming them."""
+    owner, leaf = import_ref(seam, "seam", "function")
     if not callable(getattr(owner, leaf, None)):
-        raise ValueError(f"seam {seam!r}: {module_name} has no callable {attr!r}")
+        raise ValueError(f"seam {seam!r}: {split_ref(seam)[0]} has no callable {split_ref(seam)[1]!r}")
     return owner, leaf
 
 
-_ABLATIONS: dict[str, Ablation] = {}
+ABLATIONS: Registry[Ablation] = Registry("ablation", list_known=False)
 _ACTIVE: list[_Patch] = []
 _LOADER = "harness.catalogue:load"  # what a fresh (spawned) rank calls to rebuild the registries
 
@@ -139,8 +130,6 @@ def ablation(name: str, seam: str, replacement: Callable[..., Any], *, kills: Se
     """
     if "." not in name or not name.islower():
         raise ValueError(f"ablation name {name!r} must read 'path.bug' in lowercase")
-    if name in _ABLATIONS:
-        raise ValueError(f"ablation {name!r} registered twice")
     if not kills:
         raise ValueError(f"ablation {name!r} names no check to kill")
     claims = dict.fromkeys(kills, kill_mode)
@@ -160,17 +149,14 @@ def ablation(name: str, seam: str, replacement: Callable[..., Any], *, kills: Se
         raise ValueError(f"ablation {name!r}: a 'raises' kill must declare its exception types (raises=...)")
     if "hang" in used and hang_timeout_s is None:
         raise ValueError(f"ablation {name!r}: a 'hang' kill must bound its wait (hang_timeout_s=...)")
-    module, sep, attr = seam.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"seam {seam!r} must read 'package.module:function'")
+    split_ref(seam, "seam", "function")
     frame = inspect.stack()[1]
     origin = frame.frame.f_globals.get("__name__", "")
     overrides = {c: m for c, m in claims.items() if m != kill_mode}
     facts = dict(fact) if isinstance(fact, Mapping) else ({c: fact for c in claims} if fact else {})
     item = Ablation(name, seam, replacement, tuple(claims), why, kill_mode, overrides, facts, wraps, tuple(raises),
                     hang_timeout_s, origin)
-    _ABLATIONS[name] = item
-    return item
+    return ABLATIONS.register(name, item, origin=origin)
 
 
 def validate_claims(names: Sequence[str] | None = None) -> None:
@@ -180,7 +166,7 @@ def validate_claims(names: Sequence[str] | None = None) -> None:
     registers (a decode ablation claims the gpu tier's decode check).
     """
     problems = []
-    for item in _ABLATIONS.values() if names is None else [get(n) for n in names]:
+    for item in ABLATIONS.values() if names is None else [get(n) for n in names]:
         unknown = [c for c in item.kills if not checks.exists(c)]
         if unknown:
             problems.append(f"ablation {item.name!r} claims unknown check ids: {unknown}")
@@ -199,14 +185,11 @@ def set_loader(spec: str) -> None:
 
 
 def get(name: str) -> Ablation:
-    try:
-        return _ABLATIONS[name]
-    except KeyError:
-        raise KeyError(f"unknown ablation {name!r}") from None
+    return ABLATIONS.get(name)
 
 
 def all_ablations(path: str | None = None) -> list[Ablation]:
-    return [a for a in _ABLATIONS.values() if path is None or a.path == path]
+    return [a for a in ABLATIONS.values() if path is None or a.path == path]
 
 
 def active() -> list[tuple[str, str]]:
@@ -223,11 +206,14 @@ def applied(refs: Sequence[tuple[str, str]]) -> Iterator[None]:
     """
     with contextlib.ExitStack() as stack:
         for name, loader in refs:
-            if name not in _ABLATIONS and loader:
-                module_name, _, function = loader.partition(":")
-                getattr(importlib.import_module(module_name), function)()
+            if name not in ABLATIONS and loader:
+                load_ref(loader, "catalogue loader", "function")()
             stack.enter_context(get(name).apply())
         yield
+
+
+carried.CARRIED.register("ablations", carried.Carried("ablations", capture=active, enter=applied,
+                                                     reset=drop_inherited), origin=__name__)
 
 
 @dataclass(frozen=True)
@@ -251,19 +237,13 @@ class KillResult:
     declared: str = ""
 
 
-def _hang_types() -> tuple[type[BaseException], ...]:
-    from harness.dist import WorldTimeout  # harness.dist imports this module
-
-    return (WorldTimeout,)
-
-
 def run_under(item: Ablation, check_id: str, ctx: checks.CheckContext) -> KillResult:
     """Run ``check_id`` with ``item`` applied and say whether it was killed in its declared mode."""
     declared = item.mode_for(check_id)
     previous = ctx.task_timeout_s
     if item.hang_timeout_s is not None:
         ctx.task_timeout_s = item.hang_timeout_s
-    hang = _hang_types()
+    hang = (WorldTimeout,)
     try:
         with item.apply():
             verdict = checks.run_check(check_id, ctx)
@@ -298,9 +278,3 @@ def run_under(item: Ablation, check_id: str, ctx: checks.CheckContext) -> KillRe
     how = "tolerance" if mode == "tolerance" else (f"fact: {'; '.join(violated)}" if violated else mode)
     return KillResult(item.name, check_id, mode == declared, verdict.margin if exceeded else None, how,
                       verdict.describe(), verdict.metrics, headline, mode=mode, declared=declared)
-
-
-def _forget(prefix: str) -> None:
-    """Drop ablations whose name starts with ``prefix`` (the machinery's own pytester tests use it)."""
-    for key in [k for k in _ABLATIONS if k.startswith(prefix)]:
-        del _ABLATIONS[key]

@@ -47,17 +47,16 @@ def load(check_modules: Sequence[str] = CHECK_MODULES, ablation_modules: Sequenc
     key = tuple(check_modules) + tuple(ablation_modules)
     if key in _LOADED and all(name in sys.modules for name in key):
         return
-    saved_checks = checks.snapshot()
-    saved_ablations = dict(ablation._ABLATIONS)
+    saved_checks = checks.CHECKS.snapshot()
+    saved_ablations = ablation.ABLATIONS.snapshot()
     before = set(sys.modules)
     try:
         for name in (*check_modules, *ablation_modules):
             importlib.import_module(name)
         ablation.validate_claims()
     except BaseException:
-        checks.restore(saved_checks)
-        ablation._ABLATIONS.clear()
-        ablation._ABLATIONS.update(saved_ablations)
+        checks.CHECKS.restore(saved_checks)
+        ablation.ABLATIONS.restore(saved_ablations)
         for name in set(sys.modules) - before:  # a retry must re-run the modules' registrations
             sys.modules.pop(name, None)
         raise

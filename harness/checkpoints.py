@@ -23,6 +23,7 @@ import torch
 
 from harness import device_map as device_maps
 from harness import plugins
+from harness.paths import PATHS
 from harness.plugins import CheckpointKind
 
 __all__ = ["KINDS", "SHIPPED_KINDS", "SOURCES", "TRUST_FLAG", "Checkpoint", "CheckpointError", "detect",
@@ -30,7 +31,7 @@ __all__ = ["KINDS", "SHIPPED_KINDS", "SOURCES", "TRUST_FLAG", "Checkpoint", "Che
            "supported", "trust_remote_code", "trusted"]
 
 CAPTURE_GLOB = "call*_rank*.npz"
-FEEDS = ("replay", "ar", "decode", "attention")
+FEEDS = PATHS  # a checkpoint feeds one of the paths
 CONFIG_MAX_BYTES = 16 * 2**20  # real configs are kilobytes; anything this large is not one
 
 # The opt-in a run needs before any Python file shipped in a checkpoint directory is imported (transformers'

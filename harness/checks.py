@@ -15,8 +15,10 @@ from typing import Any
 import torch
 
 from harness.compare import Verdict
+from harness.paths import path_of
+from harness.registry import Registry
 
-__all__ = ["Check", "CheckContext", "all_checks", "get", "register", "restore", "run_check", "snapshot"]
+__all__ = ["CHECKS", "Check", "CheckContext", "all_checks", "get", "register", "run_check"]
 
 CHECK_ID = re.compile(r"^[a-z][a-z0-9_]*(\.[A-Za-z0-9_\-]+)+$")
 TIERS = frozenset({"cpu", "gpu"})
@@ -60,10 +62,10 @@ class Check:
 
     @property
     def path(self) -> str:
-        return self.id.split(".", 1)[0]
+        return path_of(self.id)
 
 
-_REGISTRY: dict[str, Check] = {}
+CHECKS: Registry[Check] = Registry("check id", list_known=False)
 
 
 def register(check_id: str, *, tier: str = "cpu", doc: str = "") -> Callable[[CheckFn], CheckFn]:
@@ -77,38 +79,23 @@ def register(check_id: str, *, tier: str = "cpu", doc: str = "") -> Callable[[Ch
         target = getattr(fn, "func", fn)  # a functools.partial names its function
         module = getattr(target, "__module__", "?")
         where = f"{module}:{getattr(target, '__qualname__', getattr(target, '__name__', '?'))}"
-        if check_id in _REGISTRY:
-            raise ValueError(f"check id {check_id!r} registered twice ({_REGISTRY[check_id].where} and {where})")
         text = doc or next(iter((target.__doc__ or "").strip().splitlines()), "")
-        _REGISTRY[check_id] = Check(check_id, fn, tier, text, module, where)
+        CHECKS.register(check_id, Check(check_id, fn, tier, text, module, where), origin=where)
         return fn
 
     return decorate
 
 
 def get(check_id: str) -> Check:
-    try:
-        return _REGISTRY[check_id]
-    except KeyError:
-        raise KeyError(f"unknown check id {check_id!r}; registered: {len(_REGISTRY)} checks") from None
+    return CHECKS.get(check_id)
 
 
 def exists(check_id: str) -> bool:
-    return check_id in _REGISTRY
+    return check_id in CHECKS
 
 
 def all_checks(tier: str | None = None, path: str | None = None) -> list[Check]:
-    return [c for c in _REGISTRY.values() if (tier is None or c.tier == tier) and (path is None or c.path == path)]
-
-
-def snapshot() -> dict[str, Check]:
-    """A copy of the registry, so a failed catalogue load can put it back (harness.catalogue)."""
-    return dict(_REGISTRY)
-
-
-def restore(saved: dict[str, Check]) -> None:
-    _REGISTRY.clear()
-    _REGISTRY.update(saved)
+    return [c for c in CHECKS.values() if (tier is None or c.tier == tier) and (path is None or c.path == path)]
 
 
 def run_check(check_id: str, ctx: CheckContext) -> Verdict:
@@ -119,9 +106,3 @@ def run_check(check_id: str, ctx: CheckContext) -> Verdict:
     if verdict.check_id != check_id:
         raise ValueError(f"check {check_id!r} returned a verdict for {verdict.check_id!r}")
     return verdict
-
-
-def _forget(prefix: str) -> None:
-    """Drop checks whose id starts with ``prefix`` (the machinery's own pytester tests use it)."""
-    for key in [k for k in _REGISTRY if k.startswith(prefix)]:
-        del _REGISTRY[key]

@@ -18,6 +18,7 @@ import torch
 from torch.testing._comparison import default_tolerances
 
 from harness.floors import StockFloor
+from harness.paths import path_of
 
 __all__ = [
     "Close",
@@ -65,7 +66,7 @@ class Verdict:
 
     @property
     def path(self) -> str:
-        return self.check_id.split(".", 1)[0]
+        return path_of(self.check_id)
 
     @property
     def headline_value(self) -> Any:

@@ -18,14 +18,16 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
-import importlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+from harness import carried
+from harness.paths import PATHS
+from harness.registry import Registry, load_ref, split_ref
 
 __all__ = ["PATHS", "SIGNATURES", "active", "add_calls", "applied", "call_counts", "calls", "clear", "judged_by",
            "load_callable", "not_judged", "not_judged_reasons", "resolve", "specs", "use"]
 
-PATHS = ("replay", "ar", "decode", "attention")
 SIGNATURES = {
     "replay": "replay_batched(adapter, conditions, segment, strategy, target, guidance=1.0, config=None)",
     "ar": "fast_rollout(backend, batch, max_new_tokens, eos)",
@@ -35,7 +37,8 @@ SIGNATURES = {
 
 _SPECS: dict[str, str] = {}
 _CALLS: dict[str, int] = {}
-_NOT_JUDGED: dict[str, str] = {}  # check id or fnmatch pattern -> why no implementation under test can run there
+# check id or fnmatch pattern -> why no implementation under test can run there
+NOT_JUDGED: Registry[str] = Registry("not-judged declaration", list_known=False)
 
 
 def not_judged(pattern: str, reason: str) -> None:
@@ -43,41 +46,34 @@ def not_judged(pattern: str, reason: str) -> None:
     under test, and why: under ``--impl`` they are deselected and listed as not judged."""
     if not reason.strip():
         raise ValueError(f"not_judged({pattern!r}): say why no implementation under test can run there")
-    if _NOT_JUDGED.get(pattern, reason) != reason:
-        raise ValueError(f"not_judged({pattern!r}) declared twice with different reasons: "
-                         f"{_NOT_JUDGED[pattern]!r} and {reason!r}")
-    _NOT_JUDGED[pattern] = reason
+    if pattern in NOT_JUDGED:
+        if NOT_JUDGED.get(pattern) != reason:
+            raise ValueError(f"not_judged({pattern!r}) declared twice with different reasons: "
+                             f"{NOT_JUDGED.get(pattern)!r} and {reason!r}")
+        return
+    NOT_JUDGED.register(pattern, reason)
 
 
 def judged_by(check_id: str) -> str | None:
     """None when a conformance run judges ``check_id`` with the implementation under test, else the reason
     it cannot: its own declaration, else the most specific (longest) declared pattern that matches it."""
-    if check_id in _NOT_JUDGED:
-        return _NOT_JUDGED[check_id]
-    matching = [pattern for pattern in _NOT_JUDGED if fnmatch.fnmatchcase(check_id, pattern)]
-    return _NOT_JUDGED[max(matching, key=len)] if matching else None
+    declared = dict(NOT_JUDGED.items())
+    if check_id in declared:
+        return declared[check_id]
+    matching = [pattern for pattern in declared if fnmatch.fnmatchcase(check_id, pattern)]
+    return declared[max(matching, key=len)] if matching else None
 
 
 def not_judged_reasons() -> dict[str, str]:
     """Every declaration: pattern -> reason."""
-    return dict(_NOT_JUDGED)
+    return dict(NOT_JUDGED.items())
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
     """``"package.module:callable"`` -> the callable; a bad spec says what is wrong with it."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"implementation {spec!r} must read 'package.module:callable'")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"implementation {spec!r}: module {module_name!r} cannot be imported ({err})") from err
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"implementation {spec!r}: {module_name} has no attribute {attr!r}")
-        target = getattr(target, part)
+    target = load_ref(spec, "implementation", "callable")
     if not callable(target):
-        raise ValueError(f"implementation {spec!r}: {attr!r} is not callable")
+        raise ValueError(f"implementation {spec!r}: {split_ref(spec)[1]!r} is not callable")
     return target
 
 
@@ -144,3 +140,14 @@ def applied(given: Mapping[str, str]) -> Iterator[None]:
     finally:
         _SPECS.clear()
         _SPECS.update(saved)
+
+
+def _calls_since(before: Mapping[str, int]) -> dict[str, int]:
+    """Calls made in this process since ``before`` (a rank's tally for one task)."""
+    return {p: n - before.get(p, 0) for p, n in _CALLS.items() if n > before.get(p, 0)}
+
+
+# specs travel into every rank of a world with each task; the calls made there come back with its answer
+carried.CARRIED.register("implementations", carried.Carried(
+    "implementations", capture=specs, enter=applied, reset=clear, mark=call_counts, tally=_calls_since,
+    absorb=add_calls), origin=__name__)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from harness import ablation, conformance, launch
+from harness import carried, launch
 
 __all__ = ["START_METHODS", "RankOutcome", "World", "WorldError", "WorldPool", "WorldTaskError", "WorldTimeout",
            "resolve_start_method", "stable_error"]
@@ -148,8 +148,7 @@ def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg
     """A rank's life: join the group, then run tasks until told to stop."""
     import torch.distributed as dist
 
-    ablation.drop_inherited()  # a fork under an applied ablation must not keep it for later tasks
-    conformance.clear()  # nor an implementation under test: specs travel with each task
+    carried.reset_all()  # a fork keeps nothing the parent had applied: what a task needs travels with it
     try:
         if use_cuda:
             torch.cuda.set_device(rank)
@@ -168,25 +167,20 @@ def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg
             break
         if message is None:
             break
-        task_id, fn, args, kwargs, refs, impls = message
-        before = conformance.call_counts()
+        task_id, fn, args, kwargs, captured = message
+        marked = carried.marks(captured)
         try:
-            with ablation.applied(refs), conformance.applied(impls):
+            with carried.entered(captured):
                 result = fn(*args, **kwargs)
-            _send(conn, ("ok", task_id, (result, _calls_since(before))))
+            _send(conn, ("ok", task_id, (result, carried.tallies(captured, marked))))
         except BaseException as err:  # noqa: BLE001 - every task failure goes back to the parent
-            # a call that raised was still made: it counts (a fault check judges the user's code by its raise)
+            # what a task that raised did still counts (a call of the code under test was still made)
             _send(conn, ("raised", task_id, (f"{type(err).__name__}: {err}", traceback.format_exc(),
-                                             _calls_since(before))))
+                                             carried.tallies(captured, marked))))
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
     conn.close()
     os._exit(0)
-
-
-def _calls_since(before: dict[str, int]) -> dict[str, int]:
-    """Calls of the implementations under test made in this rank since ``before`` (harness.conformance)."""
-    return {p: n - before.get(p, 0) for p, n in conformance.call_counts().items() if n > before.get(p, 0)}
 
 
 class World:
@@ -343,8 +337,8 @@ class World:
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
 
-        ``fn`` must be a module-level function (it is pickled by reference). Applied ablations and the
-        implementations under test (harness.conformance) travel with the task and are re-applied in each rank.
+        ``fn`` must be a module-level function (it is pickled by reference). The registered carried contexts
+        (harness.carried) are captured now, travel with the task and are re-entered in each rank.
         """
         if not self.alive:
             raise WorldError(f"world of {self.size} ranks is not running (start it, or it was torn down)")
@@ -352,7 +346,8 @@ class World:
             return self._run_launched(fn, args, kwargs, timeout_s)
         self._task += 1
         task_id = self._task
-        message = (task_id, fn, args, kwargs, ablation.active(), conformance.specs())
+        captured = carried.capture()
+        message = (task_id, fn, args, kwargs, captured)
         for conn in self._conns:
             _send(conn, message)
         results: dict[int, Any] = {}
@@ -381,12 +376,12 @@ class World:
                 if got_id != task_id:
                     outcomes[rank] = RankOutcome(rank, "raised", f"answered task {got_id}, expected {task_id}")
                 elif status == "ok":
-                    results[rank], made = payload
-                    conformance.add_calls(made)  # the implementation under test ran inside the rank
+                    results[rank], tallied = payload
+                    carried.absorb(captured, tallied)
                     outcomes[rank] = RankOutcome(rank, "ok")
                 else:
-                    error, trace, made = payload
-                    conformance.add_calls(made)  # a call that raised was still made
+                    error, trace, tallied = payload
+                    carried.absorb(captured, tallied)
                     outcomes[rank] = RankOutcome(rank, "raised", stable_error(error), trace)
                     if outcomes[rank].error != error:
                         LOG.info("task %d, rank %d raised: %s", task_id, rank, error)

@@ -25,6 +25,9 @@ from harness.ablation import KillResult
 from harness.checks import CheckContext
 from harness.compare import Verdict
 from harness.dist import WorldTaskError, stable_error
+from harness.items import ParityItem
+from harness.paths import path_of
+from harness.registry import split_ref
 from harness.report import Unfinished
 
 MARKERS = {
@@ -38,6 +41,7 @@ SESSION_KEY = pytest.StashKey["ParitySession"]()
 IMPLS_KEY = pytest.StashKey[dict[str, str]]()
 NOT_JUDGED_KEY = pytest.StashKey[dict[str, str]]()  # conformance mode: deselected check id -> why it cannot judge
 OWN_TESTS_KEY = pytest.StashKey[dict[str, int]]()  # conformance mode: path -> its deselected non-check tests
+PARITY_ITEM_KEY = pytest.StashKey[ParityItem]()  # what a generated item runs (harness.items)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -524,23 +528,32 @@ def gpu_skip_reason(config: pytest.Config) -> str | None:
 _PATH_FILE = re.compile(r"^test_(" + "|".join(conformance.PATHS) + r")[_.]")
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Keep the ``ParityItem`` a generated item was parametrized with (found by its type) in the item's stash."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    found = [value for value in params.values() if isinstance(value, ParityItem)]
+    if len(found) > 1:
+        raise pytest.UsageError(f"{item.nodeid}: parametrized with {len(found)} parity items; one item runs one")
+    if found:
+        item.stash[PARITY_ITEM_KEY] = found[0]
+
+
+def parity_item(item: pytest.Item) -> ParityItem | None:
+    """What a generated item runs, or None for any other test."""
+    return item.stash.get(PARITY_ITEM_KEY, None)
+
+
 def item_check(item: pytest.Item) -> tuple[str | None, bool]:
     """(the check id a generated item runs, whether it runs it under an ablation); (None, False) otherwise."""
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    if "gpu_kill" in params:
-        return params["gpu_kill"][1], True
-    if "gpu_case" in params:
-        return params["gpu_case"][0], False
-    if "check_id" in params:
-        return params["check_id"], "ablation_name" in params or "name" in params
-    return None, False
+    found = parity_item(item)
+    return (found.check, bool(found.ablation)) if found is not None else (None, False)
 
 
 def item_path(item: pytest.Item) -> str | None:
     """The path an item tests: its check id's, else its module's name (test_<path>_*.py); None for machinery."""
     check_id, _ = item_check(item)
     if check_id is not None:
-        return str(check_id).split(".", 1)[0]
+        return path_of(str(check_id))
     found = _PATH_FILE.match(Path(str(item.path)).name)
     return found.group(1) if found else None
 
@@ -569,7 +582,7 @@ def conformance_items(config: pytest.Config, items: list[pytest.Item]) -> None:
         kept.append(item)
         if ablated:
             spec = under_test[path]
-            module = spec.partition(":")[0]
+            module = split_ref(spec)[0]
             item.add_marker(pytest.mark.skip(reason=f"the suite's ablations patch the suite's seams, not {spec}; "
                                                     f"measure teeth with scripts/mutation-score --module {module}"))
     config.stash[NOT_JUDGED_KEY] = not_judged
@@ -684,29 +697,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return rep
 
 
-def item_labels(item: pytest.Item) -> tuple[str | None, str]:
-    """(the report's label for the check an item runs, the ablation it runs it under or "")."""
-    callspec = getattr(item, "callspec", None)
-    params = getattr(callspec, "params", {})
-    if "gpu_kill" in params:  # ids are "<ablation>-><check>[<checkpoint>-<dtype>]"
-        return callspec.id.split("->", 1)[1], params["gpu_kill"][0]
-    if "gpu_case" in params:
-        return callspec.id, ""
-    if isinstance(params.get("check_id"), str):  # an empty parameter set leaves pytest's NOTSET here
-        name = params.get("ablation_name", params.get("name", ""))
-        return params["check_id"], name if isinstance(name, str) else ""
-    return None, ""
-
-
 def _record_item(item: pytest.Item, call: pytest.CallInfo[None], rep: pytest.TestReport,
                  failed_ranks: list[tuple[int, str]]) -> None:
     """A parity item that failed or skipped without its check recording why: the report gets the item's reason."""
     if not (rep.failed or rep.skipped) or call.when == "teardown":
         return
     session = item.config.stash.get(SESSION_KEY, None)
-    label, ablation_name = item_labels(item)
-    if session is None or label is None:
+    found = parity_item(item)
+    if session is None or found is None:
         return
+    label, ablation_name = found.report_label, found.ablation
     if rep.skipped:
         text = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         outcome = Unfinished(label, "skipped", _first_line(text.removeprefix("Skipped: ")))

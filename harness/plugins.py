@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
+
+from harness import registry
 
 __all__ = [
     "AR_BACKENDS",
@@ -51,53 +53,11 @@ class PluginError(RuntimeError):
     """An entry point of the plugin group could not be loaded or failed while registering."""
 
 
-class Registry(Generic[T]):
-    """Named entries of one kind; a failed lookup names what is registered and how to add one."""
+class Registry(registry.Registry[T]):
+    """Named entries of one kind that installed packages add to: every lookup loads the entry points first."""
 
     def __init__(self, kind: str, how_to_add: str):
-        self.kind = kind
-        self.how_to_add = how_to_add
-        self._entries: dict[str, T] = {}
-        self._origins: dict[str, str] = {}
-
-    def register(self, name: str, entry: T, *, origin: str = "") -> T:
-        if not name or not isinstance(name, str):
-            raise ValueError(f"a {self.kind} needs a non-empty string name, got {name!r}")
-        if name in self._entries and self._entries[name] is not entry:
-            raise ValueError(f"{self.kind} {name!r} registered twice ({self._origins[name] or 'unknown origin'} "
-                             f"and {origin or 'unknown origin'})")
-        self._entries[name] = entry
-        self._origins[name] = origin
-        return entry
-
-    def get(self, name: str) -> T:
-        load_plugins()
-        try:
-            return self._entries[name]
-        except KeyError:
-            known = ", ".join(self.names()) or "none"
-            raise KeyError(f"unknown {self.kind} {name!r}; registered: {known}. {self.how_to_add}") from None
-
-    def names(self) -> list[str]:
-        load_plugins()
-        return sorted(self._entries)
-
-    def items(self) -> Iterator[tuple[str, T]]:
-        load_plugins()
-        yield from sorted(self._entries.items())
-
-    def origin(self, name: str) -> str:
-        self.get(name)
-        return self._origins[name]
-
-    def unregister(self, name: str) -> None:
-        """Remove an entry (tests of the registry itself use it)."""
-        self._entries.pop(name, None)
-        self._origins.pop(name, None)
-
-    def __contains__(self, name: object) -> bool:
-        load_plugins()
-        return name in self._entries
+        super().__init__(kind, how_to_add=how_to_add, before_lookup=lambda: load_plugins())
 
 
 _HOW = f"Add one from an installed package: an entry point in the group {ENTRY_POINT_GROUP!r} naming register(plugins)"

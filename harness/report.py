@@ -36,6 +36,7 @@ from harness import ablation, checks
 from harness.ablation import KillResult
 from harness.compare import Verdict
 from harness.host import summary as host_summary
+from harness.paths import path_of
 
 __all__ = ["SUFFIXES", "Unfinished", "build", "prepare", "render_markdown", "render_terminal", "write"]
 
@@ -81,7 +82,7 @@ def _plain(value: Any) -> Any:
 def _check_row(v: Verdict | Unfinished) -> dict[str, Any]:
     check_id = v.check_id if isinstance(v, Verdict) else v.check
     registered = checks.get(check_id) if checks.exists(check_id) else None
-    row: dict[str, Any] = {"id": check_id, "path": check_id.split(".", 1)[0],
+    row: dict[str, Any] = {"id": check_id, "path": path_of(check_id),
                            "where": registered.where if registered else ""}
     if isinstance(v, Unfinished):
         return {**row, "status": v.status, "passed": False, "metrics": {}, "policy": "", "margin": None,
@@ -120,12 +121,12 @@ def build(verdicts: Iterable[Verdict | Unfinished], kills: Iterable[KillResult |
         grouped.setdefault(k.ablation, []).append(k)
     ablations = []
     for name, results in grouped.items():
-        known = ablation.get(name) if name in ablation._ABLATIONS else None
+        known = ablation.get(name) if name in ablation.ABLATIONS else None
         pairs = [_kill_row(r, known.mode_for(r.check) if known and isinstance(r, Unfinished) else "")
                  for r in results]
         ablations.append({
             "name": name,
-            "path": name.split(".", 1)[0],
+            "path": path_of(name),
             "kill_mode": known.kill_mode if known else "",
             "status": _ablation_status(pairs),
             "kills": pairs,

@@ -4,6 +4,7 @@ pass without the ablation and fail with it; every check must be claimed by some 
 import pytest
 
 from harness import ablation, catalogue, checks
+from harness.items import kill_params
 
 catalogue.load()
 
@@ -13,8 +14,9 @@ PAIRS = [(a.name, check_id) for a in ablation.all_ablations() for check_id in a.
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize(("ablation_name", "check_id"), PAIRS, ids=[f"{a}->{c}" for a, c in PAIRS])
-def test_ablation_kills_check(ablation_name, check_id, parity_session, parity_ctx):
+@pytest.mark.parametrize("parity", kill_params(PAIRS))
+def test_ablation_kills_check(parity, parity_session, parity_ctx):
+    ablation_name, check_id = parity.ablation, parity.check
     baseline = parity_session.check(check_id, parity_ctx)
     assert baseline.passed, f"{check_id} must pass without {ablation_name} first:\n{baseline.describe()}"
     result = parity_session.kill(ablation_name, check_id, parity_ctx)

@@ -3,12 +3,13 @@
 import pytest
 
 from harness import catalogue, checks
+from harness.items import check_params
 
 catalogue.load()
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("check_id", [c.id for c in checks.all_checks("cpu")])
-def test_parity_check(check_id, parity_session, parity_ctx):
-    verdict = parity_session.check(check_id, parity_ctx)
+@pytest.mark.parametrize("parity", check_params(c.id for c in checks.all_checks("cpu")))
+def test_parity_check(parity, parity_session, parity_ctx):
+    verdict = parity_session.check(parity.check, parity_ctx)
     assert verdict.passed, verdict.describe()

@@ -96,6 +96,7 @@ ablation("replay.cdemo_plus_one", "suite_impl:scale", lambda x: [2 * v + 1 for v
 GENERATED = '''
 import pytest
 from harness import ablation, catalogue, checks
+from harness.items import check_params, kill_params
 
 catalogue.load(["cdemo_checks"], ["cdemo_ablations"])
 IDS = [c.id for c in checks.all_checks("cpu") if ".cdemo." in c.id]
@@ -103,16 +104,16 @@ PAIRS = [(a.name, c) for a in ablation.all_ablations() if "cdemo" in a.name for 
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("check_id", IDS)
-def test_parity_check(check_id, parity_session, parity_ctx):
-    verdict = parity_session.check(check_id, parity_ctx)
+@pytest.mark.parametrize("parity", check_params(IDS))
+def test_parity_check(parity, parity_session, parity_ctx):
+    verdict = parity_session.check(parity.check, parity_ctx)
     assert verdict.passed, verdict.describe()
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize(("ablation_name", "check_id"), PAIRS)
-def test_ablation_kills_check(ablation_name, check_id, parity_session, parity_ctx):
-    assert parity_session.kill(ablation_name, check_id, parity_ctx).killed
+@pytest.mark.parametrize("parity", kill_params(PAIRS))
+def test_ablation_kills_check(parity, parity_session, parity_ctx):
+    assert parity_session.kill(parity.ablation, parity.check, parity_ctx).killed
 
 
 @pytest.mark.cpu
@@ -128,18 +129,18 @@ PATH_TESTS = {
 
 @pytest.fixture(autouse=True)
 def _clean():
-    conformance._NOT_JUDGED.pop("attention.cdemo.stock_*", None)
-    checks._forget("attention.cdemo.")
-    checks._forget("replay.cdemo.")
-    ablation._forget("attention.cdemo")
-    ablation._forget("replay.cdemo")
+    conformance.NOT_JUDGED.unregister("attention.cdemo.stock_*")
+    checks.CHECKS.forget("attention.cdemo.")
+    checks.CHECKS.forget("replay.cdemo.")
+    ablation.ABLATIONS.forget("attention.cdemo")
+    ablation.ABLATIONS.forget("replay.cdemo")
     conformance.clear()
     yield
-    conformance._NOT_JUDGED.pop("attention.cdemo.stock_*", None)
-    checks._forget("attention.cdemo.")
-    checks._forget("replay.cdemo.")
-    ablation._forget("attention.cdemo")
-    ablation._forget("replay.cdemo")
+    conformance.NOT_JUDGED.unregister("attention.cdemo.stock_*")
+    checks.CHECKS.forget("attention.cdemo.")
+    checks.CHECKS.forget("replay.cdemo.")
+    ablation.ABLATIONS.forget("attention.cdemo")
+    ablation.ABLATIONS.forget("replay.cdemo")
     conformance.clear()
 
 
@@ -222,7 +223,7 @@ def test_declarations_match_ids_and_patterns_and_keep_one_reason():
         assert conformance.judged_by("attention.cdemo.stock_only.x") == "a narrower reason"
         assert conformance.judged_by("attention.cdemo.stock_x") == "compares the stock path with itself"
     finally:
-        conformance._NOT_JUDGED.pop("attention.cdemo.stock_only.*")
+        conformance.NOT_JUDGED.unregister("attention.cdemo.stock_only.*")
 
 
 def _count_inside_ranks(start_method: str) -> None:

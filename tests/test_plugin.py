@@ -47,14 +47,15 @@ GENERATED_TESTS = '''
 import pytest
 import torch
 from harness import ablation, catalogue, checks
+from harness.items import check_params, kill_params
 
 catalogue.load(["demo_checks"], ["demo_ablations"])
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("check_id", [c.id for c in checks.all_checks("cpu") if c.id.startswith("demo.")])
-def test_check(check_id, parity_session, parity_ctx):
-    verdict = parity_session.check(check_id, parity_ctx)
+@pytest.mark.parametrize("parity", check_params(c.id for c in checks.all_checks("cpu") if c.id.startswith("demo.")))
+def test_check(parity, parity_session, parity_ctx):
+    verdict = parity_session.check(parity.check, parity_ctx)
     assert verdict.passed, verdict.describe()
 
 
@@ -62,10 +63,10 @@ PAIRS = [(a.name, c) for a in ablation.all_ablations("demo") for c in a.kills]
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize(("name", "check_id"), PAIRS)
-def test_kill(name, check_id, parity_session, parity_ctx):
-    assert parity_session.check(check_id, parity_ctx).passed
-    assert parity_session.kill(name, check_id, parity_ctx).killed
+@pytest.mark.parametrize("parity", kill_params(PAIRS))
+def test_kill(parity, parity_session, parity_ctx):
+    assert parity_session.check(parity.check, parity_ctx).passed
+    assert parity_session.kill(parity.ablation, parity.check, parity_ctx).killed
 
 
 @pytest.mark.gpu
@@ -86,11 +87,11 @@ ablation("demo.off_by_one", "demo_impl:scale", lambda x: {replacement},
 
 @pytest.fixture(autouse=True)
 def _clean_registry():
-    checks._forget("demo.")
-    ablation._forget("demo.")
+    checks.CHECKS.forget("demo.")
+    ablation.ABLATIONS.forget("demo.")
     yield
-    checks._forget("demo.")
-    ablation._forget("demo.")
+    checks.CHECKS.forget("demo.")
+    ablation.ABLATIONS.forget("demo.")
 
 
 @pytest.fixture

@@ -129,7 +129,7 @@ def test_the_report_records_that_remote_code_ran(remote_code_dir, pytester):
         row = json.loads((pytester.path / "out/refused.json").read_text())["checks"][0]
         assert row["status"] == "failed" and row["error"]["type"] == "CheckpointError"
         assert "--trust-remote-code" in row["error"]["message"] and not marker.exists()
-        checks._forget("demo.remote")
+        checks.CHECKS.forget("demo.remote")
         trusted = pytester.runpytest("-p", "harness.plugin", "--trust-remote-code", "--parity-report=out/ran.json",
                                      "--parity-report=out/ran.md")
         trusted.assert_outcomes(passed=1)
@@ -139,7 +139,7 @@ def test_the_report_records_that_remote_code_ran(remote_code_dir, pytester):
             (pytester.path / "out/ran.md").read_text()
     finally:
         marker.unlink(missing_ok=True)
-        checks._forget("demo.remote")
+        checks.CHECKS.forget("demo.remote")
 
 
 # ------------------------------------------------------------------ config.json of any content
