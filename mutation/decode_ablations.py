@@ -28,9 +28,10 @@ ENCODES = ["decode.encode.f40.w2.bitexact", "decode.encode.f51.w4.bitexact",
 FAIL_CLOSED = "every rank raises within"
 
 # How long an ablated world whose ranks block in a collective runs before it is closed. The verdict is the same at any
-# bound (blocked ranks are a broken fail-closed contract either way); this one keeps the kill matrix inside the CPU
-# tier's budget: below harness.dist.ERROR_GRACE_S, so one raising rank does not wait out the whole grace.
-BLOCKED_WORLD_S = 4.0
+# bound (blocked ranks are a broken fail-closed contract either way), so the bound only has to sit well above the time
+# a healthy eight-rank fault world takes to answer (under 1 s on 2 cores in every dispatch lane) and below
+# harness.dist.ERROR_GRACE_S, so one raising rank does not wait out the whole grace. Each blocked kill costs this long.
+BLOCKED_WORLD_S = 2.0
 
 
 # ------------------------------------------------------------------ gathered pieces left in rank-major order
