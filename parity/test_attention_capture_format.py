@@ -119,3 +119,10 @@ def test_a_capture_file_of_empty_arrays_is_refused_from_its_headers():
     with pytest.raises(ValueError, match=r"capture f.npz: query \(1, 0, 2, 4\) and key \(1, 5, 2, 4\) hold no "
                                          r"attention to compare"):
         check_shapes("f.npz", shapes)
+
+
+def test_a_capture_file_whose_query_heads_do_not_group_over_its_kv_heads_is_refused_from_its_headers():
+    shapes = {"query": (1, 3, 3, 4), "key": (1, 5, 2, 4), "value": (1, 5, 2, 4), "mask": (1, 1, 3, 5)}
+    with pytest.raises(ValueError, match="capture f.npz: 3 query heads are not a multiple of 2 key/value heads"):
+        check_shapes("f.npz", shapes)
+    check_shapes("f.npz", dict(shapes, query=(1, 3, 4, 4)))  # 4 query heads share 2 kv heads in pairs

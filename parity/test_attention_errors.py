@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -138,3 +140,15 @@ def test_capture_directories_without_captures(tmp_path):
 def test_synthetic_capture_rejects_bad_heads():
     with pytest.raises(ValueError, match=r"heads \(3\) must be a positive multiple of kv_heads \(2\)"):
         capture_io.synthetic_capture(LAYOUT, heads=3, kv_heads=2, head_dim=4)
+
+
+def test_a_capture_at_another_scale_is_judged_with_its_scale_and_refused_without_it():
+    """scale=None is only the capture's own scale when that is the default 1 / sqrt(D)."""
+    scaled = dataclasses.replace(small_capture(LAYOUT), scale=0.125)
+    for capture, pass_scale in ((scaled, True), (small_capture(LAYOUT), False)):
+        control = parity.floor_control(capture)
+        verdict = parity.compare_kernel("decomposed", capture, parity.floor_policy(control), "attention.x.y",
+                                        floor=control, pass_scale=pass_scale)
+        assert verdict.passed, verdict.describe()
+    with pytest.raises(ValueError, match=r"scale=None means 1 / sqrt\(16\), but capture .* at scale 0.125"):
+        parity.compare_kernel("decomposed", scaled, parity.floor_policy(control), "attention.x.y", pass_scale=False)

@@ -10,7 +10,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from fixtures.attention_captures import small_capture
 from fixtures.attention_strategies import KernelCase, block_sizes, kernel_cases, layouts, straddling_layouts
-from harness.attention import contract, decomposed, flex, kernels, masks, padded, parity, reference, spy
+from harness.attention import contract, decomposed, flex, kernels, masks, padded, parity, primitives, reference, spy
 from harness.attention.layout import AttentionLayout
 from harness.compare import close
 
@@ -105,3 +105,12 @@ def test_mask_free_is_far_from_the_reference_on_a_small_layout():
     gap = (reference.mask_free(q, k, v, layout) - parity.reference_output(capture)).abs().max()
     assert gap > 1e-2
     assert contract.verify_mask(masks.causal_only(layout), layout.span).mismatches > 0
+
+
+def test_the_launch_spy_keeps_sdpa_s_own_defaults():
+    """A kernel that leaves attn_mask and is_causal out launches plain full attention, and the spy says so."""
+    q, k, v = torch.randn(3, 1, 2, 5, 4, generator=torch.Generator().manual_seed(0)).unbind(0)
+    with spy.recording() as launches:
+        out = primitives.launch_sdpa(q, k, v, scale=0.5, enable_gqa=False)
+    assert [launch.mask for launch in launches] == ["none"]
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5))

@@ -116,3 +116,16 @@ def test_a_bound_without_a_measured_floor_is_too_loose():
     assert not untied.passed
     assert untied.violated_facts == [f"tolerance of {close(1e-5, 0.0).describe()} is too loose: it is not a multiple "
                                      "of a floor measured on stock code"]
+
+
+@pytest.mark.parametrize(("multiple", "passed"), [(3.9, True), (4.1, False)])
+def test_the_fp32_bounds_allow_a_kernel_four_floors_and_no_more(multiple, passed):
+    """The default fp32 room: up to 4 x stock masked SDPA's own error against fp64, in max|d| and relative L2."""
+    control = FloorControl(1e-6, 2e-7, "torch.float32", scale=1.0)
+    expected = torch.zeros(1, 1, 2, 4, dtype=torch.float64)
+    actual = expected.clone()
+    actual[0, 0, 1, 2] = multiple * 1e-6
+    verdict = policy.floor_policy(control).judge("attention.t", actual, expected, dims=("batch", "head", "query row",
+                                                                                          "channel"), what="out")
+    assert verdict.passed is passed, verdict.describe()
+    assert (multiple * control.rel_l2 <= policy.rel_l2_bound(control)) is passed

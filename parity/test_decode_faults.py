@@ -143,6 +143,10 @@ def test_the_piece_server_compares_bit_patterns():
     other_nan = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
     assert not serve.same_bits(nan[:1], other_nan), "another NaN payload is another input"
     assert not serve.same_bits(nan, nan.double()) and not serve.same_bits(nan, nan[:1])
+    flags = torch.tensor([True, False])  # one-byte elements: compared as uint8
+    assert serve.same_bits(flags, flags.clone()) and not serve.same_bits(flags, ~flags)
+    wide = torch.tensor([1 + 2j, -3j], dtype=torch.complex128)  # 16-byte elements have no integer view
+    assert serve.same_bits(wide, wide.clone()) and not serve.same_bits(wide, wide.conj().resolve_conj())
     server = serve.PieceServer(lambda i: nan, [torch.zeros(1)], "decoder (one tile)")
     assert server(nan.clone()) is server.pieces[0]
     with pytest.raises(sharded.ShardedDecodeError, match="not the planned one"):

@@ -143,6 +143,11 @@ def test_a_hung_rank_fails_with_the_world_statuses():
     assert not verdict.passed and verdict.metrics["outcome"] == "hung on ranks [1]"
     assert set(verdict.violated_facts) == {"every rank raises within 20 s; no rank hangs or returns",
                                            judge.GROUP_WORKS}
+    long = [statuses[0], RankOutcome(1, "raised", "RuntimeError: " + "x" * 400)]  # a traceback-sized error
+    lines = judge.judge_fault("decode.fault", 2, 1, 20.0, None, long).metrics["rank_outcomes"]
+    assert lines == ["rank 0: ok", long[1].line()[:240]] and len(lines[1]) == 240
+    nobody = judge.judge_fault("decode.fault", 2, 1, 20.0, [])  # no rank's outcome: no raise time to claim
+    assert not nobody.passed and nobody.metrics["slowest_raise_s"] == 0.0
 
 
 def test_a_bad_frame_names_the_rank_that_decoded_its_clip():
@@ -159,3 +164,13 @@ def test_a_bad_frame_names_the_rank_that_decoded_its_clip():
     assert "frame 30 (clip 1 on rank 1)" in verdict.message, verdict.message
     assert judge.frame_labels(answers[0].work.clips, 39, {0: [0]})[18] == (
         "18 (clip 0 on rank 0/1 (its planned input decoded on no rank) cross-fade)")
+
+
+def test_a_sliced_sharded_encode_counts_each_rank_s_clips_once_per_call():
+    """Two `_encode` calls (a sliced batch of two videos), two clips over two ranks: each rank encodes its clip
+    once per call; a count that does not scale with the calls is a clip encoded twice or never."""
+    encode = [dataclasses.replace(a, work=None, pieces=2, clip_calls=2) for a in _answers(True, calls=2)]
+    fact = "each clip encoded exactly once across the world"
+    assert fact not in judge.judge_decode("decode.encode.sliced", encode, sharded=True).violated_facts
+    once = [dataclasses.replace(a, clip_calls=1) for a in encode]
+    assert fact in judge.judge_decode("decode.encode.sliced", once, sharded=True).violated_facts

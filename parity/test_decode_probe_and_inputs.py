@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import types
+import weakref
 
 import pytest
 import torch
@@ -82,6 +84,16 @@ def test_a_reused_payload_slab_is_zero_after_this_rank_s_pieces():
     again, received = exchange.prepare_gather([torch.full(shape, 5.0)], 3, shape, torch.float32, CPU, 2, False)
     assert again is first and received is None  # the same key reuses the slab
     assert again.tolist() == [[[5.0, 5.0]], [[0.0, 0.0]], [[0.0, 0.0]]]
+
+
+def test_gather_buffers_of_another_geometry_replace_the_held_ones():
+    """One geometry at a time: a decode of another shape frees the last one's slabs instead of adding its own."""
+    first, received = exchange.prepare_gather([torch.ones(1, 2)], 2, (1, 2), torch.float32, CPU, 2, True)
+    held = [weakref.ref(first), *(weakref.ref(slab) for slab in received)]
+    del first, received
+    exchange.prepare_gather([torch.ones(3, 2)], 2, (3, 2), torch.float32, CPU, 2, True)
+    gc.collect()
+    assert [ref() is None for ref in held] == [True] * 3
 
 
 def test_untiled_plans_count_one_decoder_call_per_clip():

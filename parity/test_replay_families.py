@@ -15,7 +15,7 @@ from harness.plugins import CheckpointKind
 from harness.replay import cfg, discriminating, families
 from harness.replay.conditions import Conditions, broadcast_field, broadcast_rows
 from harness.replay.families import COGVIEW4, FLUX, QWEN_IMAGE, SANA, SD3, family_for_class, get_family
-from harness.replay.families.base import distinct_lengths
+from harness.replay.families.base import distinct_lengths, padded_prompts, uncond_first_conditions
 
 pytestmark = pytest.mark.cpu
 
@@ -230,3 +230,13 @@ def test_distinct_lengths_refuse_a_batch_the_tokens_cannot_serve():
     assert sorted(lengths) == [4, 5, 6]
     with pytest.raises(ValueError, match="4 distinct prompt lengths need more than 6 padded tokens"):
         distinct_lengths(4, 6, torch.Generator().manual_seed(1), avoid=(1, 2, 3))
+
+
+@pytest.mark.parametrize("cfg", [0, 3])
+def test_prompts_and_conditions_refuse_a_cfg_other_than_one_or_two(cfg):
+    """A third branch would silently reuse the negative prompts, and none would build an empty batch."""
+    with pytest.raises(ValueError, match=f"cfg must be 1 .* got {cfg}"):
+        padded_prompts(2, cfg, 4, 3, torch.Generator().manual_seed(0), "prompt_attention_mask")
+    prompts = padded_prompts(2, 2, 4, 3, torch.Generator().manual_seed(0), "prompt_attention_mask")
+    with pytest.raises(ValueError, match=f"cfg must be 1 .* got {cfg}"):
+        uncond_first_conditions(prompts, cfg, {"encoder_hidden_states": "prompt_embeds"})

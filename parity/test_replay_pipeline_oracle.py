@@ -117,3 +117,50 @@ def test_prompts_that_do_not_differ_from_the_negative_ones_are_refused():
     record = pipeline_oracle.run_pipeline(SANA, adapter, prompts, latents, GUIDANCE)
     with pytest.raises(pipeline_oracle.OracleError, match="matches 2 rows of prompt_embeds / negative_prompt_embeds"):
         pipeline_oracle.judge_family("replay.oracle.pipeline.sana", SANA, adapter, record)
+
+
+def test_cogview4_size_conditioning_is_the_pipelines_own_default():
+    """CogView4Pipeline conditions on original_size = target_size = (height, width) and crops (0, 0) unless it is
+    told otherwise: the example prompts state exactly that, and prompts that leave the sizes out are conditioned
+    the same way by the adapter as by the pipeline's own defaults."""
+    adapter = COGVIEW4.adapter(tiny_model("cogview4"))
+    prompts = adapter.example_prompts(BATCH, 2, torch.Generator().manual_seed(4))
+    bare = {k: v for k, v in prompts.items() if k not in ("original_size", "crops_coords_top_left")}
+    stated, defaulted = adapter.conditions_from_prompts(prompts, 2), adapter.conditions_from_prompts(bare, 2)
+    assert {k: v.tolist() for k, v in stated.shared.items()} == {k: v.tolist() for k, v in defaulted.shared.items()}
+    latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(5))
+    record = pipeline_oracle.run_pipeline(COGVIEW4, adapter, bare, latents, GUIDANCE)
+    verdict = pipeline_oracle.judge_family("replay.oracle.pipeline.cogview4", COGVIEW4, adapter, record)
+    assert verdict.passed, verdict.describe()
+
+
+def test_a_learned_sigma_sana_head_is_cut_to_the_latent_channels_as_the_pipeline_cuts_it():
+    """A Sana checkpoint whose transformer predicts 2 x the latent channels (a learned-sigma head): the adapter
+    keeps the first half, SanaPipeline does the same, and the oracle reads the pipeline's outputs the same way."""
+    tiny = tiny_model("sana")
+    config = {**tiny.config, "out_channels": 2 * tiny.config.in_channels}
+    torch.manual_seed(0)
+    model = type(tiny).from_config(config).eval()
+    adapter = SANA.adapter(model)
+    prompts = adapter.example_prompts(BATCH, 2, torch.Generator().manual_seed(4))
+    latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(5))
+    conditions = adapter.conditions_from_prompts(prompts, 1)
+    timestep = adapter.timestep(torch.full((BATCH,), 0.6))
+    out = adapter.forward(latents, timestep, conditions)
+    raw = model(latents, encoder_hidden_states=conditions.rows["encoder_hidden_states"],
+                encoder_attention_mask=conditions.rows["encoder_attention_mask"], timestep=timestep,
+                return_dict=False)[0]
+    assert tuple(raw.shape[1:2]) == (2 * latents.shape[1],) and torch.equal(out, raw[:, :latents.shape[1]])
+    record = pipeline_oracle.run_pipeline(SANA, adapter, prompts, latents, GUIDANCE)
+    verdict = pipeline_oracle.judge_family("replay.oracle.pipeline.sana", SANA, adapter, record)
+    assert verdict.passed, verdict.describe()
+
+
+@pytest.mark.parametrize(("calls", "per_step", "steps"), [(0, 0, 2), (3, 1, 2), (4, 0, 2)])
+def test_a_pipeline_whose_transformer_calls_do_not_split_evenly_over_its_steps_is_an_oracle_error(calls, per_step,
+                                                                                                  steps):
+    forwards = [pipeline_oracle.Forward({}, torch.zeros(1)) for _ in range(calls)]
+    with pytest.raises(pipeline_oracle.OracleError, match=f"made {calls} transformer calls over {steps} steps"):
+        pipeline_oracle._group_by_step(forwards, per_step, steps)
+    whole = [pipeline_oracle.Forward({}, torch.zeros(1)) for _ in range(4)]
+    assert pipeline_oracle._group_by_step(whole, 2, 2) == [tuple(whole[:2]), tuple(whole[2:])]

@@ -299,6 +299,16 @@ def test_a_corrupted_capture_member_fails_its_crc_before_any_check(tmp_path):
         capture_io.load_capture(path)
 
 
+def test_a_corrupted_capture_that_no_check_loads_is_refused_too(tmp_path):
+    """A malformed file is a usage error wherever it sits in the directory, not only where a check reads."""
+    data = bytearray(VALID)
+    data[VALID.index(b"\x93NUMPY", VALID.index(b"query.npy")) + 130] ^= 0xFF
+    directory = _capture_dir(tmp_path, VALID)
+    (directory / "call7_rank1.npz").write_bytes(bytes(data))  # neither phase's file: no check would load it
+    with pytest.raises(ValueError, match=r"call7_rank1.npz: member 'query.npy' (is damaged \(Bad CRC|fails its CRC)"):
+        capture_io.validate_directory(directory)
+
+
 def test_a_capture_directory_without_both_phases_is_refused(tmp_path):
     capture_io.save_capture(small_capture(PREFILL, heads=1, head_dim=4), tmp_path / "call0_rank0.npz")
     with pytest.raises(ValueError, match="holds no denoise capture"):

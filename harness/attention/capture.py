@@ -8,9 +8,8 @@ test.
 
 Capture files are untrusted data: they are read with ``allow_pickle=False`` only, and anything that is
 not an npz archive of the four plain arrays (garbage, a truncated or corrupted archive, object arrays)
-is a ValueError naming the file, never advice to load it another way. ``validate_directory`` reads a
-directory's headers and checks the data of the files the checks will load, so a run stops on a bad
-file before any check.
+is a ValueError naming the file, never advice to load it another way. ``validate_directory`` checks every
+file of a directory, headers and data, so a run stops on a bad file before any check.
 """
 
 from __future__ import annotations
@@ -230,10 +229,10 @@ def _headers(path: Path, archive: zipfile.ZipFile) -> dict[str, tuple[tuple[int,
     return found
 
 
-def validate_file(path: str | Path, *, data: bool = True) -> dict[str, tuple[int, ...]]:
-    """Check one capture file against the format from its headers (and, with ``data``, every member's CRC).
+def validate_file(path: str | Path) -> None:
+    """Check one capture file against the format from its headers, and every member's CRC.
 
-    Returns the array shapes; raises ValueError naming the file and what is wrong.
+    Raises ValueError naming the file and what is wrong.
     """
     path = Path(path)
     with _open_archive(path) as archive:
@@ -248,14 +247,12 @@ def validate_file(path: str | Path, *, data: bool = True) -> dict[str, tuple[int
             raise ValueError(f"capture {path}: mask must be bool (True = may attend), got {headers['mask'][1]}")
         shapes = {name: headers[name][0] for name in CAPTURE_ARRAYS}
         check_shapes(str(path), shapes)
-        if data:
-            try:
-                bad = archive.testzip()
-            except _READ_ERRORS as err:
-                raise _unreadable(path, f"a damaged archive ({type(err).__name__}: {err})") from None
-            if bad is not None:
-                raise _unreadable(path, f"member {bad!r} fails its CRC check (corrupted)")
-    return shapes
+        try:
+            bad = archive.testzip()
+        except _READ_ERRORS as err:
+            raise _unreadable(path, f"a damaged archive ({type(err).__name__}: {err})") from None
+        if bad is not None:
+            raise _unreadable(path, f"member {bad!r} fails its CRC check (corrupted)")
 
 
 def check_shapes(name: str, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -279,13 +276,14 @@ def check_shapes(name: str, shapes: dict[str, tuple[int, ...]]) -> None:
 
 
 def validate_directory(directory: str | Path) -> list[Path]:
-    """Every capture file of ``directory`` checked from its headers, and the files the checks load (one per
-    phase) byte for byte: a ValueError naming the first bad file, before anything runs on them."""
+    """Every capture file of ``directory`` checked from its headers and byte for byte (a file no check loads is
+    still a malformed input), and one capture per phase present: a ValueError naming the first bad file, before
+    anything runs on them."""
     files = find_captures(directory)
     for path in files:
-        validate_file(path, data=False)
-    for path in sorted({phase_capture_path(directory, phase) for phase in SEED_CALLS}):
-        validate_file(path, data=True)
+        validate_file(path)
+    for phase in SEED_CALLS:
+        phase_capture_path(directory, phase)
     return files
 
 

@@ -92,7 +92,7 @@ def judge_result(policy: Policy, check_id: str, actual: torch.Tensor, expected: 
                            what=what)
     verdict = verdict.require(verdict.metrics.get("total") == expected.numel(), "every row and step compared")
     if not verdict.passed:  # which target steps went wrong, in target order: one bug hits one step, another all
-        diff = (actual.detach().double() - expected.detach().double()).abs().transpose(0, 1).reshape(len(target), -1)
+        diff = (actual.double() - expected.double()).abs().transpose(0, 1).reshape(len(target), -1)
         worst = diff.nan_to_num(nan=float("inf")).amax(dim=1).tolist()
         verdict = verdict.with_metrics(max_abs_per_step=", ".join(f"step {step}: {d:.3e}"
                                                                   for step, d in zip(target, worst, strict=True)))

@@ -98,12 +98,13 @@ def _bind(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, A
 
 @contextlib.contextmanager
 def record_forwards(module: torch.nn.Module) -> Iterator[list[Forward]]:
-    """Every forward of ``module`` while the block runs: bound arguments and first output."""
+    """Every forward of ``module`` while the block runs: bound arguments and first output (callers run it under
+    ``torch.no_grad()``, so the outputs carry no graph)."""
     calls: list[Forward] = []
 
     def hook(mod, args, kwargs, output) -> None:
         out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
-        calls.append(Forward(_bind(mod, args, kwargs), out.detach().clone()))
+        calls.append(Forward(_bind(mod, args, kwargs), out.clone()))
 
     handle = module.register_forward_hook(hook, with_kwargs=True)
     try:
@@ -135,7 +136,7 @@ def run_pipeline(family: ReplayFamily, adapter: ModelAdapter, prompts: Prompts, 
     step = pipe.scheduler.step
 
     def recording_step(model_output, timestep, sample, *args, **kwargs):
-        scheduler_calls.append((model_output.detach().clone(), sample.detach().clone()))
+        scheduler_calls.append((model_output.clone(), sample.clone()))  # under no_grad: no graph
         return step(model_output, timestep, sample, *args, **kwargs)
 
     pipe.scheduler.step = recording_step
@@ -181,7 +182,7 @@ def _same(a: Any, b: Any) -> bool:
     a, b = _normal(a), _normal(b)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and torch.equal(a.detach().double(), b.detach().double()))
+                and torch.equal(a.double(), b.double()))
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict) and isinstance(b, dict):
@@ -273,7 +274,7 @@ def _to_replay(adapter: ModelAdapter, transformer_out: torch.Tensor) -> torch.Te
     pipelines cut it."""
     out = adapter.from_pipeline_latents(transformer_out.float())
     channels = adapter.latent_shape[0]
-    if out.dim() > 1 and tuple(out.shape[1:]) != tuple(adapter.latent_shape) and out.shape[1] == 2 * channels:
+    if out.shape[1] == 2 * channels:  # replay's layout is channels-first: (B, C, ...)
         out = out[:, :channels]
     return out
 
@@ -324,7 +325,7 @@ def judge_step(check_id: str, family: ReplayFamily, adapter: ModelAdapter, step:
                     for r, (branch, b) in enumerate(order))
     mismatched = _input_mismatches(mine, aligned, spec.timestep_arg, order)
     t_pipe = aligned.rows[spec.timestep_arg].double()
-    t_mine = torch.as_tensor(mine.arguments[spec.timestep_arg]).double().expand_as(t_pipe)
+    t_mine = torch.as_tensor(mine.arguments[spec.timestep_arg]).expand_as(t_pipe)  # judged in fp64
     scale = float(t_pipe.abs().max())
     verdict = close(atol=TIMESTEP_ULPS * FP32_EPS * scale, rtol=0.0,
                     reason=f"timestep in the pipeline's units: within {TIMESTEP_ULPS:g} fp32 ulps of its "
