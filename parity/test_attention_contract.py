@@ -103,3 +103,10 @@ def test_batched_capture_mask_is_accepted_and_disagreeing_batches_are_named():
     mask[1, 0, 0, 3] = True
     with pytest.raises(ValueError, match="batch entries"):
         contract.verify_mask(mask)
+
+
+def test_a_mask_checked_without_a_span_brings_every_earlier_image_of_its_own():
+    """With no span given, every detected span but the last is an earlier image of the formula: two of them here."""
+    layout = AttentionLayout(40, 8, 1, "prefill", images=((4, 10), (20, 28)))
+    report = contract.verify_mask(masks.build_mask(layout))
+    assert (report.mismatches, report.detected_images, report.detected_span) == (0, ((4, 10), (20, 28)), layout.span)

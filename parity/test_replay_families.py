@@ -4,6 +4,7 @@ lookups, errors, contracts, discriminating example conditions."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from harness.replay import cfg, discriminating, families
 from harness.replay.conditions import Conditions, broadcast_field, broadcast_rows
 from harness.replay.families import COGVIEW4, FLUX, QWEN_IMAGE, SANA, SD3, family_for_class, get_family
 from harness.replay.families.base import distinct_lengths, padded_prompts, uncond_first_conditions
+from harness.replay.families.flux import FluxAdapter
 
 pytestmark = pytest.mark.cpu
 
@@ -170,7 +172,7 @@ def test_a_latent_that_does_not_fit_the_patch_size_is_refused_before_the_model_r
     x = torch.zeros(problem.conditions.batch, channels, height - 1, width)
     timestep = problem.adapter.timestep(torch.full((x.shape[0],), 0.5))
     with pytest.raises(ValueError, match=rf"latents of shape \(3, 4, {height - 1}, {width}\) do not fit the model's "
-                                         rf"patch size {patch}"):
+                                         rf"patch size {patch}: the spatial dims \({height - 1}, {width}\) must"):
         problem.adapter.forward(x, timestep, broadcast_rows(problem.conditions))
 
 
@@ -240,3 +242,13 @@ def test_prompts_and_conditions_refuse_a_cfg_other_than_one_or_two(cfg):
     prompts = padded_prompts(2, 2, 4, 3, torch.Generator().manual_seed(0), "prompt_attention_mask")
     with pytest.raises(ValueError, match=f"cfg must be 1 .* got {cfg}"):
         uncond_first_conditions(prompts, cfg, {"encoder_hidden_states": "prompt_embeds"})
+
+
+def test_a_flux_transformer_whose_config_is_silent_on_guidance_embeds_has_none():
+    """diffusers' FluxTransformer2DModel defaults guidance_embeds to False; so does the adapter for a config
+    (a user's port, an older export) that leaves it out."""
+    module = torch.nn.Linear(1, 1)
+    module.config = types.SimpleNamespace(in_channels=64)
+    assert FluxAdapter(module).guidance_embeds is False
+    module.config.guidance_embeds = True
+    assert FluxAdapter(module).guidance_embeds is True

@@ -5,6 +5,7 @@ uncond-first, as SanaPipeline concatenates them) are caught by the oracle; and i
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -164,3 +165,38 @@ def test_a_pipeline_whose_transformer_calls_do_not_split_evenly_over_its_steps_i
         pipeline_oracle._group_by_step(forwards, per_step, steps)
     whole = [pipeline_oracle.Forward({}, torch.zeros(1)) for _ in range(4)]
     assert pipeline_oracle._group_by_step(whole, 2, 2) == [tuple(whole[:2]), tuple(whole[2:])]
+
+
+class ShiftedCogView4(CogView4Adapter):
+    """The right units, off by ``FACTOR`` x the oracle's timestep room (relative)."""
+
+    FACTOR = 0.0
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        room = pipeline_oracle.TIMESTEP_ULPS * pipeline_oracle.FP32_EPS
+        return (super().timestep(sigma).double() * (1.0 + self.FACTOR * room)).float()
+
+
+@pytest.mark.parametrize(("factor", "passed"), [(0.25, True), (2.0, False)])
+def test_the_timestep_room_is_relative_to_the_pipelines_own_magnitude(factor, passed):
+    """16 fp32 ulps of max |t|: a timestep a quarter of that off still passes; twice that off does not."""
+    adapter_class = type(f"ShiftedCogView4x{factor}", (ShiftedCogView4,), {"FACTOR": factor})
+    _, verdict = _oracle(_variant(COGVIEW4, f"cogview4_shifted_{factor}", adapter_class), "cogview4")
+    assert verdict.passed is passed, verdict.describe()
+
+
+def test_arguments_compare_by_kind_shape_and_value():
+    same = pipeline_oracle._same
+    assert same({"ids": torch.ones(2, dtype=torch.long)}, {"ids": torch.ones(2, dtype=torch.float64)})  # dtype aside
+    assert same({}, None) and same([1, (2, 3)], (1, [2, 3]))  # an empty mapping is an argument left out
+    assert same({"a": 1}, 3) is False and same(3, {"a": 1}) is False and same({"a": 1}, {"b": 1}) is False
+    assert same(torch.ones(2), torch.ones(1, 2)) is False and same(torch.ones(2), [1.0, 1.0]) is False
+
+
+def test_relative_error_is_over_each_row_s_largest_magnitude_whatever_its_sign():
+    expected = torch.tensor([[-4.0, 1.0], [2.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    actual = expected + torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 3.0]])
+    assert pipeline_oracle.relative_error(actual, expected).tolist() == [[0.25, 0.0], [0.0, 0.5], [0.0, 0.0],
+                                                                         [0.0, math.inf]]
+    with pytest.raises(pipeline_oracle.OracleError, match=r"shapes \(4, 2\) and \(2, 4\) differ"):
+        pipeline_oracle.relative_error(actual, expected.reshape(2, 4))

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from fixtures.replay_cases import real_control
+from harness.compare import close
 from harness.replay.controls import BatchShapeControl
+from harness.replay.parity import judge_result
 from harness.replay.policies import (
     K_MAX,
     K_MIN,
@@ -212,3 +214,14 @@ def test_policy_from_a_hand_made_control(dtype, k, name):
     policy = local_scale_policy(_control(HAND_BASE, HAND_GROWN), "log_probs", dtype)
     assert policy == LocalScaleBound("log_probs", 0.5, RESOLUTION, k, name)
     assert policy.resolution == 4 * torch.finfo(torch.float32).eps  # 4 fp32 ulps, the SDE math's resolution
+
+
+def test_a_failed_replay_verdict_names_the_steps_that_went_wrong_over_every_row():
+    """[B, S] outputs: the per-step worst error is taken over the rows of each step, in target order."""
+    expected = torch.zeros(2, 3, dtype=torch.float64)
+    actual = expected.clone()
+    actual[1, 2] = 0.5  # row 1, third target step
+    actual[0, 0] = -0.25  # row 0, first target step: an error below the reference counts as much
+    verdict = judge_result(close(1e-3, 0.0), "replay.t", actual, expected, [4, 5, 6], "log_probs")
+    assert not verdict.passed
+    assert verdict.metrics["max_abs_per_step"] == "step 4: 2.500e-01, step 5: 0.000e+00, step 6: 5.000e-01"

@@ -148,3 +148,17 @@ def test_invalid_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         detect(tmp_path)
+
+
+def test_a_config_past_the_size_limit_is_refused_unread_and_one_at_it_is_read(tmp_path):
+    """16 MiB: configs are kilobytes, so a larger file is refused by its size before a byte of it is read."""
+    limit = 16 * 2**20
+    for size, refused in ((limit + 1, True), (limit, False)):
+        target = tmp_path / f"at{size}"
+        target.mkdir()
+        with open(target / "config.json", "wb") as config:
+            config.truncate(size)  # sparse NUL bytes: not a config, so a read file fails on its content instead
+        with pytest.raises(CheckpointError) as caught:
+            detect(target)
+        assert (f"is {size} bytes; a model config is a small JSON object (at most {limit} bytes read)"
+                in str(caught.value)) is refused, caught.value

@@ -10,6 +10,7 @@ still knows them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from fnmatch import fnmatchcase
 from types import ModuleType
@@ -46,13 +47,17 @@ def _kind(name: str, class_name: str, family: str) -> CheckpointKind:
     return CheckpointKind(name, feeds="replay", class_names=(class_name,), source="diffusers", family=family)
 
 
-def _flow_match(**config: float | str | bool) -> Callable[[], object]:
-    """A factory of the flow-matching Euler scheduler with ``config`` (the pipeline derives t = 1000 sigma)."""
-    def build() -> object:
-        from diffusers import FlowMatchEulerDiscreteScheduler
+def flow_match_scheduler(**config: float | str | bool) -> object:
+    """The flow-matching Euler scheduler with ``config`` (the pipeline derives t = 1000 sigma)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-        return FlowMatchEulerDiscreteScheduler(**config)
-    return build
+    return FlowMatchEulerDiscreteScheduler(**config)
+
+
+def _flow_match(**config: float | str | bool) -> Callable[[], object]:
+    """A factory of that scheduler: a partial of a module-level function, no closure, so what the factory builds
+    is always what ``flow_match_scheduler`` says now."""
+    return functools.partial(flow_match_scheduler, **config)
 
 
 DYNAMIC_SHIFT = {"use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15}  # mu from the image size
