@@ -31,7 +31,7 @@ for _id, (_judge, _doc) in decode.GPU_CHECKS.items():
 for _what in replay.GPU_CHECKS:
     _id = f"replay.gpu.cfg2.{_what}"
     register(_id, tier="gpu", doc=f"batched vs serial replay {_what} on the real DiT")(
-        functools.partial(replay.replay_check, _id, _what))
+        functools.partial(replay.replay_check, _what))
 
 register(ar.CHECK_ID, tier="gpu", doc="batched right-padded AR vs B=1 on the real causal LM")(
     functools.partial(ar.ar_check, ar.CHECK_ID))

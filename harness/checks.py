@@ -7,6 +7,7 @@ registry, so a check id is the way in: one search finds the function that define
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,7 +15,8 @@ from typing import Any
 
 import torch
 
-from harness.compare import Verdict
+from harness.checkid import CheckId
+from harness.compare import Policy, Verdict
 from harness.paths import path_of
 from harness.registry import Registry
 
@@ -59,6 +61,7 @@ class Check:
     doc: str
     module: str
     where: str = ""  # "module:qualname" of the function that computes it (a partial names its function)
+    policy: str = ""  # what it is judged under, when declared at registration (--parity-list prints it)
 
     @property
     def path(self) -> str:
@@ -68,19 +71,33 @@ class Check:
 CHECKS: Registry[Check] = Registry("check id", list_known=False)
 
 
-def register(check_id: str, *, tier: str = "cpu", doc: str = "") -> Callable[[CheckFn], CheckFn]:
-    """Register ``fn(ctx) -> Verdict`` under ``check_id``; duplicate or malformed ids fail at import."""
+def _describe_policy(policy: Policy | Callable[..., Policy] | str | None) -> str:
+    """A policy, its factory or its description, as --parity-list prints it."""
+    if policy is None or isinstance(policy, str):
+        return policy or ""
+    if isinstance(policy, Policy):
+        return policy.describe()
+    target = getattr(policy, "func", policy)
+    return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', '?')}"
+
+
+def register(check_id: str | CheckId, *, tier: str = "cpu", doc: str = "",
+             policy: Policy | Callable[..., Policy] | str | None = None) -> Callable[[CheckFn], CheckFn]:
+    """Register ``fn(ctx) -> Verdict`` under ``check_id`` (with the policy it is judged under, when one
+    is fixed up front); duplicate or malformed ids fail at import."""
+    check_id = str(check_id)
     if not CHECK_ID.match(check_id):
         raise ValueError(f"check id {check_id!r} must read 'path.case.what' (lowercase path, dot-separated)")
     if tier not in TIERS:
         raise ValueError(f"check {check_id!r}: tier must be one of {sorted(TIERS)}, got {tier!r}")
+    described = _describe_policy(policy)
 
     def decorate(fn: CheckFn) -> CheckFn:
         target = getattr(fn, "func", fn)  # a functools.partial names its function
         module = getattr(target, "__module__", "?")
         where = f"{module}:{getattr(target, '__qualname__', getattr(target, '__name__', '?'))}"
         text = doc or next(iter((target.__doc__ or "").strip().splitlines()), "")
-        CHECKS.register(check_id, Check(check_id, fn, tier, text, module, where), origin=where)
+        CHECKS.register(check_id, Check(check_id, fn, tier, text, module, where, described), origin=where)
         return fn
 
     return decorate
@@ -98,11 +115,15 @@ def all_checks(tier: str | None = None, path: str | None = None) -> list[Check]:
     return [c for c in CHECKS.values() if (tier is None or c.tier == tier) and (path is None or c.path == path)]
 
 
-def run_check(check_id: str, ctx: CheckContext) -> Verdict:
-    """Run one check; a verdict filed under another id is a bug in the check itself."""
+def run_check(check_id: str | CheckId, ctx: CheckContext) -> Verdict:
+    """Run one check and stamp its registered id onto the verdict: check bodies and judges never
+    carry ids. A verdict already filed under another id is a bug in the check itself."""
+    check_id = str(check_id)
     verdict = get(check_id).fn(ctx)
     if not isinstance(verdict, Verdict):
         raise TypeError(f"check {check_id!r} returned {type(verdict).__name__}, expected a Verdict")
+    if not verdict.check_id:
+        return dataclasses.replace(verdict, check_id=check_id)
     if verdict.check_id != check_id:
         raise ValueError(f"check {check_id!r} returned a verdict for {verdict.check_id!r}")
     return verdict

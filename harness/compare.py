@@ -21,6 +21,7 @@ from harness.floors import StockFloor
 from harness.paths import path_of
 
 __all__ = [
+    "UNSTAMPED",
     "Close",
     "Exact",
     "NoiseFloor",
@@ -32,10 +33,12 @@ __all__ = [
     "exact",
     "expect",
     "expect_raises",
+    "holds",
     "locate",
     "max_abs_diff",
     "mismatched",
     "noise_floor",
+    "raises",
     "rel_l2",
     "sha256",
     "ulp",
@@ -44,6 +47,8 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------- verdict
+
+UNSTAMPED = ""  # the id of a verdict a judge returned before the check runner stamped the registered one
 
 
 @dataclass(frozen=True)
@@ -523,17 +528,18 @@ def noise_floor(control: float | tuple[torch.Tensor, torch.Tensor], k: float = 2
 # --------------------------------------------------------------------------------------------- facts
 
 
-def expect(check_id: str, ok: bool, fact: str, **metrics: Any) -> Verdict:
-    """A boolean check (a guard returned None, a tiled batch has S*cfg*B rows)."""
-    return Verdict(check_id, bool(ok), dict(metrics), f"fact: {fact}", None,
+def holds(ok: bool, fact: str, **metrics: Any) -> Verdict:
+    """A boolean check (a guard returned None, a tiled batch has S*cfg*B rows), filed under no id:
+    the check runner stamps the registered one."""
+    return Verdict(UNSTAMPED, bool(ok), dict(metrics), f"fact: {fact}", None,
                    message="" if ok else f"expected: {fact}; observed: "
                    + (", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()) or "it does not hold"),
                    notes=(f"{'ok' if ok else 'VIOLATED'}: {fact}",))
 
 
-def expect_raises(check_id: str, fn: Callable[[], Any], exc: type[BaseException] | tuple[type[BaseException], ...],
-                  match: str | None = None) -> Verdict:
-    """The call must raise ``exc`` (and mention ``match``): bad input gets a clear error."""
+def raises(fn: Callable[[], Any], exc: type[BaseException] | tuple[type[BaseException], ...],
+           match: str | None = None) -> Verdict:
+    """The call must raise ``exc`` (and mention ``match``): bad input gets a clear error. Filed under no id."""
     import re
 
     names = exc.__name__ if isinstance(exc, type) else "/".join(e.__name__ for e in exc)
@@ -543,7 +549,18 @@ def expect_raises(check_id: str, fn: Callable[[], Any], exc: type[BaseException]
     except exc as err:
         text = str(err)
         ok = match is None or re.search(match, text) is not None
-        return expect(check_id, ok, fact, raised=type(err).__name__, error=text[:300])
+        return holds(ok, fact, raised=type(err).__name__, error=text[:300])
     except Exception as err:  # noqa: BLE001 - the wrong exception type is a failed fact
-        return expect(check_id, False, fact, raised=type(err).__name__, error=str(err)[:300])
-    return expect(check_id, False, fact, raised="nothing")
+        return holds(False, fact, raised=type(err).__name__, error=str(err)[:300])
+    return holds(False, fact, raised="nothing")
+
+
+def expect(check_id: str, ok: bool, fact: str, **metrics: Any) -> Verdict:
+    """``holds`` filed under ``check_id``, for judges that still carry ids."""
+    return dataclasses.replace(holds(ok, fact, **metrics), check_id=check_id)
+
+
+def expect_raises(check_id: str, fn: Callable[[], Any], exc: type[BaseException] | tuple[type[BaseException], ...],
+                  match: str | None = None) -> Verdict:
+    """``raises`` filed under ``check_id``, for judges that still carry ids."""
+    return dataclasses.replace(raises(fn, exc, match), check_id=check_id)

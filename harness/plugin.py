@@ -333,7 +333,7 @@ def parity_list(pattern: str = "*") -> list[str]:
     for check in sorted(checks.all_checks(), key=lambda c: c.id):
         if not fnmatch.fnmatchcase(check.id, pattern):
             continue
-        policy = getattr(check, "policy", "")  # a check that declares its policy up front shows it here
+        policy = check.policy  # a check that declares its policy up front (at registration) shows it here
         fields = [check.id, check.where or "?", f"tier={check.tier}"]
         bound = _bound_arguments(check.fn)
         if bound:

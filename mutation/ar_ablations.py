@@ -18,17 +18,18 @@ from harness.ablation import ablation
 from harness.ar.batch import pad_seq
 from harness.ar.loop import token_logprob
 from harness.ar.suite import CASE_QUANTITIES
+from harness.checkid import CheckId
 
 _BATCHED = ("unequal_real_pos", "length_skew", "all_padded", "concat")
 _TRANSFORMERS = tuple(m for m in MODELS if m != "fake")
 
 
 def _ids(models, cases, quantities) -> list[str]:
-    return [f"ar.{m}.{c}.{q}" for m in models for c in cases for q in quantities]
+    return [str(check) for check in CheckId.grid("ar", models, cases, quantities)]
 
 
 def _whole_rollout(models) -> list[str]:
-    return [f"ar.{m}.{what}" for m in models for what in ("rollout_vs_replay", "finished_rows", "nan_unused_slots")]
+    return _ids(models, ("",), ("rollout_vs_replay", "finished_rows", "nan_unused_slots"))
 
 
 def _no_decode_mask(key_valid: torch.Tensor) -> None:
@@ -68,7 +69,7 @@ def _assume_unpadded(batch) -> torch.Tensor:
 ablation(
     "ar.decode_mask_removed", "harness.ar.masks:decode_mask", _no_decode_mask,
     kills=["ar.gpu.batched_vs_b1", *_ids(MODELS, _BATCHED, ("tokens", "logp")), *_whole_rollout(MODELS),
-           *[f"ar.{m}.padded_b1.equals_unpadded" for m in _TRANSFORMERS]],
+           *_ids(_TRANSFORMERS, ("padded_b1",), ("equals_unpadded",))],
     why=("upstream deletes the gen_text decode mask; over a static cache each row then attends its stale pad KV "
          "and the never-written tail (the transformers models fall back to their own causal mask, which reads the "
          "holes). Prefill is untouched, so prefill_kv / slot0 survive; the fake's B=1 keeps the trimmed dynamic "
@@ -109,7 +110,7 @@ ablation(
 
 ablation(
     "ar.static_cache_at_b1", "harness.ar.cache:cache_is_dynamic", _never_dynamic,
-    kills=[*_ids(MODELS, ("b1",), CASE_QUANTITIES), *[f"ar.{m}.padded_b1.equals_unpadded" for m in MODELS]],
+    kills=[*_ids(MODELS, ("b1",), CASE_QUANTITIES), *_ids(MODELS, ("padded_b1",), ("equals_unpadded",))],
     why=("B=1 must keep upstream's trimmed dynamic cache (the seed's review measured bf16 divergence at token 33 "
          "from a static cache alone); the spy sees a static cache. Caught by that fact on every claim, not by the "
          "numbers: under the fast path's decode mask a static cache computes the same function, and only the "
@@ -121,7 +122,7 @@ ablation(
 ablation(
     "ar.first_logits_last_column", "harness.ar.loop:first_logits_column", _last_column,
     kills=["ar.gpu.batched_vs_b1", *_ids(MODELS, _BATCHED, ("tokens", "logp")), *_whole_rollout(MODELS),
-           *[f"ar.{m}.padded_b1.equals_unpadded" for m in MODELS]],
+           *_ids(MODELS, ("padded_b1",), ("equals_unpadded",))],
     why=("stock generation reads prefill logits at the last column: a right-padded row's first token is then "
          "sampled from its pad's logits. Rows with real_pos == L (b1) are unaffected."),
     kill_mode="tolerance",
@@ -129,7 +130,7 @@ ablation(
 
 ablation(
     "ar.finished_rows_keep_writing", "harness.ar.loop:should_write_kv", _keep_writing,
-    kills=[f"ar.{m}.finished_rows" for m in MODELS],
+    kills=_ids(MODELS, ("",), ("finished_rows",)),
     why=("seed 002's unfinished item: a row past EOS keeps writing KV. Its own mask hides the slots, so tokens "
          "survive; the cache footprint check sees the writes."),
     kill_mode="fact",
@@ -152,7 +153,7 @@ def _logp_sign_flipped(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tens
 
 ablation(
     "ar.logp_sign_flipped", "harness.ar.loop:token_logprob", _logp_sign_flipped,
-    kills=[f"ar.{m}.oracle.greedy_logp" for m in MODELS],
+    kills=_ids(MODELS, ("oracle",), ("greedy_logp",)),
     why=("the recorded log-prob with its sign flipped, in the one function stock and fast both record through: "
          "the fast-vs-stock logp checks see the same wrong number on both sides; only the fp64 oracle sees it "
          "(rollout_vs_replay, whose replay computes its own log-probs, sees it too)."),
@@ -184,7 +185,7 @@ def _logit_drift(original):
 
 ablation(
     "ar.logit_drift_per_step", "harness.ar.loop:step", _logit_drift, wraps=True,
-    kills=[f"ar.{m}.growth.logp" for m in MODELS],
+    kills=_ids(MODELS, ("growth",), ("logp",)),
     why=("the batched path's picked-token logit rises by 2^(k - 34) of its magnitude at decode step k (a "
          "per-step state compounding): exactly 0 up to step 10, so the <= 7-token rollouts stay bitwise; under the "
          "worst-element logp tolerance on all 16 steps of the growth case, yet its per-step error curve grows far "

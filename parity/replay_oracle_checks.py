@@ -363,7 +363,7 @@ def pi_old_vs_rollout(check_id: str, problem: ReplayProblem, floors: tuple[float
     if result is None:
         return expect(check_id, False, "batched replay returned a result for pi_old")
     ratio = torch.exp(result.log_probs.double() - recorded.double())
-    verdict = judge_result(policy, check_id, ratio, torch.ones_like(ratio), problem.target, "pi_old ratio")
+    verdict = judge_result(policy, ratio, torch.ones_like(ratio), problem.target, "pi_old ratio")
     verdict = verdict.require(math.isfinite(stock.value), "stock floor of the pi_old ratio measured (finite)",
                               rollout_floor=floors[1], batch_shape_floor=floors[2])
     verdict = verdict.require_bounded(atol, stock, k_min=1.0, k_max=RATIO_FLOOR_MULTIPLE, what="pi_old ratio atol")

@@ -122,7 +122,7 @@ def test_determinism_check_fails_when_one_run_declines():
     _RUNS.clear()
     conformance.use("replay", f"{__name__}:second_call_declines")
     try:
-        verdict = compare_replay_determinism(fake_problem("cfg1"), "c")
+        verdict = compare_replay_determinism(fake_problem("cfg1"))
     finally:
         conformance.clear()
     assert not verdict.passed
@@ -141,10 +141,10 @@ def test_replay_takes_the_batched_path_when_it_may_and_the_serial_loop_otherwise
 
 def test_compare_replay_fails_a_declined_fast_path_and_a_wrong_shape():
     problem = fake_problem("cfg1")
-    declined = compare_replay(problem.with_(config=ReplayConfig()), exact(), "c")
+    declined = compare_replay(problem.with_(config=ReplayConfig()), exact())
     assert not declined.passed
     assert declined.violated_facts == ["batched replay returned a result (no silent fallback)"]
     assert declined.metrics["batched_forwards"] == "[]"
-    shape = judge_result(exact(), "c", torch.zeros(2, 3), torch.zeros(3, 2), (0, 1), "log_probs")
+    shape = judge_result(exact(), torch.zeros(2, 3), torch.zeros(3, 2), (0, 1), "log_probs")
     assert not shape.passed and shape.violated_facts == ["log_probs has the serial shape [3, 2]"]
     assert (shape.metrics["actual_shape"], shape.metrics["expected_shape"]) == ("[2, 3]", "[3, 2]")

@@ -27,10 +27,10 @@ def impl():
 
 
 def _judge_all() -> dict[str, bool]:
-    verdicts = {"fake.cfg2": compare_replay(fake_problem("cfg2"), exact(), "c", "log_probs"),
-                "fake.uncond_first": compare_replay(fake_problem("uncond_first"), exact(), "c", "log_probs")}
+    verdicts = {"fake.cfg2": compare_replay(fake_problem("cfg2"), exact(), "log_probs"),
+                "fake.uncond_first": compare_replay(fake_problem("uncond_first"), exact(), "log_probs")}
     policy = local_scale_policy(real_control("flux", 2), "log_probs", torch.float32)
-    verdicts["flux.cfg2"] = compare_replay(real_problem("flux", 2), policy, "c", "log_probs")
+    verdicts["flux.cfg2"] = compare_replay(real_problem("flux", 2), policy, "log_probs")
     return {name: v.passed for name, v in verdicts.items()}
 
 
@@ -49,7 +49,7 @@ def test_an_outside_implementation_with_the_nesting_swapped_fails(impl):
 def test_a_failing_replay_verdict_breaks_the_error_down_per_target_step(impl):
     impl("fixtures.replay_impls:nesting_swapped")
     problem = fake_problem("cfg2")
-    verdict = compare_replay(problem, exact(), "c", "log_probs")
+    verdict = compare_replay(problem, exact(), "log_probs")
     assert not verdict.passed
     steps = [part.split(":")[0] for part in verdict.metrics["max_abs_per_step"].split(", ")]
     assert steps == [f"step {s}" for s in problem.target]  # in target order, every step named

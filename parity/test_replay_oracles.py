@@ -178,7 +178,7 @@ def test_compounding_drift_stays_under_the_single_step_tolerance(baselines):
     policy = roc.single_step_policy(problem)
     with ablation.get("replay.compounding_drift").apply():
         run = run_both(problem)
-    verdict = judge_result(policy, "replay.sd3.growth.single_step", run.batched.prev_sample_means,
+    verdict = judge_result(policy, run.batched.prev_sample_means,
                            run.serial.prev_sample_means, problem.target, "prev_sample_means")
     assert verdict.passed, verdict.describe()
     drift = (run.batched.prev_sample_means - run.serial.prev_sample_means).abs().flatten(2).amax(dim=(0, 2))

@@ -68,7 +68,7 @@ def _parity_and_combine_pass(family: ReplayFamily, adapter) -> None:
     conditions = family.example_conditions(adapter, BATCH, 2, torch.Generator().manual_seed(6))
     problem = make_problem(f"{family.name}.cfg2", adapter, conditions, seed=2, latent_shape=adapter.latent_shape)
     policy = local_scale_policy(measure_batch_shape_control(problem), "log_probs", torch.float32)
-    verdict = compare_replay(problem, policy, f"replay.{family.name}.cfg2.log_probs")
+    verdict = compare_replay(problem, policy)
     assert verdict.passed, verdict.describe()
     x = problem.segment.latent_at(0).float()
     fused = concat_branches(conditions.negative, conditions) if conditions.negative is not None else conditions

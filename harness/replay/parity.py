@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from harness import conformance
-from harness.compare import Policy, Verdict, exact, expect
+from harness.compare import UNSTAMPED, Policy, Verdict, exact, holds
 from harness.replay.controls import QUANTITIES
 from harness.replay.problem import ReplayProblem
 from harness.replay.replay import replay_batched, replay_serial
@@ -82,13 +82,13 @@ def require_fast_path(verdict: Verdict, problem: ReplayProblem, batched_forwards
     return verdict
 
 
-def judge_result(policy: Policy, check_id: str, actual: torch.Tensor, expected: torch.Tensor,
+def judge_result(policy: Policy, actual: torch.Tensor, expected: torch.Tensor,
                  target: Sequence[int], what: str) -> Verdict:
     """Judge ``[B, S, ...]`` tensors over every row and step; a shape mismatch is a failed fact."""
     if actual.shape != expected.shape:
-        return expect(check_id, False, f"{what} has the serial shape {list(expected.shape)}",
-                      actual_shape=str(list(actual.shape)), expected_shape=str(list(expected.shape)))
-    verdict = policy.judge(check_id, actual, expected, dims=("row", "step"), labels={"step": list(target)},
+        return holds(False, f"{what} has the serial shape {list(expected.shape)}",
+                     actual_shape=str(list(actual.shape)), expected_shape=str(list(expected.shape)))
+    verdict = policy.judge(UNSTAMPED, actual, expected, dims=("row", "step"), labels={"step": list(target)},
                            what=what)
     verdict = verdict.require(verdict.metrics.get("total") == expected.numel(), "every row and step compared")
     if not verdict.passed:  # which target steps went wrong, in target order: one bug hits one step, another all
@@ -99,20 +99,20 @@ def judge_result(policy: Policy, check_id: str, actual: torch.Tensor, expected: 
     return verdict
 
 
-def compare_replay(problem: ReplayProblem, policy: Policy, check_id: str, what: str = "log_probs") -> Verdict:
+def compare_replay(problem: ReplayProblem, policy: Policy, what: str = "log_probs") -> Verdict:
     """Batched ``what`` (log_probs or prev_sample_means) against serial, with both spies."""
     if what not in QUANTITIES:
         raise ValueError(f"what must be one of {QUANTITIES}, got {what!r}")
     run = run_both(problem)
     if run.batched is None:
-        return expect(check_id, False, "batched replay returned a result (no silent fallback)",
-                      batched_forwards=str(list(run.batched_forwards)))
-    verdict = judge_result(policy, check_id, getattr(run.batched, what), getattr(run.serial, what),
+        return holds(False, "batched replay returned a result (no silent fallback)",
+                     batched_forwards=str(list(run.batched_forwards)))
+    verdict = judge_result(policy, getattr(run.batched, what), getattr(run.serial, what),
                            problem.target, what)
     return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)
 
 
-def compare_replay_determinism(problem: ReplayProblem, check_id: str) -> Verdict:
+def compare_replay_determinism(problem: ReplayProblem) -> Verdict:
     """The batched replay run twice on the same segment: exp(logp_2 - logp_1) == 1 exactly, and the
     transition means bitwise equal. A replay that re-samples instead of scoring the stored latent, or
     carries state between calls, breaks it. (The on-policy ratio against the rollout's recorded
@@ -120,9 +120,9 @@ def compare_replay_determinism(problem: ReplayProblem, check_id: str) -> Verdict
     first, first_forwards = run_batched(problem)
     second, _ = run_batched(problem)
     if first is None or second is None:
-        return expect(check_id, False, "batched replay returned a result on both runs (no silent fallback)")
+        return holds(False, "batched replay returned a result on both runs (no silent fallback)")
     ratio = torch.exp(second.log_probs - first.log_probs)
-    verdict = judge_result(exact(), check_id, ratio, torch.ones_like(ratio), problem.target, "ratio run2/run1")
-    verdict = verdict.merge(judge_result(exact(), check_id, second.prev_sample_means, first.prev_sample_means,
+    verdict = judge_result(exact(), ratio, torch.ones_like(ratio), problem.target, "ratio run2/run1")
+    verdict = verdict.merge(judge_result(exact(), second.prev_sample_means, first.prev_sample_means,
                                          problem.target, "prev_sample_means run2 vs run1"))
     return require_fast_path(verdict, problem, first_forwards)
