@@ -27,7 +27,7 @@ from fixtures.replay_families import family_names
 from fixtures.replay_models import tiny_model
 from harness import growth
 from harness.checks import CheckContext, register
-from harness.compare import Close, Verdict, close, expect, max_abs_diff, noise_floor
+from harness.compare import UNSTAMPED, Close, Verdict, close, holds, max_abs_diff, noise_floor
 from harness.floors import StockFloor
 from harness.growth import growth_ratio
 from harness.replay import denoiser, oracles
@@ -124,35 +124,33 @@ def _prev(inputs: SDEInputs, mean: torch.Tensor, std: torch.Tensor) -> torch.Ten
     return fp32.to(torch.bfloat16)
 
 
-def _bounded(check_id: str, what: str, actual: torch.Tensor, oracle: torch.Tensor, control: float,
+def _bounded(what: str, actual: torch.Tensor, oracle: torch.Tensor, control: float,
              scale: float) -> Verdict:
     """error <= K x control; the control (the formula in fp32 vs fp64) has a minimum of one fp32 ulp of the
     quantity's scale (a formula evaluated exactly in fp32 has error 0), and K must lie in [K_MIN, K_MAX]."""
     floor = StockFloor(control, scale, ORACLE_FLOOR_ULPS, source="the DESIGN formula in fp32 vs fp64")
     policy = noise_floor(floor.value, k=K_ORACLE, reason=f"{what}: fp32 rounding; {floor.describe()}")
-    verdict = policy.judge(check_id, actual.double(), oracle.double(), dims=("row",), what=what)
+    verdict = policy.judge(UNSTAMPED, actual.double(), oracle.double(), dims=("row",), what=what)
     verdict = verdict.require(floor.value > 0 and math.isfinite(floor.value),
                               f"{what}: control floor measured (finite, > 0)", control=control)
     return verdict.require_bounded(policy.bound, floor, k_min=K_MIN, k_max=K_MAX, what=f"{what} tolerance")
 
 
 def oracle_mean(name: str, ctx: CheckContext) -> Verdict:
-    check_id = f"replay.oracle.{name}.mean"
     flavour, inputs = FLAVOURS[name], sde_inputs()
     mean, _ = flavour.strategy.transition(inputs.x, inputs.v, inputs.sigma, inputs.sigma_next, inputs.sigma_max)
     oracle, _ = _oracle_transition(flavour, inputs)
     control, _ = _control_transition(flavour, inputs)
-    return _bounded(check_id, "transition mean", mean, oracle, max_abs_diff(control.double(), oracle),
+    return _bounded("transition mean", mean, oracle, max_abs_diff(control.double(), oracle),
                     float(oracle.abs().max()))
 
 
 def oracle_std(name: str, ctx: CheckContext) -> Verdict:
-    check_id = f"replay.oracle.{name}.std"
     flavour, inputs = FLAVOURS[name], sde_inputs()
     _, std = flavour.strategy.transition(inputs.x, inputs.v, inputs.sigma, inputs.sigma_next, inputs.sigma_max)
     _, oracle = _oracle_transition(flavour, inputs)
     _, control = _control_transition(flavour, inputs)
-    return _bounded(check_id, "transition std", std, oracle, max_abs_diff(control.double(), oracle),
+    return _bounded("transition std", std, oracle, max_abs_diff(control.double(), oracle),
                     float(oracle.abs().max()))
 
 
@@ -167,12 +165,11 @@ def _scored(flavour: Flavour, inputs: SDEInputs) -> tuple[torch.Tensor, torch.Te
 
 def oracle_log_prob_fp64(name: str, ctx: CheckContext) -> Verdict:
     """sde_step's log-prob of a bf16-stored draw against the DESIGN formula in fp64."""
-    check_id = f"replay.oracle.{name}.log_prob_fp64"
     flavour, inputs = FLAVOURS[name], sde_inputs()
     log_prob, prev, mean64, std64 = _scored(flavour, inputs)
     oracle = oracles.gaussian_log_prob64(prev, mean64, std64)
     control = _control_log_prob(prev, mean64, std64)
-    return _bounded(check_id, "log_prob", log_prob, oracle, max_abs_diff(control.double(), oracle),
+    return _bounded("log_prob", log_prob, oracle, max_abs_diff(control.double(), oracle),
                     float(oracle.abs().max()))
 
 
@@ -186,13 +183,12 @@ def _control_log_prob(prev: torch.Tensor, mean64: torch.Tensor, std64: torch.Ten
 
 def oracle_log_prob_normal(name: str, ctx: CheckContext) -> Verdict:
     """sde_step's log-prob against torch.distributions.Normal, averaged over non-batch dims."""
-    check_id = f"replay.oracle.{name}.log_prob_normal"
     flavour, inputs = FLAVOURS[name], sde_inputs()
     log_prob, prev, mean64, std64 = _scored(flavour, inputs)
     scale64 = std64.reshape(-1, 1, 1, 1).expand_as(mean64)
     reference = torch.distributions.Normal(mean64, scale64).log_prob(prev.double()).flatten(1).mean(dim=1)
     control = torch.distributions.Normal(mean64.float(), scale64.float()).log_prob(prev.float()).flatten(1).mean(dim=1)
-    verdict = _bounded(check_id, "log_prob vs Normal", log_prob, reference,
+    verdict = _bounded("log_prob vs Normal", log_prob, reference,
                        max_abs_diff(control.double(), reference), float(reference.abs().max()))
     return verdict.require(prev.dtype == torch.bfloat16, "prev scored as stored, round-tripped through bf16")
 
@@ -215,7 +211,6 @@ for _name in FLAVOURS:
 def rollout_draws(ctx: CheckContext) -> Verdict:
     """A seeded rollout's SDE draws, standardised by the fp64 oracle's mean and std, have mean 0 and
     variance 1 within DRAW_SIGMAS standard errors of the number of draws."""
-    check_id = "replay.oracle.rollout.draws"
     gen = torch.Generator().manual_seed(31)
     adapter = FakeDenoiser(FUSED_COND_FIRST, FAKE_LATENT, 31)
     conditions = fused_conditions(DRAW_ROWS, HI3_FIELDS, 1, gen)
@@ -240,7 +235,7 @@ def rollout_draws(ctx: CheckContext) -> Verdict:
     error = (moments - torch.tensor([0.0, 1.0], dtype=torch.float64)).abs() / bounds
     policy = close(atol=1.0, rtol=0.0, reason=f"standardised draws: |mean| <= {DRAW_SIGMAS:g}/sqrt(n), "
                                               f"|var - 1| <= {DRAW_SIGMAS:g} sqrt(2/(n-1)), n = {n}")
-    verdict = policy.judge(check_id, error, torch.zeros_like(error), dims=("moment",),
+    verdict = policy.judge(UNSTAMPED, error, torch.zeros_like(error), dims=("moment",),
                            labels={"moment": ["mean", "variance"]}, what="moment error in standard errors")
     return verdict.with_metrics(draws=n, sample_mean=float(moments[0]), sample_var=float(moments[1]),
                                 mean_bound=float(bounds[0]), var_bound=float(bounds[1]))
@@ -276,7 +271,6 @@ def _cfg_case(layout: str) -> tuple[FakeDenoiser, Conditions, Conditions, Condit
 def cfg_standard(case: str, layout: str, ctx: CheckContext) -> Verdict:
     """predict_velocity's guided velocity against uncond + g (cond - uncond) in fp64 of the two
     branches run alone."""
-    check_id = f"replay.oracle.cfg.{case}"
     adapter, guided, cond, uncond = _cfg_case(layout)
     gen = torch.Generator().manual_seed(42)
     x = torch.randn((guided.batch, *FAKE_LATENT), generator=gen)
@@ -287,7 +281,7 @@ def cfg_standard(case: str, layout: str, ctx: CheckContext) -> Verdict:
     v_uncond = adapter.forward(x, timestep, uncond)
     oracle = oracles.cfg_standard64(v_cond, v_uncond, GUIDANCE)
     control = v_uncond + GUIDANCE * (v_cond - v_uncond)
-    return _bounded(check_id, f"CFG velocity (g={GUIDANCE:g})", velocity, oracle,
+    return _bounded(f"CFG velocity (g={GUIDANCE:g})", velocity, oracle,
                     max_abs_diff(control.double(), oracle), float(oracle.abs().max()))
 
 
@@ -352,7 +346,7 @@ def ratio_stock_floor(problem: ReplayProblem, floors: tuple[float, float, float]
                       source=f"serial replay vs rollout {rollout_floor:.2e}, batch shape {batch_shape_floor:.2e}")
 
 
-def pi_old_vs_rollout(check_id: str, problem: ReplayProblem, floors: tuple[float, float, float]) -> Verdict:
+def pi_old_vs_rollout(problem: ReplayProblem, floors: tuple[float, float, float]) -> Verdict:
     """exp(logp replayed through the batched path - logp recorded at rollout) == 1 per row and step,
     within a multiple of the stock floor measured on the reference rollout."""
     recorded = problem.segment.recorded_log_probs(problem.target)
@@ -361,7 +355,7 @@ def pi_old_vs_rollout(check_id: str, problem: ReplayProblem, floors: tuple[float
     policy = close(atol=atol, rtol=0.0, reason=f"{RATIO_FLOOR_MULTIPLE:g} x the ratio's stock {stock.describe()}")
     result, forwards = run_batched(problem)
     if result is None:
-        return expect(check_id, False, "batched replay returned a result for pi_old")
+        return holds(False, "batched replay returned a result for pi_old")
     ratio = torch.exp(result.log_probs.double() - recorded.double())
     verdict = judge_result(policy, ratio, torch.ones_like(ratio), problem.target, "pi_old ratio")
     verdict = verdict.require(math.isfinite(stock.value), "stock floor of the pi_old ratio measured (finite)",
@@ -371,7 +365,7 @@ def pi_old_vs_rollout(check_id: str, problem: ReplayProblem, floors: tuple[float
 
 
 def fake_pi_old_vs_rollout(case: str, ctx: CheckContext) -> Verdict:
-    return pi_old_vs_rollout(f"replay.{case}.pi_old_vs_rollout", fresh_problem(case), fake_ratio_floor(case))
+    return pi_old_vs_rollout(fresh_problem(case), fake_ratio_floor(case))
 
 
 for _case in ("cfg2", "uncond_first"):
@@ -383,7 +377,7 @@ for _case in ("cfg2", "uncond_first"):
 def flux_pi_old_vs_rollout(ctx: CheckContext) -> Verdict:
     """Tiny Flux (fused cond-first): the batched pi_old ratio against the rollout's record, within the
     measured fp32 floor."""
-    return pi_old_vs_rollout("replay.flux.cfg2.pi_old_vs_rollout", fresh_real_problem("flux", 2),
+    return pi_old_vs_rollout(fresh_real_problem("flux", 2),
                              real_ratio_floor("flux", 2))
 
 
@@ -447,12 +441,11 @@ def single_step_policy(problem: ReplayProblem) -> Close:
 def error_growth(family: str, ctx: CheckContext) -> Verdict:
     """A family's tiny model over all T steps: the per-step error of the batched means (mean |batched - serial|)
     may grow at most GROWTH_BUDGET x as fast as the stock floor (serial at B rows vs at the fast path's shape)."""
-    check_id = f"replay.{family}.growth.prev_sample_means"
     problem = growth_problem(family)
     run, curve, floor = error_curves(problem, family)
     if curve is None:
-        return expect(check_id, False, "batched replay returned a result (no silent fallback)")
-    verdict = growth.judge_growth(check_id, curve, floor, torch.tensor(resolution_curve(family), dtype=torch.float64),
+        return holds(False, "batched replay returned a result (no silent fallback)")
+    verdict = growth.judge_growth(UNSTAMPED, curve, floor, torch.tensor(resolution_curve(family), dtype=torch.float64),
                                   control=f"stock serial at B rows vs serial with every forward at the fast path's "
                                           f"{problem.batched_rows}-row shape, mean |d| of the means per step")
     return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)

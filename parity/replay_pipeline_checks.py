@@ -42,7 +42,7 @@ def oracle_record(family: str) -> tuple[ModelAdapter, pipeline_oracle.PipelineRe
 
 def pipeline_oracle_check(family: str, ctx: CheckContext) -> Verdict:
     adapter, record = oracle_record(family)
-    return pipeline_oracle.judge_family(f"replay.oracle.pipeline.{family}", get_family(family), adapter, record)
+    return pipeline_oracle.judge_family(get_family(family), adapter, record)
 
 
 for _family in FAMILIES:

@@ -59,7 +59,7 @@ def _oracle(family: ReplayFamily, base: str):
     prompts = adapter.example_prompts(BATCH, 2, torch.Generator().manual_seed(4))
     latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(5))
     record = pipeline_oracle.run_pipeline(family, adapter, prompts, latents, GUIDANCE)
-    return adapter, pipeline_oracle.judge_family(f"replay.oracle.pipeline.{family.name}", family, adapter, record)
+    return adapter, pipeline_oracle.judge_family(family, adapter, record)
 
 
 def _parity_and_combine_pass(family: ReplayFamily, adapter) -> None:
@@ -116,4 +116,4 @@ def test_prompts_that_do_not_differ_from_the_negative_ones_are_refused():
     latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(5))
     record = pipeline_oracle.run_pipeline(SANA, adapter, prompts, latents, GUIDANCE)
     with pytest.raises(pipeline_oracle.OracleError, match="matches 2 rows of prompt_embeds / negative_prompt_embeds"):
-        pipeline_oracle.judge_family("replay.oracle.pipeline.sana", SANA, adapter, record)
+        pipeline_oracle.judge_family(SANA, adapter, record)

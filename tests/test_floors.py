@@ -93,11 +93,11 @@ def test_replay_oracle_bound(ulps):
 
     oracle = torch.tensor([2.0, -4.0, 0.5], dtype=torch.float64)
     scale = float(oracle.abs().max())
-    verdict = _bounded("t.oracle", "mean", oracle + EPS * scale, oracle, ulps * EPS * scale, scale)
+    verdict = _bounded("mean", oracle + EPS * scale, oracle, ulps * EPS * scale, scale)
     assert verdict.passed, verdict.describe()
     assert verdict.metrics["bound"] >= K_ORACLE * EPS * scale
     assert verdict.metrics["floor_at_minimum"] == (ulps < 1)
-    far = _bounded("t.oracle", "mean", oracle + 2 * verdict.metrics["bound"], oracle, ulps * EPS * scale, scale)
+    far = _bounded("mean", oracle + 2 * verdict.metrics["bound"], oracle, ulps * EPS * scale, scale)
     assert not far.passed
 
 
