@@ -25,7 +25,7 @@ from fixtures.ar_cases import CASES, EXTRA, ARCase, eos_for_one_stop, eos_for_st
 from harness.ar import loop, suite, verdicts
 from harness.ar.spy import ARForwardSpy
 from harness.checks import CheckContext, register
-from harness.compare import Verdict, close
+from harness.compare import UNSTAMPED, Verdict, close
 
 MODELS = ar_models.BACKENDS
 FINISHED_STOPS = {0: 1, 2: 3}  # row -> decode step whose reference token becomes an EOS id
@@ -75,14 +75,14 @@ def _finished_eos(model: str) -> tuple[int, ...]:
 
 
 def _case_check(model: str, case: ARCase, what: str, ctx: CheckContext) -> Verdict:
-    return suite.compare_batched(f"ar.{model}.{case.name}.{what}", what, ar_models.backend(model), case.batch(),
+    return suite.compare_batched(what, ar_models.backend(model), case.batch(),
                                  case.max_new_tokens, _policies(model, case), _stopped(model, case),
                                  _eos(model, case))
 
 
 def _padded_b1(model: str, ctx: CheckContext) -> Verdict:
     case = EXTRA["padded_b1"]
-    return suite.compare_padded_b1(f"ar.{model}.padded_b1.equals_unpadded", ar_models.backend(model), case.batch(),
+    return suite.compare_padded_b1(ar_models.backend(model), case.batch(),
                                    case.max_new_tokens, _policies(model, case), _stopped(model, case),
                                    _eos(model, case))
 
@@ -94,7 +94,7 @@ def _rollout_vs_replay(model: str, ctx: CheckContext) -> Verdict:
     policy = close(atol=atol, rtol=0.0, reason=(
         f"fp32: cached batched decode vs one cache-free unpadded forward per row; {verdicts.TOLERANCE_K:g} x "
         f"{floor.describe('logp')}"))
-    verdict = suite.compare_rollout_vs_replay(f"ar.{model}.rollout_vs_replay", ar_models.backend(model),
+    verdict = suite.compare_rollout_vs_replay(ar_models.backend(model),
                                               case.batch(), case.max_new_tokens, policy, _eos(model, case))
     return verdicts.require_floor_bounds(verdict, atol, floor, "logp")
 
@@ -102,14 +102,14 @@ def _rollout_vs_replay(model: str, ctx: CheckContext) -> Verdict:
 def _finished_rows(model: str, ctx: CheckContext) -> Verdict:
     case = EXTRA["finished_rows"]
     eos = _finished_eos(model)
-    return suite.compare_finished_rows(f"ar.{model}.finished_rows", ar_models.backend(model), case.batch(),
+    return suite.compare_finished_rows(ar_models.backend(model), case.batch(),
                                        case.max_new_tokens, eos, _policies(model, case),
                                        _reference(model, case, eos=eos))
 
 
 def _nan_unused_slots(model: str, ctx: CheckContext) -> Verdict:
     case = EXTRA["nan_unused_slots"]
-    return suite.compare_nan_unused_slots(f"ar.{model}.nan_unused_slots", ar_models.backend(model, "read_safe"),
+    return suite.compare_nan_unused_slots(ar_models.backend(model, "read_safe"),
                                           case.batch(), case.max_new_tokens, _policies(model, case),
                                           _stopped(model, case, "read_safe"), _eos(model, case, "read_safe"))
 
@@ -120,7 +120,7 @@ def _oracle(model: str, ctx: CheckContext) -> Verdict:
     policy = close(atol=ORACLE_ULPS * verdicts.FP32_EPS * scale, rtol=0.0, reason=(
         f"fp32 log_softmax vs fp64 over the same logits: {ORACLE_ULPS:g} fp32 ulps of the stock run's max |logit| "
         f"{scale:.3g} (a log-prob is a logit minus a log-sum-exp of that size)"))
-    return suite.check_greedy_logp_oracle(f"ar.{model}.oracle.greedy_logp", ar_models.backend(model), case.batch(),
+    return suite.check_greedy_logp_oracle(ar_models.backend(model), case.batch(),
                                           case.max_new_tokens, policy, _eos(model, case))
 
 
@@ -139,12 +139,12 @@ def _growth(model: str, ctx: CheckContext) -> Verdict:
     fast_rollout = suite.fast_rollout()
     with ARForwardSpy(backend.model) as spy:
         fast = fast_rollout(backend, batch, case.max_new_tokens, eos)
-    verdict = verdicts.judge_growth(f"ar.{model}.growth.logp", fast, reference, control)
+    verdict = verdicts.judge_growth(UNSTAMPED, fast, reference, control)
     return verdicts.require_path(verdict, spy, batch.batch_size)
 
 
 def _missing_real_pos(case: ARCase, ctx: CheckContext) -> Verdict:
-    return suite.check_missing_real_pos(f"ar.missing_real_pos.b{case.batch_size}", ar_models.backend("fake"),
+    return suite.check_missing_real_pos(ar_models.backend("fake"),
                                         case.batch(), case.max_new_tokens, eos=(1,))
 
 

@@ -299,7 +299,7 @@ def test_finished_rows_needs_a_row_that_kept_generating() -> None:
     assert ends == [2, 2], "fixture: both rows stop at step 1"
     reference = loop.stock_rollout(backend, batch.prompts(), 4, eos)
     policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
-    verdict = suite.compare_finished_rows("ar.fake.test.finished", backend, batch, 4, eos, policies, reference)
+    verdict = suite.compare_finished_rows(backend, batch, 4, eos, policies, reference)
     assert verdict.violated_facts == [EARLY_FACT]
 
 
@@ -332,7 +332,7 @@ def test_nan_probe_that_planted_nothing_proves_nothing() -> None:
     live = EverySlotLive(backend)
     live.steps = 2
     policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
-    verdict = suite.compare_nan_unused_slots("ar.fake.test.nan", live, batch, 2, policies, reference)
+    verdict = suite.compare_nan_unused_slots(live, batch, 2, policies, reference)
     assert verdict.metrics["poisoned_slots"] == 0 and NAN_FACT in verdict.violated_facts
     assert FINITE_FACT not in verdict.violated_facts
 
@@ -343,7 +343,7 @@ def test_nan_probe_of_one_static_row_with_one_unused_slot(monkeypatch: pytest.Mo
     reference = loop.stock_rollout(backend, batch.prompts(), 1)
     monkeypatch.setattr(ar_cache, "cache_is_dynamic", lambda batch_size: False)
     policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
-    verdict = suite.compare_nan_unused_slots("ar.fake.test.nan", backend, batch, 1, policies, reference)
+    verdict = suite.compare_nan_unused_slots(backend, batch, 1, policies, reference)
     assert verdict.metrics["poisoned_slots"] == 1 and NAN_FACT not in verdict.violated_facts
 
 
@@ -369,7 +369,7 @@ def test_finished_rows_fact_sees_a_stray_write() -> None:
     reference = loop.stock_rollout(backend, batch.prompts(), 4, eos)
     policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
     stray = StrayWrite(backend, 0, [11], 0.5)  # row 0 owns slots 5, 6 after the prefill
-    verdict = suite.compare_finished_rows("ar.fake.test.finished", stray, batch, 4, eos, policies, reference)
+    verdict = suite.compare_finished_rows(stray, batch, 4, eos, policies, reference)
     assert verdict.violated_facts == [FOOTPRINT_FACT] and verdict.metrics["stray_writes"] == {"0": [11]}
 
 
@@ -378,7 +378,7 @@ def test_nan_fact_sees_a_mask_that_reads_pads() -> None:
     batch = right_padded_batch(prompt_ids((4, 6), seed=64), PAD)
     reference = loop.stock_rollout(backend, batch.prompts(), 3)
     policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
-    verdict = suite.compare_nan_unused_slots("ar.fake.test.nan", AdmitsPads(backend), batch, 3, policies, reference)
+    verdict = suite.compare_nan_unused_slots(AdmitsPads(backend), batch, 3, policies, reference)
     assert FINITE_FACT in verdict.violated_facts and verdict.metrics["nonfinite_logits"] == 2 * V
 
 

@@ -33,7 +33,7 @@ def _runner_up_once(original):
 
 def _oracle() -> list[str]:
     case = EXTRA["rollout_vs_replay"]
-    verdict = suite.check_greedy_logp_oracle("ar.fake.oracle.greedy_logp", ar_models.backend("fake"), case.batch(),
+    verdict = suite.check_greedy_logp_oracle(ar_models.backend("fake"), case.batch(),
                                              case.max_new_tokens, close(atol=1e-5, rtol=0.0))
     return verdict.violated_facts
 

@@ -16,7 +16,7 @@ from harness.ar import loop, probes, verdicts
 from harness.ar.batch import ARBatch
 from harness.ar.replay import teacher_forced_logp
 from harness.ar.spy import ARForwardSpy
-from harness.compare import Policy, Verdict, expect_raises
+from harness.compare import UNSTAMPED, Policy, Verdict, raises
 
 __all__ = [
     "CASE_QUANTITIES",
@@ -48,43 +48,43 @@ def _fast(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] 
     return rollout, spy
 
 
-def compare_batched(check_id: str, what: str, backend: Any, batch: ARBatch, max_new_tokens: int,
+def compare_batched(what: str, backend: Any, batch: ARBatch, max_new_tokens: int,
                     policies: verdicts.ARPolicies, reference: loop.Rollout, eos: Sequence[int] = ()) -> Verdict:
     """One quantity (tokens / logp / prefill_kv / slot0) of the batched rollout vs per-row B=1 runs (the
     reference stopped at ``eos`` like the rollout)."""
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
-    verdict = verdicts.compare_case(what, check_id, fast, reference, policies)
+    verdict = verdicts.compare_case(what, UNSTAMPED, fast, reference, policies)
     return verdicts.require_path(verdict, spy, batch.batch_size)
 
 
-def compare_padded_b1(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int,
+def compare_padded_b1(backend: Any, batch: ARBatch, max_new_tokens: int,
                       policies: verdicts.ARPolicies, reference: loop.Rollout, eos: Sequence[int] = ()) -> Verdict:
     """A right-padded B=1 prompt through the fast path equals the unpadded prompt's stock run."""
     if batch.batch_size != 1 or batch.real_pos is None or int(batch.real_pos[0, 0]) >= batch.width:
         raise ValueError("compare_padded_b1 needs one right-padded row (real_pos < width)")
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
-    verdict = verdicts.compare_case("tokens", check_id, fast, reference, policies)
+    verdict = verdicts.compare_case("tokens", UNSTAMPED, fast, reference, policies)
     for what in ("logp", "prefill_kv"):
-        verdict = verdict.merge(verdicts.compare_case(what, check_id, fast, reference, policies))
+        verdict = verdict.merge(verdicts.compare_case(what, UNSTAMPED, fast, reference, policies))
     return verdicts.require_path(verdict, spy, 1)
 
 
-def compare_rollout_vs_replay(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int,
+def compare_rollout_vs_replay(backend: Any, batch: ARBatch, max_new_tokens: int,
                               policy: Policy, eos: Sequence[int] = ()) -> Verdict:
     """The batched rollout's recorded log-probs equal a teacher-forced, unpadded replay of its own tokens."""
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
     replayed = teacher_forced_logp(backend, batch.prompts(), fast)
-    verdict = policy.judge(check_id, fast.logp, replayed, dims=("row", "step"), what="rollout vs replay log_probs")
+    verdict = policy.judge(UNSTAMPED, fast.logp, replayed, dims=("row", "step"), what="rollout vs replay log_probs")
     return verdicts.require_path(verdict, spy, batch.batch_size)
 
 
-def compare_finished_rows(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int],
+def compare_finished_rows(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int],
                           policies: verdicts.ARPolicies, reference: loop.Rollout) -> Verdict:
     """Rows that emit EOS stop sampling and stop writing KV; each equals its B=1 run stopped at EOS."""
     run = probes.footprint_rollout(backend, batch, max_new_tokens, tuple(eos), rollout=fast_rollout())
     fast = run.rollout
-    verdict = verdicts.compare_case("tokens", check_id, fast, reference, policies)
-    verdict = verdict.merge(verdicts.compare_case("logp", check_id, fast, reference, policies))
+    verdict = verdicts.compare_case("tokens", UNSTAMPED, fast, reference, policies)
+    verdict = verdict.merge(verdicts.compare_case("logp", UNSTAMPED, fast, reference, policies))
     lengths, ref_lengths = fast.lengths.tolist(), reference.lengths.tolist()
     verdict = verdict.require(lengths == ref_lengths, "every row stops where its B=1 run stopped at EOS",
                               lengths=lengths, reference_lengths=ref_lengths)
@@ -97,12 +97,12 @@ def compare_finished_rows(check_id: str, backend: Any, batch: ARBatch, max_new_t
     return verdicts.require_path(verdict, run.spy, batch.batch_size)
 
 
-def compare_nan_unused_slots(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int,
+def compare_nan_unused_slots(backend: Any, batch: ARBatch, max_new_tokens: int,
                              policies: verdicts.ARPolicies, reference: loop.Rollout,
                              eos: Sequence[int] = ()) -> Verdict:
     """NaN in every unused or dead cache slot; every logit stays finite and the tokens stay right."""
     run = probes.nan_probe_rollout(backend, batch, max_new_tokens, tuple(eos), rollout=fast_rollout())
-    verdict = verdicts.compare_case("tokens", check_id, run.rollout, reference, policies)
+    verdict = verdicts.compare_case("tokens", UNSTAMPED, run.rollout, reference, policies)
     verdict = verdict.require(run.static and run.poisoned_slots > 0,
                               "NaN planted in every unused slot before the run and every dead slot after prefill",
                               poisoned_slots=run.poisoned_slots)
@@ -113,14 +113,14 @@ def compare_nan_unused_slots(check_id: str, backend: Any, batch: ARBatch, max_ne
     return verdicts.require_path(verdict, run.spy, batch.batch_size)
 
 
-def check_missing_real_pos(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int,
+def check_missing_real_pos(backend: Any, batch: ARBatch, max_new_tokens: int,
                            eos: Sequence[int] = ()) -> Verdict:
     """Without tokenizer_output.real_pos the rollout refuses to start with a ValueError naming real_pos (at any
     batch size), before any forward."""
     rollout_fn = fast_rollout()
     with ARForwardSpy(backend.model) as spy:
-        verdict = expect_raises(check_id, lambda: rollout_fn(backend, batch.without_real_pos(), max_new_tokens,
-                                                             tuple(eos)), ValueError, match="real_pos")
+        verdict = raises(lambda: rollout_fn(backend, batch.without_real_pos(), max_new_tokens,
+                                    tuple(eos)), ValueError, match="real_pos")
     return verdict.require(not spy.calls, "refused before any forward", forwards=len(spy.calls))
 
 
@@ -138,7 +138,7 @@ def _oracle_errors(rollout: loop.Rollout) -> tuple[torch.Tensor, torch.Tensor, i
     return torch.cat(recorded), torch.cat(oracle), off
 
 
-def check_greedy_logp_oracle(check_id: str, backend: Any, batch: ARBatch, max_new_tokens: int,
+def check_greedy_logp_oracle(backend: Any, batch: ARBatch, max_new_tokens: int,
                              policy: Policy, eos: Sequence[int] = ()) -> Verdict:
     """Both rollouts' greedy picks and recorded log-probs against an fp64 softmax of their own logits.
 
@@ -148,7 +148,7 @@ def check_greedy_logp_oracle(check_id: str, backend: Any, batch: ARBatch, max_ne
     stock = loop.stock_rollout(backend, batch.prompts(), max_new_tokens, tuple(eos))
     fast_rec, fast_oracle, fast_off = _oracle_errors(fast)
     stock_rec, stock_oracle, stock_off = _oracle_errors(stock)
-    verdict = policy.judge(check_id, torch.cat([fast_rec, stock_rec]), torch.cat([fast_oracle, stock_oracle]),
+    verdict = policy.judge(UNSTAMPED, torch.cat([fast_rec, stock_rec]), torch.cat([fast_oracle, stock_oracle]),
                            dims=("step",), what="recorded log-prob vs fp64 softmax")
     verdict = verdict.require(fast_off == 0 and stock_off == 0, "every token is the fp64 argmax of its logits",
                               fast_tokens_off_argmax=fast_off, stock_tokens_off_argmax=stock_off)
