@@ -13,7 +13,7 @@ pytestmark = pytest.mark.cpu
 
 def test_string_form_is_the_report_id_and_parse_round_trips():
     assert str(CheckId("ar", "qwen3", "b1", "logp")) == "ar.qwen3.b1.logp"
-    assert str(CheckId("replay", case="guard", what="flag_off")) == "replay.guard.flag_off"
+    assert str(CheckId("demo", case="guard", what="off")) == "demo.guard.off"
     assert str(CheckId("ar", "fake", "", "finished_rows")) == "ar.fake.finished_rows"
     for text in ("decode.t37.w4.gather_dst2.bitexact", "replay.cfg1.returns_result", "ar.qwen3.b1.logp"):
         assert str(CheckId.parse(text)) == text
