@@ -93,8 +93,10 @@ def test_a_checkpoint_that_does_not_load_names_the_path(tmp_path):
         load_model(detect(target), torch.float32, "cpu")
 
 
-@pytest.mark.cpu
+@pytest.mark.launch
 def test_wrong_kind_is_a_usage_error_naming_the_path(tmp_path):
+    """A whole pytest process (about 8 s), so it runs with the launchers; tests/test_checkpoints.py holds the
+    in-process refusal of the same kind."""
     target = tmp_path / "unet"
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"_class_name": "UNet2DConditionModel"}))

@@ -10,7 +10,7 @@ would not see it.
 from __future__ import annotations
 
 import contextlib
-import inspect
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,8 +150,7 @@ def ablation(name: str, seam: str, replacement: Callable[..., Any], *, kills: Se
     if "hang" in used and hang_timeout_s is None:
         raise ValueError(f"ablation {name!r}: a 'hang' kill must bound its wait (hang_timeout_s=...)")
     split_ref(seam, "seam", "function")
-    frame = inspect.stack()[1]
-    origin = frame.frame.f_globals.get("__name__", "")
+    origin = sys._getframe(1).f_globals.get("__name__", "")  # inspect.stack() reads every frame's source
     overrides = {c: m for c, m in claims.items() if m != kill_mode}
     facts = dict(fact) if isinstance(fact, Mapping) else ({c: fact for c in claims} if fact else {})
     item = Ablation(name, seam, replacement, tuple(claims), why, kill_mode, overrides, facts, wraps, tuple(raises),

@@ -27,6 +27,13 @@ ENCODES = ["decode.encode.f40.w2.bitexact", "decode.encode.f51.w4.bitexact",
            "decode.encode.f40.w3.gather_dst1.bitexact", "decode.encode.f40.w2.fp16_autocast.bitexact"]
 FAIL_CLOSED = "every rank raises within"
 
+# How long an ablated world whose ranks block in a collective runs before it is closed. The verdict is the same at any
+# bound (blocked ranks are a broken fail-closed contract either way), so the bound only has to sit well above the time
+# a healthy eight-rank fault world takes to answer (under 1 s on 2 cores in every dispatch lane) and below
+# harness.dist.ERROR_GRACE_S, so one raising rank does not wait out the whole grace. Each blocked kill costs this long.
+BLOCKED_WORLD_S = 2.0
+
+
 # ------------------------------------------------------------------ gathered pieces left in rank-major order
 
 
@@ -123,7 +130,7 @@ ablation(
     why="seed 003's first iteration: agreement from the local piece only leaves 7 ranks blocked in the next "
         "collective when rank 3's decoder raises (reported blocked after the grace period), and a ragged piece "
         "makes gloo abort the mismatched gather; either way not every rank raising ShardedDecodeError together",
-    hang_timeout_s=10.0,
+    hang_timeout_s=BLOCKED_WORLD_S,
     kill_mode="fact",
     fact=FAIL_CLOSED,
 )
@@ -190,7 +197,7 @@ ablation(
     why="issue 13.6: fail-closed only at the probe. A rank whose gather buffers fail stops alone and the other "
         "7 block in the payload all-gather; a rank whose post-loop fails returns nothing while the others return "
         "a video. Either way not every rank raising ShardedDecodeError together",
-    hang_timeout_s=10.0,
+    hang_timeout_s=BLOCKED_WORLD_S,
     kill_mode="fact",
     fact=FAIL_CLOSED,
 )

@@ -27,3 +27,6 @@ if [ ! -f "$stamp" ]; then
 fi
 export PATH="$PWD/$PARITY_VENV/bin:$PATH"
 export PARITY_REPORT_DIR
+# pytest rewrites the asserts of ~290 modules at every start; with bytecode kept (__pycache__, git-ignored) it reads
+# them back instead, about 6 s less per run after the first on 2 cores. Mutants are patched in memory, never on disk.
+unset PYTHONDONTWRITEBYTECODE
