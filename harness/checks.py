@@ -1,13 +1,17 @@
 """The registry of named parity checks.
 
-A check is a callable ``fn(ctx) -> Verdict`` registered under an id that reads ``path.case.what``
-(``decode.t37.w8.bitexact``). parity/, mutation/ and gpu/ all generate their tests from this one
-registry, so a check id is the way in: one search finds the function that defines it.
+A check is a callable ``fn(ctx) -> Verdict`` or ``fn() -> Verdict`` registered once, with the policy it is
+judged under, under an id that reads ``path.case.what`` (``decode.t37.w8.bitexact``; built from the
+catalogue's case objects, harness.checkid). The runner passes the run's ``CheckContext`` only to a check
+whose signature takes it (a parameter left unbound), so a check that needs no device, world or capture
+declares none. parity/, mutation/ and gpu/ all generate their tests from this one registry, so a check id
+is the way in: one search finds the function that defines it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,7 +54,15 @@ class CheckContext:
         return self.worlds.get(size)
 
 
-CheckFn = Callable[[CheckContext], Verdict]
+CheckFn = Callable[[CheckContext], Verdict] | Callable[[], Verdict]
+
+
+def takes_context(fn: CheckFn) -> bool:
+    """True when ``fn`` leaves a parameter unbound: the runner then passes it the run's CheckContext."""
+    try:
+        return bool(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: give it the context
+        return True
 
 
 @dataclass(frozen=True)
@@ -61,7 +73,8 @@ class Check:
     doc: str
     module: str
     where: str = ""  # "module:qualname" of the function that computes it (a partial names its function)
-    policy: str = ""  # what it is judged under, when declared at registration (--parity-list prints it)
+    policy: str = ""  # what it is judged under, declared at registration (--parity-list prints it)
+    takes_ctx: bool = True  # the runner passes the CheckContext only to checks whose signature takes it
 
     @property
     def path(self) -> str:
@@ -83,8 +96,8 @@ def _describe_policy(policy: Policy | Callable[..., Policy] | str | None) -> str
 
 def register(check_id: str | CheckId, *, tier: str = "cpu", doc: str = "",
              policy: Policy | Callable[..., Policy] | str | None = None) -> Callable[[CheckFn], CheckFn]:
-    """Register ``fn(ctx) -> Verdict`` under ``check_id`` (with the policy it is judged under, when one
-    is fixed up front); duplicate or malformed ids fail at import."""
+    """Register ``fn(ctx) -> Verdict`` (or ``fn() -> Verdict``) under ``check_id`` with the policy it is judged
+    under; duplicate or malformed ids fail at import."""
     check_id = str(check_id)
     if not CHECK_ID.match(check_id):
         raise ValueError(f"check id {check_id!r} must read 'path.case.what' (lowercase path, dot-separated)")
@@ -97,7 +110,8 @@ def register(check_id: str | CheckId, *, tier: str = "cpu", doc: str = "",
         module = getattr(target, "__module__", "?")
         where = f"{module}:{getattr(target, '__qualname__', getattr(target, '__name__', '?'))}"
         text = doc or next(iter((target.__doc__ or "").strip().splitlines()), "")
-        CHECKS.register(check_id, Check(check_id, fn, tier, text, module, where, described), origin=where)
+        CHECKS.register(check_id, Check(check_id, fn, tier, text, module, where, described,
+                                              takes_context(fn)), origin=where)
         return fn
 
     return decorate
@@ -119,7 +133,8 @@ def run_check(check_id: str | CheckId, ctx: CheckContext) -> Verdict:
     """Run one check and stamp its registered id onto the verdict: check bodies and judges never
     carry ids. A verdict already filed under another id is a bug in the check itself."""
     check_id = str(check_id)
-    verdict = get(check_id).fn(ctx)
+    check = get(check_id)
+    verdict = check.fn(ctx) if check.takes_ctx else check.fn()
     if not isinstance(verdict, Verdict):
         raise TypeError(f"check {check_id!r} returned {type(verdict).__name__}, expected a Verdict")
     if not verdict.check_id:

@@ -31,8 +31,6 @@ __all__ = [
     "bit_patterns",
     "close",
     "exact",
-    "expect",
-    "expect_raises",
     "holds",
     "locate",
     "max_abs_diff",
@@ -296,7 +294,7 @@ class Policy:
     def describe(self) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def judge(self, check_id: str, actual: torch.Tensor, expected: torch.Tensor, *,
+    def judge(self, actual: torch.Tensor, expected: torch.Tensor, *,
               dims: Sequence[str] | None = None, labels: Mapping[str, Sequence[Any]] | None = None,
               what: str = "output") -> Verdict:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -341,9 +339,9 @@ class Exact(Policy):
     def describe(self) -> str:
         return "exact (bitwise)"
 
-    def judge(self, check_id, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
+    def judge(self, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
         if actual.dtype != expected.dtype:
-            return Verdict(check_id, False, {"actual_dtype": str(actual.dtype), "expected_dtype": str(expected.dtype)},
+            return Verdict(UNSTAMPED, False, {"actual_dtype": str(actual.dtype), "expected_dtype": str(expected.dtype)},
                            self.describe(), math.inf, message=f"{what}: dtype {actual.dtype} vs {expected.dtype}")
         metrics = _base_metrics(actual, expected)
         metrics["mismatched"] = mismatched(actual, expected)  # bit patterns, not ==: -0.0 is not +0.0
@@ -365,7 +363,7 @@ class Exact(Policy):
             share = 100 * bad / max(1, metrics["total"])
             message = (f"{what}: mismatched elements: {bad} / {metrics['total']} ({share:.1f}%); "
                        f"greatest absolute difference {_fmt(metrics['max_abs'])} at {where} (0 allowed)")
-        return Verdict(check_id, passed, metrics, self.describe(), 0.0 if passed else math.inf,
+        return Verdict(UNSTAMPED, passed, metrics, self.describe(), 0.0 if passed else math.inf,
                        headline="max_abs", tolerance=0.0, message=message)
 
 
@@ -378,7 +376,7 @@ class Ulp(Policy):
     def describe(self) -> str:
         return f"ulp({self.n})"
 
-    def judge(self, check_id, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
+    def judge(self, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
         metrics = _base_metrics(actual, expected)
         dist = ulp_distance(actual, expected)
         worst = int(dist.max()) if dist.numel() else 0
@@ -393,7 +391,7 @@ class Ulp(Policy):
             message = (f"{what}: {int((dist > self.n).sum())} / {metrics['total']} elements beyond {self.n} ULP; "
                        f"greatest ULP distance {worst} at {locate(_worst(dist), actual.shape, dims, labels)} "
                        f"(up to {self.n} allowed)")
-        return Verdict(check_id, passed, metrics, self.describe(), margin, headline="max_ulp",
+        return Verdict(UNSTAMPED, passed, metrics, self.describe(), margin, headline="max_ulp",
                        tolerance=float(self.n), message=message)
 
 
@@ -422,7 +420,7 @@ class Close(Policy):
         text = f"close(atol={atol}, rtol={rtol})"
         return f"{text} [{self.reason}]" if self.reason else text
 
-    def judge(self, check_id, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
+    def judge(self, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
         atol, rtol = self.resolved(actual.dtype if actual.dtype == expected.dtype else torch.float64)
         metrics = _base_metrics(actual, expected)
         metrics.update(atol=atol, rtol=rtol)
@@ -448,7 +446,7 @@ class Close(Policy):
                        f"({100 * bad / max(1, metrics['total']):.1f}%); greatest absolute difference "
                        f"{_fmt(float(diff.reshape(-1)[at]))} at {locate(at, actual.shape, dims, labels)} "
                        f"(up to {_fmt(float(allowed.reshape(-1)[at]))} allowed)")
-        return Verdict(check_id, passed, metrics, self.describe(actual.dtype), margin, headline="max_abs",
+        return Verdict(UNSTAMPED, passed, metrics, self.describe(actual.dtype), margin, headline="max_abs",
                        tolerance=atol, message=message)
 
 
@@ -478,7 +476,7 @@ class NoiseFloor(Policy):
                 f"+ floor {_fmt(float(self.floor))})")
         return f"{text} [{self.reason}]" if self.reason else text
 
-    def judge(self, check_id, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
+    def judge(self, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
         metrics = _base_metrics(actual, expected)
         metrics.update(control=float(self.control), bound=self.bound)
         error = metrics[self.metric]
@@ -494,7 +492,7 @@ class NoiseFloor(Policy):
             message = (f"{what}: {self.metric} {_fmt(error)} exceeds {self.k:g} x control {_fmt(float(self.control))} "
                        f"+ floor {_fmt(float(self.floor))} = {_fmt(bound)}; worst element at "
                        f"{locate(_worst(diff), actual.shape, dims, labels)}")
-        return Verdict(check_id, passed, metrics, self.describe(), margin, headline=self.metric,
+        return Verdict(UNSTAMPED, passed, metrics, self.describe(), margin, headline=self.metric,
                        tolerance=bound, message=message)
 
 
@@ -553,14 +551,3 @@ def raises(fn: Callable[[], Any], exc: type[BaseException] | tuple[type[BaseExce
     except Exception as err:  # noqa: BLE001 - the wrong exception type is a failed fact
         return holds(False, fact, raised=type(err).__name__, error=str(err)[:300])
     return holds(False, fact, raised="nothing")
-
-
-def expect(check_id: str, ok: bool, fact: str, **metrics: Any) -> Verdict:
-    """``holds`` filed under ``check_id``, for judges that still carry ids."""
-    return dataclasses.replace(holds(ok, fact, **metrics), check_id=check_id)
-
-
-def expect_raises(check_id: str, fn: Callable[[], Any], exc: type[BaseException] | tuple[type[BaseException], ...],
-                  match: str | None = None) -> Verdict:
-    """``raises`` filed under ``check_id``, for judges that still carry ids."""
-    return dataclasses.replace(raises(fn, exc, match), check_id=check_id)

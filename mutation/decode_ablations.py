@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from fixtures.decode_models import installed_vaes
 from harness.ablation import ablation
+from harness.checkid import CheckId
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import Probe, ProbeStatus, ShardedDecodeError
 from harness.decode.serve import bound
@@ -32,6 +33,12 @@ FAIL_CLOSED = "every rank raises within"
 # a healthy eight-rank fault world takes to answer (under 1 s on 2 cores in every dispatch lane) and below
 # harness.dist.ERROR_GRACE_S, so one raising rank does not wait out the whole grace. Each blocked kill costs this long.
 BLOCKED_WORLD_S = 2.0
+
+
+def _installed(worlds: Sequence[int]) -> list[str]:
+    """The seed matrix's bitexact checks on every installed VAE (harness.plugins.VAES) at ``worlds``."""
+    cases = [f"t{frames}.w{world}" for frames in (37, 22, 12) for world in worlds]
+    return [str(check) for check in CheckId.grid("decode", installed_vaes(), cases, ("bitexact",))]
 
 
 # ------------------------------------------------------------------ gathered pieces left in rank-major order
@@ -152,7 +159,7 @@ ablation(
     kills=["decode.gpu.bitexact", "decode.gpu.fp16_autocast", "decode.t37.w4.bitexact", "decode.t22.w8.bitexact",
            "decode.t22.w2.fp16_autocast.bitexact", "decode.t37.w8.fp16_autocast.bitexact",
            "decode.t22.w2.batch2_sliced.bitexact", "decode.encode.f40.w2.bitexact", "decode.encode.f51.w4.bitexact",
-           *[f"decode.{vae}.t{t}.w{w}.bitexact" for vae in installed_vaes() for t in (37, 22, 12) for w in (2, 4, 8)]],
+           *_installed(worlds=(2, 4, 8))],
     why="every piece owned by rank r > 0 is replaced by one of rank 0's, so all but rank 0's frames are wrong on "
         "every receiving rank while the shapes still look right",
     kill_mode="tolerance",
@@ -236,7 +243,7 @@ ablation(
     replacement=_always_shard,
     kills=["decode.t37.w1.bitexact", "decode.t22.w1.bitexact", "decode.t12.w1.bitexact",
            "decode.t37.w4.flag_off.stock_call",
-           *[f"decode.{vae}.t{t}.w1.bitexact" for vae in installed_vaes() for t in (37, 22, 12)]],
+           *_installed(worlds=(1,))],
     why="the flag defaults to off and W == 1 must take the stock call unchanged; a gate that shards whenever a "
         "group exists is bit-exact too, so only the collective and decoder-call spies can tell",
     kill_mode="fact",

@@ -17,15 +17,16 @@ import torch
 
 from fixtures.replay_families import family_ids
 from harness.ablation import ablation
+from harness.checkid import CheckId
 from harness.replay.conditions import slice_rows
 from harness.replay.sde import LOG_SQRT_2PI, SDEStep, SDEStrategy, gaussian_log_prob
 
 FLAVOURS = ("flowgrpo", "constant")
-ORACLE_LOG_PROB = [f"replay.oracle.{f}.{what}" for f in FLAVOURS for what in ("log_prob_fp64", "log_prob_normal")]
+ORACLE_LOG_PROB = [str(c) for c in CheckId.grid("replay", ("oracle",), FLAVOURS, ("log_prob_fp64", "log_prob_normal"))]
 
 
 def _oracle(*whats: str) -> list[str]:
-    return [f"replay.oracle.{f}.{what}" for f in FLAVOURS for what in whats]
+    return [str(check) for check in CheckId.grid("replay", ("oracle",), FLAVOURS, whats)]
 
 
 # ------------------------------------------------------------------------------ shared: the SDE step

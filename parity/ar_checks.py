@@ -24,8 +24,9 @@ from fixtures import ar_models
 from fixtures.ar_cases import CASES, EXTRA, ARCase, eos_for_one_stop, eos_for_stops, stopped_at_eos
 from harness.ar import loop, suite, verdicts
 from harness.ar.spy import ARForwardSpy
-from harness.checks import CheckContext, register
-from harness.compare import UNSTAMPED, Verdict, close
+from harness.checkid import CheckId
+from harness.checks import register
+from harness.compare import Verdict, close
 
 MODELS = ar_models.BACKENDS
 FINISHED_STOPS = {0: 1, 2: 3}  # row -> decode step whose reference token becomes an EOS id
@@ -74,20 +75,20 @@ def _finished_eos(model: str) -> tuple[int, ...]:
     return eos
 
 
-def _case_check(model: str, case: ARCase, what: str, ctx: CheckContext) -> Verdict:
+def _case_check(model: str, case: ARCase, what: str) -> Verdict:
     return suite.compare_batched(what, ar_models.backend(model), case.batch(),
                                  case.max_new_tokens, _policies(model, case), _stopped(model, case),
                                  _eos(model, case))
 
 
-def _padded_b1(model: str, ctx: CheckContext) -> Verdict:
+def _padded_b1(model: str) -> Verdict:
     case = EXTRA["padded_b1"]
     return suite.compare_padded_b1(ar_models.backend(model), case.batch(),
                                    case.max_new_tokens, _policies(model, case), _stopped(model, case),
                                    _eos(model, case))
 
 
-def _rollout_vs_replay(model: str, ctx: CheckContext) -> Verdict:
+def _rollout_vs_replay(model: str) -> Verdict:
     case = EXTRA["rollout_vs_replay"]
     floor = _floor(model, case)
     atol = verdicts.fp32_tolerance(floor, "logp")
@@ -99,7 +100,7 @@ def _rollout_vs_replay(model: str, ctx: CheckContext) -> Verdict:
     return verdicts.require_floor_bounds(verdict, atol, floor, "logp")
 
 
-def _finished_rows(model: str, ctx: CheckContext) -> Verdict:
+def _finished_rows(model: str) -> Verdict:
     case = EXTRA["finished_rows"]
     eos = _finished_eos(model)
     return suite.compare_finished_rows(ar_models.backend(model), case.batch(),
@@ -107,14 +108,14 @@ def _finished_rows(model: str, ctx: CheckContext) -> Verdict:
                                        _reference(model, case, eos=eos))
 
 
-def _nan_unused_slots(model: str, ctx: CheckContext) -> Verdict:
+def _nan_unused_slots(model: str) -> Verdict:
     case = EXTRA["nan_unused_slots"]
     return suite.compare_nan_unused_slots(ar_models.backend(model, "read_safe"),
                                           case.batch(), case.max_new_tokens, _policies(model, case),
                                           _stopped(model, case, "read_safe"), _eos(model, case, "read_safe"))
 
 
-def _oracle(model: str, ctx: CheckContext) -> Verdict:
+def _oracle(model: str) -> Verdict:
     case = EXTRA["rollout_vs_replay"]
     scale = float(_reference(model, case).logits.abs().max())
     policy = close(atol=ORACLE_ULPS * verdicts.FP32_EPS * scale, rtol=0.0, reason=(
@@ -133,47 +134,55 @@ def _growth_control(model: str) -> torch.Tensor:
                                              batch.width, batch.width + case.max_new_tokens)
 
 
-def _growth(model: str, ctx: CheckContext) -> Verdict:
+def _growth(model: str) -> Verdict:
     case, backend = GROWTH_CASE, ar_models.backend(model)
     batch, eos, reference, control = case.batch(), _eos(model, case), _stopped(model, case), _growth_control(model)
     fast_rollout = suite.fast_rollout()
     with ARForwardSpy(backend.model) as spy:
         fast = fast_rollout(backend, batch, case.max_new_tokens, eos)
-    verdict = verdicts.judge_growth(UNSTAMPED, fast, reference, control)
+    verdict = verdicts.judge_growth(fast, reference, control)
     return verdicts.require_path(verdict, spy, batch.batch_size)
 
 
-def _missing_real_pos(case: ARCase, ctx: CheckContext) -> Verdict:
+def _missing_real_pos(case: ARCase) -> Verdict:
     return suite.check_missing_real_pos(ar_models.backend("fake"),
                                         case.batch(), case.max_new_tokens, eos=(1,))
 
 
+FP32_POLICY = (f"tokens exact; fp32 quantities close within {verdicts.TOLERANCE_K:g} x the stock prefill floor at the "
+               f"case's shape (bounded to [{verdicts.K_MIN:g}, {verdicts.K_MAX:g}] x it); exact on the fake's unpadded "
+               "B=1")
+ORACLE_POLICY = f"close(atol={ORACLE_ULPS:g} fp32 ulps of the stock run's max |logit|) against an fp64 log_softmax"
+GROWTH_POLICY = (f"per-step error growth <= {verdicts.GROWTH_BUDGET:g} x the stock floor curve's growth "
+                 "(harness.growth)")
+
 for _model in MODELS:
     for _case in CASES:
         for _what in suite.CASE_QUANTITIES:
-            register(f"ar.{_model}.{_case.name}.{_what}",
+            register(CheckId("ar", _model, _case.name, _what), policy=FP32_POLICY,
                      doc=f"{_what} of the batched {_case.name} rollout vs per-row B=1 on {_model}")(
                 functools.partial(_case_check, _model, _case, _what))
-    register(f"ar.{_model}.padded_b1.equals_unpadded",
+    register(CheckId("ar", _model, "padded_b1", "equals_unpadded"), policy=FP32_POLICY,
              doc=f"a right-padded B=1 prompt equals the unpadded prompt on {_model}")(
         functools.partial(_padded_b1, _model))
-    register(f"ar.{_model}.rollout_vs_replay",
+    register(CheckId("ar", _model, "", "rollout_vs_replay"), policy=FP32_POLICY,
              doc=f"batched rollout log-probs equal teacher-forced replay on {_model}")(
         functools.partial(_rollout_vs_replay, _model))
-    register(f"ar.{_model}.finished_rows",
+    register(CheckId("ar", _model, "", "finished_rows"), policy=FP32_POLICY,
              doc=f"rows past EOS stop sampling and writing KV, equal B=1 stopped at EOS, on {_model}")(
         functools.partial(_finished_rows, _model))
-    register(f"ar.{_model}.oracle.greedy_logp",
+    register(CheckId("ar", _model, "oracle", "greedy_logp"), policy=ORACLE_POLICY,
              doc=f"greedy picks and recorded log-probs of both rollouts equal an fp64 softmax, on {_model}")(
         functools.partial(_oracle, _model))
-    register(f"ar.{_model}.growth.logp",
+    register(CheckId("ar", _model, "growth", "logp"), policy=GROWTH_POLICY,
              doc=f"per-step logp error of a 16-token batched rollout grows no faster than the stock floor, {_model}")(
         functools.partial(_growth, _model))
-    register(f"ar.{_model}.nan_unused_slots",
+    register(CheckId("ar", _model, "", "nan_unused_slots"), policy=FP32_POLICY,
              doc=f"NaN in unused and dead cache slots never reaches an output on {_model}")(
         functools.partial(_nan_unused_slots, _model))
 
 for _case in (ARCase("missing_b1", (9,), decode_steps=2, seed=31), ARCase("missing_b4", (9, 4, 7, 5), 2, seed=32)):
-    register(f"ar.missing_real_pos.b{_case.batch_size}",
+    register(CheckId("ar", "", "missing_real_pos", f"b{_case.batch_size}"),
+             policy="fact: init_state raises ValueError naming real_pos",
              doc=f"init_state raises ValueError naming real_pos when it is missing at B={_case.batch_size}")(
         functools.partial(_missing_real_pos, _case))

@@ -24,8 +24,8 @@ from fixtures.replay_cases import BATCH, UNSORTED_TARGET, fake_problem, real_con
 from fixtures.replay_families import QUANTITIES, family_names
 from fixtures.replay_models import tiny_model
 from harness import conformance
-from harness.checks import CheckContext, register
-from harness.compare import UNSTAMPED, Verdict, exact, holds, raises
+from harness.checks import register
+from harness.compare import Verdict, exact, holds, raises
 from harness.replay import cfg as cfg_combines
 from harness.replay import denoiser, discriminating, tiling
 from harness.replay.conditions import Conditions, broadcast_rows, payload_rows, slice_rows
@@ -54,6 +54,11 @@ REAL_CASES = tuple((family, cfg, what) for family in FAMILIES for cfg in (1, 2) 
 TILE_REPEATS = 4
 
 
+FAST_PATH_POLICY = "fact: the batched replay ran (one forward of S*cfg*B rows) and returned [B, S] results"
+GUARD_POLICY = "fact: the guard declines (None) and no forward runs"
+TILING_POLICY = "fact: the tiled conditions are laid out as the CFG layout requires (rows counted and labelled)"
+
+
 def _register(check_id: str, fn, *args, doc: str, policy=None) -> None:
     register(check_id, doc=doc, policy=policy)(functools.partial(fn, *args))
 
@@ -61,7 +66,7 @@ def _register(check_id: str, fn, *args, doc: str, policy=None) -> None:
 # ------------------------------------------------------------------------- fake kernel: batched vs serial
 
 
-def returns_result(case: str, ctx: CheckContext) -> Verdict:
+def returns_result(case: str) -> Verdict:
     problem = fake_problem(case)
     result, forwards = run_batched(problem)
     ok = isinstance(result, ReplayResult) and result.target == problem.target
@@ -70,7 +75,7 @@ def returns_result(case: str, ctx: CheckContext) -> Verdict:
     return require_fast_path(verdict, problem, forwards)
 
 
-def log_probs_shape(case: str, ctx: CheckContext) -> Verdict:
+def log_probs_shape(case: str) -> Verdict:
     problem = fake_problem(case)
     result, forwards = run_batched(problem)
     want = [problem.segment.batch, problem.steps]
@@ -82,53 +87,54 @@ def log_probs_shape(case: str, ctx: CheckContext) -> Verdict:
     return require_fast_path(verdict, problem, forwards)
 
 
-def batched_equals_serial(case: str, what: str, ctx: CheckContext) -> Verdict:
+def batched_equals_serial(case: str, what: str) -> Verdict:
     return compare_replay(fake_problem(case), exact(), what)
 
 
-def forward_count(case: str, ctx: CheckContext) -> Verdict:
+def forward_count(case: str) -> Verdict:
     problem = fake_problem(case)
     run = run_both(problem)
     verdict = holds(run.batched is not None, "batched replay ran (flag on, stateless SDE, S > 1)")
     return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)
 
 
-def replay_determinism(case: str, ctx: CheckContext) -> Verdict:
+def replay_determinism(case: str) -> Verdict:
     return compare_replay_determinism(fake_problem(case))
 
 
 for _case in FAKE_CASES:
-    _register(f"replay.{_case}.returns_result", returns_result, _case,
+    _register(f"replay.{_case}.returns_result", returns_result, _case, policy=FAST_PATH_POLICY,
               doc="batched replay returns a ReplayResult (one forward of S*cfg*B rows)")
-    _register(f"replay.{_case}.log_probs_shape", log_probs_shape, _case, doc="batched log_probs are [B, S]")
+    _register(f"replay.{_case}.log_probs_shape", log_probs_shape, _case, policy=FAST_PATH_POLICY,
+              doc="batched log_probs are [B, S]")
     _register(f"replay.{_case}.log_probs", batched_equals_serial, _case, "log_probs", policy=exact(),
               doc="batched log_probs == serial, bitwise, every row and step")
     _register(f"replay.{_case}.prev_sample_means", batched_equals_serial, _case, "prev_sample_means", policy=exact(),
               doc="batched transition means == serial, bitwise")
-    _register(f"replay.{_case}.forward_count", forward_count, _case,
+    _register(f"replay.{_case}.forward_count", forward_count, _case, policy=FAST_PATH_POLICY,
               doc="batched: one forward of S*cfg*B rows; serial: S forwards of cfg*B")
     _register(f"replay.{_case}.replay_determinism", replay_determinism, _case, policy=exact(),
               doc="the batched replay run twice: exp(logp_2 - logp_1) == 1 and the means bitwise equal")
 
 
-@register("replay.cfg2.unsorted_targets")
-def unsorted_targets(ctx: CheckContext) -> Verdict:
+@register("replay.cfg2.unsorted_targets", policy=exact())
+def unsorted_targets() -> Verdict:
     """An unsorted proper subset of sde_indices replays bitwise like serial (column s is target[s])."""
     problem = fake_problem("cfg2").with_(target=UNSORTED_TARGET)
     verdict = compare_replay(problem, exact(), "log_probs")
     return verdict.merge(compare_replay(problem, exact(), "prev_sample_means"))
 
 
-@register("replay.cfg2.list_payloads")
-def list_payloads(ctx: CheckContext) -> Verdict:
+@register("replay.cfg2.list_payloads", policy=exact())
+def list_payloads() -> Verdict:
     """Conditions carried only by list/tuple payloads (per-branch and branch-independent) tile like tensors."""
     problem = fake_problem("list_payloads")
     verdict = compare_replay(problem, exact(), "log_probs")
     return verdict.merge(compare_replay(problem, exact(), "prev_sample_means"))
 
 
-@register("replay.cfg2.step_varying_guidance")
-def step_varying_guidance_falls_back(ctx: CheckContext) -> Verdict:
+@register("replay.cfg2.step_varying_guidance", policy=exact())
+def step_varying_guidance_falls_back() -> Verdict:
     """A per-step guidance schedule that varies over the targets: replay() must give serial's answer
     through the serial loop (S forwards)."""
     problem = fake_problem("step_varying_guidance")
@@ -151,29 +157,29 @@ def _declines(problem: ReplayProblem, fact: str) -> Verdict:
                   forwards=str(list(forwards)))
 
 
-@register("replay.guard.flag_off")
-def guard_flag_off(ctx: CheckContext) -> Verdict:
+@register("replay.guard.flag_off", policy=GUARD_POLICY)
+def guard_flag_off() -> Verdict:
     """The default config (batch_replay_steps off) keeps the serial loop."""
     problem = fake_problem("cfg2").with_(config=ReplayConfig())
     return _declines(problem, "flag off -> None, no forward")
 
 
-@register("replay.guard.single_step")
-def guard_single_step(ctx: CheckContext) -> Verdict:
+@register("replay.guard.single_step", policy=GUARD_POLICY)
+def guard_single_step() -> Verdict:
     """S == 1 gains nothing from batching: None."""
     problem = fake_problem("cfg2").with_(target=(3,))
     return _declines(problem, "S == 1 -> None, no forward")
 
 
-@register("replay.guard.stateful_solver")
-def guard_stateful_solver(ctx: CheckContext) -> Verdict:
+@register("replay.guard.stateful_solver", policy=GUARD_POLICY)
+def guard_stateful_solver() -> Verdict:
     """A stateful multistep solver (step_index, history) is not a stateless SDE: None."""
     problem = fake_problem("cfg2").with_(strategy=MultistepSDE())
     return _declines(problem, "stateful solver -> None, no forward")
 
 
-@register("replay.guard.step_varying_guidance")
-def guard_step_varying_guidance(ctx: CheckContext) -> Verdict:
+@register("replay.guard.step_varying_guidance", policy=GUARD_POLICY)
+def guard_step_varying_guidance() -> Verdict:
     """Guidance that varies across target steps cannot fold into one forward: None."""
     return _declines(fake_problem("step_varying_guidance"),
                      "step-varying guidance -> None, no forward")
@@ -198,8 +204,8 @@ def _expected_labels(conditions: Conditions, name: str, repeats: int) -> list[in
     return [label for branch in branches for label in branch * repeats]
 
 
-@register("replay.tiling.batch_size")
-def tiling_batch_size(ctx: CheckContext) -> Verdict:
+@register("replay.tiling.batch_size", policy=TILING_POLICY)
+def tiling_batch_size() -> Verdict:
     """Every tiled row field has S*cfg*B rows, and the batched forward sees S*cfg*B rows."""
     conditions = _fused()
     tiled = tiling.tile_conditions(conditions, TILE_REPEATS)
@@ -212,8 +218,8 @@ def tiling_batch_size(ctx: CheckContext) -> Verdict:
     return require_fast_path(verdict, problem, forwards)
 
 
-@register("replay.tiling.branch_major")
-def tiling_branch_major(ctx: CheckContext) -> Verdict:
+@register("replay.tiling.branch_major", policy=TILING_POLICY)
+def tiling_branch_major() -> Verdict:
     """Fused cond-first: [cond_s0..cond_s(S-1), uncond_s0..]; uncond-first: block repetition per branch."""
     bad = {}
     fused = _fused()
@@ -233,16 +239,16 @@ def tiling_branch_major(ctx: CheckContext) -> Verdict:
                   "tiled rows are branch-major with step-major inside (every field, both layouts)", **bad)
 
 
-@register("replay.tiling.repeats_identity")
-def tiling_repeats_identity(ctx: CheckContext) -> Verdict:
+@register("replay.tiling.repeats_identity", policy=TILING_POLICY)
+def tiling_repeats_identity() -> Verdict:
     """repeats == 1 returns the conditions themselves (no copy, nothing re-laid-out), in both layouts."""
     fused, sd3 = _fused(), labelled_conditions(BATCH, SD3_FIELDS, "uncond_first")
     same = {"fused": tiling.tile_conditions(fused, 1) is fused, "uncond_first": tiling.tile_conditions(sd3, 1) is sd3}
     return holds(all(same.values()), "tile_conditions(c, 1) is c", **same)
 
 
-@register("replay.tiling.rope_cache")
-def tiling_rope_cache(ctx: CheckContext) -> Verdict:
+@register("replay.tiling.rope_cache", policy=TILING_POLICY)
+def tiling_rope_cache() -> Verdict:
     """The per-sample rope_cache [N, 2, L, D] is tiled like any row field, not passed through verbatim."""
     fused = _fused()
     tiled = tiling.tile_conditions(fused, TILE_REPEATS)
@@ -253,8 +259,8 @@ def tiling_rope_cache(ctx: CheckContext) -> Verdict:
                   f"rope_cache tiled to {len(want)} rows, branch-major", rows=len(got), layout=str(got[:2 * BATCH]))
 
 
-@register("replay.tiling.fused_uncond_cleared")
-def tiling_fused_uncond_cleared(ctx: CheckContext) -> Verdict:
+@register("replay.tiling.fused_uncond_cleared", policy=TILING_POLICY)
+def tiling_fused_uncond_cleared() -> Verdict:
     """fused_uncond caches the untiled uncond rows; tiling clears it (shared fields pass through)."""
     fused = _fused()
     tiled = tiling.tile_conditions(fused, TILE_REPEATS)
@@ -266,15 +272,15 @@ def tiling_fused_uncond_cleared(ctx: CheckContext) -> Verdict:
                   shared_kept=shared_kept)
 
 
-@register("replay.tiling.repeats_zero")
-def tiling_repeats_zero(ctx: CheckContext) -> Verdict:
+@register("replay.tiling.repeats_zero", policy=TILING_POLICY)
+def tiling_repeats_zero() -> Verdict:
     """repeats = 0 is a ValueError naming repeats (not a silently empty batch)."""
     return raises(lambda: tiling.tile_conditions(_fused(), 0), ValueError,
                          match="repeats must be >= 1")
 
 
-@register("replay.tiling.repeats_negative")
-def tiling_repeats_negative(ctx: CheckContext) -> Verdict:
+@register("replay.tiling.repeats_negative", policy=TILING_POLICY)
+def tiling_repeats_negative() -> Verdict:
     """repeats = -1 is a ValueError naming repeats."""
     return raises(lambda: tiling.tile_conditions(_fused(), -1), ValueError,
                          match="repeats must be >= 1")
@@ -295,7 +301,7 @@ def _with_floor(verdict: Verdict, policy: LocalScaleBound) -> Verdict:
                            measured_floor=policy.relative_floor, bound=policy.relative_bound)
 
 
-def real_batched_vs_serial(family: str, cfg: int, what: str, ctx: CheckContext) -> Verdict:
+def real_batched_vs_serial(family: str, cfg: int, what: str) -> Verdict:
     policy = real_policy(family, cfg, what)
     return _with_floor(compare_replay(real_problem(family, cfg), policy, what), policy)
 
@@ -305,7 +311,7 @@ for _family, _cfg, _what in REAL_CASES:
               doc=f"tiny {_family} cfg={_cfg}: batched {_what} within the local-scale bound of the stock floor")
 
 
-def real_determinism(family: str, ctx: CheckContext) -> Verdict:
+def real_determinism(family: str) -> Verdict:
     return compare_replay_determinism(real_problem(family, 2))
 
 
@@ -340,7 +346,7 @@ def _pipeline_combine(kind: str, cond: torch.Tensor, uncond: torch.Tensor, scale
                        / torch.norm(combined, dim=channel_dim, keepdim=True))
 
 
-def pipeline_combine(family: str, ctx: CheckContext) -> Verdict:
+def pipeline_combine(family: str) -> Verdict:
     """predict_velocity with the family's combine equals the pipeline expression its combine names,
     bitwise, on the two branches of one forward."""
     problem = real_problem(family, 2)
@@ -351,7 +357,7 @@ def pipeline_combine(family: str, ctx: CheckContext) -> Verdict:
     expected = _pipeline_combine(adapter.cfg_combine, cond, uncond, scale, adapter.channel_dim)
     with spy_forwards(problem.adapter.module) as spy:
         got = predict_velocity(problem.adapter, x, 0.6, problem.conditions, scale)
-    verdict = exact().judge(UNSTAMPED, got, expected, dims=("row",), what=f"{family} CFG-combined velocity")
+    verdict = exact().judge(got, expected, dims=("row",), what=f"{family} CFG-combined velocity")
     return verdict.require(spy.batch_sizes == [2 * BATCH], f"one forward of both CFG branches ({2 * BATCH} rows)",
                            forwards=spy.batch_sizes)
 
@@ -361,7 +367,7 @@ for _family in FAMILIES:
               doc=f"tiny {_family}: the family's CFG combine is its pipeline's, bitwise")
 
 
-def adapter_refuses_rows(family: str, ctx: CheckContext) -> Verdict:
+def adapter_refuses_rows(family: str) -> Verdict:
     """An adapter handed a row field with fewer rows than its forward raises (it never repeats rows)."""
     problem = real_problem(family, 2)
     conditions = problem.conditions
@@ -378,6 +384,7 @@ def adapter_refuses_rows(family: str, ctx: CheckContext) -> Verdict:
 
 for _family in FAMILIES:
     _register(f"replay.{_family}.row_count_refused", adapter_refuses_rows, _family,
+              policy="fact: raises ValueError naming the broadcast (no silent repeat)",
               doc=f"the {_family} adapter refuses a row field of the wrong row count (no silent repeat)")
 
 
@@ -419,7 +426,7 @@ def _repeated(conditions: Conditions, name: str, across: bool) -> Conditions:
                                                                                      slice_rows(value, 0, 1)[0])})
 
 
-def conditions_discriminate(family: str, ctx: CheckContext) -> Verdict:
+def conditions_discriminate(family: str) -> Verdict:
     """The family's example conditions pass the discriminating check, and each row field with one row copied
     onto another (within a branch; across branches for a field each branch carries) is refused, naming it."""
     conditions = _fresh_conditions(family)
@@ -437,6 +444,7 @@ def conditions_discriminate(family: str, ctx: CheckContext) -> Verdict:
 
 for _family in FAMILIES:
     _register(f"replay.{_family}.conditions_discriminate", conditions_discriminate, _family,
+              policy="fact: every row field made to repeat a row is refused by name",
               doc=f"the {_family} example conditions tell rows and CFG branches apart; a repeated row is refused")
 
 

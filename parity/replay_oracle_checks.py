@@ -26,8 +26,8 @@ from fixtures.replay_cases import FAKE_LATENT, GUIDANCE, fake_problem, real_cont
 from fixtures.replay_families import family_names
 from fixtures.replay_models import tiny_model
 from harness import growth
-from harness.checks import CheckContext, register
-from harness.compare import UNSTAMPED, Close, Verdict, close, holds, max_abs_diff, noise_floor
+from harness.checks import register
+from harness.compare import Close, Verdict, close, holds, max_abs_diff, noise_floor
 from harness.floors import StockFloor
 from harness.growth import growth_ratio
 from harness.replay import denoiser, oracles
@@ -71,8 +71,15 @@ FLAVOURS = {
 }
 
 
-def _register(check_id: str, fn, *args, doc: str) -> None:
-    register(check_id, doc=doc)(functools.partial(fn, *args))
+ORACLE_POLICY = (f"noise_floor(error <= {K_ORACLE:g} x the formula's fp32-vs-fp64 error, at least "
+                 f"{ORACLE_FLOOR_ULPS:g} fp32 ulp of the quantity's scale) against the fp64 oracle")
+DRAWS_POLICY = f"close(atol=1): standardised draws' mean and variance within {DRAW_SIGMAS:g} standard errors"
+RATIO_POLICY = f"close(atol={RATIO_FLOOR_MULTIPLE:g} x the pi_old ratio's stock floor) around exp(0) = 1"
+GROWTH_POLICY = "per-step error growth <= the growth budget x the stock floor curve's growth (harness.growth)"
+
+
+def _register(check_id: str, fn, *args, doc: str, policy: str = ORACLE_POLICY) -> None:
+    register(check_id, doc=doc, policy=policy)(functools.partial(fn, *args))
 
 
 # ------------------------------------------------------------------------------------- SDE oracles
@@ -130,13 +137,13 @@ def _bounded(what: str, actual: torch.Tensor, oracle: torch.Tensor, control: flo
     quantity's scale (a formula evaluated exactly in fp32 has error 0), and K must lie in [K_MIN, K_MAX]."""
     floor = StockFloor(control, scale, ORACLE_FLOOR_ULPS, source="the DESIGN formula in fp32 vs fp64")
     policy = noise_floor(floor.value, k=K_ORACLE, reason=f"{what}: fp32 rounding; {floor.describe()}")
-    verdict = policy.judge(UNSTAMPED, actual.double(), oracle.double(), dims=("row",), what=what)
+    verdict = policy.judge(actual.double(), oracle.double(), dims=("row",), what=what)
     verdict = verdict.require(floor.value > 0 and math.isfinite(floor.value),
                               f"{what}: control floor measured (finite, > 0)", control=control)
     return verdict.require_bounded(policy.bound, floor, k_min=K_MIN, k_max=K_MAX, what=f"{what} tolerance")
 
 
-def oracle_mean(name: str, ctx: CheckContext) -> Verdict:
+def oracle_mean(name: str) -> Verdict:
     flavour, inputs = FLAVOURS[name], sde_inputs()
     mean, _ = flavour.strategy.transition(inputs.x, inputs.v, inputs.sigma, inputs.sigma_next, inputs.sigma_max)
     oracle, _ = _oracle_transition(flavour, inputs)
@@ -145,7 +152,7 @@ def oracle_mean(name: str, ctx: CheckContext) -> Verdict:
                     float(oracle.abs().max()))
 
 
-def oracle_std(name: str, ctx: CheckContext) -> Verdict:
+def oracle_std(name: str) -> Verdict:
     flavour, inputs = FLAVOURS[name], sde_inputs()
     _, std = flavour.strategy.transition(inputs.x, inputs.v, inputs.sigma, inputs.sigma_next, inputs.sigma_max)
     _, oracle = _oracle_transition(flavour, inputs)
@@ -163,7 +170,7 @@ def _scored(flavour: Flavour, inputs: SDEInputs) -> tuple[torch.Tensor, torch.Te
     return step.log_prob, prev, mean64, std64
 
 
-def oracle_log_prob_fp64(name: str, ctx: CheckContext) -> Verdict:
+def oracle_log_prob_fp64(name: str) -> Verdict:
     """sde_step's log-prob of a bf16-stored draw against the DESIGN formula in fp64."""
     flavour, inputs = FLAVOURS[name], sde_inputs()
     log_prob, prev, mean64, std64 = _scored(flavour, inputs)
@@ -181,7 +188,7 @@ def _control_log_prob(prev: torch.Tensor, mean64: torch.Tensor, std64: torch.Ten
     return element.reshape(element.shape[0], -1).mean(dim=1)
 
 
-def oracle_log_prob_normal(name: str, ctx: CheckContext) -> Verdict:
+def oracle_log_prob_normal(name: str) -> Verdict:
     """sde_step's log-prob against torch.distributions.Normal, averaged over non-batch dims."""
     flavour, inputs = FLAVOURS[name], sde_inputs()
     log_prob, prev, mean64, std64 = _scored(flavour, inputs)
@@ -207,8 +214,8 @@ for _name in FLAVOURS:
 # ------------------------------------------------------------------------------- the rollout's draws
 
 
-@register("replay.oracle.rollout.draws")
-def rollout_draws(ctx: CheckContext) -> Verdict:
+@register("replay.oracle.rollout.draws", policy=DRAWS_POLICY)
+def rollout_draws() -> Verdict:
     """A seeded rollout's SDE draws, standardised by the fp64 oracle's mean and std, have mean 0 and
     variance 1 within DRAW_SIGMAS standard errors of the number of draws."""
     gen = torch.Generator().manual_seed(31)
@@ -235,7 +242,7 @@ def rollout_draws(ctx: CheckContext) -> Verdict:
     error = (moments - torch.tensor([0.0, 1.0], dtype=torch.float64)).abs() / bounds
     policy = close(atol=1.0, rtol=0.0, reason=f"standardised draws: |mean| <= {DRAW_SIGMAS:g}/sqrt(n), "
                                               f"|var - 1| <= {DRAW_SIGMAS:g} sqrt(2/(n-1)), n = {n}")
-    verdict = policy.judge(UNSTAMPED, error, torch.zeros_like(error), dims=("moment",),
+    verdict = policy.judge(error, torch.zeros_like(error), dims=("moment",),
                            labels={"moment": ["mean", "variance"]}, what="moment error in standard errors")
     return verdict.with_metrics(draws=n, sample_mean=float(moments[0]), sample_var=float(moments[1]),
                                 mean_bound=float(bounds[0]), var_bound=float(bounds[1]))
@@ -268,7 +275,7 @@ def _cfg_case(layout: str) -> tuple[FakeDenoiser, Conditions, Conditions, Condit
     return adapter, guided, cond, uncond
 
 
-def cfg_standard(case: str, layout: str, ctx: CheckContext) -> Verdict:
+def cfg_standard(case: str, layout: str) -> Verdict:
     """predict_velocity's guided velocity against uncond + g (cond - uncond) in fp64 of the two
     branches run alone."""
     adapter, guided, cond, uncond = _cfg_case(layout)
@@ -364,17 +371,17 @@ def pi_old_vs_rollout(problem: ReplayProblem, floors: tuple[float, float, float]
     return require_fast_path(verdict, problem, forwards)
 
 
-def fake_pi_old_vs_rollout(case: str, ctx: CheckContext) -> Verdict:
+def fake_pi_old_vs_rollout(case: str) -> Verdict:
     return pi_old_vs_rollout(fresh_problem(case), fake_ratio_floor(case))
 
 
 for _case in ("cfg2", "uncond_first"):
-    _register(f"replay.{_case}.pi_old_vs_rollout", fake_pi_old_vs_rollout, _case,
+    _register(f"replay.{_case}.pi_old_vs_rollout", fake_pi_old_vs_rollout, _case, policy=RATIO_POLICY,
               doc="pi_old replayed through the batched path against the log-probs a fresh rollout recorded")
 
 
-@register("replay.flux.cfg2.pi_old_vs_rollout")
-def flux_pi_old_vs_rollout(ctx: CheckContext) -> Verdict:
+@register("replay.flux.cfg2.pi_old_vs_rollout", policy=RATIO_POLICY)
+def flux_pi_old_vs_rollout() -> Verdict:
     """Tiny Flux (fused cond-first): the batched pi_old ratio against the rollout's record, within the
     measured fp32 floor."""
     return pi_old_vs_rollout(fresh_real_problem("flux", 2),
@@ -438,19 +445,19 @@ def single_step_policy(problem: ReplayProblem) -> Close:
                  reason=f"single-step: max(4 x floor {floor:.2e}, 4 fp32 ulps x {scale:.2e})")
 
 
-def error_growth(family: str, ctx: CheckContext) -> Verdict:
+def error_growth(family: str) -> Verdict:
     """A family's tiny model over all T steps: the per-step error of the batched means (mean |batched - serial|)
     may grow at most GROWTH_BUDGET x as fast as the stock floor (serial at B rows vs at the fast path's shape)."""
     problem = growth_problem(family)
     run, curve, floor = error_curves(problem, family)
     if curve is None:
         return holds(False, "batched replay returned a result (no silent fallback)")
-    verdict = growth.judge_growth(UNSTAMPED, curve, floor, torch.tensor(resolution_curve(family), dtype=torch.float64),
+    verdict = growth.judge_growth(curve, floor, torch.tensor(resolution_curve(family), dtype=torch.float64),
                                   control=f"stock serial at B rows vs serial with every forward at the fast path's "
                                           f"{problem.batched_rows}-row shape, mean |d| of the means per step")
     return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)
 
 
 for _family in family_names():
-    _register(f"replay.{_family}.growth.prev_sample_means", error_growth, _family,
+    _register(f"replay.{_family}.growth.prev_sample_means", error_growth, _family, policy=GROWTH_POLICY,
               doc=f"tiny {_family} over all T steps: batched-mean error grows no faster than the stock floor")

@@ -103,7 +103,7 @@ def _judged_pair(margin_row2: float) -> tuple[Rollout, Rollout]:
 def test_judge_bf16_reports_every_row_and_flags_wide_margin_flips(flip_margin: float, bad: list[int]) -> None:
     reference, fast = _judged_pair(margin_row2=1.5)  # log-softmax gap of [1.5, 0] is exactly 1.5 in float64
     control = torch.tensor([0.01, 0.03, 0.02], dtype=torch.float64)
-    verdict = judge_bf16("ar.test.bf16", fast, reference, control, k=8.0, floor=1e-3, flip_margin=flip_margin,
+    verdict = judge_bf16(fast, reference, control, k=8.0, floor=1e-3, flip_margin=flip_margin,
                          dtype=torch.bfloat16)
     kl = _kl64(reference.logits, fast.logits)
     expected_kl = [float(kl[0].max()), float(kl[1, :2].max()), float(kl[2, :1].max())]
@@ -123,7 +123,7 @@ def test_judge_bf16_fails_a_kl_over_k_times_the_padding_control() -> None:
     kl = _kl64(reference.logits, fast.logits)
     worst = max(float(kl[0].max()), float(kl[1, :2].max()), float(kl[2, :1].max()))
     control = torch.full((3,), worst / 4, dtype=torch.float64)  # the worst row at 4x the control
-    verdict = judge_bf16("ar.test.bf16", fast, reference, control, k=2.0, floor=0.0, flip_margin=1.0,
+    verdict = judge_bf16(fast, reference, control, k=2.0, floor=0.0, flip_margin=1.0,
                          dtype=torch.bfloat16)
     assert not verdict.passed and verdict.margin == pytest.approx(2.0, rel=1e-9)
     assert "KL(B=1 || batched)" in verdict.message and verdict.violated_facts == []

@@ -143,10 +143,9 @@ def test_batched_equals_b1_on_the_loaded_model(loaded, generation):
     with torch.no_grad(), ARForwardSpy(loaded) as spy:
         fast = loop.fast_rollout(backend, right_padded_batch(prompts, backend.pad_id), NEW_TOKENS)
     reference = loop.stock_rollout(backend, prompts, NEW_TOKENS)
-    check_id = "ar.hunyuan_remote.batched_vs_b1"
     policies = fp32_policies(stock_prefill_floor(backend))
-    verdict = judge_tokens(check_id, fast, reference, policies.tokens).merge(
-        judge_logp(check_id, fast, reference, policies.logp))
+    verdict = judge_tokens(fast, reference, policies.tokens).merge(
+        judge_logp(fast, reference, policies.logp))
     verdict = require_path(verdict, spy, len(prompts))
     routing = probe_routing(loaded)
     assert verdict.passed == routing.independent == (generation != 2), f"{verdict.message}\n{routing.describe()}"

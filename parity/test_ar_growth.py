@@ -84,7 +84,7 @@ def test_tolerance_outside_the_floor_bounds_fails(k, text):
     atol = k * floor.floor("logp")
     policies = dataclasses.replace(policies, logp=close(atol=atol, rtol=0.0, reason="hand-set"))
     fast = loop.fast_rollout(ar_models.backend(model), CASE.batch(), CASE.max_new_tokens)
-    verdict = verdicts.compare_case("logp", "ar.qwen3.bounds.logp", fast, ar_checks._reference(model, CASE),
+    verdict = verdicts.compare_case("logp", fast, ar_checks._reference(model, CASE),
                                     policies)
     assert not verdict.passed
     assert any(text in fact for fact in verdict.violated_facts), verdict.describe()
@@ -100,21 +100,21 @@ def test_growth_judge_passes_flat_noise_and_fails_growth_and_nan():
     reference = _rollout(-1.0 - torch.rand(4, 12, generator=gen))
     noise = lambda: 1e-6 * torch.randn(4, 12, generator=gen)  # noqa: E731
     control = reference.logp + noise()
-    flat = verdicts.judge_growth("g", _rollout(reference.logp + noise()), reference, control)
+    flat = verdicts.judge_growth(_rollout(reference.logp + noise()), reference, control)
     assert flat.passed, flat.describe()
     ramp = torch.logspace(-7, -4, 12)[None]
-    grown = verdicts.judge_growth("g", _rollout(reference.logp + ramp), reference, control)
+    grown = verdicts.judge_growth(_rollout(reference.logp + ramp), reference, control)
     assert not grown.passed and grown.margin > 1, grown.describe()
     nan = reference.logp.clone()
     nan[1, 7] = math.nan
-    assert not verdicts.judge_growth("g", _rollout(nan), reference, control).passed
+    assert not verdicts.judge_growth(_rollout(nan), reference, control).passed
 
 
 @pytest.mark.cpu
 def test_growth_judge_floors_bitwise_curves_at_the_resolution():
     """Batched == B=1 == control bitwise: both curves sit at one eps x |logp|, growth 1, the check passes."""
     reference = _rollout(torch.full((3, 9), -2.0))
-    verdict = verdicts.judge_growth("g", reference, reference, reference.logp.clone())
+    verdict = verdicts.judge_growth(reference, reference, reference.logp.clone())
     assert verdict.passed, verdict.describe()
     assert verdict.metrics["error_growth"] == verdict.metrics["floor_growth"] == 1.0
 
@@ -161,11 +161,11 @@ def test_growth_judge_reads_a_shrinking_floor_as_flat_and_requires_equal_tokens(
     reference = _rollout(torch.full((2, 9), -1.0))
     shrinking = reference.logp + torch.logspace(-5, -7, 9)[None]
     error = reference.logp + 1.5e-6 * torch.tensor([1.0, -1.0] * 4 + [1.0])[None]  # flat, growth 1
-    verdict = verdicts.judge_growth("g", _rollout(error), reference, shrinking)
+    verdict = verdicts.judge_growth(_rollout(error), reference, shrinking)
     assert verdict.metrics["floor_growth"] < 0.1 and verdict.tolerance == verdicts.GROWTH_BUDGET
     assert verdict.passed, verdict.describe()
     other = dataclasses.replace(_rollout(error), tokens=torch.full((2, 9), 2))
-    verdict = verdicts.judge_growth("g", other, reference, shrinking)
+    verdict = verdicts.judge_growth(other, reference, shrinking)
     assert any("batched tokens equal B=1" in fact for fact in verdict.violated_facts)
 
 
@@ -173,7 +173,7 @@ def test_growth_judge_reads_a_shrinking_floor_as_flat_and_requires_equal_tokens(
 def test_growth_judge_refuses_short_curves():
     reference = _rollout(torch.full((2, 5), -1.0))
     with pytest.raises(ValueError, match=">= 6 steps"):
-        verdicts.judge_growth("g", reference, reference, reference.logp)
+        verdicts.judge_growth(reference, reference, reference.logp)
 
 
 # ---------------------------------------------------------------------------- the compounding drift
@@ -212,7 +212,7 @@ def test_logit_drift_stays_under_the_worst_element_tolerance(model, baselines):
         fast = loop.fast_rollout(ar_models.backend(model), case.batch(), case.max_new_tokens)
     policies = verdicts.fp32_policies(ar_checks._floor(model, case))
     for what in ("tokens", "logp"):
-        verdict = verdicts.compare_case(what, f"ar.{model}.growth.{what}", fast, reference, policies)
+        verdict = verdicts.compare_case(what, fast, reference, policies)
         assert verdict.passed, verdict.describe()
     plain = loop.fast_rollout(ar_models.backend(model), case.batch(), case.max_new_tokens)
     drift = (fast.logp.double() - plain.logp.double()).abs().mean(dim=0)  # the drift alone, made by the ablation

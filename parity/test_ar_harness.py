@@ -167,7 +167,7 @@ def test_dense_fake_batched_equals_b1() -> None:
     reference = loop.stock_rollout(backend, batch.prompts(), 4)
     policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
     for what in ("tokens", "logp", "prefill_kv", "slot0"):
-        verdict = verdicts.compare_case(what, f"ar.fake_dense.test.{what}", fast, reference, policies)
+        verdict = verdicts.compare_case(what, fast, reference, policies)
         assert verdict.passed, verdict.describe()
 
 

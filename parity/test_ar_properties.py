@@ -53,7 +53,7 @@ def _check_plan(model: str, plan: ARPlan) -> None:
         fast = loop.fast_rollout(backend, case.batch(), case.max_new_tokens, eos)
     policies = _policies(model)
     for what in ("tokens", "logp", "prefill_kv", "slot0"):
-        verdict = verdicts.compare_case(what, f"ar.{model}.hypothesis.{what}", fast, reference, policies)
+        verdict = verdicts.compare_case(what, fast, reference, policies)
         verdict = verdicts.require_path(verdict, spy, case.batch_size)
         assert verdict.passed, f"{plan}\n{verdict.describe()}"
     assert fast.lengths.tolist() == reference.lengths.tolist()

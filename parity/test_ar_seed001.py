@@ -45,7 +45,7 @@ def _row(model: str, case, label: str, fresh_reference: bool = False) -> tuple[b
         return False, verdicts.format_seed001(label, False, raised=f"AssertionError {err}".strip())
     passed, violated = True, []
     for what in suite.CASE_QUANTITIES:
-        verdict = verdicts.compare_case(what, f"ar.{model}.{case.name}.{what}", fast, reference, policies)
+        verdict = verdicts.compare_case(what, fast, reference, policies)
         verdict = verdicts.require_path(verdict, spy, case.batch_size)
         passed &= verdict.passed
         violated += [n for n in verdict.notes if n.startswith("VIOLATED") and n not in violated]

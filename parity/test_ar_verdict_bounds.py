@@ -77,7 +77,7 @@ def _moved(rollout: Rollout, what: str, by: float) -> Rollout:
 
 
 def _judge(what: str, fast: Rollout, ref: Rollout, policies: verdicts.ARPolicies):
-    return verdicts.compare_case(what, f"ar.bounds.{what}", fast, ref, policies)
+    return verdicts.compare_case(what, fast, ref, policies)
 
 
 @pytest.mark.parametrize("magnitude", [1.0, 100.0])
@@ -152,14 +152,14 @@ def test_the_growth_check_judges_six_steps_and_refuses_five() -> None:
     """Thirds of at least two steps each: six steps are the fewest a growth ratio is read from."""
     ref = _curve_rollout(6)
     control = _curve_rollout(6, offset=1e-4).logp
-    verdict = verdicts.judge_growth("ar.bounds.growth", _curve_rollout(6, offset=1e-5), ref, control)
+    verdict = verdicts.judge_growth(_curve_rollout(6, offset=1e-5), ref, control)
     assert verdict.passed, verdict.describe()
     five = _curve_rollout(5)
     with pytest.raises(ValueError, match="needs >= 6 steps, got 5"):
-        verdicts.judge_growth("ar.bounds.growth", five, five, five.logp)
+        verdicts.judge_growth(five, five, five.logp)
 
 
 def test_the_growth_check_refuses_a_control_of_another_shape_alone() -> None:
     ref = _curve_rollout(6)
     with pytest.raises(ValueError, match="log-prob shapes differ"):
-        verdicts.judge_growth("ar.bounds.growth", ref, ref, _curve_rollout(7).logp)
+        verdicts.judge_growth(ref, ref, _curve_rollout(7).logp)

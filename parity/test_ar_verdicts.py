@@ -66,7 +66,7 @@ def test_slot0_verdict_names_row_layer_kv_and_head() -> None:
     bad_kv = fast.kv[1].clone()
     bad_kv[0, 1, 0, 0, 1] += 1.0
     fast = Rollout(fast.tokens, fast.logp, fast.logits, fast.lengths, fast.real_pos, (fast.kv[0], bad_kv))
-    verdict = verdicts.judge_slot0("ar.test.slot0", fast, ref, close(atol=1e-6, rtol=0.0))
+    verdict = verdicts.judge_slot0(fast, ref, close(atol=1e-6, rtol=0.0))
     assert not verdict.passed and "at row 1, layer 0, kv V, head 0, element (1,)" in verdict.message
 
 
@@ -76,7 +76,7 @@ def _spy(sizes: list[int], static: bool = True, dynamic: bool = False) -> Simple
 
 def test_require_path_needs_every_forward_at_the_batch_size() -> None:
     ref = _pair()[1]
-    base = verdicts.judge_logp("ar.test.path", ref, ref, close(atol=0.0, rtol=0.0))
+    base = verdicts.judge_logp(ref, ref, close(atol=0.0, rtol=0.0))
     fact = "every forward ran at batch size 2"
     assert verdicts.require_path(base, _spy([2, 2, 2]), 2).violated_facts == []
     assert verdicts.require_path(base, _spy([2, 1, 2]), 2).violated_facts == [fact]
@@ -104,10 +104,10 @@ def test_stock_prefill_floor_draws_every_non_pad_id_and_never_the_pad(pad_id: in
 
 def test_token_verdict_reports_each_rows_first_divergence() -> None:
     fast, ref = _pair()
-    verdict = verdicts.judge_tokens("ar.test.tokens", fast, ref, exact())
+    verdict = verdicts.judge_tokens(fast, ref, exact())
     assert not verdict.passed
     assert verdict.message == "row 1 diverges at decode step 1: token 9 vs 6 (step 0 is read from the prefill)"
-    assert verdicts.judge_tokens("ar.test.tokens", ref, ref, exact()).message == ""
+    assert verdicts.judge_tokens(ref, ref, exact()).message == ""
 
 
 def test_exact_policies_are_exact_everywhere_with_no_floor() -> None:

@@ -87,7 +87,7 @@ def _applies(name: str, case: LowPrecisionCase, layout: AttentionLayout) -> str:
 
 def _judge(kernel: str, case: LowPrecisionCase, layout: AttentionLayout, inputs: tuple) -> Verdict:
     low, policy, truth = inputs
-    return compare_kernel(SPECS[kernel], low, policy, f"attention.bf16.{kernel}", block=case.block, layout=layout,
+    return compare_kernel(SPECS[kernel], low, policy, block=case.block, layout=layout,
                           expected=truth)
 
 

@@ -96,12 +96,12 @@ def test_kernel_checks_are_gated_on_the_capture_being_read_right():
     several = AttentionLayout(30, 40, 2, "prefill", images=((3, 9), (12, 20)))
     read = _inputs(small_capture(several, heads=2, kv_heads=1, seed=5))
     assert read.misread is None and read.layout == several
-    assert _compare("decomposed", read, "attention.test").passed
+    assert _compare("decomposed", read).passed
     capture = small_capture(several, heads=2, kv_heads=1, seed=5)
     mask = capture.mask.clone()
     mask[0, 0, 5, 25] = True  # a pair no structured layout admits
     misread = _inputs(dataclasses.replace(capture, mask=mask))
     assert misread.misread is not None
-    verdict = _compare("decomposed", misread, "attention.test")
+    verdict = _compare("decomposed", misread)
     assert not verdict.passed and verdict.violated_facts == [
         "the capture's mask is its detected layout's (see attention.capture.*.contract)"]

@@ -74,7 +74,7 @@ def test_non_gqa_kernel_refuses_a_gqa_capture():
     spec = kernels.KernelSpec("dense_only", reference.masked_sdpa, False, lambda lay: 0, lambda *a: [], "test")
     capture = small_capture(LAYOUT, heads=2, kv_heads=1)
     with pytest.raises(ValueError, match="does not claim GQA.*2 query heads over 1 key/value heads"):
-        parity.compare_kernel(spec, capture, parity.floor_policy(parity.floor_control(capture)), "attention.x.y")
+        parity.compare_kernel(spec, capture, parity.floor_policy(parity.floor_control(capture)))
 
 
 @pytest.mark.parametrize(("mask", "exc", "match"), [

@@ -38,7 +38,7 @@ def test_kernels_match_masked_sdpa_on_the_capture_mask(case: KernelCase):
                             seed=case.seed)
     expected = parity.reference_output(capture)
     for name in ("sdpa", "decomposed", "flex", "block_padded"):
-        verdict = FP32.judge(f"attention.property.{name}", _run(case, name), expected, dims=parity.OUTPUT_DIMS,
+        verdict = FP32.judge(_run(case, name), expected, dims=parity.OUTPUT_DIMS,
                              what=f"{name} on {case.layout.describe()} block {case.block}")
         assert verdict.passed, verdict.describe()
 

@@ -12,7 +12,7 @@ from fixtures.attention_captures import small_capture
 from harness.attention import policy
 from harness.attention.layout import AttentionLayout
 from harness.attention.policy import FloorControl, RowControl, RowScaledFloor
-from harness.compare import close, expect, noise_floor
+from harness.compare import close, holds, noise_floor
 
 pytestmark = pytest.mark.cpu
 
@@ -21,7 +21,7 @@ DIMS = ("batch", "head", "query row")
 
 
 def _judge(actual, truth, control=CONTROL, reason=""):
-    return RowScaledFloor(control, 4.0, reason=reason).judge("attention.t", torch.tensor([[actual]]),
+    return RowScaledFloor(control, 4.0, reason=reason).judge(torch.tensor([[actual]]),
                                                               torch.tensor([[truth]]), dims=DIMS, what="out")
 
 
@@ -65,7 +65,7 @@ def test_nan_never_passes_the_row_bound(where):
 
 def test_no_query_rows_pass_with_zero_margin():
     empty = torch.zeros(1, 1, 0, 4)
-    verdict = RowScaledFloor(CONTROL).judge("attention.t", empty, empty, dims=DIMS)
+    verdict = RowScaledFloor(CONTROL).judge(empty, empty, dims=DIMS)
     assert (verdict.passed, verdict.margin) == (True, 0.0)
     assert {k: verdict.metrics[k] for k in ("row_ratio", "worst_row", "worst_row_error", "worst_row_scale")} == {
         "row_ratio": 0.0, "worst_row": "none", "worst_row_error": 0.0, "worst_row_scale": 0.0}
@@ -105,14 +105,14 @@ def test_bound_and_floor_pairs_each_policy_with_its_floor():
 
 def test_bounds_sit_within_2_and_16_times_their_floor():
     for k, passed in ((2.0, True), (16.0, True), (1.9, False), (16.5, False)):
-        verdict = policy.bounded(expect("attention.t", True, "ran"), noise_floor(1e-6, k), 1e-6)
+        verdict = policy.bounded(holds(True, "ran"), noise_floor(1e-6, k), 1e-6)
         assert (verdict.passed, verdict.metrics["bound_floor_multiple"]) == (passed, pytest.approx(k)), k
 
 
 def test_a_bound_without_a_measured_floor_is_too_loose():
-    verdict = policy.bounded(expect("attention.t", True, "ran"), noise_floor(0.0, 4.0), 0.0)
+    verdict = policy.bounded(holds(True, "ran"), noise_floor(0.0, 4.0), 0.0)
     assert verdict.metrics["bound_floor_multiple"] == math.inf
-    untied = policy.bounded(expect("attention.t", True, "ran"), close(1e-5, 0.0), None)
+    untied = policy.bounded(holds(True, "ran"), close(1e-5, 0.0), None)
     assert not untied.passed
     assert untied.violated_facts == [f"tolerance of {close(1e-5, 0.0).describe()} is too loose: it is not a multiple "
                                      "of a floor measured on stock code"]

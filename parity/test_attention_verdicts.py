@@ -31,13 +31,13 @@ def _suite_kernels_only():
 
 def test_formula_verdict_names_the_span_it_used():
     mask = masks.build_mask(DENOISE)
-    detected = parity.formula_verdict("attention.t", contract.verify_mask(mask))
+    detected = parity.formula_verdict(contract.verify_mask(mask))
     assert (detected.passed, detected.notes) == (True, ("ok: mask == formula with span (2, 5) elementwise",))
     assert detected.metrics == {"mismatches": 0, "total": 20, "first_mismatch": "no mismatch", "density": 0.85,
                                 "detected_span": "(2, 5)"}
-    one = parity.formula_verdict("attention.t", contract.verify_mask(torch.ones(1, 1, dtype=torch.bool)))
+    one = parity.formula_verdict(contract.verify_mask(torch.ones(1, 1, dtype=torch.bool)))
     assert (one.passed, one.metrics["density"], one.metrics["detected_span"]) == (True, 1.0, "None")
-    given = parity.formula_verdict("attention.t", contract.verify_mask(mask, span=(3, 5)))
+    given = parity.formula_verdict(contract.verify_mask(mask, span=(3, 5)))
     assert not given.passed
     assert given.notes == ("VIOLATED: mask == formula with span (3, 5) elementwise",)
     assert given.metrics["first_mismatch"] == "first mismatch at query row 1, key 3"  # position 2 is causal there
@@ -45,10 +45,10 @@ def test_formula_verdict_names_the_span_it_used():
 
 def test_builder_verdict_names_the_first_pair_the_builder_gets_wrong():
     mask = masks.build_mask(DENOISE)
-    assert parity.builder_verdict("attention.t", mask, DENOISE).metrics == {
+    assert parity.builder_verdict(mask, DENOISE).metrics == {
         "builder_mismatches": 0, "builder_first_mismatch": "none"}
     mask[2, 0] = False
-    assert parity.builder_verdict("attention.t", mask, DENOISE).metrics == {
+    assert parity.builder_verdict(mask, DENOISE).metrics == {
         "builder_mismatches": 1, "builder_first_mismatch": "query row 2, key 0"}
 
 
@@ -67,7 +67,7 @@ def _spec(fn, *, gqa: bool) -> kernels.KernelSpec:
 def _judge(spec, capture, **kwargs):
     expected = reference_output(capture)
     control = floor_control(capture, expected)
-    return parity.compare_kernel(spec, capture, floor_policy(control), "attention.t", expected=expected,
+    return parity.compare_kernel(spec, capture, floor_policy(control), expected=expected,
                                  floor=kwargs.pop("floor", control), **kwargs)
 
 
@@ -98,7 +98,7 @@ def test_the_relative_l2_bound_is_inclusive_and_optional():
     control = FloorControl(measured_abs, 1e-9, "torch.float32", float(expected.abs().max()))
 
     def judge(**kwargs):
-        return parity.compare_kernel(spec, capture, floor_policy(control), "attention.t", expected=expected,
+        return parity.compare_kernel(spec, capture, floor_policy(control), expected=expected,
                                      floor=kwargs.pop("floor", control), **kwargs)
 
     free = judge()
@@ -118,10 +118,10 @@ def test_the_relative_l2_bound_is_inclusive_and_optional():
 def test_compare_kernel_computes_the_reference_or_judges_against_the_given_one():
     capture = small_capture(LAYOUT, heads=1, head_dim=8, seed=6)
     control = floor_control(capture)
-    verdict = parity.compare_kernel("decomposed", capture, floor_policy(control), "attention.t", floor=control)
+    verdict = parity.compare_kernel("decomposed", capture, floor_policy(control), floor=control)
     assert verdict.passed and verdict.metrics["kernel"] == "decomposed"
     wrong = reference_output(capture) + 1.0
-    off = parity.compare_kernel("decomposed", capture, floor_policy(control), "attention.t", expected=wrong,
+    off = parity.compare_kernel("decomposed", capture, floor_policy(control), expected=wrong,
                                 floor=control)
     assert not off.passed and off.metrics["max_abs"] == pytest.approx(1.0)
 

@@ -44,7 +44,7 @@ def test_the_implementation_under_test_runs_inside_every_rank(spec, passes, pari
     with conformance.applied({"decode": spec}):  # put back as it was afterwards: the run's specs are not ours
         results = world.run(decode_tasks.decode_task, job)
     assert [r.impl_calls for r in results] == [1, 1]
-    verdict = judge.judge_decode("decode.conformance.bitexact", results, sharded=True)
+    verdict = judge.judge_decode(results, sharded=True)
     assert verdict.passed is passes, verdict.describe()
     if not passes:
         assert set(verdict.violated_facts) == {"each piece decoded exactly once across the world",

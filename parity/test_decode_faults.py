@@ -39,7 +39,7 @@ CASES = [
 def test_every_rank_raises_together_and_the_group_survives(world, rank, kind, frames, split, transport, parity_ctx):
     job = decode_tasks.TinyDecodeJob(decode_models.LatentSpec(frames), split=split, transport=transport,
                                      dst=rank if transport == "gather" else 0)
-    verdict = decode_checks.run_fault(f"decode.fault.w{world}.{kind}", parity_ctx.world(world), job, kind, rank,
+    verdict = decode_checks.run_fault(parity_ctx.world(world), job, kind, rank,
                                       timeout_s=30.0)
     assert verdict.passed, verdict.describe()
     assert verdict.metrics["outcome"] == f"{world}/{world} ranks raise"

@@ -59,6 +59,6 @@ def test_round_robin_ownership_partitions_the_clips(frames, world):
 def test_sharded_decode_is_bitwise_the_stock_decode(geometry, parity_ctx):
     """Every rank's video is bitwise rank 0's stock decode, and the right path ran (spies)."""
     world = parity_ctx.world(geometry.world)
-    verdict = judge.compare_sharded_decode(world, decode_tasks.decode_task, geometry.job(), "decode.property.bitexact",
-                                           sharded=geometry.world > 1, timeout_s=parity_ctx.task_timeout_s)
+    verdict = judge.compare_sharded_decode(world, decode_tasks.decode_task, geometry.job(), sharded=geometry.world > 1,
+                                           timeout_s=parity_ctx.task_timeout_s)
     assert verdict.passed, f"{geometry}\n{verdict.describe()}"

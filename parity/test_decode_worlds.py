@@ -27,10 +27,10 @@ def test_a_world_forked_under_an_ablation_runs_clean_tasks_clean():
         world = World(2).start()  # forked with the ablated collect in place
     try:
         results = world.run(decode_tasks.decode_task, job)
-        verdict = judge.judge_decode("decode.forked_under_ablation.bitexact", results, sharded=True)
+        verdict = judge.judge_decode(results, sharded=True)
         assert verdict.passed, verdict.describe()
         with item.apply():  # and the ablation still reaches the ranks when it is applied for a task
             broken = world.run(decode_tasks.decode_task, job)
-        assert not judge.judge_decode("decode.forked_under_ablation.bitexact", broken, sharded=True).passed
+        assert not judge.judge_decode(broken, sharded=True).passed
     finally:
         world.close()

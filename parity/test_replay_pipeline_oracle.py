@@ -74,7 +74,7 @@ def _parity_and_combine_pass(family: ReplayFamily, adapter) -> None:
     fused = concat_branches(conditions.negative, conditions) if conditions.negative is not None else conditions
     out = adapter.forward(torch.cat([x, x]), adapter.timestep(torch.full((2 * BATCH,), 0.6)), broadcast_rows(fused))
     cond, uncond = denoiser.split_branches(denoiser.declared_layout(adapter), out, BATCH)
-    combined = exact().judge("combine", predict_velocity(adapter, x, 0.6, conditions, GUIDANCE),
+    combined = exact().judge(predict_velocity(adapter, x, 0.6, conditions, GUIDANCE),
                              uncond + GUIDANCE * (cond - uncond))
     assert combined.passed, combined.describe()
 

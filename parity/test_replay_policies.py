@@ -46,10 +46,10 @@ def test_an_error_on_a_small_row_is_judged_at_that_row_scale():
     actual = expected.clone()
     actual[1, 0, 0] += 1e-4
     policy = LocalScaleBound("prev_sample_means", relative_floor=1e-3, resolution=RESOLUTION, k=2.0)
-    verdict = policy.judge("t", actual, expected, dims=("row", "step"), what="means")
+    verdict = policy.judge(actual, expected, dims=("row", "step"), what="means")
     assert not verdict.passed and verdict.margin > 10
     assert "row 1, step 0" in verdict.message
-    assert policy.judge("t", expected.clone(), expected).passed
+    assert policy.judge(expected.clone(), expected).passed
 
 
 def test_nan_never_passes_and_k_is_bounded_on_both_sides():
@@ -57,10 +57,10 @@ def test_nan_never_passes_and_k_is_bounded_on_both_sides():
     actual = expected.clone()
     actual[0, 0, 0] = math.nan
     policy = LocalScaleBound("prev_sample_means", relative_floor=1.0, resolution=RESOLUTION, k=2.0)
-    assert not policy.judge("t", actual, expected).passed
+    assert not policy.judge(actual, expected).passed
     for k in (K_MIN / 2, K_MAX * 2):
         loose = LocalScaleBound("prev_sample_means", relative_floor=1e-3, resolution=RESOLUTION, k=k)
-        verdict = loose.judge("t", expected.clone(), expected)
+        verdict = loose.judge(expected.clone(), expected)
         assert not verdict.passed and any("x the stock floor" in f for f in verdict.violated_facts)
 
 
@@ -143,26 +143,26 @@ def test_policy_description_names_dtype_k_floor_and_resolution():
 
 def _a_pass_reports_every_metric_and_an_all_zero_row_needs_zero_error():
     actual = EXPECTED_LP + torch.tensor([[0.5, 0.0, -0.25], [0.0, 0.0, 0.0]])
-    verdict = HAND_POLICY.judge("t", actual, EXPECTED_LP, dims=("row", "step"), what="log_probs")
+    verdict = HAND_POLICY.judge(actual, EXPECTED_LP, dims=("row", "step"), what="log_probs")
     assert (verdict.passed, verdict.margin, verdict.tolerance, verdict.headline, verdict.message) == (
         True, 0.5, 1.0, "max_relative_to_local", "")
     assert verdict.metrics == _metrics(0.5, 6, 0, 0.5)
     assert verdict.policy == HAND_POLICY.describe()
     half = LocalScaleBound("log_probs", relative_floor=0.25, resolution=RESOLUTION, k=2.0)  # bound 0.5
-    halved = half.judge("t", actual, EXPECTED_LP)
+    halved = half.judge(actual, EXPECTED_LP)
     assert (halved.passed, halved.margin, halved.metrics["max_relative_to_local"]) == (True, 1.0, 0.5)
 
 
 def _an_error_at_the_bound_passes_and_only_errors_beyond_it_are_counted():
     """|d| == allowed (ratio 1) passes; ratio 2 and any error on the all-zero row (ratio inf) fail."""
     at_bound = EXPECTED_LP + torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    assert HAND_POLICY.judge("t", at_bound, EXPECTED_LP).margin == 1.0
-    assert HAND_POLICY.judge("t", at_bound, EXPECTED_LP).passed
+    assert HAND_POLICY.judge(at_bound, EXPECTED_LP).margin == 1.0
+    assert HAND_POLICY.judge(at_bound, EXPECTED_LP).passed
     for error in (1.5, -1.5):
-        beyond = HAND_POLICY.judge("t", EXPECTED_LP + torch.tensor([[error, 0.0, 0.0], [0.0, 0.0, 0.0]]), EXPECTED_LP)
+        beyond = HAND_POLICY.judge(EXPECTED_LP + torch.tensor([[error, 0.0, 0.0], [0.0, 0.0, 0.0]]), EXPECTED_LP)
         assert (beyond.passed, beyond.margin, beyond.metrics["max_abs"]) == (False, 1.5, 1.5)
     actual = EXPECTED_LP + torch.tensor([[1.0, 2.0, 0.0], [0.0, 0.5, 0.0]])
-    verdict = HAND_POLICY.judge("t", actual, EXPECTED_LP, dims=("row", "step"), labels={"step": [0, 3, 6]},
+    verdict = HAND_POLICY.judge(actual, EXPECTED_LP, dims=("row", "step"), labels={"step": [0, 3, 6]},
                                 what="log_probs")
     assert (verdict.passed, verdict.margin) == (False, math.inf)
     assert verdict.metrics == _metrics(2.0, 6, 0, math.inf)
@@ -174,21 +174,21 @@ def _non_finite_values_on_either_side_are_counted_and_fail():
     actual, expected = EXPECTED_LP.clone(), EXPECTED_LP.clone()
     actual[0, 0] = math.nan
     expected[1, 1], expected[1, 2] = math.inf, -math.inf
-    verdict = HAND_POLICY.judge("t", actual, expected, what="log_probs")
+    verdict = HAND_POLICY.judge(actual, expected, what="log_probs")
     assert (verdict.passed, verdict.margin) == (False, math.inf)
     assert verdict.metrics["nonfinite"] == 3 and verdict.metrics["max_relative_to_local"] == math.inf
     assert verdict.message == "log_probs: non-finite values or floor; NaN/Inf never pass"
 
 
 def _empty_outputs_pass_with_zero_error():
-    verdict = HAND_POLICY.judge("t", torch.zeros(0, 3), torch.zeros(0, 3))
+    verdict = HAND_POLICY.judge(torch.zeros(0, 3), torch.zeros(0, 3))
     assert (verdict.passed, verdict.margin) == (True, 0.0)
     assert verdict.metrics == _metrics(0.0, 0, 0, 0.0)
 
 
 def _shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match=r"log_probs: shapes \(2, 3\) and \(3, 2\) differ"):
-        HAND_POLICY.judge("t", EXPECTED_LP, EXPECTED_LP.T, what="log_probs")
+        HAND_POLICY.judge(EXPECTED_LP, EXPECTED_LP.T, what="log_probs")
 
 
 def test_judge_on_hand_made_log_probs():

@@ -6,7 +6,7 @@ import pytest
 
 from harness import checks
 from harness.checkid import CheckId
-from harness.compare import Verdict, exact, expect
+from harness.compare import Verdict, exact, holds
 
 pytestmark = pytest.mark.cpu
 
@@ -39,7 +39,7 @@ def scratch_registry():
 
 def test_runner_stamps_the_registered_id_and_the_policy_is_listed(scratch_registry):
     check_id = CheckId("demo", "stamp", "", "fact")
-    checks.register(check_id, policy=exact())(lambda ctx: expect("", True, "holds"))
+    checks.register(check_id, policy=exact())(lambda ctx: holds(True, "holds"))
     assert checks.get(str(check_id)).policy == exact().describe()
     verdict = checks.run_check(check_id, checks.CheckContext())
     assert verdict.check_id == "demo.stamp.fact" and verdict.passed

@@ -73,7 +73,7 @@ def padding_control(backend: Any, prompts: list[torch.Tensor], reference: Rollou
     return torch.stack(out)
 
 
-def judge_bf16(check_id: str, fast: Rollout, reference: Rollout, control: torch.Tensor, *, k: float,
+def judge_bf16(fast: Rollout, reference: Rollout, control: torch.Tensor, *, k: float,
                floor: float, flip_margin: float, dtype: torch.dtype) -> Verdict:
     """The bf16 rule (module docstring) as one verdict; per-row KL, controls, prefixes and margins in metrics."""
     kl, prefix = comparable_kl(reference, fast)
@@ -81,7 +81,7 @@ def judge_bf16(check_id: str, fast: Rollout, reference: Rollout, control: torch.
     policy = noise_floor(bound_control, k=k, floor=floor,
                          reason=f"{dtype} KL(B=1 || batched) over each row's shared-context steps vs stock B=1 "
                                 "unpadded against stock B=1 right-padded in a cache of the batch's length")
-    verdict = policy.judge(check_id, kl, torch.zeros_like(kl), dims=("row",), what="KL(B=1 || batched)")
+    verdict = policy.judge(kl, torch.zeros_like(kl), dims=("row",), what="KL(B=1 || batched)")
     flipped, margins = flips(reference, prefix)
     bad = [row for row, (f, m) in enumerate(zip(flipped, margins, strict=True)) if f and m >= flip_margin]
     return verdict.require(not bad, f"rows diverge only where the B=1 top-1/top-2 margin < {flip_margin}",

@@ -16,7 +16,7 @@ from harness.ar import loop, probes, verdicts
 from harness.ar.batch import ARBatch
 from harness.ar.replay import teacher_forced_logp
 from harness.ar.spy import ARForwardSpy
-from harness.compare import UNSTAMPED, Policy, Verdict, raises
+from harness.compare import Policy, Verdict, raises
 
 __all__ = [
     "CASE_QUANTITIES",
@@ -53,7 +53,7 @@ def compare_batched(what: str, backend: Any, batch: ARBatch, max_new_tokens: int
     """One quantity (tokens / logp / prefill_kv / slot0) of the batched rollout vs per-row B=1 runs (the
     reference stopped at ``eos`` like the rollout)."""
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
-    verdict = verdicts.compare_case(what, UNSTAMPED, fast, reference, policies)
+    verdict = verdicts.compare_case(what, fast, reference, policies)
     return verdicts.require_path(verdict, spy, batch.batch_size)
 
 
@@ -63,9 +63,9 @@ def compare_padded_b1(backend: Any, batch: ARBatch, max_new_tokens: int,
     if batch.batch_size != 1 or batch.real_pos is None or int(batch.real_pos[0, 0]) >= batch.width:
         raise ValueError("compare_padded_b1 needs one right-padded row (real_pos < width)")
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
-    verdict = verdicts.compare_case("tokens", UNSTAMPED, fast, reference, policies)
+    verdict = verdicts.compare_case("tokens", fast, reference, policies)
     for what in ("logp", "prefill_kv"):
-        verdict = verdict.merge(verdicts.compare_case(what, UNSTAMPED, fast, reference, policies))
+        verdict = verdict.merge(verdicts.compare_case(what, fast, reference, policies))
     return verdicts.require_path(verdict, spy, 1)
 
 
@@ -74,7 +74,7 @@ def compare_rollout_vs_replay(backend: Any, batch: ARBatch, max_new_tokens: int,
     """The batched rollout's recorded log-probs equal a teacher-forced, unpadded replay of its own tokens."""
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
     replayed = teacher_forced_logp(backend, batch.prompts(), fast)
-    verdict = policy.judge(UNSTAMPED, fast.logp, replayed, dims=("row", "step"), what="rollout vs replay log_probs")
+    verdict = policy.judge(fast.logp, replayed, dims=("row", "step"), what="rollout vs replay log_probs")
     return verdicts.require_path(verdict, spy, batch.batch_size)
 
 
@@ -83,8 +83,8 @@ def compare_finished_rows(backend: Any, batch: ARBatch, max_new_tokens: int, eos
     """Rows that emit EOS stop sampling and stop writing KV; each equals its B=1 run stopped at EOS."""
     run = probes.footprint_rollout(backend, batch, max_new_tokens, tuple(eos), rollout=fast_rollout())
     fast = run.rollout
-    verdict = verdicts.compare_case("tokens", UNSTAMPED, fast, reference, policies)
-    verdict = verdict.merge(verdicts.compare_case("logp", UNSTAMPED, fast, reference, policies))
+    verdict = verdicts.compare_case("tokens", fast, reference, policies)
+    verdict = verdict.merge(verdicts.compare_case("logp", fast, reference, policies))
     lengths, ref_lengths = fast.lengths.tolist(), reference.lengths.tolist()
     verdict = verdict.require(lengths == ref_lengths, "every row stops where its B=1 run stopped at EOS",
                               lengths=lengths, reference_lengths=ref_lengths)
@@ -102,7 +102,7 @@ def compare_nan_unused_slots(backend: Any, batch: ARBatch, max_new_tokens: int,
                              eos: Sequence[int] = ()) -> Verdict:
     """NaN in every unused or dead cache slot; every logit stays finite and the tokens stay right."""
     run = probes.nan_probe_rollout(backend, batch, max_new_tokens, tuple(eos), rollout=fast_rollout())
-    verdict = verdicts.compare_case("tokens", UNSTAMPED, run.rollout, reference, policies)
+    verdict = verdicts.compare_case("tokens", run.rollout, reference, policies)
     verdict = verdict.require(run.static and run.poisoned_slots > 0,
                               "NaN planted in every unused slot before the run and every dead slot after prefill",
                               poisoned_slots=run.poisoned_slots)
@@ -148,7 +148,7 @@ def check_greedy_logp_oracle(backend: Any, batch: ARBatch, max_new_tokens: int,
     stock = loop.stock_rollout(backend, batch.prompts(), max_new_tokens, tuple(eos))
     fast_rec, fast_oracle, fast_off = _oracle_errors(fast)
     stock_rec, stock_oracle, stock_off = _oracle_errors(stock)
-    verdict = policy.judge(UNSTAMPED, torch.cat([fast_rec, stock_rec]), torch.cat([fast_oracle, stock_oracle]),
+    verdict = policy.judge(torch.cat([fast_rec, stock_rec]), torch.cat([fast_oracle, stock_oracle]),
                            dims=("step",), what="recorded log-prob vs fp64 softmax")
     verdict = verdict.require(fast_off == 0 and stock_off == 0, "every token is the fp64 argmax of its logits",
                               fast_tokens_off_argmax=fast_off, stock_tokens_off_argmax=stock_off)

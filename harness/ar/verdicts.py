@@ -258,29 +258,29 @@ _KV_DIMS = ("row", "layer", "kv", "head", "slot")
 _KV_LABELS = {"kv": ("K", "V")}
 
 
-def judge_tokens(check_id: str, fast: Rollout, ref: Rollout, policy: Policy) -> Verdict:
-    verdict = policy.judge(check_id, fast.tokens, ref.tokens, dims=("row", "step"), what="tokens")
+def judge_tokens(fast: Rollout, ref: Rollout, policy: Policy) -> Verdict:
+    verdict = policy.judge(fast.tokens, ref.tokens, dims=("row", "step"), what="tokens")
     lines = divergences(fast.tokens, ref.tokens)
     if lines:
         verdict = dataclasses.replace(verdict, message="\n".join(lines))
     return verdict
 
 
-def judge_logp(check_id: str, fast: Rollout, ref: Rollout, policy: Policy) -> Verdict:
-    return policy.judge(check_id, fast.logp, ref.logp, dims=("row", "step"), what="log_probs")
+def judge_logp(fast: Rollout, ref: Rollout, policy: Policy) -> Verdict:
+    return policy.judge(fast.logp, ref.logp, dims=("row", "step"), what="log_probs")
 
 
-def judge_prefill_kv(check_id: str, fast: Rollout, ref: Rollout, policy: Policy) -> Verdict:
-    return policy.judge(check_id, _padded_prefill_kv(fast), _padded_prefill_kv(ref), dims=_KV_DIMS,
+def judge_prefill_kv(fast: Rollout, ref: Rollout, policy: Policy) -> Verdict:
+    return policy.judge(_padded_prefill_kv(fast), _padded_prefill_kv(ref), dims=_KV_DIMS,
                         labels=_KV_LABELS, what="prefill KV over [0, real_pos_i)")
 
 
-def judge_slot0(check_id: str, fast: Rollout, ref: Rollout, policy: Policy) -> Verdict:
-    return policy.judge(check_id, _slot0(fast), _slot0(ref), dims=_KV_DIMS[:4], labels=_KV_LABELS,
+def judge_slot0(fast: Rollout, ref: Rollout, policy: Policy) -> Verdict:
+    return policy.judge(_slot0(fast), _slot0(ref), dims=_KV_DIMS[:4], labels=_KV_LABELS,
                         what="cache slot 0")
 
 
-_JUDGES: dict[str, tuple[Callable[[str, Rollout, Rollout, Policy], Verdict], str]] = {
+_JUDGES: dict[str, tuple[Callable[[Rollout, Rollout, Policy], Verdict], str]] = {
     "tokens": (judge_tokens, "tokens"),
     "logp": (judge_logp, "logp"),
     "prefill_kv": (judge_prefill_kv, "kv"),
@@ -288,14 +288,14 @@ _JUDGES: dict[str, tuple[Callable[[str, Rollout, Rollout, Policy], Verdict], str
 }
 
 
-def compare_case(what: str, check_id: str, fast: Rollout, ref: Rollout, policies: ARPolicies) -> Verdict:
+def compare_case(what: str, fast: Rollout, ref: Rollout, policies: ARPolicies) -> Verdict:
     """Judge one quantity (``tokens``, ``logp``, ``prefill_kv``, ``slot0``) of a case; attach seed 001's row."""
     if what not in _JUDGES:
         raise ValueError(f"unknown ar comparison {what!r}; expected one of {sorted(_JUDGES)}")
     if fast.tokens.shape != ref.tokens.shape:
         raise ValueError(f"rollout shapes differ: fast {tuple(fast.tokens.shape)} vs ref {tuple(ref.tokens.shape)}")
     judge, policy_name = _JUDGES[what]
-    verdict = judge(check_id, fast, ref, getattr(policies, policy_name))
+    verdict = judge(fast, ref, getattr(policies, policy_name))
     row = seed001_metrics(fast, ref)
     summary = (f"tokens {'equal' if row['tokens_equal'] else 'DIFFER'}, logp {row['logp_max_abs']:.1e}, "
                f"prefill-KV {row['prefill_kv_max_abs']:.1e}, slot0 {row['slot0_max_abs']:.1e} (max|d|)")
@@ -356,7 +356,7 @@ def batch_shape_control_logp(backend: Any, prompts: list[torch.Tensor], referenc
     return out
 
 
-def judge_growth(check_id: str, fast: Rollout, reference: Rollout, control_logp: torch.Tensor,
+def judge_growth(fast: Rollout, reference: Rollout, control_logp: torch.Tensor,
                  budget: float = GROWTH_BUDGET) -> Verdict:
     """Per-step error of the batched log-probs vs B=1 (mean |d| over the rows that emitted the step, fp64)
     against the stock floor curve ``control_logp`` (``batch_shape_control_logp``: each prompt at the batch's
@@ -366,7 +366,7 @@ def judge_growth(check_id: str, fast: Rollout, reference: Rollout, control_logp:
         raise ValueError(f"log-prob shapes differ: fast {tuple(fast.logp.shape)}, reference "
                          f"{tuple(reference.logp.shape)}, control {tuple(control_logp.shape)}")
     verdict = growth.judge_growth(
-        check_id, step_curve(fast.logp, reference.logp, reference.lengths),
+        step_curve(fast.logp, reference.logp, reference.lengths),
         step_curve(control_logp, reference.logp, reference.lengths), resolution_curve(reference),
         control="stock B=1 unpadded vs stock right-padded at the batch's row count and width in its cache, "
                 "mean |d logp| per step", budget=budget)

@@ -27,7 +27,7 @@ from harness.attention.policy import (
     reference_output,
     rel_l2_bound,
 )
-from harness.compare import Policy, Verdict, expect
+from harness.compare import Policy, Verdict, holds
 
 __all__ = [
     "OUTPUT_DIMS",
@@ -57,7 +57,7 @@ def _kernel_under_test(spec: kernels.KernelSpec, block: int) -> tuple[kernels.re
 
 
 def compare_kernel(kernel: kernels.KernelSpec | str, capture: Capture, policy: Policy | Sequence[Policy],
-                   check_id: str, *, block: int = kernels.BLOCK, layout: AttentionLayout | None = None,
+                   *, block: int = kernels.BLOCK, layout: AttentionLayout | None = None,
                    expected: torch.Tensor | None = None, max_rel_l2: float | None = None,
                    floor: FloorControl | float | None = None, pass_scale: bool = True) -> Verdict:
     """Run ``kernel`` (a registered name or a KernelSpec) on ``capture`` at ``block`` and judge it
@@ -90,7 +90,7 @@ def compare_kernel(kernel: kernels.KernelSpec | str, capture: Capture, policy: P
         actual = fn(q, k, v, layout, scale=capture.scale if pass_scale else None)
     name = spec.name if impl is None else impl
     what = f"{name} output on {capture.name}"
-    judged = [p.judge(check_id, actual, expected, dims=OUTPUT_DIMS, what=what) for p in _policies(policy)]
+    judged = [p.judge(actual, expected, dims=OUTPUT_DIMS, what=what) for p in _policies(policy)]
     verdict = functools.reduce(Verdict.merge, judged)
     verdict = verdict.require(actual.dtype == q.dtype and tuple(actual.shape) == tuple(q.shape),
                               "the output is (B, H, Q, D) in the inputs' dtype",
@@ -124,18 +124,18 @@ def _where(first: tuple[int, int] | None) -> str:
     return "none" if first is None else f"query row {first[0]}, key {first[1]}"
 
 
-def formula_verdict(check_id: str, report: contract.ContractReport) -> Verdict:
+def formula_verdict(report: contract.ContractReport) -> Verdict:
     """Zero elementwise mismatches between a mask and the seed's formula (``contract.verify_mask``'s
     report: at the given span, else the detected one); the first mismatch is named in rows and keys."""
     used = report.span if report.span is not None else report.detected_span
-    return expect(check_id, report.mismatches == 0, f"mask == formula with span {used} elementwise",
-                  mismatches=report.mismatches, total=report.total, first_mismatch=report.where(),
-                  density=report.density, detected_span=str(report.detected_span))
+    return holds(report.mismatches == 0, f"mask == formula with span {used} elementwise",
+                 mismatches=report.mismatches, total=report.total, first_mismatch=report.where(),
+                 density=report.density, detected_span=str(report.detected_span))
 
 
-def builder_verdict(check_id: str, mask: torch.Tensor, layout: AttentionLayout) -> Verdict:
+def builder_verdict(mask: torch.Tensor, layout: AttentionLayout) -> Verdict:
     """The harness's mask builder reproduces ``mask`` exactly for ``layout``."""
     grid = contract.mask_grid(mask)
     bad, first = contract.mask_mismatches(masks.build_mask(layout, device=grid.device), grid)
-    return expect(check_id, bad == 0, f"build_mask({layout.describe()}) reproduces the mask",
-                  builder_mismatches=bad, builder_first_mismatch=_where(first))
+    return holds(bad == 0, f"build_mask({layout.describe()}) reproduces the mask",
+                 builder_mismatches=bad, builder_first_mismatch=_where(first))

@@ -19,7 +19,7 @@ import torch
 
 from harness.attention.capture import Capture
 from harness.attention.reference import attend_masked, expand_kv
-from harness.compare import NoiseFloor, Policy, Verdict, locate, max_abs_diff, noise_floor, rel_l2
+from harness.compare import UNSTAMPED, NoiseFloor, Policy, Verdict, locate, max_abs_diff, noise_floor, rel_l2
 from harness.floors import StockFloor
 
 __all__ = [
@@ -182,7 +182,7 @@ class RowScaledFloor(Policy):
                 f"control: {self.control.dtype} masked SDPA vs fp64)")
         return f"{text} [{self.reason}]" if self.reason else text
 
-    def judge(self, check_id, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
+    def judge(self, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
         if actual.shape != expected.shape:
             raise ValueError(f"shape mismatch: actual {tuple(actual.shape)} vs expected {tuple(expected.shape)}")
         error, scale = _row_error_and_scale(actual, expected)
@@ -191,7 +191,7 @@ class RowScaledFloor(Policy):
         metrics = {"max_abs": max_abs_diff(actual, expected), "rel_l2": rel_l2(actual, expected),
                    "relative_control": self.control.relative, "control_row": self.control.worst_row, "k": self.k}
         if not finite:
-            return Verdict(check_id, False, metrics, self.describe(), math.inf, headline="row_ratio",
+            return Verdict(UNSTAMPED, False, metrics, self.describe(), math.inf, headline="row_ratio",
                            tolerance=1.0, message=f"{what}: non-finite values; NaN/Inf never pass")
         ratio = torch.where(bound > 0, error / bound, torch.where(error > 0, math.inf, 0.0))
         at = int(ratio.reshape(-1).argmax()) if ratio.numel() else 0
@@ -205,7 +205,7 @@ class RowScaledFloor(Policy):
             f"{what}: {int((ratio > 1).sum())} / {ratio.numel()} query rows beyond the row bound; worst at {where}: "
             f"max|d| {metrics['worst_row_error']:.3e} > {self.k:g} x {self.control.relative_floor:.3e} x row max|ref| "
             f"{metrics['worst_row_scale']:.3e}")
-        return Verdict(check_id, passed, metrics, self.describe(), margin, headline="row_ratio", tolerance=1.0,
+        return Verdict(UNSTAMPED, passed, metrics, self.describe(), margin, headline="row_ratio", tolerance=1.0,
                        message=message)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from harness import conformance
-from harness.compare import UNSTAMPED, Policy, Verdict, exact, holds
+from harness.compare import Policy, Verdict, exact, holds
 from harness.replay.controls import QUANTITIES
 from harness.replay.problem import ReplayProblem
 from harness.replay.replay import replay_batched, replay_serial
@@ -88,7 +88,7 @@ def judge_result(policy: Policy, actual: torch.Tensor, expected: torch.Tensor,
     if actual.shape != expected.shape:
         return holds(False, f"{what} has the serial shape {list(expected.shape)}",
                      actual_shape=str(list(actual.shape)), expected_shape=str(list(expected.shape)))
-    verdict = policy.judge(UNSTAMPED, actual, expected, dims=("row", "step"), labels={"step": list(target)},
+    verdict = policy.judge(actual, expected, dims=("row", "step"), labels={"step": list(target)},
                            what=what)
     verdict = verdict.require(verdict.metrics.get("total") == expected.numel(), "every row and step compared")
     if not verdict.passed:  # which target steps went wrong, in target order: one bug hits one step, another all

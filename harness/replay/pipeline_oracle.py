@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from harness.compare import UNSTAMPED, Verdict, close, holds, noise_floor
+from harness.compare import Verdict, close, holds, noise_floor
 from harness.replay import denoiser
 from harness.replay.denoiser import UNCOND_FIRST
 from harness.replay.families.base import ModelAdapter, Prompts, ReplayFamily
@@ -264,7 +264,7 @@ def _within(what: str, actual: torch.Tensor, expected: torch.Tensor, floor: floa
     policy = noise_floor(effective, k=K_OUTPUT, reason=f"{reason}: floor {floor:.2e}, at least {RESOLUTION:.2e} "
                                                        "(4 fp32 ulps) of the local magnitude")
     rel = relative_error(actual, expected)
-    verdict = policy.judge(UNSTAMPED, rel, torch.zeros_like(rel), dims=("row",), what=f"{what} (relative)")
+    verdict = policy.judge(rel, torch.zeros_like(rel), dims=("row",), what=f"{what} (relative)")
     return verdict.require_bounded(policy.bound, effective, k_min=K_MIN, k_max=K_MAX, what=f"{what} bound")
 
 
@@ -328,7 +328,7 @@ def judge_step(family: ReplayFamily, adapter: ModelAdapter, step: PipelineStep, 
     scale = float(t_pipe.abs().max())
     verdict = close(atol=TIMESTEP_ULPS * FP32_EPS * scale, rtol=0.0,
                     reason=f"timestep in the pipeline's units: within {TIMESTEP_ULPS:g} fp32 ulps of its "
-                           f"magnitude {scale:.4g}").judge(UNSTAMPED, t_mine, t_pipe, dims=("row",),
+                           f"magnitude {scale:.4g}").judge(t_mine, t_pipe, dims=("row",),
                                                            what=f"{label} timestep")
     verdict = verdict.require(cfg_order, f"{label}: CFG order: the rows the adapter declares cond carry the "
                                          "pipeline's prompt, the uncond rows its negative prompt",
