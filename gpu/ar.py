@@ -1,12 +1,12 @@
 """GPU tier of ar: a real causal LM, batched right-padded decoding vs each prompt alone at B=1.
 
 fp32: tokens identical and log-probs within TOLERANCE_K x the stock floor measured on this checkpoint
-(harness.ar.verdicts.stock_prefill_floor: the same prompts prefilled batched vs alone with stock code, floored
+(harness.ar.policies.stock_prefill_floor: the same prompts prefilled batched vs alone with stock code, floored
 at one fp32 eps of the log-probs' magnitude), and that tolerance within [K_MIN, K_MAX] x the floor. Seed 001
 saw 48/48 tokens identical and logp |d| <= 5e-5 on the real checkpoint. bf16: padding and a longer masked key
 axis legitimately move bf16 logits (SDPA reduces over another length), so the control is stock code only: B=1
 on the unpadded prompt against B=1 on the same prompt right-padded in a cache of the batch's length
-(harness.ar.bf16). Each row's KL(B=1 || batched), over every step whose context both runs share, may be
+(harness.ar.judge.judge_bf16). Each row's KL(B=1 || batched), over every step whose context both runs share, may be
 at most k x the largest such control + a floor, and a row may diverge only where the B=1 top-1/top-2
 margin at that step is small. The report carries KL, control, common prefix and flips per row.
 
@@ -33,21 +33,20 @@ from harness import checkpoints, compat, conformance, plugins
 from harness.ar import plugins as ar_plugins
 from harness.ar.backends import remote_code_name
 from harness.ar.batch import ARBatch, right_padded_batch
-from harness.ar.bf16 import judge_bf16, padding_control
-from harness.ar.loop import Rollout, fast_rollout, stock_rollout
-from harness.ar.routing import RoutingProbe, probe_routing
-from harness.ar.spy import ARForwardSpy
-from harness.ar.verdicts import (
-    TOLERANCE_K,
-    fp32_policies,
+from harness.ar.judge import (
+    judge_bf16,
     judge_logp,
     judge_tokens,
+    padding_control,
     require_floor_bounds,
     require_path,
     seed001_metrics,
     step_curve,
-    stock_prefill_floor,
 )
+from harness.ar.loop import Rollout, fast_rollout, stock_rollout
+from harness.ar.policies import TOLERANCE_K, fp32_policies, stock_prefill_floor
+from harness.ar.routing import RoutingProbe, probe_routing
+from harness.ar.spy import ARForwardSpy
 from harness.checkid import CheckId
 from harness.checks import CheckContext
 from harness.compare import Verdict, exact

@@ -3,7 +3,7 @@
 fp32: each kernel within 4 x masked SDPA's own fp32-vs-fp64 error on the same capture (the CPU
 tier's policy). Low precision: per query row, within k x the worst relative error that stock masked
 SDPA in that dtype makes against the fp64 truth, scaled by the row's own magnitude
-(``harness.attention.policy.low_precision_policy``); a missed or extra key moves a row far past that.
+(``harness.attention.policies.low_precision_policy``); a missed or extra key moves a row far past that.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import functools
 import torch
 
 from harness.attention.capture import Capture, load_capture, phase_capture_path
-from harness.attention.parity import compare_kernel
-from harness.attention.policy import (
+from harness.attention.judge import compare_kernel
+from harness.attention.policies import (
     RowScaledFloor,
     floor_control,
     floor_policy,

@@ -24,7 +24,7 @@ from harness.replay.conditions import Conditions
 from harness.replay.controls import BatchShapeControl, measure_batch_shape_control
 from harness.replay.denoiser import DenoiserAdapter, WrappedAdapter
 from harness.replay.families import family_for_class
-from harness.replay.parity import compare_replay, compare_replay_determinism
+from harness.replay.judge import compare_replay, compare_replay_determinism
 from harness.replay.policies import LocalScaleBound, local_scale_policy
 from harness.replay.problem import ReplayProblem, make_problem
 

@@ -16,8 +16,8 @@ import torch
 from fixtures.ar_models import BACKENDS as MODELS
 from harness.ablation import ablation
 from harness.ar.batch import pad_seq
+from harness.ar.comparisons import CASE_QUANTITIES
 from harness.ar.loop import token_logprob
-from harness.ar.suite import CASE_QUANTITIES
 from harness.checkid import CheckId
 
 _BATCHED = ("unequal_real_pos", "length_skew", "all_padded", "concat")

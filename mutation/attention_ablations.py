@@ -228,7 +228,7 @@ def _key_value_swapped(original):
 
 if INSTALLED:  # claims every check of a kernel an installed package registers (none otherwise)
     ablation(
-        "attention.key_value_swapped", "harness.attention.parity:_kernel_under_test", _key_value_swapped, wraps=True,
+        "attention.key_value_swapped", "harness.attention.judge:_kernel_under_test", _key_value_swapped, wraps=True,
         kills=[str(c) for c in CheckId.grid("attention", ("prefill", "denoise", "gqa", *INPUT_CASES), INSTALLED,
                                              ("vs_sdpa",))],
         why="the harness hands the kernel under test its value where the key belongs: any kernel that honours its "

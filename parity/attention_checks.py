@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fixtures import attention_captures as seeds
 from harness import conformance
 from harness.attention import capture as capture_io
-from harness.attention import contract, kernels, masks, parity
+from harness.attention import contract, judge, kernels, masks
 from harness.attention.layout import PHASES
 from harness.checkid import CheckId
 from harness.checks import CheckContext, register
@@ -94,7 +94,7 @@ def _seed_report(phase: str) -> contract.ContractReport:
 
 
 def _mismatches(phase: str) -> Verdict:
-    return parity.formula_verdict(_seed_report(phase))
+    return judge.formula_verdict(_seed_report(phase))
 
 
 def _density(phase: str) -> Verdict:
@@ -155,7 +155,7 @@ def _capture_contract(phase: str, ctx: CheckContext) -> Verdict:
         layout = contract.layout_for(report.q_len, report.kv_len, report.detected_span)
     except ValueError as err:  # the mask left the structured family: a failed check, not a crash
         return holds(False, f"{path.name} follows the structured layout", error=str(err))
-    verdict = parity.formula_verdict(report).merge(parity.builder_verdict(loaded.mask, layout))
+    verdict = judge.formula_verdict(report).merge(judge.builder_verdict(loaded.mask, layout))
     histogram = str(report.histogram) if len(report.histogram) <= 8 else f"{len(report.histogram)} distinct counts"
     verdict = verdict.with_metrics(file=path.name, layout=layout.describe(), histogram=histogram,
                                    q_len=report.q_len, kv_len=report.kv_len)
@@ -182,9 +182,9 @@ def _compare(kernel: str, inputs: seeds.PhaseInputs, block: int = kernels.BLOCK)
     if inputs.misread is not None:
         return holds(False, "the capture's mask is its detected layout's (see attention.capture.*.contract)",
                      misread=inputs.misread, capture=inputs.capture.name)
-    return parity.compare_kernel(kernel, inputs.capture, parity.floor_policy(inputs.control), block=block,
+    return judge.compare_kernel(kernel, inputs.capture, judge.floor_policy(inputs.control), block=block,
                                  layout=inputs.layout, expected=inputs.expected,
-                                 max_rel_l2=parity.rel_l2_bound(inputs.control), floor=inputs.control)
+                                 max_rel_l2=judge.rel_l2_bound(inputs.control), floor=inputs.control)
 
 
 def _kernel_vs_sdpa(phase: str, kernel: str, ctx: CheckContext) -> Verdict:
@@ -223,7 +223,7 @@ def _input_case(case: str, kernel: str, ctx: CheckContext) -> Verdict:
     """A kernel on one input class of the conformance contract (small layout), at the seed block and at 64."""
     inputs = seeds.case_inputs(case, _device(ctx))
     blocks = (kernels.BLOCK, OTHER_BLOCK) if kernels.get_kernel(kernel).blocked else (kernels.BLOCK,)
-    verdicts = [parity.compare_kernel(kernel, inputs.capture, inputs.policy, block=block,
+    verdicts = [judge.compare_kernel(kernel, inputs.capture, inputs.policy, block=block,
                                       layout=inputs.case.layout, expected=inputs.expected,
                                       max_rel_l2=inputs.max_rel_l2, floor=inputs.floor,
                                       pass_scale=inputs.case.pass_scale) for block in blocks]

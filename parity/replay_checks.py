@@ -32,7 +32,7 @@ from harness.replay.conditions import Conditions, broadcast_rows, payload_rows, 
 from harness.replay.denoiser import concat_branches, predict_velocity
 from harness.replay.families import get_family
 from harness.replay.guards import ReplayConfig
-from harness.replay.parity import (
+from harness.replay.judge import (
     compare_replay,
     compare_replay_determinism,
     judge_result,

@@ -35,7 +35,7 @@ from harness.replay.conditions import Conditions, payload_rows, slice_rows
 from harness.replay.controls import fast_shape_serial, measure_batch_shape_control
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
 from harness.replay.families import get_family
-from harness.replay.parity import ReplayRun, judge_result, require_fast_path, run_batched, run_both
+from harness.replay.judge import ReplayRun, judge_result, require_fast_path, run_batched, run_both
 from harness.replay.problem import ReplayProblem, make_problem
 from harness.replay.replay import replay_serial
 from harness.replay.rollout import flow_sigmas, rollout

@@ -19,7 +19,7 @@ from harness import compat
 from harness.ar import loop
 from harness.ar.backends import IMAGE_SLICE_FIELDS, UpstreamBackend, remote_code_generation, upstream_generation
 from harness.ar.batch import right_padded_batch
-from harness.ar.verdicts import stock_prefill_floor
+from harness.ar.policies import stock_prefill_floor
 from harness.compare import max_abs_diff
 from parity.test_ar_bf16_policy import bf16_backend
 from parity.test_ar_loop import OnDevice

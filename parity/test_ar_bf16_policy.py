@@ -1,4 +1,4 @@
-"""The gpu tier's bf16 judge (harness.ar.bf16), run in-process on hand-built rollouts and a tiny bf16 model.
+"""The gpu tier's bf16 judge (harness.ar.judge.judge_bf16), run in-process on hand-built rollouts and a tiny bf16 model.
 
 Expected values come from an independent route: ``torch.distributions`` KL in float64 and hand arithmetic on
 bf16-exact logits, so the policy's bookkeeping (shared-context steps, divergence margins, flips) is pinned
@@ -19,7 +19,7 @@ from fixtures import ar_models
 from fixtures.ar_cases import prompt_ids
 from harness.ar.backends import TransformersBackend, UpstreamBackend
 from harness.ar.batch import right_padded_batch
-from harness.ar.bf16 import comparable_kl, flips, judge_bf16, kl_rows, padding_control
+from harness.ar.judge import comparable_kl, flips, judge_bf16, kl_rows, padding_control
 from harness.ar.loop import Rollout, fast_rollout, stock_rollout
 
 pytestmark = pytest.mark.cpu

@@ -27,9 +27,10 @@ from harness import compat
 from harness.ar import loop
 from harness.ar.backends import UpstreamBackend, remote_code_name
 from harness.ar.batch import right_padded_batch
+from harness.ar.judge import judge_logp, judge_tokens, require_path
+from harness.ar.policies import fp32_policies, stock_prefill_floor
 from harness.ar.routing import probe_routing
 from harness.ar.spy import ARForwardSpy
-from harness.ar.verdicts import fp32_policies, judge_logp, judge_tokens, require_path, stock_prefill_floor
 from harness.checkpoints import CheckpointError, detect, load_model
 
 pytestmark = pytest.mark.cpu

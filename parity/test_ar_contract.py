@@ -23,7 +23,7 @@ from fixtures.ar_checkpoint import auto_map, modeling_file
 from fixtures.upstream_contract import run_contract
 from harness import compat
 from harness.ar.backends import UpstreamBackend, remote_code_name
-from harness.ar.bf16 import kl_rows
+from harness.ar.judge import kl_rows
 from harness.ar.routing import probe_routing
 
 pytestmark = pytest.mark.cpu

@@ -17,7 +17,8 @@ import torch
 from fixtures import ar_models
 from fixtures.ar_cases import CASES
 from harness import ablation, catalogue, checks, conformance
-from harness.ar import loop, verdicts
+from harness.ar import judge, loop
+from harness.ar import policies as ar_policies
 from harness.compare import close
 
 catalogue.load()
@@ -41,13 +42,13 @@ def _rollout(logp: torch.Tensor) -> loop.Rollout:
 
 @pytest.mark.cpu
 def test_floor_never_collapses_when_batched_equals_alone_bitwise():
-    floor = verdicts.StockPrefillFloor(logp=0.0, kv=0.0, backend="bitwise", logp_scale=24.0, kv_scale=3.0)
-    assert floor.floor("logp") == verdicts.FP32_EPS * 24.0 > 0
-    assert floor.floor("kv") == floor.floor("slot0") == verdicts.FP32_EPS * 3.0
-    policies = verdicts.fp32_policies(floor)
-    assert policies.logp.atol == pytest.approx(verdicts.TOLERANCE_K * verdicts.FP32_EPS * 24.0)
+    floor = ar_policies.StockPrefillFloor(logp=0.0, kv=0.0, backend="bitwise", logp_scale=24.0, kv_scale=3.0)
+    assert floor.floor("logp") == ar_policies.FP32_EPS * 24.0 > 0
+    assert floor.floor("kv") == floor.floor("slot0") == ar_policies.FP32_EPS * 3.0
+    policies = ar_policies.fp32_policies(floor)
+    assert policies.logp.atol == pytest.approx(ar_policies.TOLERANCE_K * ar_policies.FP32_EPS * 24.0)
     assert "measured 0.00e+00" in policies.logp.reason and "1 float32 ulps x magnitude 24" in policies.logp.reason
-    assert floor.stock_floor("logp").at_minimum and floor.stock_floor("kv").minimum == verdicts.FP32_EPS * 3.0
+    assert floor.stock_floor("logp").at_minimum and floor.stock_floor("kv").minimum == ar_policies.FP32_EPS * 3.0
 
 
 @pytest.mark.cpu
@@ -59,7 +60,7 @@ def test_floor_is_measured_on_the_model_and_printed_beside_the_tolerance(model):
     assert (floor.rows, floor.length) == (case.batch_size, case.batch().width)  # the fast path's shape
     verdict = checks.run_check(f"ar.{model}.{case.name}.logp", checks.CheckContext())
     assert verdict.passed, verdict.describe()
-    assert verdict.tolerance == pytest.approx(verdicts.TOLERANCE_K * floor.floor("logp"))
+    assert verdict.tolerance == pytest.approx(ar_policies.TOLERANCE_K * floor.floor("logp"))
     assert verdict.metrics["floor_measured"] == floor.logp and verdict.metrics["stock_floor"] == floor.floor("logp")
     assert f"{floor.floor('logp'):.2e}" in verdict.policy
     assert any("atol within [4, 16] x the stock floor" in note for note in verdict.notes)
@@ -67,24 +68,24 @@ def test_floor_is_measured_on_the_model_and_printed_beside_the_tolerance(model):
 
 @pytest.mark.cpu
 def test_non_finite_stock_floor_is_refused():
-    floor = verdicts.StockPrefillFloor(logp=math.inf, kv=1e-6, backend="broken", logp_scale=1.0, kv_scale=1.0)
+    floor = ar_policies.StockPrefillFloor(logp=math.inf, kv=1e-6, backend="broken", logp_scale=1.0, kv_scale=1.0)
     with pytest.raises(ValueError, match="stock floor of logp on broken"):
-        verdicts.fp32_policies(floor)
+        ar_policies.fp32_policies(floor)
     with pytest.raises(ValueError, match="'logp' or 'kv'"):
         floor.floor("tokens")
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize(("k", "text"), [(2 * verdicts.K_MAX, "too loose"), (verdicts.K_MIN / 2, "too tight")])
+@pytest.mark.parametrize(("k", "text"), [(2 * ar_policies.K_MAX, "too loose"), (ar_policies.K_MIN / 2, "too tight")])
 def test_tolerance_outside_the_floor_bounds_fails(k, text):
     """A policy judged at a tolerance beyond [K_MIN, K_MAX] x the stock floor fails, whatever the error."""
     model = "qwen3"
     floor = ar_checks._floor(model, CASE)
-    policies = verdicts.fp32_policies(floor)
+    policies = ar_policies.fp32_policies(floor)
     atol = k * floor.floor("logp")
     policies = dataclasses.replace(policies, logp=close(atol=atol, rtol=0.0, reason="hand-set"))
     fast = loop.fast_rollout(ar_models.backend(model), CASE.batch(), CASE.max_new_tokens)
-    verdict = verdicts.compare_case("logp", fast, ar_checks._reference(model, CASE),
+    verdict = judge.compare_case("logp", fast, ar_checks._reference(model, CASE),
                                     policies)
     assert not verdict.passed
     assert any(text in fact for fact in verdict.violated_facts), verdict.describe()
@@ -100,60 +101,60 @@ def test_growth_judge_passes_flat_noise_and_fails_growth_and_nan():
     reference = _rollout(-1.0 - torch.rand(4, 12, generator=gen))
     noise = lambda: 1e-6 * torch.randn(4, 12, generator=gen)  # noqa: E731
     control = reference.logp + noise()
-    flat = verdicts.judge_growth(_rollout(reference.logp + noise()), reference, control)
+    flat = judge.judge_growth(_rollout(reference.logp + noise()), reference, control)
     assert flat.passed, flat.describe()
     ramp = torch.logspace(-7, -4, 12)[None]
-    grown = verdicts.judge_growth(_rollout(reference.logp + ramp), reference, control)
+    grown = judge.judge_growth(_rollout(reference.logp + ramp), reference, control)
     assert not grown.passed and grown.margin > 1, grown.describe()
     nan = reference.logp.clone()
     nan[1, 7] = math.nan
-    assert not verdicts.judge_growth(_rollout(nan), reference, control).passed
+    assert not judge.judge_growth(_rollout(nan), reference, control).passed
 
 
 @pytest.mark.cpu
 def test_growth_judge_floors_bitwise_curves_at_the_resolution():
     """Batched == B=1 == control bitwise: both curves sit at one eps x |logp|, growth 1, the check passes."""
     reference = _rollout(torch.full((3, 9), -2.0))
-    verdict = verdicts.judge_growth(reference, reference, reference.logp.clone())
+    verdict = judge.judge_growth(reference, reference, reference.logp.clone())
     assert verdict.passed, verdict.describe()
     assert verdict.metrics["error_growth"] == verdict.metrics["floor_growth"] == 1.0
 
 
 @pytest.mark.cpu
 def test_growth_ratio_and_step_curve_values():
-    assert verdicts.growth_ratio(torch.tensor([1.0, 1, 1, 2, 2, 2, 4, 4, 4])) == 4.0
-    assert verdicts.growth_ratio(torch.tensor([0.0, 0, 0, 0, 0, 0])) == 0.0
-    assert verdicts.growth_ratio(torch.tensor([0.0, 0, 1, 1, 1, 1])) == math.inf
-    assert verdicts.growth_ratio(torch.tensor([1.0, math.nan, 1, 1, 1, 1])) == math.inf
+    assert judge.growth_ratio(torch.tensor([1.0, 1, 1, 2, 2, 2, 4, 4, 4])) == 4.0
+    assert judge.growth_ratio(torch.tensor([0.0, 0, 0, 0, 0, 0])) == 0.0
+    assert judge.growth_ratio(torch.tensor([0.0, 0, 1, 1, 1, 1])) == math.inf
+    assert judge.growth_ratio(torch.tensor([1.0, math.nan, 1, 1, 1, 1])) == math.inf
     actual = torch.tensor([[1.0, 2.0, 3.0], [1.0, 4.0, 0.0]])
     expected = torch.zeros(2, 3)
-    curve = verdicts.step_curve(actual, expected, torch.tensor([3, 2]))  # row 1 stopped after two steps
+    curve = judge.step_curve(actual, expected, torch.tensor([3, 2]))  # row 1 stopped after two steps
     assert curve.tolist() == [1.0, 3.0, 3.0] and curve.dtype == torch.float64
     reference = _rollout(torch.tensor([[-1.0, -2.0, -4.0], [-3.0, -2.0, -4.0]]))
-    assert verdicts.resolution_curve(reference).tolist() == [verdicts.FP32_EPS * v for v in (2.0, 2.0, 4.0)]
+    assert judge.resolution_curve(reference).tolist() == [ar_policies.FP32_EPS * v for v in (2.0, 2.0, 4.0)]
 
 
 @pytest.mark.cpu
 def test_growth_ratio_reads_whole_thirds():
-    assert verdicts.growth_ratio(torch.tensor([1.0, 2, 3, 4, 5, 6])) == 5.5 / 1.5  # thirds of two steps
-    assert verdicts.growth_ratio(torch.tensor([1.0, 2, 4])) == 4.0  # thirds of one step
-    assert verdicts.growth_ratio(torch.tensor([1.0, 2, 3, 4, 5, 6, 7, 8])) == 7.5 / 1.5  # 8 // 3 = 2
+    assert judge.growth_ratio(torch.tensor([1.0, 2, 3, 4, 5, 6])) == 5.5 / 1.5  # thirds of two steps
+    assert judge.growth_ratio(torch.tensor([1.0, 2, 4])) == 4.0  # thirds of one step
+    assert judge.growth_ratio(torch.tensor([1.0, 2, 3, 4, 5, 6, 7, 8])) == 7.5 / 1.5  # 8 // 3 = 2
 
 
 @pytest.mark.cpu
 def test_curves_leave_out_the_steps_a_row_never_emitted():
     actual = torch.tensor([[1.0, 2.0, 3.0], [1.0, 4.0, 9.0]])  # row 1's third step was never emitted
-    curve = verdicts.step_curve(actual, torch.zeros(2, 3), torch.tensor([3, 2]))
+    curve = judge.step_curve(actual, torch.zeros(2, 3), torch.tensor([3, 2]))
     assert curve.tolist() == [1.0, 3.0, 3.0]
     with pytest.raises(ValueError, match=r"two \[B, N\] tensors, got \(2, 3\) vs \(2, 2\)"):
-        verdicts.step_curve(actual, torch.zeros(2, 2), torch.tensor([3, 2]))
+        judge.step_curve(actual, torch.zeros(2, 2), torch.tensor([3, 2]))
     with pytest.raises(ValueError, match=r"got \(6,\) vs \(6,\)"):
-        verdicts.step_curve(actual.flatten(), torch.zeros(6), torch.tensor([3, 2]))
+        judge.step_curve(actual.flatten(), torch.zeros(6), torch.tensor([3, 2]))
     reference = dataclasses.replace(_rollout(torch.tensor([[-1.0, -2.0, -4.0], [-3.0, -2.0, -8.0]])),
                                     lengths=torch.tensor([3, 2]))
-    resolution = verdicts.resolution_curve(reference)
+    resolution = judge.resolution_curve(reference)
     assert resolution.dtype == torch.float64
-    assert resolution.tolist() == [verdicts.FP32_EPS * v for v in (2.0, 2.0, 4.0)]
+    assert resolution.tolist() == [ar_policies.FP32_EPS * v for v in (2.0, 2.0, 4.0)]
 
 
 @pytest.mark.cpu
@@ -161,11 +162,11 @@ def test_growth_judge_reads_a_shrinking_floor_as_flat_and_requires_equal_tokens(
     reference = _rollout(torch.full((2, 9), -1.0))
     shrinking = reference.logp + torch.logspace(-5, -7, 9)[None]
     error = reference.logp + 1.5e-6 * torch.tensor([1.0, -1.0] * 4 + [1.0])[None]  # flat, growth 1
-    verdict = verdicts.judge_growth(_rollout(error), reference, shrinking)
-    assert verdict.metrics["floor_growth"] < 0.1 and verdict.tolerance == verdicts.GROWTH_BUDGET
+    verdict = judge.judge_growth(_rollout(error), reference, shrinking)
+    assert verdict.metrics["floor_growth"] < 0.1 and verdict.tolerance == judge.GROWTH_BUDGET
     assert verdict.passed, verdict.describe()
     other = dataclasses.replace(_rollout(error), tokens=torch.full((2, 9), 2))
-    verdict = verdicts.judge_growth(other, reference, shrinking)
+    verdict = judge.judge_growth(other, reference, shrinking)
     assert any("batched tokens equal B=1" in fact for fact in verdict.violated_facts)
 
 
@@ -173,7 +174,7 @@ def test_growth_judge_reads_a_shrinking_floor_as_flat_and_requires_equal_tokens(
 def test_growth_judge_refuses_short_curves():
     reference = _rollout(torch.full((2, 5), -1.0))
     with pytest.raises(ValueError, match=">= 6 steps"):
-        verdicts.judge_growth(reference, reference, reference.logp)
+        judge.judge_growth(reference, reference, reference.logp)
 
 
 # ---------------------------------------------------------------------------- the compounding drift
@@ -210,9 +211,9 @@ def test_logit_drift_stays_under_the_worst_element_tolerance(model, baselines):
     reference = ar_checks._reference(model, case)
     with ablation.get(DRIFT).apply():
         fast = loop.fast_rollout(ar_models.backend(model), case.batch(), case.max_new_tokens)
-    policies = verdicts.fp32_policies(ar_checks._floor(model, case))
+    policies = ar_policies.fp32_policies(ar_checks._floor(model, case))
     for what in ("tokens", "logp"):
-        verdict = verdicts.compare_case(what, fast, reference, policies)
+        verdict = judge.compare_case(what, fast, reference, policies)
         assert verdict.passed, verdict.describe()
     plain = loop.fast_rollout(ar_models.backend(model), case.batch(), case.max_new_tokens)
     drift = (fast.logp.double() - plain.logp.double()).abs().mean(dim=0)  # the drift alone, made by the ablation

@@ -159,15 +159,16 @@ def test_hunyuan_moe_routing_is_drop_free() -> None:
 
 
 def test_dense_fake_batched_equals_b1() -> None:
-    from harness.ar import verdicts
+    from harness.ar import judge
+    from harness.ar import policies as ar_policies
 
     backend = ar_models.backend("fake_dense")
     batch = right_padded_batch(prompt_ids((5, 13, 9), seed=11), PAD)
     fast = loop.fast_rollout(backend, batch, 4)
     reference = loop.stock_rollout(backend, batch.prompts(), 4)
-    policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
+    policies = ar_policies.fp32_policies(ar_policies.stock_prefill_floor(backend))
     for what in ("tokens", "logp", "prefill_kv", "slot0"):
-        verdict = verdicts.compare_case(what, fast, reference, policies)
+        verdict = judge.compare_case(what, fast, reference, policies)
         assert verdict.passed, verdict.describe()
 
 

@@ -18,7 +18,8 @@ import torch
 from fixtures import ar_models
 from fixtures.ar_cases import eos_for_one_stop, eos_for_stops, prompt_ids
 from harness.ar import cache as ar_cache
-from harness.ar import loop, probes, suite, verdicts
+from harness.ar import comparisons, loop, probes
+from harness.ar import policies as ar_policies
 from harness.ar.backends import StockRun
 from harness.ar.batch import concat, embed_row, right_padded_batch
 from harness.ar.spy import ARForwardSpy
@@ -298,8 +299,8 @@ def test_finished_rows_needs_a_row_that_kept_generating() -> None:
     batch, eos, ends = _early_stop(backend, (5, 8), 59, {0: 1, 1: 1}, 4)
     assert ends == [2, 2], "fixture: both rows stop at step 1"
     reference = loop.stock_rollout(backend, batch.prompts(), 4, eos)
-    policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
-    verdict = suite.compare_finished_rows(backend, batch, 4, eos, policies, reference)
+    policies = ar_policies.fp32_policies(ar_policies.stock_prefill_floor(backend))
+    verdict = comparisons.compare_finished_rows(backend, batch, 4, eos, policies, reference)
     assert verdict.violated_facts == [EARLY_FACT]
 
 
@@ -308,7 +309,7 @@ def test_oracle_errors_count_tokens_off_the_fp64_argmax() -> None:
     tokens = torch.tensor([[0, 2, 0, 1]])  # step 1 is off its argmax (a tie goes to the first); 3 is past the end
     logp = torch.tensor([[-0.4, -2.2, -0.9, 0.0]])
     rollout = loop.Rollout(tokens, logp, logits, torch.tensor([3]), torch.tensor([3]), ())
-    recorded, oracle, off = suite._oracle_errors(rollout)
+    recorded, oracle, off = comparisons._oracle_errors(rollout)
     assert off == 1 and recorded.dtype == torch.float64 and oracle.dtype == torch.float64
     assert torch.equal(recorded, logp[0, :3].double())
     want = torch.log_softmax(logits[0, :3].double(), dim=-1)[[0, 1, 2], [0, 2, 0]]
@@ -331,8 +332,8 @@ def test_nan_probe_that_planted_nothing_proves_nothing() -> None:
     reference = loop.stock_rollout(backend, batch.prompts(), 2)
     live = EverySlotLive(backend)
     live.steps = 2
-    policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
-    verdict = suite.compare_nan_unused_slots(live, batch, 2, policies, reference)
+    policies = ar_policies.fp32_policies(ar_policies.stock_prefill_floor(backend))
+    verdict = comparisons.compare_nan_unused_slots(live, batch, 2, policies, reference)
     assert verdict.metrics["poisoned_slots"] == 0 and NAN_FACT in verdict.violated_facts
     assert FINITE_FACT not in verdict.violated_facts
 
@@ -342,8 +343,8 @@ def test_nan_probe_of_one_static_row_with_one_unused_slot(monkeypatch: pytest.Mo
     batch = right_padded_batch(prompt_ids((6,), seed=61), PAD)
     reference = loop.stock_rollout(backend, batch.prompts(), 1)
     monkeypatch.setattr(ar_cache, "cache_is_dynamic", lambda batch_size: False)
-    policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
-    verdict = suite.compare_nan_unused_slots(backend, batch, 1, policies, reference)
+    policies = ar_policies.fp32_policies(ar_policies.stock_prefill_floor(backend))
+    verdict = comparisons.compare_nan_unused_slots(backend, batch, 1, policies, reference)
     assert verdict.metrics["poisoned_slots"] == 1 and NAN_FACT not in verdict.violated_facts
 
 
@@ -367,9 +368,9 @@ def test_finished_rows_fact_sees_a_stray_write() -> None:
     backend = ar_models.backend("fake")
     batch, eos, _ = _early_stop(backend, (5, 8), 55, {0: 1}, 4)
     reference = loop.stock_rollout(backend, batch.prompts(), 4, eos)
-    policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
+    policies = ar_policies.fp32_policies(ar_policies.stock_prefill_floor(backend))
     stray = StrayWrite(backend, 0, [11], 0.5)  # row 0 owns slots 5, 6 after the prefill
-    verdict = suite.compare_finished_rows(stray, batch, 4, eos, policies, reference)
+    verdict = comparisons.compare_finished_rows(stray, batch, 4, eos, policies, reference)
     assert verdict.violated_facts == [FOOTPRINT_FACT] and verdict.metrics["stray_writes"] == {"0": [11]}
 
 
@@ -377,8 +378,8 @@ def test_nan_fact_sees_a_mask_that_reads_pads() -> None:
     backend = ar_models.backend("fake", "read_safe")
     batch = right_padded_batch(prompt_ids((4, 6), seed=64), PAD)
     reference = loop.stock_rollout(backend, batch.prompts(), 3)
-    policies = verdicts.fp32_policies(verdicts.stock_prefill_floor(backend))
-    verdict = suite.compare_nan_unused_slots(AdmitsPads(backend), batch, 3, policies, reference)
+    policies = ar_policies.fp32_policies(ar_policies.stock_prefill_floor(backend))
+    verdict = comparisons.compare_nan_unused_slots(AdmitsPads(backend), batch, 3, policies, reference)
     assert FINITE_FACT in verdict.violated_facts and verdict.metrics["nonfinite_logits"] == 2 * V
 
 

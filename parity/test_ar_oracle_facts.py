@@ -8,7 +8,7 @@ import torch
 
 from fixtures import ar_models
 from fixtures.ar_cases import EXTRA
-from harness.ar import loop, suite
+from harness.ar import comparisons, loop
 from harness.compare import close
 
 pytestmark = pytest.mark.cpu
@@ -33,7 +33,7 @@ def _runner_up_once(original):
 
 def _oracle() -> list[str]:
     case = EXTRA["rollout_vs_replay"]
-    verdict = suite.check_greedy_logp_oracle(ar_models.backend("fake"), case.batch(),
+    verdict = comparisons.check_greedy_logp_oracle(ar_models.backend("fake"), case.batch(),
                                              case.max_new_tokens, close(atol=1e-5, rtol=0.0))
     return verdict.violated_facts
 

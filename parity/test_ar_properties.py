@@ -17,18 +17,19 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from fixtures import ar_models
 from fixtures.ar_cases import eos_for_stops
 from fixtures.ar_strategies import ARPlan, ar_plans
-from harness.ar import loop, verdicts
+from harness.ar import judge, loop
+from harness.ar import policies as ar_policies
 from harness.ar.spy import ARForwardSpy
 from harness.compare import max_abs_diff
 
 pytestmark = pytest.mark.cpu
 
-TIE_MARGIN = 4 * verdicts.LOGP_ATOL  # a top-1/top-2 gap below this is inside the noise band
+TIE_MARGIN = 4 * ar_policies.LOGP_ATOL  # a top-1/top-2 gap below this is inside the noise band
 
 
 @functools.cache
-def _policies(model: str) -> verdicts.ARPolicies:
-    return verdicts.fp32_policies(verdicts.stock_prefill_floor(ar_models.backend(model)))
+def _policies(model: str) -> ar_policies.ARPolicies:
+    return ar_policies.fp32_policies(ar_policies.stock_prefill_floor(ar_models.backend(model)))
 
 
 def _min_margin(rollout: loop.Rollout) -> float:
@@ -53,8 +54,8 @@ def _check_plan(model: str, plan: ARPlan) -> None:
         fast = loop.fast_rollout(backend, case.batch(), case.max_new_tokens, eos)
     policies = _policies(model)
     for what in ("tokens", "logp", "prefill_kv", "slot0"):
-        verdict = verdicts.compare_case(what, fast, reference, policies)
-        verdict = verdicts.require_path(verdict, spy, case.batch_size)
+        verdict = judge.compare_case(what, fast, reference, policies)
+        verdict = judge.require_path(verdict, spy, case.batch_size)
         assert verdict.passed, f"{plan}\n{verdict.describe()}"
     assert fast.lengths.tolist() == reference.lengths.tolist()
 
@@ -85,4 +86,4 @@ def test_fake_rollout_matches_teacher_forced_replay(plan: ARPlan) -> None:
     backend = ar_models.backend("fake")
     fast = loop.fast_rollout(backend, plan.case.batch(), plan.case.max_new_tokens)
     replayed = teacher_forced_logp(backend, plan.case.prompts(), fast)
-    assert max_abs_diff(fast.logp, replayed) <= verdicts.LOGP_ATOL
+    assert max_abs_diff(fast.logp, replayed) <= ar_policies.LOGP_ATOL

@@ -15,7 +15,7 @@ import pytest
 from fixtures import ar_models
 from fixtures.ar_cases import CASES
 from harness import ablation, catalogue
-from harness.ar import loop, suite, verdicts
+from harness.ar import comparisons, judge, loop
 from harness.ar.spy import ARForwardSpy
 from parity import ar_checks
 
@@ -42,14 +42,14 @@ def _row(model: str, case, label: str, fresh_reference: bool = False) -> tuple[b
         with ARForwardSpy(backend.model) as spy:
             fast = loop.fast_rollout(backend, case.batch(), case.max_new_tokens)
     except AssertionError as err:
-        return False, verdicts.format_seed001(label, False, raised=f"AssertionError {err}".strip())
+        return False, judge.format_seed001(label, False, raised=f"AssertionError {err}".strip())
     passed, violated = True, []
-    for what in suite.CASE_QUANTITIES:
-        verdict = verdicts.compare_case(what, fast, reference, policies)
-        verdict = verdicts.require_path(verdict, spy, case.batch_size)
+    for what in comparisons.CASE_QUANTITIES:
+        verdict = judge.compare_case(what, fast, reference, policies)
+        verdict = judge.require_path(verdict, spy, case.batch_size)
         passed &= verdict.passed
         violated += [n for n in verdict.notes if n.startswith("VIOLATED") and n not in violated]
-    return passed, verdicts.format_seed001(label, passed, verdicts.seed001_metrics(fast, reference),
+    return passed, judge.format_seed001(label, passed, judge.seed001_metrics(fast, reference),
                                            note="; ".join(violated))
 
 

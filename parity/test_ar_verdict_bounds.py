@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.ar import verdicts
+from harness.ar import judge
+from harness.ar import policies as ar_policies
 from harness.ar.loop import Rollout
 from harness.compare import exact
 
@@ -51,8 +52,8 @@ def _stand_in(logits_of: Callable[[torch.Tensor], torch.Tensor] = _logits, kv_si
     return SimpleNamespace(pad_id=0, vocab_size=11, name="stand-in", stock_prefill=stock_prefill)
 
 
-def _floor(**stand_in: object) -> verdicts.StockPrefillFloor:
-    return verdicts.stock_prefill_floor(_stand_in(**stand_in))
+def _floor(**stand_in: object) -> ar_policies.StockPrefillFloor:
+    return ar_policies.stock_prefill_floor(_stand_in(**stand_in))
 
 
 def _rollout(magnitude: float) -> Rollout:
@@ -76,15 +77,15 @@ def _moved(rollout: Rollout, what: str, by: float) -> Rollout:
     return Rollout(rollout.tokens, logp, rollout.logits, rollout.lengths, rollout.real_pos, tuple(kv))
 
 
-def _judge(what: str, fast: Rollout, ref: Rollout, policies: verdicts.ARPolicies):
-    return verdicts.compare_case(what, fast, ref, policies)
+def _judge(what: str, fast: Rollout, ref: Rollout, policies: ar_policies.ARPolicies):
+    return judge.compare_case(what, fast, ref, policies)
 
 
 @pytest.mark.parametrize("magnitude", [1.0, 100.0])
 @pytest.mark.parametrize("what", ["logp", "prefill_kv", "slot0"])
 def test_an_fp32_tolerance_passes_an_error_just_inside_it_and_fails_one_just_outside(what: str,
                                                                                        magnitude: float) -> None:
-    policies = verdicts.fp32_policies(_floor())
+    policies = ar_policies.fp32_policies(_floor())
     ref = _rollout(magnitude)
     tolerance = _judge(what, ref, ref, policies).tolerance
     assert tolerance and tolerance > 0
@@ -101,10 +102,10 @@ def test_the_stock_noise_passes_and_a_bug_of_k_max_floors_fails(what: str) -> No
     quantity = {"logp": "logp", "prefill_kv": "kv", "slot0": "kv"}[what]
     measured = floor.floor(quantity)
     assert measured >= 0.5 * (LOGP_SHIFT if quantity == "logp" else KV_SHIFT)  # the measurement, not a minimum
-    policies = verdicts.fp32_policies(floor)
+    policies = ar_policies.fp32_policies(floor)
     ref = _rollout(1.0)
     assert _judge(what, _moved(ref, what, measured), ref, policies).passed
-    assert not _judge(what, _moved(ref, what, verdicts.K_MAX * measured), ref, policies).passed
+    assert not _judge(what, _moved(ref, what, ar_policies.K_MAX * measured), ref, policies).passed
 
 
 def test_the_logp_floor_is_read_over_the_vocabulary_in_log_prob_units() -> None:
@@ -134,7 +135,7 @@ def test_the_kv_floor_follows_the_kv_magnitude_whatever_its_sign(sign: float) ->
 def test_a_policy_with_no_tolerance_is_refused_under_a_floor_as_too_tight(what: str) -> None:
     """A floor of 0.1 leaves [K_MIN, K_MAX] x 0.1 for a tolerance: an exact policy (tolerance 0) sits below it."""
     floor = _floor(shifts=(0.1, 0.1))
-    policies = verdicts.ARPolicies(exact(), exact(), exact(), exact(), floor)
+    policies = ar_policies.ARPolicies(exact(), exact(), exact(), exact(), floor)
     ref = _rollout(1.0)
     verdict = _judge(what, ref, ref, policies)
     assert not verdict.passed
@@ -152,14 +153,14 @@ def test_the_growth_check_judges_six_steps_and_refuses_five() -> None:
     """Thirds of at least two steps each: six steps are the fewest a growth ratio is read from."""
     ref = _curve_rollout(6)
     control = _curve_rollout(6, offset=1e-4).logp
-    verdict = verdicts.judge_growth(_curve_rollout(6, offset=1e-5), ref, control)
+    verdict = judge.judge_growth(_curve_rollout(6, offset=1e-5), ref, control)
     assert verdict.passed, verdict.describe()
     five = _curve_rollout(5)
     with pytest.raises(ValueError, match="needs >= 6 steps, got 5"):
-        verdicts.judge_growth(five, five, five.logp)
+        judge.judge_growth(five, five, five.logp)
 
 
 def test_the_growth_check_refuses_a_control_of_another_shape_alone() -> None:
     ref = _curve_rollout(6)
     with pytest.raises(ValueError, match="log-prob shapes differ"):
-        verdicts.judge_growth(ref, ref, _curve_rollout(7).logp)
+        judge.judge_growth(ref, ref, _curve_rollout(7).logp)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fixtures import ar_models
-from harness.ar import verdicts
+from harness.ar import judge
+from harness.ar import policies as ar_policies
 from harness.ar.loop import Rollout
 from harness.ar.spy import ARForwardSpy
 from harness.compare import close, exact
@@ -42,10 +43,10 @@ def _pair() -> tuple[Rollout, Rollout]:
 
 def test_seed001_metrics_and_divergences() -> None:
     fast, ref = _pair()
-    metrics = verdicts.seed001_metrics(fast, ref)
+    metrics = judge.seed001_metrics(fast, ref)
     assert metrics == {"tokens_equal": False, "common_prefix": [3, 1], "logp_max_abs": pytest.approx(0.25),
                        "prefill_kv_max_abs": 0.5, "slot0_max_abs": 0.0}
-    assert verdicts.divergences(fast.tokens, ref.tokens) == [
+    assert judge.divergences(fast.tokens, ref.tokens) == [
         "row 1 diverges at decode step 1: token 9 vs 6 (step 0 is read from the prefill)"]
 
 
@@ -54,10 +55,10 @@ def test_format_seed001_rows() -> None:
     head = "[PASS] unequal real_pos"
     body = ("\n        tokens equal=True  logp max|d|=1.500e-06  prefill-KV max|d|=0.000e+00"
             "  (cache slot 0 max|d|=2.000e-07)")
-    assert verdicts.format_seed001("unequal real_pos", True, metrics) == head + body
-    assert verdicts.format_seed001("unequal real_pos", True, metrics, note="why") == head + body + "\n        why"
-    assert verdicts.format_seed001("b1", False, raised="AssertionError") == "[FAIL] b1\n        raised AssertionError"
-    assert verdicts.format_seed001("b1", False) == (
+    assert judge.format_seed001("unequal real_pos", True, metrics) == head + body
+    assert judge.format_seed001("unequal real_pos", True, metrics, note="why") == head + body + "\n        why"
+    assert judge.format_seed001("b1", False, raised="AssertionError") == "[FAIL] b1\n        raised AssertionError"
+    assert judge.format_seed001("b1", False) == (
         "[FAIL] b1\n        tokens equal=None  logp max|d|=nan  prefill-KV max|d|=nan  (cache slot 0 max|d|=nan)")
 
 
@@ -66,7 +67,7 @@ def test_slot0_verdict_names_row_layer_kv_and_head() -> None:
     bad_kv = fast.kv[1].clone()
     bad_kv[0, 1, 0, 0, 1] += 1.0
     fast = Rollout(fast.tokens, fast.logp, fast.logits, fast.lengths, fast.real_pos, (fast.kv[0], bad_kv))
-    verdict = verdicts.judge_slot0(fast, ref, close(atol=1e-6, rtol=0.0))
+    verdict = judge.judge_slot0(fast, ref, close(atol=1e-6, rtol=0.0))
     assert not verdict.passed and "at row 1, layer 0, kv V, head 0, element (1,)" in verdict.message
 
 
@@ -76,12 +77,12 @@ def _spy(sizes: list[int], static: bool = True, dynamic: bool = False) -> Simple
 
 def test_require_path_needs_every_forward_at_the_batch_size() -> None:
     ref = _pair()[1]
-    base = verdicts.judge_logp(ref, ref, close(atol=0.0, rtol=0.0))
+    base = judge.judge_logp(ref, ref, close(atol=0.0, rtol=0.0))
     fact = "every forward ran at batch size 2"
-    assert verdicts.require_path(base, _spy([2, 2, 2]), 2).violated_facts == []
-    assert verdicts.require_path(base, _spy([2, 1, 2]), 2).violated_facts == [fact]
-    assert verdicts.require_path(base, _spy([]), 2).violated_facts == [fact]
-    assert verdicts.require_path(base, _spy([1], static=False, dynamic=True), 1).violated_facts == []
+    assert judge.require_path(base, _spy([2, 2, 2]), 2).violated_facts == []
+    assert judge.require_path(base, _spy([2, 1, 2]), 2).violated_facts == [fact]
+    assert judge.require_path(base, _spy([]), 2).violated_facts == [fact]
+    assert judge.require_path(base, _spy([1], static=False, dynamic=True), 1).violated_facts == []
 
 
 @pytest.mark.parametrize(("pad_id", "vocab"), [(0, 3), (1, 3), (1, 2)])
@@ -93,7 +94,7 @@ def test_stock_prefill_floor_draws_every_non_pad_id_and_never_the_pad(pad_id: in
         return torch.zeros(*ids.shape, vocab), torch.zeros(ids.shape[0], 1, 2, 1, ids.shape[1], 2)
 
     backend = SimpleNamespace(pad_id=pad_id, vocab_size=vocab, name="stand-in", stock_prefill=stock_prefill)
-    floor = verdicts.stock_prefill_floor(backend)
+    floor = ar_policies.stock_prefill_floor(backend)
     assert (floor.logp, floor.kv, floor.backend) == (0.0, 0.0, "stand-in")
     batched = seen[0]
     assert batched.shape == (4, 6) and [s.shape for s in seen[1:]] == [(1, 6)] * 4
@@ -104,14 +105,14 @@ def test_stock_prefill_floor_draws_every_non_pad_id_and_never_the_pad(pad_id: in
 
 def test_token_verdict_reports_each_rows_first_divergence() -> None:
     fast, ref = _pair()
-    verdict = verdicts.judge_tokens(fast, ref, exact())
+    verdict = judge.judge_tokens(fast, ref, exact())
     assert not verdict.passed
     assert verdict.message == "row 1 diverges at decode step 1: token 9 vs 6 (step 0 is read from the prefill)"
-    assert verdicts.judge_tokens(ref, ref, exact()).message == ""
+    assert judge.judge_tokens(ref, ref, exact()).message == ""
 
 
 def test_exact_policies_are_exact_everywhere_with_no_floor() -> None:
-    policies = verdicts.exact_policies()
+    policies = ar_policies.exact_policies()
     assert [p.describe() for p in (policies.tokens, policies.logp, policies.kv, policies.slot0)] == [
         exact().describe()] * 4
     assert policies.floor is None

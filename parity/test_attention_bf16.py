@@ -1,7 +1,7 @@
 """Every attention ablation is killed in bf16, by a wide margin, on layouts the suite does not ship.
 
 The bf16 kernel policy bounds each query row by k x the worst relative error stock masked SDPA makes
-in bf16 against fp64, times that row's own magnitude (harness.attention.policy). Hypothesis draws
+in bf16 against fp64, times that row's own magnitude (harness.attention.policies). Hypothesis draws
 text / image / special sizes, GQA ratios and block sizes 64 and 128; for each drawn sequence and
 phase, every kernel must pass unablated, and every ablation must fail each kernel whose checks claim it:
 numeric bugs by >= MIN_KILL_MARGIN x the bound, so that they stay caught even at the loosest multiple of the
@@ -23,9 +23,9 @@ from fixtures.attention_captures import small_capture
 from fixtures.attention_strategies import LowPrecisionCase, low_precision_cases
 from harness import ablation, catalogue, conformance
 from harness.attention import kernels, padded
+from harness.attention.judge import compare_kernel
 from harness.attention.layout import PHASES, AttentionLayout
-from harness.attention.parity import compare_kernel
-from harness.attention.policy import BF16_K, K_MAX, in_dtype, low_precision_policy, reference_output
+from harness.attention.policies import BF16_K, K_MAX, in_dtype, low_precision_policy, reference_output
 from harness.compare import Verdict
 
 pytestmark = pytest.mark.cpu

@@ -8,7 +8,7 @@ import torch
 
 from fixtures.attention_captures import small_capture
 from harness.attention import capture as capture_io
-from harness.attention import contract, kernels, padded, parity, reference
+from harness.attention import contract, judge, kernels, padded, reference
 from harness.attention.layout import AttentionLayout
 
 pytestmark = pytest.mark.cpu
@@ -74,7 +74,7 @@ def test_non_gqa_kernel_refuses_a_gqa_capture():
     spec = kernels.KernelSpec("dense_only", reference.masked_sdpa, False, lambda lay: 0, lambda *a: [], "test")
     capture = small_capture(LAYOUT, heads=2, kv_heads=1)
     with pytest.raises(ValueError, match="does not claim GQA.*2 query heads over 1 key/value heads"):
-        parity.compare_kernel(spec, capture, parity.floor_policy(parity.floor_control(capture)))
+        judge.compare_kernel(spec, capture, judge.floor_policy(judge.floor_control(capture)))
 
 
 @pytest.mark.parametrize(("mask", "exc", "match"), [

@@ -10,7 +10,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from fixtures.attention_captures import small_capture
 from fixtures.attention_strategies import KernelCase, block_sizes, kernel_cases, layouts, straddling_layouts
-from harness.attention import contract, decomposed, flex, kernels, masks, padded, parity, reference, spy
+from harness.attention import contract, decomposed, flex, judge, kernels, masks, padded, reference, spy
 from harness.attention.layout import AttentionLayout
 from harness.compare import close
 
@@ -36,9 +36,9 @@ def _run(case: KernelCase, name: str) -> torch.Tensor:
 def test_kernels_match_masked_sdpa_on_the_capture_mask(case: KernelCase):
     capture = small_capture(case.layout, heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim,
                             seed=case.seed)
-    expected = parity.reference_output(capture)
+    expected = judge.reference_output(capture)
     for name in ("sdpa", "decomposed", "flex", "block_padded"):
-        verdict = FP32.judge(_run(case, name), expected, dims=parity.OUTPUT_DIMS,
+        verdict = FP32.judge(_run(case, name), expected, dims=judge.OUTPUT_DIMS,
                              what=f"{name} on {case.layout.describe()} block {case.block}")
         assert verdict.passed, verdict.describe()
 
@@ -102,6 +102,6 @@ def test_mask_free_is_far_from_the_reference_on_a_small_layout():
     layout = AttentionLayout(6, 20, 2, "prefill")
     capture = small_capture(layout, heads=2, head_dim=16, seed=3)
     q, k, v = capture.heads_first()
-    gap = (reference.mask_free(q, k, v, layout) - parity.reference_output(capture)).abs().max()
+    gap = (reference.mask_free(q, k, v, layout) - judge.reference_output(capture)).abs().max()
     assert gap > 1e-2
     assert contract.verify_mask(masks.causal_only(layout), layout.span).mismatches > 0

@@ -13,7 +13,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from harness import plugins
-from harness.attention import capture, decomposed, flex, kernels, masks, padded, parity, primitives
+from harness.attention import capture, decomposed, flex, judge, kernels, masks, padded, primitives
 from harness.attention.decomposed import RowBlock
 from harness.attention.layout import AttentionLayout
 from harness.attention.spy import Launch
@@ -224,7 +224,7 @@ def test_flex_runs_eagerly_on_cpu_and_compiled_with_static_shapes_on_cuda(monkey
 def test_one_default_block_of_128_everywhere():
     defaults = {fn.__name__: inspect.signature(fn).parameters["block"].default
                 for fn in (flex.flex_structured, flex.block_mask_for, padded.block_padded, padded.padded_length,
-                           parity.compare_kernel, kernels.KernelSpec.bind)}
+                           judge.compare_kernel, kernels.KernelSpec.bind)}
     assert defaults == dict.fromkeys(defaults, kernels.BLOCK) and kernels.BLOCK == 128
     assert flex.block_mask_for(SMALL).BLOCK_SIZE == (128, 128)
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from fixtures.attention_captures import small_capture
-from harness.attention import policy
+from harness.attention import policies
 from harness.attention.layout import AttentionLayout
-from harness.attention.policy import FloorControl, RowControl, RowScaledFloor
+from harness.attention.policies import FloorControl, RowControl, RowScaledFloor
 from harness.compare import close, holds, noise_floor
 
 pytestmark = pytest.mark.cpu
@@ -80,39 +80,39 @@ def test_row_scaled_floor_describes_its_bound_and_reason():
 
 def test_row_control_measures_against_the_given_truth_or_fp64():
     capture = small_capture(AttentionLayout(2, 3, 1, "denoise"), heads=1, head_dim=8, seed=9)
-    truth = policy.reference_output(capture, torch.float64)
-    measured = policy.row_control(capture, torch.bfloat16)
-    assert measured == policy.row_control(capture, torch.bfloat16, truth)
+    truth = policies.reference_output(capture, torch.float64)
+    measured = policies.row_control(capture, torch.bfloat16)
+    assert measured == policies.row_control(capture, torch.bfloat16, truth)
     assert 0 < measured.relative < 0.05 and measured.dtype == "torch.bfloat16"
-    doubled = policy.row_control(capture, torch.bfloat16, 2 * truth)  # every row off by its own magnitude
+    doubled = policies.row_control(capture, torch.bfloat16, 2 * truth)  # every row off by its own magnitude
     assert doubled.relative == pytest.approx(0.5, rel=0.05)
 
 
 def test_rel_l2_bound_is_k_times_the_measured_relative_l2():
     control = FloorControl(1e-6, 2e-7, "torch.float32")
-    assert (policy.rel_l2_bound(control), policy.rel_l2_bound(control, 3.0)) == (8e-7, pytest.approx(6e-7))
+    assert (policies.rel_l2_bound(control), policies.rel_l2_bound(control, 3.0)) == (8e-7, pytest.approx(6e-7))
 
 
 def test_bound_and_floor_pairs_each_policy_with_its_floor():
     row = RowScaledFloor(CONTROL, 4.0)
-    bound, floor = policy.bound_and_floor(row, None)
+    bound, floor = policies.bound_and_floor(row, None)
     assert (bound, floor.measured, floor.value) == (0.04, 0.01, 0.01)  # a row floor carries its bf16-ulp minimum
     assert floor.minimum == torch.finfo(torch.bfloat16).eps
-    assert policy.bound_and_floor(noise_floor(1e-6, 4.0), 1e-6) == (4e-6, 1e-6)
-    assert policy.bound_and_floor(noise_floor(1e-6, 4.0), None) is None
-    assert policy.bound_and_floor(close(1e-5, 0.0), 1e-6) is None
+    assert policies.bound_and_floor(noise_floor(1e-6, 4.0), 1e-6) == (4e-6, 1e-6)
+    assert policies.bound_and_floor(noise_floor(1e-6, 4.0), None) is None
+    assert policies.bound_and_floor(close(1e-5, 0.0), 1e-6) is None
 
 
 def test_bounds_sit_within_2_and_16_times_their_floor():
     for k, passed in ((2.0, True), (16.0, True), (1.9, False), (16.5, False)):
-        verdict = policy.bounded(holds(True, "ran"), noise_floor(1e-6, k), 1e-6)
+        verdict = policies.bounded(holds(True, "ran"), noise_floor(1e-6, k), 1e-6)
         assert (verdict.passed, verdict.metrics["bound_floor_multiple"]) == (passed, pytest.approx(k)), k
 
 
 def test_a_bound_without_a_measured_floor_is_too_loose():
-    verdict = policy.bounded(holds(True, "ran"), noise_floor(0.0, 4.0), 0.0)
+    verdict = policies.bounded(holds(True, "ran"), noise_floor(0.0, 4.0), 0.0)
     assert verdict.metrics["bound_floor_multiple"] == math.inf
-    untied = policy.bounded(holds(True, "ran"), close(1e-5, 0.0), None)
+    untied = policies.bounded(holds(True, "ran"), close(1e-5, 0.0), None)
     assert not untied.passed
     assert untied.violated_facts == [f"tolerance of {close(1e-5, 0.0).describe()} is too loose: it is not a multiple "
                                      "of a floor measured on stock code"]

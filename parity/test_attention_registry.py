@@ -8,10 +8,10 @@ import torch
 
 from fixtures.attention_captures import small_capture
 from harness import ablation, catalogue, conformance, plugins
-from harness.attention import kernels, parity, primitives, reference
+from harness.attention import judge, kernels, primitives, reference
 from harness.attention.capture import CAPTURE_KIND
 from harness.attention.layout import AttentionLayout
-from harness.attention.policy import (
+from harness.attention.policies import (
     K_MAX,
     K_MIN,
     floor_control,
@@ -41,7 +41,7 @@ def _judge(kernel, capture, *, block=kernels.BLOCK, policy=None, floor=None):
     expected = reference_output(capture)
     control = floor_control(capture, expected)
     policy = floor_policy(control) if policy is None else policy
-    return parity.compare_kernel(kernel, capture, policy, block=block, expected=expected,
+    return judge.compare_kernel(kernel, capture, policy, block=block, expected=expected,
                                  floor=control.max_abs if floor is None else floor)
 
 
@@ -169,7 +169,7 @@ def test_row_scaled_bf16_bound_kills_the_span_end_off_by_one_a_whole_output_boun
     row_scaled = low_precision_policy(capture, torch.bfloat16, truth)
     catalogue.load()
     with ablation.get("attention.span_end_off_by_one").apply():
-        new = parity.compare_kernel("flex", low, row_scaled, layout=layout, expected=truth)
+        new = judge.compare_kernel("flex", low, row_scaled, layout=layout, expected=truth)
         old = whole_output.judge(kernels.get_kernel("flex")(*low.heads_first(), layout,
                                                                               scale=low.scale), ref32)
     assert new.margin >= 10 and new.margin > 4 * old.margin, (new.margin, old.margin)

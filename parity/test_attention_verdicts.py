@@ -10,9 +10,9 @@ import torch
 
 from fixtures.attention_captures import small_capture
 from harness import conformance
-from harness.attention import contract, kernels, masks, parity, reference
+from harness.attention import contract, judge, kernels, masks, reference
 from harness.attention.layout import AttentionLayout
-from harness.attention.policy import FloorControl, floor_control, floor_policy, reference_output
+from harness.attention.policies import FloorControl, floor_control, floor_policy, reference_output
 
 pytestmark = pytest.mark.cpu
 
@@ -31,13 +31,13 @@ def _suite_kernels_only():
 
 def test_formula_verdict_names_the_span_it_used():
     mask = masks.build_mask(DENOISE)
-    detected = parity.formula_verdict(contract.verify_mask(mask))
+    detected = judge.formula_verdict(contract.verify_mask(mask))
     assert (detected.passed, detected.notes) == (True, ("ok: mask == formula with span (2, 5) elementwise",))
     assert detected.metrics == {"mismatches": 0, "total": 20, "first_mismatch": "no mismatch", "density": 0.85,
                                 "detected_span": "(2, 5)"}
-    one = parity.formula_verdict(contract.verify_mask(torch.ones(1, 1, dtype=torch.bool)))
+    one = judge.formula_verdict(contract.verify_mask(torch.ones(1, 1, dtype=torch.bool)))
     assert (one.passed, one.metrics["density"], one.metrics["detected_span"]) == (True, 1.0, "None")
-    given = parity.formula_verdict(contract.verify_mask(mask, span=(3, 5)))
+    given = judge.formula_verdict(contract.verify_mask(mask, span=(3, 5)))
     assert not given.passed
     assert given.notes == ("VIOLATED: mask == formula with span (3, 5) elementwise",)
     assert given.metrics["first_mismatch"] == "first mismatch at query row 1, key 3"  # position 2 is causal there
@@ -45,10 +45,10 @@ def test_formula_verdict_names_the_span_it_used():
 
 def test_builder_verdict_names_the_first_pair_the_builder_gets_wrong():
     mask = masks.build_mask(DENOISE)
-    assert parity.builder_verdict(mask, DENOISE).metrics == {
+    assert judge.builder_verdict(mask, DENOISE).metrics == {
         "builder_mismatches": 0, "builder_first_mismatch": "none"}
     mask[2, 0] = False
-    assert parity.builder_verdict(mask, DENOISE).metrics == {
+    assert judge.builder_verdict(mask, DENOISE).metrics == {
         "builder_mismatches": 1, "builder_first_mismatch": "query row 2, key 0"}
 
 
@@ -67,7 +67,7 @@ def _spec(fn, *, gqa: bool) -> kernels.KernelSpec:
 def _judge(spec, capture, **kwargs):
     expected = reference_output(capture)
     control = floor_control(capture, expected)
-    return parity.compare_kernel(spec, capture, floor_policy(control), expected=expected,
+    return judge.compare_kernel(spec, capture, floor_policy(control), expected=expected,
                                  floor=kwargs.pop("floor", control), **kwargs)
 
 
@@ -97,31 +97,31 @@ def test_the_relative_l2_bound_is_inclusive_and_optional():
     measured_abs = float((_offset(*capture.heads_first(), contract.detect_layout(capture.mask)) - expected).abs().max())
     control = FloorControl(measured_abs, 1e-9, "torch.float32", float(expected.abs().max()))
 
-    def judge(**kwargs):
-        return parity.compare_kernel(spec, capture, floor_policy(control), expected=expected,
-                                     floor=kwargs.pop("floor", control), **kwargs)
+    def run(**kwargs):
+        return judge.compare_kernel(spec, capture, floor_policy(control), expected=expected,
+                                    floor=kwargs.pop("floor", control), **kwargs)
 
-    free = judge()
+    free = run()
     assert free.passed and "rel_l2_bound" not in free.metrics
     measured = free.metrics["rel_l2"]
     assert measured > 2.0**-19  # the kernel's own 2^-18 offset
     floor = dataclasses.replace(control, rel_l2=measured / 4)
-    at_bound = judge(max_rel_l2=measured, floor=floor)
+    at_bound = run(max_rel_l2=measured, floor=floor)
     assert at_bound.passed, at_bound.describe()
     assert at_bound.metrics["rel_l2_bound"] == measured
-    below = judge(max_rel_l2=measured * 0.75, floor=floor)
+    below = run(max_rel_l2=measured * 0.75, floor=floor)
     assert below.violated_facts == [f"relative L2 {measured:.3e} <= {measured * 0.75:.3e}"]
     with pytest.raises(ValueError, match="max_rel_l2 needs floor=FloorControl"):
-        judge(max_rel_l2=measured, floor=floor.max_abs)
+        run(max_rel_l2=measured, floor=floor.max_abs)
 
 
 def test_compare_kernel_computes_the_reference_or_judges_against_the_given_one():
     capture = small_capture(LAYOUT, heads=1, head_dim=8, seed=6)
     control = floor_control(capture)
-    verdict = parity.compare_kernel("decomposed", capture, floor_policy(control), floor=control)
+    verdict = judge.compare_kernel("decomposed", capture, floor_policy(control), floor=control)
     assert verdict.passed and verdict.metrics["kernel"] == "decomposed"
     wrong = reference_output(capture) + 1.0
-    off = parity.compare_kernel("decomposed", capture, floor_policy(control), expected=wrong,
+    off = judge.compare_kernel("decomposed", capture, floor_policy(control), expected=wrong,
                                 floor=control)
     assert not off.passed and off.metrics["max_abs"] == pytest.approx(1.0)
 

@@ -21,7 +21,7 @@ import torch
 from fixtures.bench_timing import wall_times
 from fixtures.replay_cases import bench_problem
 from fixtures.replay_families import family_names
-from harness.replay.parity import run_batched, run_serial
+from harness.replay.judge import run_batched, run_serial
 from harness.replay.pipeline_oracle import Forward, record_forwards
 from harness.replay.problem import ReplayProblem
 

@@ -15,7 +15,7 @@ from harness.replay.conditions import Conditions
 from harness.replay.controls import FastShapeAdapter, measure_batch_shape_control
 from harness.replay.denoiser import DenoiserAdapter, WrappedAdapter
 from harness.replay.guards import ReplayConfig
-from harness.replay.parity import compare_replay, compare_replay_determinism, judge_result
+from harness.replay.judge import compare_replay, compare_replay_determinism, judge_result
 from harness.replay.replay import replay, replay_batched, replay_serial
 from harness.replay.sde import MultistepSDE
 from harness.replay.spy import spy_forwards

@@ -8,7 +8,7 @@ import torch
 from fixtures.replay_cases import fake_problem, real_control, real_problem
 from harness import conformance
 from harness.compare import exact
-from harness.replay.parity import compare_replay
+from harness.replay.judge import compare_replay
 from harness.replay.policies import local_scale_policy
 
 pytestmark = pytest.mark.cpu

@@ -9,7 +9,7 @@ import torch
 from fixtures.replay_cases import STEPS, fake_problem
 from harness.replay import guards
 from harness.replay.guards import ReplayConfig
-from harness.replay.parity import run_batched, run_serial
+from harness.replay.judge import run_batched, run_serial
 from harness.replay.replay import replay
 from harness.replay.sde import ConstantStdSDE, MultistepSDE
 from harness.replay.spy import spy_forwards

@@ -14,7 +14,7 @@ from harness import ablation, catalogue, checks, conformance
 from harness.replay import oracles, tiling
 from harness.replay.conditions import Conditions, concat_payloads
 from harness.replay.denoiser import FUSED_COND_FIRST
-from harness.replay.parity import judge_result, run_both
+from harness.replay.judge import judge_result, run_both
 
 catalogue.load()
 

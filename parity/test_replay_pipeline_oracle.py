@@ -19,7 +19,7 @@ from harness.replay.denoiser import FUSED_COND_FIRST, concat_branches, predict_v
 from harness.replay.families import COGVIEW4, SANA, ReplayFamily
 from harness.replay.families.cogview4 import CogView4Adapter
 from harness.replay.families.sana import SanaAdapter
-from harness.replay.parity import compare_replay
+from harness.replay.judge import compare_replay
 from harness.replay.policies import local_scale_policy
 from harness.replay.problem import make_problem
 

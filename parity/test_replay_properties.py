@@ -18,7 +18,7 @@ from harness.compare import ulp_distance
 from harness.replay import tiling
 from harness.replay.conditions import payload_rows
 from harness.replay.denoiser import FUSED_COND_FIRST
-from harness.replay.parity import run_both
+from harness.replay.judge import run_both
 from harness.replay.sde import ConstantStdSDE, FlowGRPOSDE, as_rows, sde_step
 
 pytestmark = pytest.mark.cpu

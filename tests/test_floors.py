@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from fixtures.replay_cases import fake_problem
-from harness.ar import verdicts
-from harness.attention.policy import FloorControl, RowControl, RowScaledFloor, bounded, floor_policy, rel_l2_bound
+from harness.ar import judge
+from harness.ar import policies as ar_policies
+from harness.attention.policies import FloorControl, RowControl, RowScaledFloor, bounded, floor_policy, rel_l2_bound
 from harness.compare import holds
 from harness.floors import StockFloor, eps
 from harness.growth import GROWTH_BUDGET, judge_growth
@@ -126,17 +127,17 @@ def test_growth_judge(ulps):
 @pytest.mark.parametrize("ulps", FLOORS.values(), ids=FLOORS.keys())
 def test_ar_fp32_policies(ulps):
     scale = 12.5
-    floor = verdicts.StockPrefillFloor(logp=ulps * EPS * scale, kv=ulps * EPS * 3.0, backend="hand",
+    floor = ar_policies.StockPrefillFloor(logp=ulps * EPS * scale, kv=ulps * EPS * 3.0, backend="hand",
                                        logp_scale=scale, kv_scale=3.0)
-    policies = verdicts.fp32_policies(floor)
-    minimum = verdicts.FLOOR_ULPS * EPS * scale
-    assert policies.logp.atol == verdicts.TOLERANCE_K * max(ulps * EPS * scale, minimum) >= 8 * minimum
+    policies = ar_policies.fp32_policies(floor)
+    minimum = ar_policies.FLOOR_ULPS * EPS * scale
+    assert policies.logp.atol == ar_policies.TOLERANCE_K * max(ulps * EPS * scale, minimum) >= 8 * minimum
     expected = torch.tensor([[-scale, -1.0]])
     verdict = policies.logp.judge(expected + EPS * scale, expected)  # one ulp at the magnitude
-    verdict = verdicts.require_floor_bounds(verdict, policies.logp.atol, floor, "logp")
+    verdict = judge.require_floor_bounds(verdict, policies.logp.atol, floor, "logp")
     assert verdict.passed, verdict.describe()
-    assert verdict.metrics["floor_at_minimum"] == (ulps < verdicts.FLOOR_ULPS)
-    loose = verdicts.require_floor_bounds(verdict, 2 * verdicts.K_MAX * floor.floor("logp"), floor, "logp")
+    assert verdict.metrics["floor_at_minimum"] == (ulps < ar_policies.FLOOR_ULPS)
+    loose = judge.require_floor_bounds(verdict, 2 * ar_policies.K_MAX * floor.floor("logp"), floor, "logp")
     assert any("too loose" in fact for fact in loose.violated_facts)
 
 

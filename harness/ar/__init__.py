@@ -5,5 +5,6 @@ Modules: ``batch`` (right-padded batches, concat of separately embedded rows), `
 B == 1; slot snapshots), ``masks`` (prefill key padding, per-row decode mask), ``backends`` (the HunyuanImage-3
 upstream contract and transformers' hole layout), ``loop`` (init_state / step / finished rows, the fast and
 the stock loop), ``replay`` (teacher-forced log-probs), ``spy``, ``probes`` (NaN and KV-footprint probes),
-``verdicts`` and ``suite`` (the comparisons behind every check).
+``policies`` (the stock floors and the tolerance policies on them), ``judge`` (rollouts to verdicts, the bf16 KL rule)
+and ``comparisons`` (the runs behind every check: the batched path under a spy against its B=1 reference).
 """

@@ -6,6 +6,6 @@ denoiser    adapter contract and the CFG step                 cfg       the CFG 
 families    shipped families (sd3, flux, qwen_image), lookups guards    when the fast path declines
 rollout     sampling a segment, recording pi_old             replay    replay_serial, replay_batched, replay
 problem     ReplayProblem, make_problem                      controls  the stock batch-shape control
-policies    local-scale bounds built from the control        parity    stock vs fast judged, spies
+policies    local-scale bounds built from the control        judge     stock vs fast judged, spies
 spy         ReplayForwardSpy
 """

@@ -5,9 +5,10 @@ Every case verdict carries seed 001's row as metrics (``tokens_equal``, ``logp_m
 table seed 001 printed. Token verdicts read like vLLM's ``check_logprobs_close``: the first divergence per row.
 These functions take the policies as arguments so the GPU tier can reuse them with dtype-specific ones.
 
-fp32 tolerances are TOLERANCE_K x a floor measured on stock code on the same model (``stock_prefill_floor``,
+fp32 tolerances are TOLERANCE_K x a floor measured on stock code on the same model (harness.ar.policies,
 never below one fp32 eps of the values' magnitude), and a verdict fails when its tolerance leaves
-[K_MIN, K_MAX] x that floor. ``judge_growth`` judges the per-step error curve over all decode steps against the
+[K_MIN, K_MAX] x that floor (``require_floor_bounds``). bf16 is judged by the KL rule of ``judge_bf16`` (its
+section below says why). ``judge_growth`` judges the per-step error curve over all decode steps against the
 growth of a stock per-step floor curve (``batch_shape_control_logp``): a bug that starts below the worst-element
 tolerance and compounds step by step is not judged like noise.
 """
@@ -17,146 +18,40 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from harness import growth
 from harness.ar.loop import Rollout
+from harness.ar.policies import FP32_EPS, K_MAX, K_MIN, ARPolicies, StockPrefillFloor, model_device
 from harness.ar.spy import ARForwardSpy
-from harness.compare import Policy, Verdict, close, exact, max_abs_diff
-from harness.floors import StockFloor
+from harness.compare import Policy, Verdict, max_abs_diff, noise_floor
 from harness.growth import GROWTH_BUDGET, growth_ratio
 
 __all__ = [
     "GROWTH_BUDGET",
-    "KV_ATOL",
-    "K_MAX",
-    "K_MIN",
-    "LOGP_ATOL",
-    "TOLERANCE_K",
-    "ARPolicies",
-    "StockPrefillFloor",
     "batch_shape_control_logp",
+    "comparable_kl",
     "compare_case",
     "divergences",
-    "exact_policies",
+    "flips",
     "format_seed001",
-    "fp32_policies",
-    "fp32_tolerance",
     "growth_ratio",
+    "judge_bf16",
     "judge_growth",
     "judge_logp",
     "judge_prefill_kv",
     "judge_slot0",
     "judge_tokens",
+    "kl_rows",
+    "padding_control",
     "require_floor_bounds",
     "require_path",
     "resolution_curve",
     "seed001_metrics",
     "step_curve",
-    "stock_prefill_floor",
 ]
-
-FP32_EPS = float(torch.finfo(torch.float32).eps)
-
-# Seed 001's fixed fp32 figures (logp and KV max|d| it accepted on its GPU); kept as the noise band the
-# property tests keep greedy ties away from. The policies no longer use them: every fp32 tolerance is
-# TOLERANCE_K x the floor measured on stock code on the same model (``stock_prefill_floor``).
-LOGP_ATOL = 5e-5
-KV_ATOL = 2e-5
-
-# fp32 tolerance = TOLERANCE_K x the stock floor, and any tolerance a verdict is judged at must lie in
-# [K_MIN, K_MAX] x that floor ("too tight" / "too loose"). Measured on the tiny CPU models (1 thread): the
-# batched-vs-B=1 errors reach 1.4x (logp) and 1.2x (KV) of the floor, so 8x leaves ~6x headroom and a bug of
-# 16 floors cannot hide under a policy.
-TOLERANCE_K = 8.0
-K_MIN, K_MAX = 4.0, 16.0
-
-
-# The floor's stated minimum: one fp32 ulp at the compared values' own magnitude (max |log-prob|, max |KV|). A
-# measured floor of exactly zero is legitimate (the batched and alone GEMMs share kernels on some hosts); the
-# tolerance then rests on the values' own spacing, TOLERANCE_K ulps of their magnitude.
-FLOOR_ULPS = 1.0
-
-
-@dataclass(frozen=True)
-class StockPrefillFloor:
-    """The fp32 rounding a batch shape alone causes: the same prompts prefilled batched vs one by one.
-
-    ``logp`` / ``kv`` are the measured max|d| (0 where the batched and alone GEMMs share kernels); ``logp_scale``
-    / ``kv_scale`` are the stock run's max |log-prob| / |KV|; ``rows`` x ``length`` is the batch it prefilled (the
-    fast path's row count and width). The floor is the larger of the measurement and FLOOR_ULPS fp32 ulps at
-    that magnitude (``stock_floor``), so k x floor never collapses.
-    """
-
-    logp: float
-    kv: float
-    backend: str
-    logp_scale: float = 0.0
-    kv_scale: float = 0.0
-    rows: int = 4
-    length: int = 6
-
-    def stock_floor(self, quantity: str) -> StockFloor:
-        """The floor of ``"logp"`` or ``"kv"`` (slot 0 is KV) with its stated minimum."""
-        source = f"{self.rows} unpadded {self.length}-token prompts prefilled together vs alone"
-        if quantity == "logp":
-            return StockFloor(self.logp, self.logp_scale, FLOOR_ULPS, source=source)
-        if quantity in ("kv", "slot0"):
-            return StockFloor(self.kv, self.kv_scale, FLOOR_ULPS, source=source)
-        raise ValueError(f"a stock floor is measured for 'logp' or 'kv', got {quantity!r}")
-
-    def floor(self, quantity: str) -> float:
-        """The floor value of ``quantity``: max(measured, FLOOR_ULPS fp32 ulps x magnitude)."""
-        return self.stock_floor(quantity).value
-
-    def describe(self, quantity: str | None = None) -> str:
-        parts = []
-        for name in ("logp", "KV"):
-            if quantity is None or name.lower() == ("kv" if quantity == "slot0" else quantity):
-                parts.append(f"{name} {self.stock_floor(name.lower()).describe()}")
-        return f"stock floor on {self.backend}: " + "; ".join(parts)
-
-
-def _model_device(backend: Any) -> torch.device:
-    """Where the backend's model lives (the CPU for a backend without a torch model)."""
-    parameters = getattr(getattr(backend, "model", None), "parameters", None)
-    param = next(iter(parameters()), None) if callable(parameters) else None
-    return torch.device("cpu") if param is None else param.device
-
-
-@torch.no_grad()
-def stock_prefill_floor(backend: Any, seed: int = 0, rows: int = 4, length: int = 6) -> StockPrefillFloor:
-    """Measure the batch-shape floor with the backend's stock prefill only (no harness seam runs), on the
-    model's own device. Pass the fast path's row count and width as ``rows`` and ``length``: a control at
-    another shape measures another GEMM's rounding."""
-    if rows < 1 or length < 1:
-        raise ValueError(f"a prefill floor needs rows >= 1 and length >= 1, got {rows} x {length}")
-    gen = torch.Generator().manual_seed(seed)
-    low = 1 if backend.pad_id == 0 else 0
-    ids = torch.randint(low, backend.vocab_size, (rows, length), generator=gen)
-    ids[ids == backend.pad_id] = (backend.pad_id + 1) % backend.vocab_size
-    ids = ids.to(_model_device(backend))
-    batched_logits, batched_kv = backend.stock_prefill(ids)
-    alone = [backend.stock_prefill(ids[i: i + 1]) for i in range(rows)]
-    alone_logits = torch.cat([a[0] for a in alone])
-    alone_kv = torch.cat([a[1] for a in alone])
-    batched_logp = torch.log_softmax(batched_logits.double(), -1)
-    logp = max_abs_diff(torch.log_softmax(batched_logits, -1), torch.log_softmax(alone_logits, -1))
-    return StockPrefillFloor(logp=logp, kv=max_abs_diff(batched_kv, alone_kv), backend=backend.name,
-                             logp_scale=float(batched_logp.abs().max()), kv_scale=float(batched_kv.abs().max()),
-                             rows=rows, length=length)
-
-
-def fp32_tolerance(floor: StockPrefillFloor, quantity: str, k: float = TOLERANCE_K) -> float:
-    """``k`` x the stock floor of ``quantity``; a ValueError when the stock run was not finite."""
-    value = floor.floor(quantity)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"the stock floor of {quantity} on {floor.backend} is {value!r}: the stock run must be "
-                         "finite to derive an fp32 tolerance from it")
-    return k * value
 
 
 def require_floor_bounds(verdict: Verdict, tolerance: float, floor: StockPrefillFloor, quantity: str) -> Verdict:
@@ -166,31 +61,6 @@ def require_floor_bounds(verdict: Verdict, tolerance: float, floor: StockPrefill
                               f"stock {quantity} floor measured on {floor.backend} (finite, > 0)")
     return verdict.require_bounded(tolerance, stock, k_min=K_MIN, k_max=K_MAX, what=f"{quantity} atol")
 
-
-@dataclass(frozen=True)
-class ARPolicies:
-    tokens: Policy
-    logp: Policy
-    kv: Policy
-    slot0: Policy
-    floor: StockPrefillFloor | None = None
-
-
-def fp32_policies(floor: StockPrefillFloor, k: float = TOLERANCE_K) -> ARPolicies:
-    """Tokens exact; log-probs and KV ``close`` at ``k`` x the stock floor measured on the same model."""
-    logp_atol, kv_atol = fp32_tolerance(floor, "logp", k), fp32_tolerance(floor, "kv", k)
-    logp = close(atol=logp_atol, rtol=0.0, reason=f"fp32 batch-shape rounding, {k:g} x {floor.describe('logp')}")
-    kv = close(atol=kv_atol, rtol=0.0, reason=f"fp32 batch-shape rounding, {k:g} x {floor.describe('kv')}")
-    slot0 = close(atol=kv_atol, rtol=0.0, reason=(
-        "slot 0 is position 0 attending only itself, bitwise where B=1 and batched GEMMs share kernels "
-        f"(seed 001: 0.0); small-M CPU GEMMs (short B=1 prompts, small expert groups) differ; {k:g} x "
-        f"{floor.describe('kv')}"))
-    return ARPolicies(exact(), logp, kv, slot0, floor)
-
-
-def exact_policies() -> ARPolicies:
-    """B=1 through upstream's own dynamic path runs the very forwards the stock loop runs: bitwise."""
-    return ARPolicies(exact(), exact(), exact(), exact(), None)
 
 
 # --------------------------------------------------------------------------------------------- metrics
@@ -345,7 +215,7 @@ def batch_shape_control_logp(backend: Any, prompts: list[torch.Tensor], referenc
     reference tokens, read at the prompt's own row; the log-prob of those tokens ``[B, N]``. Its GEMMs have the
     batch's row count at every step, so the rounding a batch shape brings shows here without the fast path."""
     out = torch.zeros_like(reference.logp)
-    device = _model_device(backend)
+    device = model_device(backend)
     rows = len(prompts)
     for row, prompt in enumerate(prompts):
         count = int(reference.lengths[row])
@@ -374,3 +244,86 @@ def judge_growth(fast: Rollout, reference: Rollout, control_logp: torch.Tensor,
     tokens_equal = bool(torch.equal(fast.tokens, reference.tokens))
     return verdict.require(tokens_equal, "batched tokens equal B=1 on every step (every step's context shared)",
                            common_prefix=_common_prefix(fast.tokens, reference.tokens))
+
+
+# --------------------------------------------------------------------------------------------- bf16
+
+# The bf16 judge of batched AR: what padding legitimately changes, measured on stock code only.
+#
+# In bf16 a row's logits move when its prompt is right-padded and its keys sit in a longer (masked) key axis:
+# SDPA's reductions run over a different length. A control that batches identical unpadded copies through the fast
+# path cannot see that rounding (and runs the code under test), so the bound would collapse to its floor. The
+# control here is stock code on the same row twice: B=1 on the unpadded prompt (``stock_generate``) against the
+# same prompt right-padded under its mask in a cache of the batch's length, at the batch's row count
+# (``stock_padded``, teacher-forced on the first run's tokens). Rule:
+#
+# - per row, KL(B=1 || batched) over every step whose context both runs share (the common token prefix and the
+#   first divergent step) must be at most ``k`` x the largest padded-control KL over the rows, plus ``floor``;
+# - a row may diverge only where the B=1 top-1/top-2 log-prob margin at the divergent step is below
+#   ``flip_margin`` (a near-tie: rounding may pick either token).
+
+
+def kl_rows(reference_logits: torch.Tensor, candidate_logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference || candidate) over the last dim of logits, in float64 on the reference's device (a stock
+    run's logits may sit on the accelerator while the reference rollout is on the CPU)."""
+    ref = torch.log_softmax(reference_logits.double(), dim=-1)
+    cand = torch.log_softmax(candidate_logits.to(ref.device, torch.float64), dim=-1)
+    return (ref.exp() * (ref - cand)).sum(dim=-1)
+
+
+def comparable_kl(reference: Rollout, fast: Rollout) -> tuple[torch.Tensor, list[int]]:
+    """Per row, the largest KL over the steps whose context both runs share: every step of the common token
+    prefix and the first divergent step. Returns the per-row maxima and the common prefixes."""
+    prefix = ((reference.tokens == fast.tokens).long().cumprod(dim=1)).sum(dim=1).tolist()
+    steps = reference.tokens.shape[1]
+    kl = kl_rows(reference.logits, fast.logits)  # [B, N]
+    worst = torch.stack([kl[row, : min(p + 1, steps)].max() for row, p in enumerate(prefix)])
+    return worst, prefix
+
+
+def flips(reference: Rollout, prefix: list[int]) -> tuple[list[bool], list[float]]:
+    """At each row's first divergent step: did the top-1 flip, and B=1's top-1/top-2 log-prob margin there."""
+    flipped, margins = [], []
+    for row, p in enumerate(prefix):
+        if p >= reference.tokens.shape[1]:
+            flipped.append(False)
+            margins.append(float("nan"))
+            continue
+        top2 = torch.log_softmax(reference.logits[row, p].double(), dim=-1).topk(2).values
+        flipped.append(True)
+        margins.append(float(top2[0] - top2[1]))
+    return flipped, margins
+
+
+@torch.no_grad()
+def padding_control(backend: Any, prompts: list[torch.Tensor], reference: Rollout, width: int,
+                    max_cache_len: int) -> torch.Tensor:
+    """Per row, max over steps of KL(stock B=1 unpadded || stock right-padded to ``width`` in a cache of
+    ``max_cache_len``, at the batch's row count and the row's own position), teacher-forced on the unpadded
+    run's tokens (same contexts, every step comparable). The control runs the batch's GEMM shapes: in bf16 a
+    kernel picked for another row count rounds differently, and that rounding is legitimate."""
+    out = []
+    for row, prompt in enumerate(prompts):
+        count = int(reference.lengths[row])
+        tokens = reference.tokens[row, :count].to(prompt.device)
+        padded = backend.stock_padded(prompt, tokens, width, max_cache_len, rows=len(prompts), row=row)
+        out.append(kl_rows(reference.logits[row, :count], padded).max())
+    return torch.stack(out)
+
+
+def judge_bf16(fast: Rollout, reference: Rollout, control: torch.Tensor, *, k: float,
+               floor: float, flip_margin: float, dtype: torch.dtype) -> Verdict:
+    """The bf16 rule (module docstring) as one verdict; per-row KL, controls, prefixes and margins in metrics."""
+    kl, prefix = comparable_kl(reference, fast)
+    bound_control = float(control.max())
+    policy = noise_floor(bound_control, k=k, floor=floor,
+                         reason=f"{dtype} KL(B=1 || batched) over each row's shared-context steps vs stock B=1 "
+                                "unpadded against stock B=1 right-padded in a cache of the batch's length")
+    verdict = policy.judge(kl, torch.zeros_like(kl), dims=("row",), what="KL(B=1 || batched)")
+    flipped, margins = flips(reference, prefix)
+    bad = [row for row, (f, m) in enumerate(zip(flipped, margins, strict=True)) if f and m >= flip_margin]
+    return verdict.require(not bad, f"rows diverge only where the B=1 top-1/top-2 margin < {flip_margin}",
+                           kl_per_row=[float(f"{float(v):.6g}") for v in kl],
+                           padding_control_per_row=[float(f"{float(v):.6g}") for v in control],
+                           common_prefix=prefix, diverged=flipped,
+                           margin_at_divergence=[round(m, 4) for m in margins], unexplained_flips=bad)

@@ -17,7 +17,7 @@ from harness import conformance
 from harness.attention import contract, kernels, masks, spy
 from harness.attention.capture import Capture
 from harness.attention.layout import AttentionLayout
-from harness.attention.policy import (
+from harness.attention.policies import (
     K_MAX,
     K_MIN,
     FloorControl,

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from harness import conformance
-from harness.ar import loop, probes, verdicts
+from harness.ar import judge, loop, probes
+from harness.ar import policies as ar_policies
 from harness.ar.batch import ARBatch
 from harness.ar.replay import teacher_forced_logp
 from harness.ar.spy import ARForwardSpy
@@ -49,24 +50,24 @@ def _fast(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] 
 
 
 def compare_batched(what: str, backend: Any, batch: ARBatch, max_new_tokens: int,
-                    policies: verdicts.ARPolicies, reference: loop.Rollout, eos: Sequence[int] = ()) -> Verdict:
+                    policies: ar_policies.ARPolicies, reference: loop.Rollout, eos: Sequence[int] = ()) -> Verdict:
     """One quantity (tokens / logp / prefill_kv / slot0) of the batched rollout vs per-row B=1 runs (the
     reference stopped at ``eos`` like the rollout)."""
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
-    verdict = verdicts.compare_case(what, fast, reference, policies)
-    return verdicts.require_path(verdict, spy, batch.batch_size)
+    verdict = judge.compare_case(what, fast, reference, policies)
+    return judge.require_path(verdict, spy, batch.batch_size)
 
 
 def compare_padded_b1(backend: Any, batch: ARBatch, max_new_tokens: int,
-                      policies: verdicts.ARPolicies, reference: loop.Rollout, eos: Sequence[int] = ()) -> Verdict:
+                      policies: ar_policies.ARPolicies, reference: loop.Rollout, eos: Sequence[int] = ()) -> Verdict:
     """A right-padded B=1 prompt through the fast path equals the unpadded prompt's stock run."""
     if batch.batch_size != 1 or batch.real_pos is None or int(batch.real_pos[0, 0]) >= batch.width:
         raise ValueError("compare_padded_b1 needs one right-padded row (real_pos < width)")
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
-    verdict = verdicts.compare_case("tokens", fast, reference, policies)
+    verdict = judge.compare_case("tokens", fast, reference, policies)
     for what in ("logp", "prefill_kv"):
-        verdict = verdict.merge(verdicts.compare_case(what, fast, reference, policies))
-    return verdicts.require_path(verdict, spy, 1)
+        verdict = verdict.merge(judge.compare_case(what, fast, reference, policies))
+    return judge.require_path(verdict, spy, 1)
 
 
 def compare_rollout_vs_replay(backend: Any, batch: ARBatch, max_new_tokens: int,
@@ -75,16 +76,16 @@ def compare_rollout_vs_replay(backend: Any, batch: ARBatch, max_new_tokens: int,
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
     replayed = teacher_forced_logp(backend, batch.prompts(), fast)
     verdict = policy.judge(fast.logp, replayed, dims=("row", "step"), what="rollout vs replay log_probs")
-    return verdicts.require_path(verdict, spy, batch.batch_size)
+    return judge.require_path(verdict, spy, batch.batch_size)
 
 
 def compare_finished_rows(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int],
-                          policies: verdicts.ARPolicies, reference: loop.Rollout) -> Verdict:
+                          policies: ar_policies.ARPolicies, reference: loop.Rollout) -> Verdict:
     """Rows that emit EOS stop sampling and stop writing KV; each equals its B=1 run stopped at EOS."""
     run = probes.footprint_rollout(backend, batch, max_new_tokens, tuple(eos), rollout=fast_rollout())
     fast = run.rollout
-    verdict = verdicts.compare_case("tokens", fast, reference, policies)
-    verdict = verdict.merge(verdicts.compare_case("logp", fast, reference, policies))
+    verdict = judge.compare_case("tokens", fast, reference, policies)
+    verdict = verdict.merge(judge.compare_case("logp", fast, reference, policies))
     lengths, ref_lengths = fast.lengths.tolist(), reference.lengths.tolist()
     verdict = verdict.require(lengths == ref_lengths, "every row stops where its B=1 run stopped at EOS",
                               lengths=lengths, reference_lengths=ref_lengths)
@@ -94,15 +95,15 @@ def compare_finished_rows(backend: Any, batch: ARBatch, max_new_tokens: int, eos
                               "finished rows wrote no KV after their EOS (cache footprint checked)",
                               stray_writes={str(k): v for k, v in run.stray_writes.items()},
                               stray_slots=sum(len(v) for v in run.stray_writes.values()))
-    return verdicts.require_path(verdict, run.spy, batch.batch_size)
+    return judge.require_path(verdict, run.spy, batch.batch_size)
 
 
 def compare_nan_unused_slots(backend: Any, batch: ARBatch, max_new_tokens: int,
-                             policies: verdicts.ARPolicies, reference: loop.Rollout,
+                             policies: ar_policies.ARPolicies, reference: loop.Rollout,
                              eos: Sequence[int] = ()) -> Verdict:
     """NaN in every unused or dead cache slot; every logit stays finite and the tokens stay right."""
     run = probes.nan_probe_rollout(backend, batch, max_new_tokens, tuple(eos), rollout=fast_rollout())
-    verdict = verdicts.compare_case("tokens", run.rollout, reference, policies)
+    verdict = judge.compare_case("tokens", run.rollout, reference, policies)
     verdict = verdict.require(run.static and run.poisoned_slots > 0,
                               "NaN planted in every unused slot before the run and every dead slot after prefill",
                               poisoned_slots=run.poisoned_slots)
@@ -110,7 +111,7 @@ def compare_nan_unused_slots(backend: Any, batch: ARBatch, max_new_tokens: int,
                               nonfinite_logits=run.nonfinite_logits)
     finite_kv = all(bool(torch.isfinite(kv).all()) for kv in run.rollout.kv)
     verdict = verdict.require(finite_kv, "every valid KV slot finite")
-    return verdicts.require_path(verdict, run.spy, batch.batch_size)
+    return judge.require_path(verdict, run.spy, batch.batch_size)
 
 
 def check_missing_real_pos(backend: Any, batch: ARBatch, max_new_tokens: int,
@@ -152,4 +153,4 @@ def check_greedy_logp_oracle(backend: Any, batch: ARBatch, max_new_tokens: int,
                            dims=("step",), what="recorded log-prob vs fp64 softmax")
     verdict = verdict.require(fast_off == 0 and stock_off == 0, "every token is the fp64 argmax of its logits",
                               fast_tokens_off_argmax=fast_off, stock_tokens_off_argmax=stock_off)
-    return verdicts.require_path(verdict, spy, batch.batch_size)
+    return judge.require_path(verdict, spy, batch.batch_size)
