@@ -3,7 +3,7 @@
 The first six are seed 001's defects and the issue's list; ``ar.static_cache_at_b1`` and
 ``ar.real_pos_fallback`` undo two decisions of the seed's review (B=1 keeps upstream's dynamic cache;
 real_pos is required at every batch size), so the B=1 and missing-real_pos checks have teeth too; the last one
-adds a drift that compounds over decode steps (caught by the error-growth checks only, parity/test_ar_growth.py).
+adds a drift that compounds over decode steps (caught by the error-growth checks only, tests/ar/test_growth.py).
 Each claims only the checks it was measured to kill; the reasons say why the others survive.
 """
 

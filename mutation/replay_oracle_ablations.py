@@ -2,7 +2,7 @@
 
 The first five break code stock and batched replay share (the SDE log-prob, its std and mean, the
 CFG combine): parity cannot see them, so only the oracle checks claim them, and
-parity/test_replay_oracles.py asserts the parity checks survive them. The rest break the rollout's
+tests/replay/test_oracles.py asserts the parity checks survive them. The rest break the rollout's
 record (caught by pi_old against that record), the cfg_factor duplicate-or-split branch of the tiling
 and the fused_uncond cache (caught by the numbers, now that the fake reads the cache), and add a drift
 that compounds over steps (caught by the error-growth check only).

@@ -41,7 +41,7 @@ OTHER_BLOCK = 64  # the seed's kernels tile at 128 (the default); the block-tile
 # (phase, kernel) checked at OTHER_BLOCK on the CPU: block_padded on denoise, whose lengths pad differently
 # at 64 and 128 (4160 x 5376 vs 4224 x 5376; prefill's 5348 pads to 5376 at both). Eager flex on the
 # CPU computes every pair whatever the block (~3-4 s per seed-shaped call), so flex at 64 is checked on
-# small layouts (parity/test_attention_registry.py, test_attention_bf16.py) and at the seed shapes by
+# small layouts (tests/attention/test_registry.py, test_bf16.py) and at the seed shapes by
 # the GPU tier, which runs every kernel and phase at both blocks.
 OTHER_BLOCK_CASES = (("denoise", "block_padded"),)
 # The mask-free approximation must miss by orders of magnitude, not by rounding: its error must be

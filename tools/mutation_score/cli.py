@@ -27,10 +27,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from mutation.engine import equivalents, report
-from mutation.engine.coverage_map import CoverageMap, collect
-from mutation.engine.operators import Mutant, find_mutants
-from mutation.engine.runner import job_for
+from tools.mutation_score import equivalents, report
+from tools.mutation_score.coverage_map import CoverageMap, collect
+from tools.mutation_score.operators import Mutant, find_mutants
+from tools.mutation_score.runner import job_for
 
 __all__ = ["PATHS", "main"]
 
@@ -57,7 +57,7 @@ TEST_BUDGET_S = 6.0   # first pass: baseline seconds of tests one mutant may run
 MAX_TESTS = 12
 FOCUSED_TESTS = 4     # of those, slots for the tests most focused on the mutated module (its unit tests)
 MAX_ERRORS = 0        # mutants that cannot be put into the live module: each is a hole in the measurement
-EQUIVALENTS = REPO / "mutation" / "equivalent_mutants.toml"
+EQUIVALENTS = Path(__file__).resolve().parent / "equivalent_mutants.toml"
 
 
 def _log(message: str) -> None:
@@ -443,7 +443,7 @@ def _run(spec: dict, pytest_args: list[str], roots: tuple[str, ...], workers: in
         results_file.touch()
         tests = {t for job in jobs for t in [*job["tests"], *job.get("more", [])]} | set(spec["warm"])
         test_files = sorted({t.split("::")[0] for t in tests})
-        command = [sys.executable, "-m", "mutation.engine.runner", str(jobs_file), str(results_file), str(workers),
+        command = [sys.executable, "-m", "tools.mutation_score.runner", str(jobs_file), str(results_file), str(workers),
                    ",".join(roots), "--", *pytest_args, *test_files]
         err_file = Path(tmp) / "runner.err"
         with err_file.open("w") as err:

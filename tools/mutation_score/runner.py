@@ -1,6 +1,6 @@
 """The mutant runner: one pytest session collects once, then forks one child per mutant.
 
-Run as ``python -m mutation.engine.runner SPEC.json RESULTS.jsonl WORKERS ROOTS -- PYTEST_ARGS``.
+Run as ``python -m tools.mutation_score.runner SPEC.json RESULTS.jsonl WORKERS ROOTS -- PYTEST_ARGS``.
 The parent collects the test items, then runs a few warm-up tests that fill the project's
 functools caches (tiny models, seeded inputs), tears their fixtures down and resets the parity
 session, so no verdict, world or fixture outlives the warm-up. Each child (its own process group, so its world ranks
@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 
-from mutation.engine.operators import Mutant, parsed
-from mutation.engine.patching import PatchError, clear_caches, patch_live
+from tools.mutation_score.operators import Mutant, parsed
+from tools.mutation_score.patching import PatchError, clear_caches, patch_live
 
 __all__ = ["MutantRunner"]
 

@@ -15,7 +15,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from mutation.engine.operators import Mutant
+from tools.mutation_score.operators import Mutant
 
 __all__ = ["Equivalent", "load", "match", "normalise", "site_lines"]
 
@@ -24,7 +24,7 @@ FIELDS = ("file", "function", "operator", "line", "mutant", "reason")
 
 @dataclass(frozen=True)
 class Equivalent:
-    """One reviewed entry of ``mutation/equivalent_mutants.toml``."""
+    """One reviewed entry of ``tools/mutation_score/equivalent_mutants.toml``."""
 
     file: str
     function: str

@@ -18,7 +18,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from mutation.engine.operators import Mutant, apply, apply_in_place, module_bindings
+from tools.mutation_score.operators import Mutant, apply, apply_in_place, module_bindings
 
 __all__ = ["PatchError", "clear_caches", "patch_live"]
 

@@ -1,6 +1,6 @@
 """The coverage pass: run the selected tests once under coverage.py and map each line to its tests.
 
-Runs in a subprocess (``python -m mutation.engine.coverage_map OUT -- PYTEST_ARGS``) so the
+Runs in a subprocess (``python -m tools.mutation_score.coverage_map OUT -- PYTEST_ARGS``) so the
 tracer never touches the mutation workers. The result is cached under ``.mutation-cache/`` keyed by
 the hash of every project source file and the pytest arguments: a rerun on unchanged code reuses it.
 """
@@ -90,7 +90,7 @@ def _fingerprint(repo: Path, files: list[str], pytest_args: list[str], roots: tu
     digest.update(json.dumps([files, pytest_args, list(roots)]).encode())
     sources = sorted(p for root in roots for p in (repo / root).rglob("*.py")
                      if ".venv" not in p.parts and p.relative_to(repo).as_posix() != ENGINE_TESTS
-                     and not p.relative_to(repo).as_posix().startswith("mutation/engine/"))
+                     and not p.relative_to(repo).as_posix().startswith("tools/mutation_score/"))
     sources += [repo / "conftest.py", repo / "pyproject.toml"]
     for path in sources:
         if path.is_file():
@@ -119,7 +119,7 @@ def collect(repo: Path, files: list[str], pytest_args: list[str], roots: tuple[s
             folder.mkdir()
             spec = {"files": [str(repo / f) for f in files], "roots": list(roots), "tmp": str(folder)}
             (folder / "spec.json").write_text(json.dumps(spec))
-            commands.append([sys.executable, "-m", "mutation.engine.coverage_map", str(folder), "--", *pytest_args,
+            commands.append([sys.executable, "-m", "tools.mutation_score.coverage_map", str(folder), "--", *pytest_args,
                              *shard])
             folders.append(folder)
         outputs = _run_passes(commands, repo, env)
@@ -243,7 +243,7 @@ def _main(tmp: Path, pytest_args: list[str]) -> int:
     import coverage
     import pytest
 
-    from mutation.engine.covplugin import CoveragePass
+    from tools.mutation_score.covplugin import CoveragePass
 
     spec = json.loads((tmp / "spec.json").read_text())
     cov = coverage.Coverage(data_file=str(tmp / ".coverage"), include=spec["files"],

@@ -106,7 +106,7 @@ def _tracked(cached: Any, label: str) -> Callable[..., Any]:
 
 
 class CoveragePass:
-    """Registered by ``mutation.engine.coverage_map`` in the coverage subprocess."""
+    """Registered by ``tools.mutation_score.coverage_map`` in the coverage subprocess."""
 
     def __init__(self, roots: tuple[str, ...], out: Path):
         self.roots = roots

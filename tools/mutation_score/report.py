@@ -38,7 +38,7 @@ def markdown(doc: dict, *, title: str, notes: list[str], uncovered: set[tuple[st
     out = [f"# {title}", "",
            f"**Score {doc['score']:.4f}** = killed / (killed + survived + timeout) = {doc['killed']} / "
            f"({doc['killed']} + {doc['survived']} + {doc['timeout']}); {doc['equivalent']} equivalent mutants "
-           "(reviewed, `mutation/equivalent_mutants.toml`) are excluded from the score; "
+           "(reviewed, `tools/mutation_score/equivalent_mutants.toml`) are excluded from the score; "
            f"{doc.get('errors', 0)} could not be applied (errors).", ""]
     out += [f"- {note}" for note in notes] + [""]
     for grouping, key in (("path", _group), ("module", lambda file: file)):

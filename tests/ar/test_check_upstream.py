@@ -17,7 +17,7 @@ from fixtures.ar_checkpoint import COMMON_FILE, PORTABLE_FILE, source_path
 from fixtures.upstream_checkpoint import KINDS, UpstreamPackageError, package_generations, tiny_config
 from harness import compat
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _touch(directory: Path, *names: str) -> Path:

@@ -21,8 +21,8 @@ from harness.ar.backends import IMAGE_SLICE_FIELDS, UpstreamBackend, remote_code
 from harness.ar.batch import right_padded_batch
 from harness.ar.policies import stock_prefill_floor
 from harness.compare import max_abs_diff
-from parity.test_ar_bf16_policy import bf16_backend
-from parity.test_ar_loop import OnDevice
+from tests.ar.test_bf16_policy import bf16_backend
+from tests.ar.test_loop import OnDevice
 
 pytestmark = pytest.mark.cpu
 
