@@ -2,7 +2,7 @@
 
 fp32: tokens identical and log-probs within TOLERANCE_K x the stock floor measured on this checkpoint
 (harness.ar.policies.stock_prefill_floor: the same prompts prefilled batched vs alone with stock code, floored
-at one fp32 eps of the log-probs' magnitude), and that tolerance within [K_MIN, K_MAX] x the floor. Seed 001
+at one fp32 eps of the log-probs' magnitude), and that tolerance within [K_MIN, K_MAX] x the floor. The AR PR
 saw 48/48 tokens identical and logp |d| <= 5e-5 on the real checkpoint. bf16: padding and a longer masked key
 axis legitimately move bf16 logits (SDPA reduces over another length), so the control is stock code only: B=1
 on the unpadded prompt against B=1 on the same prompt right-padded in a cache of the batch's length
@@ -53,9 +53,9 @@ from harness.compare import Verdict, exact
 
 __all__ = ["CHECK_ID", "KIND_KILLS", "POLICY", "PROMPT_LENGTHS", "ar_check", "checkpoint_backend", "checkpoint_routing"]
 
-PROMPT_LENGTHS = (13, 37, 64, 51)  # seed 002's repro shape: unequal real_pos, one unpadded row
+PROMPT_LENGTHS = (13, 37, 64, 51)  # the AR issue's repro shape: unequal real_pos, one unpadded row
 NEW_TOKENS = 8
-BF16_KL_K = 8.0  # seed 001 saw mixed-length KL up to ~4.1 x its no-padding control; 2x headroom over that
+BF16_KL_K = 8.0  # the AR PR saw mixed-length KL up to ~4.1 x its no-padding control; 2x headroom over that
 BF16_KL_FLOOR = 1e-3  # nats: below this a KL is rounding whatever the control says
 FLIP_MARGIN = 1.0  # a top-1 flip is benign only where B=1's top-1/top-2 log-prob gap is below this (seed: 0.31)
 CHECK_ID = str(CheckId("ar", "gpu", "", "batched_vs_b1"))

@@ -1,6 +1,6 @@
 """Ablations of the ar path: known bugs re-introduced over its seams.
 
-The first six are seed 001's defects and the issue's list; ``ar.static_cache_at_b1`` and
+The first six are the AR PR's defects and the AR issue's list (docs/contracts.md); ``ar.static_cache_at_b1`` and
 ``ar.real_pos_fallback`` undo two decisions of the seed's review (B=1 keeps upstream's dynamic cache;
 real_pos is required at every batch size), so the B=1 and missing-real_pos checks have teeth too; the last one
 adds a drift that compounds over decode steps (caught by the error-growth checks only, tests/ar/test_growth.py).
@@ -91,7 +91,7 @@ ablation(
     "ar.position_ids_zero_padded", "harness.ar.batch:pad_positions", _zero_pad_positions,
     kills=_ids(("fake",), ("concat",), CASE_QUANTITIES),
     why=("position_ids are upstream's KV write index: zero-padding writes every pad's KV onto slot 0, last write "
-         "wins (seed 001: slot 0 off by ~4). Only concat pads positions; transformers' caches write by their own "
+         "wins (the AR PR saw slot 0 off by ~4). Only concat pads positions; transformers' caches write by their own "
          "counter, so a zero pad only moves the RoPE of masked-out pads there."),
     kill_mode="tolerance",
 )
@@ -101,7 +101,7 @@ ablation(
     kills=[*_ids(("fake",), _BATCHED, CASE_QUANTITIES), *_whole_rollout(("fake",)),
            *_ids(_TRANSFORMERS, _BATCHED, ("prefill_kv", "slot0"))],
     raises=(AssertionError, ValueError),
-    why=("seed 002's crash: upstream's dynamic cache asserts len(cache_position) == 1 at B > 1 (the declared "
+    why=("the AR issue's crash: upstream's dynamic cache asserts len(cache_position) == 1 at B > 1 (the declared "
          "AssertionError kills every fake batched check). A transformers DynamicCache still works in the hole "
          "layout until a row finishes: every rollout has a finished row, whose slot a dynamic cache cannot leave "
          "unwritten, so the loop refuses with a ValueError there."),
@@ -131,7 +131,7 @@ ablation(
 ablation(
     "ar.finished_rows_keep_writing", "harness.ar.loop:should_write_kv", _keep_writing,
     kills=_ids(MODELS, ("",), ("finished_rows",)),
-    why=("seed 002's unfinished item: a row past EOS keeps writing KV. Its own mask hides the slots, so tokens "
+    why=("the AR issue's unfinished item: a row past EOS keeps writing KV. Its own mask hides the slots, so tokens "
          "survive; the cache footprint check sees the writes."),
     kill_mode="fact",
     fact="finished rows wrote no KV after their EOS (cache",

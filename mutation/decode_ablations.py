@@ -1,7 +1,7 @@
 """Ablations of the decode path: known bugs re-introduced over its seams.
 
-Seed 003's failure modes (issue 5), the fail-closed steps after the probe (issue 13.6), the tile,
-transport, encode and buffer-cache bugs of issue 14, the spies' teeth (a sharded path that decodes
+The decode PR's failure modes (docs/contracts.md), the fail-closed steps after the probe, the tile,
+transport, encode and buffer-cache bugs, the spies' teeth (a sharded path that decodes
 everything everywhere, a gate that ignores the flag) and the oracle's (a plan that mislabels the
 cross-fade frames, which no parity comparison reads). Splits of the tiny geometry (3 x 3 tiles per
 clip): t37 shards tiles at W = 2, 3, 4, 6, 8; t22 clips at W = 2, 4 and tiles at 3, 5, 8; t12 clips at
@@ -134,7 +134,7 @@ ablation(
     seam="harness.decode.exchange:agree_on_shapes",
     replacement=_local_shape_only,
     kills=["decode.fault.w8.decoder_raises", "decode.fault.w8.ragged_clip", "decode.fault.w8.latents_ragged"],
-    why="seed 003's first iteration: agreement from the local piece only leaves 7 ranks blocked in the next "
+    why="the decode PR's first iteration: agreement from the local piece only leaves 7 ranks blocked in the next "
         "collective when rank 3's decoder raises (reported blocked after the grace period), and a ragged piece "
         "makes gloo abort the mismatched gather; either way not every rank raising ShardedDecodeError together",
     hang_timeout_s=BLOCKED_WORLD_S,
@@ -201,7 +201,7 @@ ablation(
     seam="harness.decode.exchange:confirm",
     replacement=_no_status_exchange,
     kills=["decode.fault.w8.gather_raises", "decode.fault.w8.post_loop_raises"],
-    why="issue 13.6: fail-closed only at the probe. A rank whose gather buffers fail stops alone and the other "
+    why="fail-closed only at the probe. A rank whose gather buffers fail stops alone and the other "
         "7 block in the payload all-gather; a rank whose post-loop fails returns nothing while the others return "
         "a video. Either way not every rank raising ShardedDecodeError together",
     hang_timeout_s=BLOCKED_WORLD_S,
@@ -224,7 +224,7 @@ ablation(
     replacement=_all_units,
     kills=["decode.t37.w4.bitexact", "decode.t22.w2.bitexact", "decode.t12.w8.bitexact",
            "decode.t37.w3.decoded_once"],
-    why="seed 003's waste itself: every rank decodes the whole video; the gathered video is still bit-exact, so "
+    why="the decode PR's waste itself: every rank decodes the whole video; the gathered video is still bit-exact, so "
         "only the per-rank decoder-call spy (each piece exactly once across the world) can catch it",
     kill_mode="fact",
     fact="each piece decoded exactly once across the world",

@@ -1,10 +1,10 @@
 """Ablations of the replay path: known bugs re-introduced over its seams, each with the checks it kills.
 
-The first eight are the known bugs of the batched replay (seed 000's mutation check is the first); the
-rest give every guard, tiling fact, row broadcast, family CFG combine and the discriminating check a bug
-of their own, so no check is without teeth. Claims on the tiny-model checks are generated over every
-registered replay family (an installed one included), each layout bug on the families whose CFG layout
-it can break. Numeric bugs are declared "tolerance": the numbers must catch them.
+The first eight are the known bugs of the batched replay (the replay PR's mutation check is the first;
+docs/contracts.md); the rest give every guard, tiling fact, row broadcast, family CFG combine and the
+discriminating check a bug of their own, so no check is without teeth. Claims on the tiny-model checks are
+generated over every registered replay family (an installed one included), each layout bug on the families
+whose CFG layout it can break. Numeric bugs are declared "tolerance": the numbers must catch them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _guard(what: str) -> str:
 
 
 def _step_major_outside(groups, repeats):
-    """[cond, uncond, cond, uncond, ...]: step-major outside, the nesting seed 000 guards against."""
+    """[cond, uncond, cond, uncond, ...]: step-major outside, the nesting the replay PR guards against."""
     return concat_payloads([group for _ in range(repeats) for group in groups])
 
 

@@ -53,7 +53,7 @@ ablation(
 
 
 def _log_prob_floor_div(prev, mean, std):
-    """``prev // mean`` where ``prev - mean`` belongs: the mutation issue 13 names."""
+    """``prev // mean`` where ``prev - mean`` belongs: a transcription slip that still runs."""
     s = _std_per_element(std, mean)
     diff = prev.float() // mean
     element = -(diff * diff) / (2.0 * (s * s)) - torch.log(s) - LOG_SQRT_2PI
@@ -93,7 +93,8 @@ def _mean_without_one_minus_sigma(x, v, sigma, sigma_next, std_t):
 ablation(
     "replay.mean_drops_one_minus_sigma", "harness.replay.sde:flow_mean", _mean_without_one_minus_sigma,
     kills=_oracle("mean", "log_prob_fp64", "log_prob_normal"),
-    why="the SDE mean's velocity coefficient drops its (1 - sigma) factor (a transcription slip of DESIGN 1.1)",
+    why="the SDE mean's velocity coefficient drops its (1 - sigma) factor (a transcription slip of the formula in "
+        "docs/contracts.md)",
     kill_mode="tolerance",
 )
 

@@ -1,7 +1,8 @@
 """Parity checks of the ar path (registered into harness.checks).
 
 For the fake HunyuanImage-3 upstream and for each tiny transformers model (HunYuanMoEV1, Qwen3):
-- ``ar.<model>.<case>.{tokens,logp,prefill_kv,slot0}`` on seed 001's cases and seed 002's concat construction;
+- ``ar.<model>.<case>.{tokens,logp,prefill_kv,slot0}`` on the AR PR's cases and the AR issue's concat construction
+  (docs/contracts.md);
 - ``ar.<model>.padded_b1.equals_unpadded``, ``.rollout_vs_replay``, ``.finished_rows``, ``.nan_unused_slots``;
 - ``ar.<model>.growth.logp``: the per-step error curve over 16 steps, its growth against the stock floor curve's;
 and ``ar.missing_real_pos.{b1,b4}``. fp32 tolerances are TOLERANCE_K x the stock floor measured on the same model.

@@ -31,7 +31,7 @@ from harness.checkid import CheckId
 from harness.checks import CheckContext, register
 from harness.compare import UNSTAMPED, Verdict, holds
 
-# The seed's numbers (004_368886915c94b932): densities to 4 decimals, prefill pair counts, and the
+# The attention handoff's numbers (docs/contracts.md): densities to 4 decimals, prefill pair counts, and the
 # denoise row-visibility histogram.
 SEED_DENSITY = {"prefill": 0.7933, "denoise": 0.9994}
 SEED_PREFILL_PAIRS = 14_303_226 + 8_386_560  # causal base + image-span block

@@ -1,7 +1,7 @@
 """Parity checks of the decode path (registered into harness.checks); the judges live in harness.decode.judge.
 
-Seed 003's matrix (latent lengths 37, 22, 12 x worlds 1, 2, 4, 8) and the cases beyond it: every
-receiving rank's video must be bitwise the stock ``vae.decode(z)`` (max|d| 0, max ULP 0, 0 mismatched,
+The decode PR's matrix (latent lengths 37, 22, 12 x worlds 1, 2, 4, 8; docs/contracts.md) and the cases beyond
+it: every receiving rank's video must be bitwise the stock ``vae.decode(z)`` (max|d| 0, max ULP 0, 0 mismatched,
 equal SHA-256), and the spies must show which path ran. The split is the automatic one unless a
 case names it: whole clips, or (clip, tile) pairs when that leaves the busiest rank less work (W > clips,
 W not dividing the clips). Beyond the matrix: every W from 1 to 8, forced splits, gather-to-one, fp16

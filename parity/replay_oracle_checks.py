@@ -2,7 +2,7 @@
 
 Parity (batched == serial) cannot see a bug in code both paths call: the SDE step, its log-prob,
 the rollout's draws, the CFG combine. These checks hold that code to fp64 formulas written from
-DESIGN 1.1 (harness.replay.oracles), to torch.distributions.Normal and to the sampling distribution
+docs/contracts.md (harness.replay.oracles), to torch.distributions.Normal and to the sampling distribution
 itself. Two more close gaps parity leaves: pi_old replayed through the batched path against the
 log-probs the rollout recorded (the real on-policy ratio), and the per-step error curve over all T
 steps, whose growth is judged against the stock path's own per-step floor.
@@ -108,7 +108,7 @@ def sde_inputs() -> SDEInputs:
 
 
 def _oracle_transition(flavour: Flavour, inputs: SDEInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) from the DESIGN formulas in fp64: the oracle."""
+    """(mean, std) from the formulas of docs/contracts.md in fp64: the oracle."""
     std_t = flavour.std_t(inputs.sigma, float(inputs.sigma_max))
     mean = oracles.flow_mean64(inputs.x, inputs.v, inputs.sigma, inputs.sigma_next, std_t)
     return mean, oracles.std64(std_t, inputs.sigma, inputs.sigma_next)
@@ -135,7 +135,7 @@ def _bounded(what: str, actual: torch.Tensor, oracle: torch.Tensor, control: flo
              scale: float) -> Verdict:
     """error <= K x control; the control (the formula in fp32 vs fp64) has a minimum of one fp32 ulp of the
     quantity's scale (a formula evaluated exactly in fp32 has error 0), and K must lie in [K_MIN, K_MAX]."""
-    floor = StockFloor(control, scale, ORACLE_FLOOR_ULPS, source="the DESIGN formula in fp32 vs fp64")
+    floor = StockFloor(control, scale, ORACLE_FLOOR_ULPS, source="the formula in fp32 vs fp64")
     policy = noise_floor(floor.value, k=K_ORACLE, reason=f"{what}: fp32 rounding; {floor.describe()}")
     verdict = policy.judge(actual.double(), oracle.double(), dims=("row",), what=what)
     verdict = verdict.require(floor.value > 0 and math.isfinite(floor.value),
@@ -171,7 +171,7 @@ def _scored(flavour: Flavour, inputs: SDEInputs) -> tuple[torch.Tensor, torch.Te
 
 
 def oracle_log_prob_fp64(name: str) -> Verdict:
-    """sde_step's log-prob of a bf16-stored draw against the DESIGN formula in fp64."""
+    """sde_step's log-prob of a bf16-stored draw against the formula in fp64."""
     flavour, inputs = FLAVOURS[name], sde_inputs()
     log_prob, prev, mean64, std64 = _scored(flavour, inputs)
     oracle = oracles.gaussian_log_prob64(prev, mean64, std64)
@@ -202,9 +202,9 @@ def oracle_log_prob_normal(name: str) -> Verdict:
 
 for _name in FLAVOURS:
     _register(f"replay.oracle.{_name}.mean", oracle_mean, _name,
-              doc=f"{_name} SDE: transition mean against the DESIGN 1.1 formula in fp64")
+              doc=f"{_name} SDE: transition mean against the fp64 formula (docs/contracts.md)")
     _register(f"replay.oracle.{_name}.std", oracle_std, _name,
-              doc=f"{_name} SDE: transition std against the DESIGN 1.1 formula in fp64")
+              doc=f"{_name} SDE: transition std against the fp64 formula (docs/contracts.md)")
     _register(f"replay.oracle.{_name}.log_prob_fp64", oracle_log_prob_fp64, _name,
               doc=f"{_name} SDE: log-prob of a bf16-stored draw against the fp64 formula")
     _register(f"replay.oracle.{_name}.log_prob_normal", oracle_log_prob_normal, _name,

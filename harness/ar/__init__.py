@@ -1,5 +1,5 @@
 """The ar fast path and its stock twin: B prompts right-padded into one batch over a static KV cache
-versus each prompt decoded alone at B=1 (DESIGN.md 1.2, seeds 001 and 002).
+versus each prompt decoded alone at B=1 (docs/contracts.md, ar).
 
 Modules: ``batch`` (right-padded batches, concat of separately embedded rows), ``cache`` (dynamic only at
 B == 1; slot snapshots), ``masks`` (prefill key padding, per-row decode mask), ``backends`` (the HunyuanImage-3

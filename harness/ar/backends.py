@@ -304,7 +304,7 @@ class UpstreamBackend:
 
 
 class TransformersBackend:
-    """A transformers causal LM over its own ``StaticCache`` with the hole layout (DESIGN.md 1.2)."""
+    """A transformers causal LM over its own ``StaticCache`` with the hole layout (docs/contracts.md, ar)."""
 
     layout = "shared slots with per-row holes [real_pos_i, Lmax)"
 

@@ -1,8 +1,8 @@
-"""Turn a batched rollout and its B=1 reference into verdicts, in seed 001's terms.
+"""Turn a batched rollout and its B=1 reference into verdicts, in the AR PR's terms (docs/contracts.md).
 
-Every case verdict carries seed 001's row as metrics (``tokens_equal``, ``logp_max_abs``,
+Every case verdict carries the AR PR's report row as metrics (``tokens_equal``, ``logp_max_abs``,
 ``prefill_kv_max_abs``, ``slot0_max_abs``), whichever quantity it judges, so a kill-matrix report prints the
-table seed 001 printed. Token verdicts read like vLLM's ``check_logprobs_close``: the first divergence per row.
+table the AR PR printed. Token verdicts read like vLLM's ``check_logprobs_close``: the first divergence per row.
 These functions take the policies as arguments so the GPU tier can reuse them with dtype-specific ones.
 
 fp32 tolerances are TOLERANCE_K x a floor measured on stock code on the same model (harness.ar.policies,
@@ -99,7 +99,7 @@ def _slot0(rollout: Rollout) -> torch.Tensor:
 
 
 def seed001_metrics(fast: Rollout, ref: Rollout) -> dict[str, Any]:
-    """Seed 001's report row: tokens equal?, logp max|d|, prefill-KV max|d|, cache slot 0 max|d|."""
+    """The AR PR's report row: tokens equal?, logp max|d|, prefill-KV max|d|, cache slot 0 max|d|."""
     return {
         "tokens_equal": bool(torch.equal(fast.tokens, ref.tokens)),
         "common_prefix": _common_prefix(fast.tokens, ref.tokens),
@@ -111,7 +111,7 @@ def seed001_metrics(fast: Rollout, ref: Rollout) -> dict[str, Any]:
 
 def format_seed001(label: str, passed: bool, metrics: dict[str, Any] | None = None, raised: str = "",
                    note: str = "") -> str:
-    """One row of seed 001's harness output: ``[FAIL] label`` then tokens / logp / KV / slot 0 (and why)."""
+    """One row of the AR PR's harness output: ``[FAIL] label`` then tokens / logp / KV / slot 0 (and why)."""
     head = f"[{'PASS' if passed else 'FAIL'}] {label}"
     if raised:
         return f"{head}\n        raised {raised}"
@@ -159,7 +159,7 @@ _JUDGES: dict[str, tuple[Callable[[Rollout, Rollout, Policy], Verdict], str]] = 
 
 
 def compare_case(what: str, fast: Rollout, ref: Rollout, policies: ARPolicies) -> Verdict:
-    """Judge one quantity (``tokens``, ``logp``, ``prefill_kv``, ``slot0``) of a case; attach seed 001's row."""
+    """Judge one quantity (``tokens``, ``logp``, ``prefill_kv``, ``slot0``) of a case; attach the AR PR's row."""
     if what not in _JUDGES:
         raise ValueError(f"unknown ar comparison {what!r}; expected one of {sorted(_JUDGES)}")
     if fast.tokens.shape != ref.tokens.shape:

@@ -37,7 +37,7 @@ __all__ = [
 
 FP32_EPS = float(torch.finfo(torch.float32).eps)
 
-# Seed 001's fixed fp32 figures (logp and KV max|d| it accepted on its GPU); kept as the noise band the
+# The AR PR's fixed fp32 figures (logp and KV max|d| it accepted on its GPU); kept as the noise band the
 # property tests keep greedy ties away from. The policies no longer use them: every fp32 tolerance is
 # TOLERANCE_K x the floor measured on stock code on the same model (``stock_prefill_floor``).
 LOGP_ATOL = 5e-5
@@ -151,7 +151,7 @@ def fp32_policies(floor: StockPrefillFloor, k: float = TOLERANCE_K) -> ARPolicie
     kv = close(atol=kv_atol, rtol=0.0, reason=f"fp32 batch-shape rounding, {k:g} x {floor.describe('kv')}")
     slot0 = close(atol=kv_atol, rtol=0.0, reason=(
         "slot 0 is position 0 attending only itself, bitwise where B=1 and batched GEMMs share kernels "
-        f"(seed 001: 0.0); small-M CPU GEMMs (short B=1 prompts, small expert groups) differ; {k:g} x "
+        f"(the AR PR measured 0.0); small-M CPU GEMMs (short B=1 prompts, small expert groups) differ; {k:g} x "
         f"{floor.describe('kv')}"))
     return ARPolicies(exact(), logp, kv, slot0, floor)
 

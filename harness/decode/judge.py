@@ -119,7 +119,8 @@ def expected_collectives(transport: str, calls: int) -> dict[str, int]:
 
 
 def _with_summary(verdict: Verdict) -> Verdict:
-    """Headline the four numbers seed 003 reports per case: max|d|, max ULP, mismatched / total, rank hashes."""
+    """Headline the four numbers the decode PR reported per case (docs/contracts.md): max|d|, max ULP,
+    mismatched / total, rank hashes."""
     m = verdict.metrics
     summary = (f"max|d| {m.get('max_abs', '-')}, max ULP {m.get('max_ulp', '-')}, "
                f"mismatched {m.get('mismatched', '-')}/{m.get('total', '-')} over {m['receivers']} ranks, "

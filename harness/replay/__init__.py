@@ -1,4 +1,4 @@
-"""The replay fast path (batched-step SDE replay) and its stock twin (the serial loop), DESIGN 1.1.
+"""The replay fast path (batched-step SDE replay) and its stock twin (the serial loop) (docs/contracts.md, replay).
 
 conditions  row payloads, the CFG layouts, row broadcasting  tiling    the seams that lay out the S*B batch
 sde         Flow-GRPO / constant-std / multistep SDEs        segment   trajectory segment, targets, result

@@ -1,4 +1,4 @@
-"""Seed 001's report, regenerated: each ar ablation on seed 001's cases, per model, in the seed's own shape.
+"""The AR PR's report (docs/contracts.md), regenerated: each ar ablation on its cases, per model, in its own shape.
 
 Every row judges the four case quantities (tokens exact, log-probs, prefill KV, slot 0) plus the path spy. A
 row fails exactly when its ablation claims that case on that model, so the survivors the ablations' ``why``

@@ -1,4 +1,4 @@
-"""The ar verdicts on hand-built rollouts: seed 001's report row, token divergences, path facts, the floor's inputs."""
+"""The ar verdicts on hand-built rollouts: the AR PR's report row, token divergences, path facts, the floor's inputs."""
 
 from __future__ import annotations
 

@@ -156,7 +156,7 @@ def test_bounds_are_multiples_of_the_measured_floor_from_both_sides():
 
 
 def test_row_scaled_bf16_bound_kills_the_span_end_off_by_one_a_whole_output_bound_lets_pass():
-    """Issue 11.5: text rows ~14x the image rows; the old bound (2 x bf16 SDPA's max error + one bf16 step
+    """Text rows ~14x the image rows; the old bound (2 x bf16 SDPA's max error + one bf16 step
     of the whole output's max) is set by the text rows, the row-scaled one by each row."""
     layout = AttentionLayout(120, 256, 3, "prefill")
     capture = small_capture(layout, heads=2, head_dim=32, seed=0)

@@ -5,7 +5,7 @@ pytest-benchmark times each path. For each family and S the raw limit replays th
 calls the two paths made: the S forwards of cfg*B rows of the serial loop, called back to back
 (``raw_loop``), against the one forward of S*cfg*B rows of the batched path (``raw_batched``). The table
 prints the batched/serial time ratio next to that raw ratio (their quotient is how close replay comes to
-what the model itself gives when batched; DESIGN targets 0.9x-1.1x) and the ideal 1/S, plus the
+what the model itself gives when batched; the target is 0.9x-1.1x) and the ideal 1/S, plus the
 activation-memory ratio (bytes held by one forward's module outputs: the batched forward holds about S
 times the serial one's). No timed assertions: these are measurements.
 """
