@@ -49,3 +49,13 @@ def test_a_verdict_filed_under_another_id_is_refused(scratch_registry):
     checks.register("demo.stamp.other")(lambda ctx: Verdict("demo.else", True, {}, "fact", None))
     with pytest.raises(ValueError, match="returned a verdict for 'demo.else'"):
         checks.run_check("demo.stamp.other", checks.CheckContext())
+
+
+def test_the_context_reaches_only_a_check_that_takes_it(scratch_registry):
+    seen = []
+    checks.register("demo.ctx.takes", policy="fact: demo")(lambda ctx: seen.append(ctx) or holds(True, "took it"))
+    checks.register("demo.ctx.none", policy="fact: demo")(lambda: holds(True, "needs none"))
+    ctx = checks.CheckContext()
+    assert checks.run_check("demo.ctx.takes", ctx).passed and seen == [ctx]
+    assert checks.run_check("demo.ctx.none", ctx).passed
+    assert (checks.get("demo.ctx.takes").takes_ctx, checks.get("demo.ctx.none").takes_ctx) == (True, False)
