@@ -1,4 +1,4 @@
-"""Fake HunyuanImage-3 upstream, generation 1 (``hunyuan_image_3/hunyuan.py``, the code seeds 001/002 cite).
+"""Fake HunyuanImage-3 upstream, generation 1 (``hunyuan_image_3/hunyuan.py``, the code the AR PR and issue cite).
 
 What sets this generation apart (each row of docs/ar-contract.md, checked against the real file):
 

@@ -6,7 +6,7 @@ list/tuple payloads), its timestep, and every shared field, so a wrong permutati
 nesting or an un-tiled field changes the numbers. The kernel takes exactly one row per forward row
 for every field and raises a ValueError naming expected vs got otherwise: it never broadcasts a
 count that merely divides the batch (that forgiveness would turn a tiling bug into a pass). The
-one exact exception, owned by the adapter, is DESIGN 1.1's branch-independent field: ``batch`` rows
+one exact exception, owned by the adapter, is the branch-independent field (docs/contracts.md, replay): ``batch`` rows
 in a fused two-branch forward of ``2 * batch`` rows, used once per branch.
 In the fused layout the adapter reads the uncond branch of every cached field from ``fused_uncond``
 (the cache the CFG expansion leaves), so a cache that does not describe THIS batch changes the

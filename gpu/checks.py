@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 
 from gpu import ar, attention, decode, replay
+from harness.checkid import CheckId
 from harness.checks import register
+from harness.compare import exact
 
 __all__ = ["KIND_KILLS", "kind_kills"]
 
@@ -22,22 +24,21 @@ def kind_kills(kind: str, check_id: str) -> tuple[str, ...]:
     """The ablations checkpoints of ``kind`` claim on ``check_id`` beyond the ablations that claim it everywhere."""
     return KIND_KILLS.get(kind, {}).get(check_id, ())
 
-register("decode.gpu.bitexact", tier="gpu",
-         doc="sharded decode over every visible GPU vs the stock decode: bitwise, rank SHA-256 equal")(
-    functools.partial(decode.decode_bitexact, "decode.gpu.bitexact"))
+
 for _id, (_judge, _doc) in decode.GPU_CHECKS.items():
-    register(_id, tier="gpu", doc=_doc)(functools.partial(_judge, _id))
+    register(_id, tier="gpu", doc=_doc, policy=exact())(_judge)
 
 for _what in replay.GPU_CHECKS:
-    _id = f"replay.gpu.cfg2.{_what}"
-    register(_id, tier="gpu", doc=f"batched vs serial replay {_what} on the real DiT")(
-        functools.partial(replay.replay_check, _id, _what))
+    register(CheckId("replay", "gpu", "cfg2", _what), tier="gpu",
+             doc=f"batched vs serial replay {_what} on the real DiT",
+             policy=exact() if _what == "replay_determinism" else replay.replay_policy)(
+        functools.partial(replay.replay_check, _what))
 
-register(ar.CHECK_ID, tier="gpu", doc="batched right-padded AR vs B=1 on the real causal LM")(
-    functools.partial(ar.ar_check, ar.CHECK_ID))
+register(ar.CHECK_ID, tier="gpu", doc="batched right-padded AR vs B=1 on the real causal LM", policy=ar.POLICY)(
+    ar.ar_check)
 
 for _phase in attention.PHASES:
     for _kernel in attention.KERNELS:
-        _id = f"attention.gpu.{_phase}.{_kernel}"
-        register(_id, tier="gpu", doc=f"{_kernel} vs masked SDPA on the {_phase} capture")(
-            functools.partial(attention.kernel_check, _id, _kernel, _phase))
+        register(CheckId("attention", "gpu", _phase, _kernel), tier="gpu", policy=attention.POLICY,
+                 doc=f"{_kernel} vs masked SDPA on the {_phase} capture")(
+            functools.partial(attention.kernel_check, _kernel, _phase))

@@ -19,6 +19,7 @@ import torch
 
 from fixtures import decode_tasks
 from harness import checkpoints, launch
+from harness.checkid import CheckId
 from harness.checks import CheckContext
 from harness.compare import Verdict, exact
 from harness.decode.judge import compare_sharded_decode
@@ -32,6 +33,7 @@ __all__ = [
     "decode_bitexact",
     "decode_gather_to_one",
     "encode_bitexact",
+    "gpu_id",
     "world_size",
 ]
 
@@ -117,13 +119,13 @@ def world_size(ctx: CheckContext) -> int:
     return DRY_RUN_WORLD
 
 
-def decode_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
+def decode_bitexact(ctx: CheckContext) -> Verdict:
     """Every rank's sharded video bitwise equal to the stock decode in ctx.dtype, per-rank SHA-256 equal."""
     dry_run = ctx.device.type != "cuda"
     job = CheckpointDecodeJob(str(ctx.checkpoint), str(ctx.dtype).removeprefix("torch."), dry_run=dry_run,
                               frames=DRY_RUN_LATENT_FRAMES if dry_run else LATENT_FRAMES)
     world = ctx.world(world_size(ctx))
-    return compare_sharded_decode(world, decode_tasks.decode_task, job, check_id, sharded=world.size > 1,
+    return compare_sharded_decode(world, decode_tasks.decode_task, job, sharded=world.size > 1,
                                   policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
 
 
@@ -133,15 +135,15 @@ def _decode_job(ctx: CheckContext, **options: Any) -> CheckpointDecodeJob:
                                frames=DRY_RUN_LATENT_FRAMES if dry_run else LATENT_FRAMES, **options)
 
 
-def decode_gather_to_one(check_id: str, ctx: CheckContext) -> Verdict:
+def decode_gather_to_one(ctx: CheckContext) -> Verdict:
     """Gather-to-one onto the last rank: it holds the stock video bitwise, every other rank returns None."""
     world = ctx.world(world_size(ctx))
     job = _decode_job(ctx, transport="gather", dst=world.size - 1)
-    return compare_sharded_decode(world, decode_tasks.decode_task, job, check_id, sharded=world.size > 1,
+    return compare_sharded_decode(world, decode_tasks.decode_task, job, sharded=world.size > 1,
                                   policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
 
 
-def decode_autocast_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
+def decode_autocast_bitexact(ctx: CheckContext) -> Verdict:
     """Stock and sharded decode both under the pipeline's fp16 autocast: bitwise equal.
 
     The pipeline autocasts over fp32 weights; bf16 weights under fp16 autocast is no setup anyone runs (and
@@ -150,27 +152,34 @@ def decode_autocast_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
     if ctx.dtype != torch.float32:
         pytest.skip(f"fp16 autocast runs over fp32 VAE weights (the pipeline's setup), not {ctx.dtype}")
     world = ctx.world(world_size(ctx))
-    return compare_sharded_decode(world, decode_tasks.decode_task, _decode_job(ctx, autocast="float16"), check_id,
+    return compare_sharded_decode(world, decode_tasks.decode_task, _decode_job(ctx, autocast="float16"),
                                   sharded=world.size > 1, policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
 
 
-def encode_bitexact(check_id: str, ctx: CheckContext) -> Verdict:
+def encode_bitexact(ctx: CheckContext) -> Verdict:
     """The sharded encode's moments bitwise equal to ``vae.encode``'s on every rank."""
     world = ctx.world(world_size(ctx))
     vae = _load_vae(str(ctx.checkpoint), str(ctx.dtype).removeprefix("torch."))
     job = CheckpointEncodeJob(str(ctx.checkpoint), str(ctx.dtype).removeprefix("torch."),
                               frames=ENCODE_CLIPS * vae.config.clip_length - 1)
-    return compare_sharded_decode(world, decode_tasks.encode_task, job, check_id, sharded=world.size > 1,
+    return compare_sharded_decode(world, decode_tasks.encode_task, job, sharded=world.size > 1,
                                   policy=exact(), timeout_s=max(ctx.task_timeout_s, 600.0))
 
 
-# checks whose bf16 item skips (fp16 autocast runs over fp32 weights: decode_autocast_bitexact)
-FP32_ONLY_CHECKS = ("decode.gpu.fp16_autocast",)
+def gpu_id(what: str) -> CheckId:
+    """``decode.gpu.<what>``: the id of a gpu-tier decode check."""
+    return CheckId("decode", "gpu", "", what)
 
-# the gpu catalogue's further decode checks (gpu/checks.py registers each as functools.partial(judge, id))
+
+# checks whose bf16 item skips (fp16 autocast runs over fp32 weights: decode_autocast_bitexact)
+FP32_ONLY_CHECKS = (str(gpu_id("fp16_autocast")),)
+
+# the gpu decode catalogue (gpu/checks.py registers each under its id, judged exactly)
 GPU_CHECKS = {
-    "decode.gpu.gather_to_one": (decode_gather_to_one, "gather-to-one onto the last rank: it holds the stock video "
+    gpu_id("bitexact"): (decode_bitexact, "sharded decode over every visible GPU vs the stock decode: bitwise, "
+                                          "rank SHA-256 equal"),
+    gpu_id("gather_to_one"): (decode_gather_to_one, "gather-to-one onto the last rank: it holds the stock video "
                                                        "bitwise, every other rank returns None"),
-    "decode.gpu.fp16_autocast": (decode_autocast_bitexact, "stock and sharded decode under fp16 autocast: bitwise"),
-    "decode.gpu.encode_bitexact": (encode_bitexact, "sharded encode moments bitwise equal to vae.encode's"),
+    gpu_id("fp16_autocast"): (decode_autocast_bitexact, "stock and sharded decode under fp16 autocast: bitwise"),
+    gpu_id("encode_bitexact"): (encode_bitexact, "sharded encode moments bitwise equal to vae.encode's"),
 }

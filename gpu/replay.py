@@ -24,7 +24,7 @@ from harness.replay.conditions import Conditions
 from harness.replay.controls import BatchShapeControl, measure_batch_shape_control
 from harness.replay.denoiser import DenoiserAdapter, WrappedAdapter
 from harness.replay.families import family_for_class
-from harness.replay.parity import compare_replay, compare_replay_determinism
+from harness.replay.judge import compare_replay, compare_replay_determinism
 from harness.replay.policies import LocalScaleBound, local_scale_policy
 from harness.replay.problem import ReplayProblem, make_problem
 
@@ -93,14 +93,14 @@ def replay_policy(path: str, dtype: torch.dtype, device: str, what: str) -> Loca
     return local_scale_policy(_control(path, dtype, device, 2), what, dtype)
 
 
-def replay_check(check_id: str, what: str, ctx: CheckContext) -> Verdict:
+def replay_check(what: str, ctx: CheckContext) -> Verdict:
     """Batched vs serial ``what`` (log_probs, prev_sample_means) or replay_determinism on the real DiT, cfg 2."""
     if what not in GPU_CHECKS:
         raise ValueError(f"what must be one of {GPU_CHECKS}, got {what!r}")
     args = (str(ctx.checkpoint), ctx.dtype, str(ctx.device))
     problem = checkpoint_problem(*args, 2)
     if what == "replay_determinism":
-        return compare_replay_determinism(problem, check_id)
+        return compare_replay_determinism(problem)
     policy = replay_policy(*args, what)
-    verdict = compare_replay(problem, policy, check_id, what)
+    verdict = compare_replay(problem, policy, what)
     return verdict.with_metrics(measured_floor=policy.relative_floor, bound=policy.relative_bound)

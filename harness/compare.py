@@ -21,6 +21,7 @@ from harness.floors import StockFloor
 from harness.paths import path_of
 
 __all__ = [
+    "UNSTAMPED",
     "Close",
     "Exact",
     "NoiseFloor",
@@ -30,12 +31,12 @@ __all__ = [
     "bit_patterns",
     "close",
     "exact",
-    "expect",
-    "expect_raises",
+    "holds",
     "locate",
     "max_abs_diff",
     "mismatched",
     "noise_floor",
+    "raises",
     "rel_l2",
     "sha256",
     "ulp",
@@ -44,6 +45,8 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------- verdict
+
+UNSTAMPED = ""  # the id of a verdict a judge returned before the check runner stamped the registered one
 
 
 @dataclass(frozen=True)
@@ -291,7 +294,7 @@ class Policy:
     def describe(self) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def judge(self, check_id: str, actual: torch.Tensor, expected: torch.Tensor, *,
+    def judge(self, actual: torch.Tensor, expected: torch.Tensor, *,
               dims: Sequence[str] | None = None, labels: Mapping[str, Sequence[Any]] | None = None,
               what: str = "output") -> Verdict:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -336,9 +339,9 @@ class Exact(Policy):
     def describe(self) -> str:
         return "exact (bitwise)"
 
-    def judge(self, check_id, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
+    def judge(self, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
         if actual.dtype != expected.dtype:
-            return Verdict(check_id, False, {"actual_dtype": str(actual.dtype), "expected_dtype": str(expected.dtype)},
+            return Verdict(UNSTAMPED, False, {"actual_dtype": str(actual.dtype), "expected_dtype": str(expected.dtype)},
                            self.describe(), math.inf, message=f"{what}: dtype {actual.dtype} vs {expected.dtype}")
         metrics = _base_metrics(actual, expected)
         metrics["mismatched"] = mismatched(actual, expected)  # bit patterns, not ==: -0.0 is not +0.0
@@ -360,7 +363,7 @@ class Exact(Policy):
             share = 100 * bad / max(1, metrics["total"])
             message = (f"{what}: mismatched elements: {bad} / {metrics['total']} ({share:.1f}%); "
                        f"greatest absolute difference {_fmt(metrics['max_abs'])} at {where} (0 allowed)")
-        return Verdict(check_id, passed, metrics, self.describe(), 0.0 if passed else math.inf,
+        return Verdict(UNSTAMPED, passed, metrics, self.describe(), 0.0 if passed else math.inf,
                        headline="max_abs", tolerance=0.0, message=message)
 
 
@@ -373,7 +376,7 @@ class Ulp(Policy):
     def describe(self) -> str:
         return f"ulp({self.n})"
 
-    def judge(self, check_id, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
+    def judge(self, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
         metrics = _base_metrics(actual, expected)
         dist = ulp_distance(actual, expected)
         worst = int(dist.max()) if dist.numel() else 0
@@ -388,7 +391,7 @@ class Ulp(Policy):
             message = (f"{what}: {int((dist > self.n).sum())} / {metrics['total']} elements beyond {self.n} ULP; "
                        f"greatest ULP distance {worst} at {locate(_worst(dist), actual.shape, dims, labels)} "
                        f"(up to {self.n} allowed)")
-        return Verdict(check_id, passed, metrics, self.describe(), margin, headline="max_ulp",
+        return Verdict(UNSTAMPED, passed, metrics, self.describe(), margin, headline="max_ulp",
                        tolerance=float(self.n), message=message)
 
 
@@ -417,7 +420,7 @@ class Close(Policy):
         text = f"close(atol={atol}, rtol={rtol})"
         return f"{text} [{self.reason}]" if self.reason else text
 
-    def judge(self, check_id, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
+    def judge(self, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
         atol, rtol = self.resolved(actual.dtype if actual.dtype == expected.dtype else torch.float64)
         metrics = _base_metrics(actual, expected)
         metrics.update(atol=atol, rtol=rtol)
@@ -443,7 +446,7 @@ class Close(Policy):
                        f"({100 * bad / max(1, metrics['total']):.1f}%); greatest absolute difference "
                        f"{_fmt(float(diff.reshape(-1)[at]))} at {locate(at, actual.shape, dims, labels)} "
                        f"(up to {_fmt(float(allowed.reshape(-1)[at]))} allowed)")
-        return Verdict(check_id, passed, metrics, self.describe(actual.dtype), margin, headline="max_abs",
+        return Verdict(UNSTAMPED, passed, metrics, self.describe(actual.dtype), margin, headline="max_abs",
                        tolerance=atol, message=message)
 
 
@@ -473,7 +476,7 @@ class NoiseFloor(Policy):
                 f"+ floor {_fmt(float(self.floor))})")
         return f"{text} [{self.reason}]" if self.reason else text
 
-    def judge(self, check_id, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
+    def judge(self, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
         metrics = _base_metrics(actual, expected)
         metrics.update(control=float(self.control), bound=self.bound)
         error = metrics[self.metric]
@@ -489,7 +492,7 @@ class NoiseFloor(Policy):
             message = (f"{what}: {self.metric} {_fmt(error)} exceeds {self.k:g} x control {_fmt(float(self.control))} "
                        f"+ floor {_fmt(float(self.floor))} = {_fmt(bound)}; worst element at "
                        f"{locate(_worst(diff), actual.shape, dims, labels)}")
-        return Verdict(check_id, passed, metrics, self.describe(), margin, headline=self.metric,
+        return Verdict(UNSTAMPED, passed, metrics, self.describe(), margin, headline=self.metric,
                        tolerance=bound, message=message)
 
 
@@ -523,17 +526,18 @@ def noise_floor(control: float | tuple[torch.Tensor, torch.Tensor], k: float = 2
 # --------------------------------------------------------------------------------------------- facts
 
 
-def expect(check_id: str, ok: bool, fact: str, **metrics: Any) -> Verdict:
-    """A boolean check (a guard returned None, a tiled batch has S*cfg*B rows)."""
-    return Verdict(check_id, bool(ok), dict(metrics), f"fact: {fact}", None,
+def holds(ok: bool, fact: str, **metrics: Any) -> Verdict:
+    """A boolean check (a guard returned None, a tiled batch has S*cfg*B rows), filed under no id:
+    the check runner stamps the registered one."""
+    return Verdict(UNSTAMPED, bool(ok), dict(metrics), f"fact: {fact}", None,
                    message="" if ok else f"expected: {fact}; observed: "
                    + (", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()) or "it does not hold"),
                    notes=(f"{'ok' if ok else 'VIOLATED'}: {fact}",))
 
 
-def expect_raises(check_id: str, fn: Callable[[], Any], exc: type[BaseException] | tuple[type[BaseException], ...],
-                  match: str | None = None) -> Verdict:
-    """The call must raise ``exc`` (and mention ``match``): bad input gets a clear error."""
+def raises(fn: Callable[[], Any], exc: type[BaseException] | tuple[type[BaseException], ...],
+           match: str | None = None) -> Verdict:
+    """The call must raise ``exc`` (and mention ``match``): bad input gets a clear error. Filed under no id."""
     import re
 
     names = exc.__name__ if isinstance(exc, type) else "/".join(e.__name__ for e in exc)
@@ -543,7 +547,7 @@ def expect_raises(check_id: str, fn: Callable[[], Any], exc: type[BaseException]
     except exc as err:
         text = str(err)
         ok = match is None or re.search(match, text) is not None
-        return expect(check_id, ok, fact, raised=type(err).__name__, error=text[:300])
+        return holds(ok, fact, raised=type(err).__name__, error=text[:300])
     except Exception as err:  # noqa: BLE001 - the wrong exception type is a failed fact
-        return expect(check_id, False, fact, raised=type(err).__name__, error=str(err)[:300])
-    return expect(check_id, False, fact, raised="nothing")
+        return holds(False, fact, raised=type(err).__name__, error=str(err)[:300])
+    return holds(False, fact, raised="nothing")

@@ -43,7 +43,7 @@ def _rounded(curve: torch.Tensor) -> list[float]:
     return [float(f"{float(point):.4g}") for point in curve]
 
 
-def judge_growth(check_id: str, error: torch.Tensor, floor: torch.Tensor, resolution: torch.Tensor, *,
+def judge_growth(error: torch.Tensor, floor: torch.Tensor, resolution: torch.Tensor, *,
                  control: str, budget: float = GROWTH_BUDGET) -> Verdict:
     """The growth of ``error`` (per-step |fast - stock|) may be at most ``budget`` x the growth of ``floor``
     (the same measure on a stock-only control that runs the fast path's shapes, described by ``control``),
@@ -68,7 +68,7 @@ def judge_growth(check_id: str, error: torch.Tensor, floor: torch.Tensor, resolu
         f"{budget:g} x the stock floor's growth {floor_grows:.3f} (read as >= {FLAT_GROWTH:g}); floor curve = "
         f"{control}, {float(floor.min()):.1e}..{float(floor.max()):.1e}; every point of both curves >= the "
         f"values' fp32 resolution ({at_resolution} of {steps} floor points sit at it)"))
-    verdict = policy.judge(check_id, torch.tensor([grows], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+    verdict = policy.judge(torch.tensor([grows], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
                            what="error growth")
     verdict = verdict.with_metrics(error_curve=_rounded(error), floor_curve=_rounded(floor),
                                    error_growth=grows, floor_growth=floor_grows, floor_measured=floor_grows,

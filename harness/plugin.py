@@ -333,7 +333,7 @@ def parity_list(pattern: str = "*") -> list[str]:
     for check in sorted(checks.all_checks(), key=lambda c: c.id):
         if not fnmatch.fnmatchcase(check.id, pattern):
             continue
-        policy = getattr(check, "policy", "")  # a check that declares its policy up front shows it here
+        policy = check.policy  # a check that declares its policy up front (at registration) shows it here
         fields = [check.id, check.where or "?", f"tier={check.tier}"]
         bound = _bound_arguments(check.fn)
         if bound:
@@ -550,11 +550,15 @@ def item_check(item: pytest.Item) -> tuple[str | None, bool]:
 
 
 def item_path(item: pytest.Item) -> str | None:
-    """The path an item tests: its check id's, else its module's name (test_<path>_*.py); None for machinery."""
+    """The path an item tests: its check id's, else its folder's (tests/<path>/) or its module's name
+    (test_<path>_*.py); None for machinery."""
     check_id, _ = item_check(item)
     if check_id is not None:
         return path_of(str(check_id))
-    found = _PATH_FILE.match(Path(str(item.path)).name)
+    file = Path(str(item.path))
+    if file.parent.name in conformance.PATHS:
+        return file.parent.name
+    found = _PATH_FILE.match(file.name)
     return found.group(1) if found else None
 
 

@@ -1,9 +1,9 @@
 """Ablations of the ar path: known bugs re-introduced over its seams.
 
-The first six are seed 001's defects and the issue's list; ``ar.static_cache_at_b1`` and
+The first six are the AR PR's defects and the AR issue's list (docs/contracts.md); ``ar.static_cache_at_b1`` and
 ``ar.real_pos_fallback`` undo two decisions of the seed's review (B=1 keeps upstream's dynamic cache;
 real_pos is required at every batch size), so the B=1 and missing-real_pos checks have teeth too; the last one
-adds a drift that compounds over decode steps (caught by the error-growth checks only, parity/test_ar_growth.py).
+adds a drift that compounds over decode steps (caught by the error-growth checks only, tests/ar/test_growth.py).
 Each claims only the checks it was measured to kill; the reasons say why the others survive.
 """
 
@@ -16,19 +16,20 @@ import torch
 from fixtures.ar_models import BACKENDS as MODELS
 from harness.ablation import ablation
 from harness.ar.batch import pad_seq
+from harness.ar.comparisons import CASE_QUANTITIES
 from harness.ar.loop import token_logprob
-from harness.ar.suite import CASE_QUANTITIES
+from harness.checkid import CheckId
 
 _BATCHED = ("unequal_real_pos", "length_skew", "all_padded", "concat")
 _TRANSFORMERS = tuple(m for m in MODELS if m != "fake")
 
 
 def _ids(models, cases, quantities) -> list[str]:
-    return [f"ar.{m}.{c}.{q}" for m in models for c in cases for q in quantities]
+    return [str(check) for check in CheckId.grid("ar", models, cases, quantities)]
 
 
 def _whole_rollout(models) -> list[str]:
-    return [f"ar.{m}.{what}" for m in models for what in ("rollout_vs_replay", "finished_rows", "nan_unused_slots")]
+    return _ids(models, ("",), ("rollout_vs_replay", "finished_rows", "nan_unused_slots"))
 
 
 def _no_decode_mask(key_valid: torch.Tensor) -> None:
@@ -68,7 +69,7 @@ def _assume_unpadded(batch) -> torch.Tensor:
 ablation(
     "ar.decode_mask_removed", "harness.ar.masks:decode_mask", _no_decode_mask,
     kills=["ar.gpu.batched_vs_b1", *_ids(MODELS, _BATCHED, ("tokens", "logp")), *_whole_rollout(MODELS),
-           *[f"ar.{m}.padded_b1.equals_unpadded" for m in _TRANSFORMERS]],
+           *_ids(_TRANSFORMERS, ("padded_b1",), ("equals_unpadded",))],
     why=("upstream deletes the gen_text decode mask; over a static cache each row then attends its stale pad KV "
          "and the never-written tail (the transformers models fall back to their own causal mask, which reads the "
          "holes). Prefill is untouched, so prefill_kv / slot0 survive; the fake's B=1 keeps the trimmed dynamic "
@@ -90,7 +91,7 @@ ablation(
     "ar.position_ids_zero_padded", "harness.ar.batch:pad_positions", _zero_pad_positions,
     kills=_ids(("fake",), ("concat",), CASE_QUANTITIES),
     why=("position_ids are upstream's KV write index: zero-padding writes every pad's KV onto slot 0, last write "
-         "wins (seed 001: slot 0 off by ~4). Only concat pads positions; transformers' caches write by their own "
+         "wins (the AR PR saw slot 0 off by ~4). Only concat pads positions; transformers' caches write by their own "
          "counter, so a zero pad only moves the RoPE of masked-out pads there."),
     kill_mode="tolerance",
 )
@@ -100,7 +101,7 @@ ablation(
     kills=[*_ids(("fake",), _BATCHED, CASE_QUANTITIES), *_whole_rollout(("fake",)),
            *_ids(_TRANSFORMERS, _BATCHED, ("prefill_kv", "slot0"))],
     raises=(AssertionError, ValueError),
-    why=("seed 002's crash: upstream's dynamic cache asserts len(cache_position) == 1 at B > 1 (the declared "
+    why=("the AR issue's crash: upstream's dynamic cache asserts len(cache_position) == 1 at B > 1 (the declared "
          "AssertionError kills every fake batched check). A transformers DynamicCache still works in the hole "
          "layout until a row finishes: every rollout has a finished row, whose slot a dynamic cache cannot leave "
          "unwritten, so the loop refuses with a ValueError there."),
@@ -109,7 +110,7 @@ ablation(
 
 ablation(
     "ar.static_cache_at_b1", "harness.ar.cache:cache_is_dynamic", _never_dynamic,
-    kills=[*_ids(MODELS, ("b1",), CASE_QUANTITIES), *[f"ar.{m}.padded_b1.equals_unpadded" for m in MODELS]],
+    kills=[*_ids(MODELS, ("b1",), CASE_QUANTITIES), *_ids(MODELS, ("padded_b1",), ("equals_unpadded",))],
     why=("B=1 must keep upstream's trimmed dynamic cache (the seed's review measured bf16 divergence at token 33 "
          "from a static cache alone); the spy sees a static cache. Caught by that fact on every claim, not by the "
          "numbers: under the fast path's decode mask a static cache computes the same function, and only the "
@@ -121,7 +122,7 @@ ablation(
 ablation(
     "ar.first_logits_last_column", "harness.ar.loop:first_logits_column", _last_column,
     kills=["ar.gpu.batched_vs_b1", *_ids(MODELS, _BATCHED, ("tokens", "logp")), *_whole_rollout(MODELS),
-           *[f"ar.{m}.padded_b1.equals_unpadded" for m in MODELS]],
+           *_ids(MODELS, ("padded_b1",), ("equals_unpadded",))],
     why=("stock generation reads prefill logits at the last column: a right-padded row's first token is then "
          "sampled from its pad's logits. Rows with real_pos == L (b1) are unaffected."),
     kill_mode="tolerance",
@@ -129,8 +130,8 @@ ablation(
 
 ablation(
     "ar.finished_rows_keep_writing", "harness.ar.loop:should_write_kv", _keep_writing,
-    kills=[f"ar.{m}.finished_rows" for m in MODELS],
-    why=("seed 002's unfinished item: a row past EOS keeps writing KV. Its own mask hides the slots, so tokens "
+    kills=_ids(MODELS, ("",), ("finished_rows",)),
+    why=("the AR issue's unfinished item: a row past EOS keeps writing KV. Its own mask hides the slots, so tokens "
          "survive; the cache footprint check sees the writes."),
     kill_mode="fact",
     fact="finished rows wrote no KV after their EOS (cache",
@@ -152,7 +153,7 @@ def _logp_sign_flipped(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tens
 
 ablation(
     "ar.logp_sign_flipped", "harness.ar.loop:token_logprob", _logp_sign_flipped,
-    kills=[f"ar.{m}.oracle.greedy_logp" for m in MODELS],
+    kills=_ids(MODELS, ("oracle",), ("greedy_logp",)),
     why=("the recorded log-prob with its sign flipped, in the one function stock and fast both record through: "
          "the fast-vs-stock logp checks see the same wrong number on both sides; only the fp64 oracle sees it "
          "(rollout_vs_replay, whose replay computes its own log-probs, sees it too)."),
@@ -184,7 +185,7 @@ def _logit_drift(original):
 
 ablation(
     "ar.logit_drift_per_step", "harness.ar.loop:step", _logit_drift, wraps=True,
-    kills=[f"ar.{m}.growth.logp" for m in MODELS],
+    kills=_ids(MODELS, ("growth",), ("logp",)),
     why=("the batched path's picked-token logit rises by 2^(k - 34) of its magnitude at decode step k (a "
          "per-step state compounding): exactly 0 up to step 10, so the <= 7-token rollouts stay bitwise; under the "
          "worst-element logp tolerance on all 16 steps of the growth case, yet its per-step error curve grows far "

@@ -16,6 +16,7 @@ from harness.ablation import ablation
 from harness.attention import kernels, masks, padded
 from harness.attention.decomposed import RowBlock
 from harness.attention.layout import AttentionLayout
+from harness.checkid import CheckId
 
 
 def _span_end_early(original):
@@ -227,9 +228,9 @@ def _key_value_swapped(original):
 
 if INSTALLED:  # claims every check of a kernel an installed package registers (none otherwise)
     ablation(
-        "attention.key_value_swapped", "harness.attention.parity:_kernel_under_test", _key_value_swapped, wraps=True,
-        kills=[f"attention.{where}.{name}.vs_sdpa" for name in INSTALLED
-               for where in ("prefill", "denoise", "gqa", *INPUT_CASES)],
+        "attention.key_value_swapped", "harness.attention.judge:_kernel_under_test", _key_value_swapped, wraps=True,
+        kills=[str(c) for c in CheckId.grid("attention", ("prefill", "denoise", "gqa", *INPUT_CASES), INSTALLED,
+                                             ("vs_sdpa",))],
         why="the harness hands the kernel under test its value where the key belongs: any kernel that honours its "
             "arguments gives another output",
         kill_mode="tolerance",

@@ -1,7 +1,7 @@
 """Ablations of the decode path: known bugs re-introduced over its seams.
 
-Seed 003's failure modes (issue 5), the fail-closed steps after the probe (issue 13.6), the tile,
-transport, encode and buffer-cache bugs of issue 14, the spies' teeth (a sharded path that decodes
+The decode PR's failure modes (docs/contracts.md), the fail-closed steps after the probe, the tile,
+transport, encode and buffer-cache bugs, the spies' teeth (a sharded path that decodes
 everything everywhere, a gate that ignores the flag) and the oracle's (a plan that mislabels the
 cross-fade frames, which no parity comparison reads). Splits of the tiny geometry (3 x 3 tiles per
 clip): t37 shards tiles at W = 2, 3, 4, 6, 8; t22 clips at W = 2, 4 and tiles at 3, 5, 8; t12 clips at
@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from fixtures.decode_models import installed_vaes
 from harness.ablation import ablation
+from harness.checkid import CheckId
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import Probe, ProbeStatus, ShardedDecodeError
 from harness.decode.serve import bound
@@ -32,6 +33,12 @@ FAIL_CLOSED = "every rank raises within"
 # a healthy eight-rank fault world takes to answer (under 1 s on 2 cores in every dispatch lane) and below
 # harness.dist.ERROR_GRACE_S, so one raising rank does not wait out the whole grace. Each blocked kill costs this long.
 BLOCKED_WORLD_S = 2.0
+
+
+def _installed(worlds: Sequence[int]) -> list[str]:
+    """The seed matrix's bitexact checks on every installed VAE (harness.plugins.VAES) at ``worlds``."""
+    cases = [f"t{frames}.w{world}" for frames in (37, 22, 12) for world in worlds]
+    return [str(check) for check in CheckId.grid("decode", installed_vaes(), cases, ("bitexact",))]
 
 
 # ------------------------------------------------------------------ gathered pieces left in rank-major order
@@ -127,7 +134,7 @@ ablation(
     seam="harness.decode.exchange:agree_on_shapes",
     replacement=_local_shape_only,
     kills=["decode.fault.w8.decoder_raises", "decode.fault.w8.ragged_clip", "decode.fault.w8.latents_ragged"],
-    why="seed 003's first iteration: agreement from the local piece only leaves 7 ranks blocked in the next "
+    why="the decode PR's first iteration: agreement from the local piece only leaves 7 ranks blocked in the next "
         "collective when rank 3's decoder raises (reported blocked after the grace period), and a ragged piece "
         "makes gloo abort the mismatched gather; either way not every rank raising ShardedDecodeError together",
     hang_timeout_s=BLOCKED_WORLD_S,
@@ -152,7 +159,7 @@ ablation(
     kills=["decode.gpu.bitexact", "decode.gpu.fp16_autocast", "decode.t37.w4.bitexact", "decode.t22.w8.bitexact",
            "decode.t22.w2.fp16_autocast.bitexact", "decode.t37.w8.fp16_autocast.bitexact",
            "decode.t22.w2.batch2_sliced.bitexact", "decode.encode.f40.w2.bitexact", "decode.encode.f51.w4.bitexact",
-           *[f"decode.{vae}.t{t}.w{w}.bitexact" for vae in installed_vaes() for t in (37, 22, 12) for w in (2, 4, 8)]],
+           *_installed(worlds=(2, 4, 8))],
     why="every piece owned by rank r > 0 is replaced by one of rank 0's, so all but rank 0's frames are wrong on "
         "every receiving rank while the shapes still look right",
     kill_mode="tolerance",
@@ -194,7 +201,7 @@ ablation(
     seam="harness.decode.exchange:confirm",
     replacement=_no_status_exchange,
     kills=["decode.fault.w8.gather_raises", "decode.fault.w8.post_loop_raises"],
-    why="issue 13.6: fail-closed only at the probe. A rank whose gather buffers fail stops alone and the other "
+    why="fail-closed only at the probe. A rank whose gather buffers fail stops alone and the other "
         "7 block in the payload all-gather; a rank whose post-loop fails returns nothing while the others return "
         "a video. Either way not every rank raising ShardedDecodeError together",
     hang_timeout_s=BLOCKED_WORLD_S,
@@ -217,7 +224,7 @@ ablation(
     replacement=_all_units,
     kills=["decode.t37.w4.bitexact", "decode.t22.w2.bitexact", "decode.t12.w8.bitexact",
            "decode.t37.w3.decoded_once"],
-    why="seed 003's waste itself: every rank decodes the whole video; the gathered video is still bit-exact, so "
+    why="the decode PR's waste itself: every rank decodes the whole video; the gathered video is still bit-exact, so "
         "only the per-rank decoder-call spy (each piece exactly once across the world) can catch it",
     kill_mode="fact",
     fact="each piece decoded exactly once across the world",
@@ -236,7 +243,7 @@ ablation(
     replacement=_always_shard,
     kills=["decode.t37.w1.bitexact", "decode.t22.w1.bitexact", "decode.t12.w1.bitexact",
            "decode.t37.w4.flag_off.stock_call",
-           *[f"decode.{vae}.t{t}.w1.bitexact" for vae in installed_vaes() for t in (37, 22, 12)]],
+           *_installed(worlds=(1,))],
     why="the flag defaults to off and W == 1 must take the stock call unchanged; a gate that shards whenever a "
         "group exists is bit-exact too, so only the collective and decoder-call spies can tell",
     kill_mode="fact",

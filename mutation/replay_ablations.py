@@ -1,10 +1,10 @@
 """Ablations of the replay path: known bugs re-introduced over its seams, each with the checks it kills.
 
-The first eight are the known bugs of the batched replay (seed 000's mutation check is the first); the
-rest give every guard, tiling fact, row broadcast, family CFG combine and the discriminating check a bug
-of their own, so no check is without teeth. Claims on the tiny-model checks are generated over every
-registered replay family (an installed one included), each layout bug on the families whose CFG layout
-it can break. Numeric bugs are declared "tolerance": the numbers must catch them.
+The first eight are the known bugs of the batched replay (the replay PR's mutation check is the first;
+docs/contracts.md); the rest give every guard, tiling fact, row broadcast, family CFG combine and the
+discriminating check a bug of their own, so no check is without teeth. Claims on the tiny-model checks are
+generated over every registered replay family (an installed one included), each layout bug on the families
+whose CFG layout it can break. Numeric bugs are declared "tolerance": the numbers must catch them.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from fixtures.replay_families import family_ids
 from harness.ablation import ablation
+from harness.checkid import CheckId
 from harness.replay import cfg, tiling
 from harness.replay.conditions import concat_payloads, payload_rows
 
@@ -23,15 +24,19 @@ BOTH_CFGS = ("cfg1.log_probs", "cfg1.prev_sample_means", "cfg2.log_probs", "cfg2
 CFG2 = ("cfg2.log_probs", "cfg2.prev_sample_means")
 
 
-def _ids(cases, *whats):
-    return [f"replay.{case}.{what}" for case in cases for what in whats]
+def _ids(cases, *whats) -> list[str]:
+    return [str(check) for check in CheckId.grid("replay", ("",), cases, whats)]
+
+
+def _guard(what: str) -> str:
+    return str(CheckId("replay", "", "guard", what))
 
 
 # ---------------------------------------------------------------------------------- the issue's eight
 
 
 def _step_major_outside(groups, repeats):
-    """[cond, uncond, cond, uncond, ...]: step-major outside, the nesting seed 000 guards against."""
+    """[cond, uncond, cond, uncond, ...]: step-major outside, the nesting the replay PR guards against."""
     return concat_payloads([group for _ in range(repeats) for group in groups])
 
 
@@ -163,7 +168,7 @@ ablation(
 
 ablation(
     "replay.guidance_guard_removed", "harness.replay.guards:guidance_is_constant", lambda guidance, steps: True,
-    kills=["replay.guard.step_varying_guidance", "replay.cfg2.step_varying_guidance"],
+    kills=[_guard("step_varying_guidance"), "replay.cfg2.step_varying_guidance"],
     why="the step-varying-guidance guard is removed: one forward applies target[0]'s scale to every step",
     kill_mode="fact",
     modes={"replay.cfg2.step_varying_guidance": "tolerance"},
@@ -188,7 +193,7 @@ ablation(
 
 ablation(
     "replay.flag_ignored", "harness.replay.guards:batching_enabled", lambda config: True,
-    kills=["replay.guard.flag_off"],
+    kills=[_guard("flag_off")],
     why="the batch_replay_steps flag is ignored: the fast path runs even when a recipe leaves it off",
     kill_mode="fact",
     fact="flag off -> None, no forward",
@@ -214,7 +219,7 @@ ablation(
 
 ablation(
     "replay.single_step_batched", "harness.replay.guards:enough_steps", lambda steps: True,
-    kills=["replay.guard.single_step"],
+    kills=[_guard("single_step")],
     why="the S <= 1 guard is removed: a single step is pushed through the batched path",
     kill_mode="fact",
     fact="S == 1 -> None, no forward",
@@ -222,7 +227,7 @@ ablation(
 
 ablation(
     "replay.stateful_solver_accepted", "harness.replay.guards:is_stateless_sde", lambda strategy: True,
-    kills=["replay.guard.stateful_solver"],
+    kills=[_guard("stateful_solver")],
     raises=(ValueError,),
     why="the stateless-SDE guard accepts a multistep solver, which needs step_index and history",
     kill_mode="raises",

@@ -2,7 +2,7 @@
 
 The first five break code stock and batched replay share (the SDE log-prob, its std and mean, the
 CFG combine): parity cannot see them, so only the oracle checks claim them, and
-parity/test_replay_oracles.py asserts the parity checks survive them. The rest break the rollout's
+tests/replay/test_oracles.py asserts the parity checks survive them. The rest break the rollout's
 record (caught by pi_old against that record), the cfg_factor duplicate-or-split branch of the tiling
 and the fused_uncond cache (caught by the numbers, now that the fake reads the cache), and add a drift
 that compounds over steps (caught by the error-growth check only).
@@ -17,15 +17,16 @@ import torch
 
 from fixtures.replay_families import family_ids
 from harness.ablation import ablation
+from harness.checkid import CheckId
 from harness.replay.conditions import slice_rows
 from harness.replay.sde import LOG_SQRT_2PI, SDEStep, SDEStrategy, gaussian_log_prob
 
 FLAVOURS = ("flowgrpo", "constant")
-ORACLE_LOG_PROB = [f"replay.oracle.{f}.{what}" for f in FLAVOURS for what in ("log_prob_fp64", "log_prob_normal")]
+ORACLE_LOG_PROB = [str(c) for c in CheckId.grid("replay", ("oracle",), FLAVOURS, ("log_prob_fp64", "log_prob_normal"))]
 
 
 def _oracle(*whats: str) -> list[str]:
-    return [f"replay.oracle.{f}.{what}" for f in FLAVOURS for what in whats]
+    return [str(check) for check in CheckId.grid("replay", ("oracle",), FLAVOURS, whats)]
 
 
 # ------------------------------------------------------------------------------ shared: the SDE step
@@ -52,7 +53,7 @@ ablation(
 
 
 def _log_prob_floor_div(prev, mean, std):
-    """``prev // mean`` where ``prev - mean`` belongs: the mutation issue 13 names."""
+    """``prev // mean`` where ``prev - mean`` belongs: a transcription slip that still runs."""
     s = _std_per_element(std, mean)
     diff = prev.float() // mean
     element = -(diff * diff) / (2.0 * (s * s)) - torch.log(s) - LOG_SQRT_2PI
@@ -92,7 +93,8 @@ def _mean_without_one_minus_sigma(x, v, sigma, sigma_next, std_t):
 ablation(
     "replay.mean_drops_one_minus_sigma", "harness.replay.sde:flow_mean", _mean_without_one_minus_sigma,
     kills=_oracle("mean", "log_prob_fp64", "log_prob_normal"),
-    why="the SDE mean's velocity coefficient drops its (1 - sigma) factor (a transcription slip of DESIGN 1.1)",
+    why="the SDE mean's velocity coefficient drops its (1 - sigma) factor (a transcription slip of the formula in "
+        "docs/contracts.md)",
     kill_mode="tolerance",
 )
 

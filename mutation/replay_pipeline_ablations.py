@@ -7,9 +7,10 @@ import torch
 
 from fixtures.replay_families import family_names
 from harness.ablation import ablation
+from harness.checkid import CheckId
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
 
-ORACLE = [f"replay.oracle.pipeline.{family}" for family in family_names()]
+ORACLE = [str(check) for check in CheckId.grid("replay", ("oracle",), ("pipeline",), family_names())]
 
 
 def _units_swapped(original):

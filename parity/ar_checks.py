@@ -1,7 +1,8 @@
 """Parity checks of the ar path (registered into harness.checks).
 
 For the fake HunyuanImage-3 upstream and for each tiny transformers model (HunYuanMoEV1, Qwen3):
-- ``ar.<model>.<case>.{tokens,logp,prefill_kv,slot0}`` on seed 001's cases and seed 002's concat construction;
+- ``ar.<model>.<case>.{tokens,logp,prefill_kv,slot0}`` on the AR PR's cases and the AR issue's concat construction
+  (docs/contracts.md);
 - ``ar.<model>.padded_b1.equals_unpadded``, ``.rollout_vs_replay``, ``.finished_rows``, ``.nan_unused_slots``;
 - ``ar.<model>.growth.logp``: the per-step error curve over 16 steps, its growth against the stock floor curve's;
 and ``ar.missing_real_pos.{b1,b4}``. fp32 tolerances are TOLERANCE_K x the stock floor measured on the same model.
@@ -22,9 +23,11 @@ import torch
 
 from fixtures import ar_models
 from fixtures.ar_cases import CASES, EXTRA, ARCase, eos_for_one_stop, eos_for_stops, stopped_at_eos
-from harness.ar import loop, suite, verdicts
+from harness.ar import comparisons, judge, loop
+from harness.ar import policies as ar_policies
 from harness.ar.spy import ARForwardSpy
-from harness.checks import CheckContext, register
+from harness.checkid import CheckId
+from harness.checks import register
 from harness.compare import Verdict, close
 
 MODELS = ar_models.BACKENDS
@@ -36,9 +39,9 @@ GROWTH_CASE = ARCase("growth", (9, 17, 13, 21), decode_steps=15, seed=25)
 
 
 @functools.cache
-def _floor(model: str, case: ARCase) -> verdicts.StockPrefillFloor:
+def _floor(model: str, case: ARCase) -> ar_policies.StockPrefillFloor:
     """The stock prefill floor at the case's own shape: its row count and padded width."""
-    return verdicts.stock_prefill_floor(ar_models.backend(model), rows=case.batch_size, length=case.batch().width)
+    return ar_policies.stock_prefill_floor(ar_models.backend(model), rows=case.batch_size, length=case.batch().width)
 
 
 @functools.cache
@@ -61,11 +64,11 @@ def _stopped(model: str, case: ARCase, attn: str = "sdpa") -> loop.Rollout:
     return stopped_at_eos(_reference(model, case, attn), _eos(model, case, attn), ar_models.backend(model).pad_id)
 
 
-def _policies(model: str, case: ARCase) -> verdicts.ARPolicies:
+def _policies(model: str, case: ARCase) -> ar_policies.ARPolicies:
     unpadded_b1 = case.batch_size == 1 and (case.width is None or case.width == case.lengths[0])
     if model == "fake" and unpadded_b1:
-        return verdicts.exact_policies()
-    return verdicts.fp32_policies(_floor(model, case))
+        return ar_policies.exact_policies()
+    return ar_policies.fp32_policies(_floor(model, case))
 
 
 @functools.cache
@@ -74,53 +77,53 @@ def _finished_eos(model: str) -> tuple[int, ...]:
     return eos
 
 
-def _case_check(model: str, case: ARCase, what: str, ctx: CheckContext) -> Verdict:
-    return suite.compare_batched(f"ar.{model}.{case.name}.{what}", what, ar_models.backend(model), case.batch(),
+def _case_check(model: str, case: ARCase, what: str) -> Verdict:
+    return comparisons.compare_batched(what, ar_models.backend(model), case.batch(),
                                  case.max_new_tokens, _policies(model, case), _stopped(model, case),
                                  _eos(model, case))
 
 
-def _padded_b1(model: str, ctx: CheckContext) -> Verdict:
+def _padded_b1(model: str) -> Verdict:
     case = EXTRA["padded_b1"]
-    return suite.compare_padded_b1(f"ar.{model}.padded_b1.equals_unpadded", ar_models.backend(model), case.batch(),
+    return comparisons.compare_padded_b1(ar_models.backend(model), case.batch(),
                                    case.max_new_tokens, _policies(model, case), _stopped(model, case),
                                    _eos(model, case))
 
 
-def _rollout_vs_replay(model: str, ctx: CheckContext) -> Verdict:
+def _rollout_vs_replay(model: str) -> Verdict:
     case = EXTRA["rollout_vs_replay"]
     floor = _floor(model, case)
-    atol = verdicts.fp32_tolerance(floor, "logp")
+    atol = ar_policies.fp32_tolerance(floor, "logp")
     policy = close(atol=atol, rtol=0.0, reason=(
-        f"fp32: cached batched decode vs one cache-free unpadded forward per row; {verdicts.TOLERANCE_K:g} x "
+        f"fp32: cached batched decode vs one cache-free unpadded forward per row; {ar_policies.TOLERANCE_K:g} x "
         f"{floor.describe('logp')}"))
-    verdict = suite.compare_rollout_vs_replay(f"ar.{model}.rollout_vs_replay", ar_models.backend(model),
+    verdict = comparisons.compare_rollout_vs_replay(ar_models.backend(model),
                                               case.batch(), case.max_new_tokens, policy, _eos(model, case))
-    return verdicts.require_floor_bounds(verdict, atol, floor, "logp")
+    return judge.require_floor_bounds(verdict, atol, floor, "logp")
 
 
-def _finished_rows(model: str, ctx: CheckContext) -> Verdict:
+def _finished_rows(model: str) -> Verdict:
     case = EXTRA["finished_rows"]
     eos = _finished_eos(model)
-    return suite.compare_finished_rows(f"ar.{model}.finished_rows", ar_models.backend(model), case.batch(),
+    return comparisons.compare_finished_rows(ar_models.backend(model), case.batch(),
                                        case.max_new_tokens, eos, _policies(model, case),
                                        _reference(model, case, eos=eos))
 
 
-def _nan_unused_slots(model: str, ctx: CheckContext) -> Verdict:
+def _nan_unused_slots(model: str) -> Verdict:
     case = EXTRA["nan_unused_slots"]
-    return suite.compare_nan_unused_slots(f"ar.{model}.nan_unused_slots", ar_models.backend(model, "read_safe"),
+    return comparisons.compare_nan_unused_slots(ar_models.backend(model, "read_safe"),
                                           case.batch(), case.max_new_tokens, _policies(model, case),
                                           _stopped(model, case, "read_safe"), _eos(model, case, "read_safe"))
 
 
-def _oracle(model: str, ctx: CheckContext) -> Verdict:
+def _oracle(model: str) -> Verdict:
     case = EXTRA["rollout_vs_replay"]
     scale = float(_reference(model, case).logits.abs().max())
-    policy = close(atol=ORACLE_ULPS * verdicts.FP32_EPS * scale, rtol=0.0, reason=(
+    policy = close(atol=ORACLE_ULPS * ar_policies.FP32_EPS * scale, rtol=0.0, reason=(
         f"fp32 log_softmax vs fp64 over the same logits: {ORACLE_ULPS:g} fp32 ulps of the stock run's max |logit| "
         f"{scale:.3g} (a log-prob is a logit minus a log-sum-exp of that size)"))
-    return suite.check_greedy_logp_oracle(f"ar.{model}.oracle.greedy_logp", ar_models.backend(model), case.batch(),
+    return comparisons.check_greedy_logp_oracle(ar_models.backend(model), case.batch(),
                                           case.max_new_tokens, policy, _eos(model, case))
 
 
@@ -129,51 +132,59 @@ def _growth_control(model: str) -> torch.Tensor:
     """The stock per-step floor's log-probs: each prompt right-padded in every row of a batch of the growth case's
     row count and width, in the batch's cache (stock code at the fast path's shape)."""
     case, batch = GROWTH_CASE, GROWTH_CASE.batch()
-    return verdicts.batch_shape_control_logp(ar_models.backend(model), case.prompts(), _stopped(model, case),
+    return judge.batch_shape_control_logp(ar_models.backend(model), case.prompts(), _stopped(model, case),
                                              batch.width, batch.width + case.max_new_tokens)
 
 
-def _growth(model: str, ctx: CheckContext) -> Verdict:
+def _growth(model: str) -> Verdict:
     case, backend = GROWTH_CASE, ar_models.backend(model)
     batch, eos, reference, control = case.batch(), _eos(model, case), _stopped(model, case), _growth_control(model)
-    fast_rollout = suite.fast_rollout()
+    fast_rollout = comparisons.fast_rollout()
     with ARForwardSpy(backend.model) as spy:
         fast = fast_rollout(backend, batch, case.max_new_tokens, eos)
-    verdict = verdicts.judge_growth(f"ar.{model}.growth.logp", fast, reference, control)
-    return verdicts.require_path(verdict, spy, batch.batch_size)
+    verdict = judge.judge_growth(fast, reference, control)
+    return judge.require_path(verdict, spy, batch.batch_size)
 
 
-def _missing_real_pos(case: ARCase, ctx: CheckContext) -> Verdict:
-    return suite.check_missing_real_pos(f"ar.missing_real_pos.b{case.batch_size}", ar_models.backend("fake"),
+def _missing_real_pos(case: ARCase) -> Verdict:
+    return comparisons.check_missing_real_pos(ar_models.backend("fake"),
                                         case.batch(), case.max_new_tokens, eos=(1,))
 
 
+FP32_POLICY = (f"tokens exact; fp32 quantities close within {ar_policies.TOLERANCE_K:g} x the stock prefill floor at "
+               f"the case's shape (bounded to [{ar_policies.K_MIN:g}, {ar_policies.K_MAX:g}] x it); exact on the "
+               "fake's unpadded B=1")
+ORACLE_POLICY = f"close(atol={ORACLE_ULPS:g} fp32 ulps of the stock run's max |logit|) against an fp64 log_softmax"
+GROWTH_POLICY = (f"per-step error growth <= {judge.GROWTH_BUDGET:g} x the stock floor curve's growth "
+                 "(harness.growth)")
+
 for _model in MODELS:
     for _case in CASES:
-        for _what in suite.CASE_QUANTITIES:
-            register(f"ar.{_model}.{_case.name}.{_what}",
+        for _what in comparisons.CASE_QUANTITIES:
+            register(CheckId("ar", _model, _case.name, _what), policy=FP32_POLICY,
                      doc=f"{_what} of the batched {_case.name} rollout vs per-row B=1 on {_model}")(
                 functools.partial(_case_check, _model, _case, _what))
-    register(f"ar.{_model}.padded_b1.equals_unpadded",
+    register(CheckId("ar", _model, "padded_b1", "equals_unpadded"), policy=FP32_POLICY,
              doc=f"a right-padded B=1 prompt equals the unpadded prompt on {_model}")(
         functools.partial(_padded_b1, _model))
-    register(f"ar.{_model}.rollout_vs_replay",
+    register(CheckId("ar", _model, "", "rollout_vs_replay"), policy=FP32_POLICY,
              doc=f"batched rollout log-probs equal teacher-forced replay on {_model}")(
         functools.partial(_rollout_vs_replay, _model))
-    register(f"ar.{_model}.finished_rows",
+    register(CheckId("ar", _model, "", "finished_rows"), policy=FP32_POLICY,
              doc=f"rows past EOS stop sampling and writing KV, equal B=1 stopped at EOS, on {_model}")(
         functools.partial(_finished_rows, _model))
-    register(f"ar.{_model}.oracle.greedy_logp",
+    register(CheckId("ar", _model, "oracle", "greedy_logp"), policy=ORACLE_POLICY,
              doc=f"greedy picks and recorded log-probs of both rollouts equal an fp64 softmax, on {_model}")(
         functools.partial(_oracle, _model))
-    register(f"ar.{_model}.growth.logp",
+    register(CheckId("ar", _model, "growth", "logp"), policy=GROWTH_POLICY,
              doc=f"per-step logp error of a 16-token batched rollout grows no faster than the stock floor, {_model}")(
         functools.partial(_growth, _model))
-    register(f"ar.{_model}.nan_unused_slots",
+    register(CheckId("ar", _model, "", "nan_unused_slots"), policy=FP32_POLICY,
              doc=f"NaN in unused and dead cache slots never reaches an output on {_model}")(
         functools.partial(_nan_unused_slots, _model))
 
 for _case in (ARCase("missing_b1", (9,), decode_steps=2, seed=31), ARCase("missing_b4", (9, 4, 7, 5), 2, seed=32)):
-    register(f"ar.missing_real_pos.b{_case.batch_size}",
+    register(CheckId("ar", "", "missing_real_pos", f"b{_case.batch_size}"),
+             policy="fact: init_state raises ValueError naming real_pos",
              doc=f"init_state raises ValueError naming real_pos when it is missing at B={_case.batch_size}")(
         functools.partial(_missing_real_pos, _case))

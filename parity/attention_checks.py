@@ -20,16 +20,18 @@ capture checks and the mask-free detection judge the suite's mask builder and re
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from fixtures import attention_captures as seeds
 from harness import conformance
 from harness.attention import capture as capture_io
-from harness.attention import contract, kernels, masks, parity
+from harness.attention import contract, judge, kernels, masks
 from harness.attention.layout import PHASES
+from harness.checkid import CheckId
 from harness.checks import CheckContext, register
-from harness.compare import Verdict, expect
+from harness.compare import UNSTAMPED, Verdict, holds
 
-# The seed's numbers (004_368886915c94b932): densities to 4 decimals, prefill pair counts, and the
+# The attention handoff's numbers (docs/contracts.md): densities to 4 decimals, prefill pair counts, and the
 # denoise row-visibility histogram.
 SEED_DENSITY = {"prefill": 0.7933, "denoise": 0.9994}
 SEED_PREFILL_PAIRS = 14_303_226 + 8_386_560  # causal base + image-span block
@@ -39,12 +41,39 @@ OTHER_BLOCK = 64  # the seed's kernels tile at 128 (the default); the block-tile
 # (phase, kernel) checked at OTHER_BLOCK on the CPU: block_padded on denoise, whose lengths pad differently
 # at 64 and 128 (4160 x 5376 vs 4224 x 5376; prefill's 5348 pads to 5376 at both). Eager flex on the
 # CPU computes every pair whatever the block (~3-4 s per seed-shaped call), so flex at 64 is checked on
-# small layouts (parity/test_attention_registry.py, test_attention_bf16.py) and at the seed shapes by
+# small layouts (tests/attention/test_registry.py, test_bf16.py) and at the seed shapes by
 # the GPU tier, which runs every kernel and phase at both blocks.
 OTHER_BLOCK_CASES = (("denoise", "block_padded"),)
 # The mask-free approximation must miss by orders of magnitude, not by rounding: its error must be
 # >= 1000 x the noise-floor bound (measured: ~3e5 x at prefill, ~7e5 x at denoise).
 MASK_FREE_MIN_MARGIN = 1e3
+KERNEL_POLICY = ("noise_floor(max|d| and rel L2 each <= 4 x the reference's own fp32-vs-fp64 error on the "
+                 "capture; bf16 inputs: row-scaled)")
+CONTRACT_POLICY = "fact: the suite's mask builder against the seed's formula and numbers"
+MASK_FREE = CheckId("attention", "", "mask_free", "detected")
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    """One kernel against masked SDPA on one input: a seed phase, the GQA layout or a conformance input class,
+    at the kernel's default block or, with ``block``, at that block only."""
+
+    inputs: str  # a phase, "gqa" or an input case name
+    kernel: str
+    block: int = 0
+
+    @property
+    def check_id(self) -> CheckId:
+        block = f".block{self.block}" if self.block else ""
+        return CheckId("attention", self.inputs, f"{self.kernel}{block}", "vs_sdpa")
+
+
+def contract_id(phase: str, what: str) -> CheckId:
+    return CheckId("attention", "contract", phase, what)
+
+
+def capture_id(phase: str) -> CheckId:
+    return CheckId("attention", "capture", phase, "contract")
 
 
 def _device(ctx: CheckContext) -> str:
@@ -64,48 +93,48 @@ def _seed_report(phase: str) -> contract.ContractReport:
     return contract.verify_mask(masks.build_mask(layout), layout.span)
 
 
-def _mismatches(phase: str, ctx: CheckContext) -> Verdict:
-    return parity.formula_verdict(f"attention.contract.{phase}.mismatches", _seed_report(phase))
+def _mismatches(phase: str) -> Verdict:
+    return judge.formula_verdict(_seed_report(phase))
 
 
-def _density(phase: str, ctx: CheckContext) -> Verdict:
+def _density(phase: str) -> Verdict:
     report = _seed_report(phase)
     visible = sum(count * rows for count, rows in report.histogram.items())
-    verdict = expect(f"attention.contract.{phase}.density", round(report.density, 4) == SEED_DENSITY[phase],
-                     f"density rounds to the seed's {SEED_DENSITY[phase]:.4f}", density=report.density,
-                     visible_pairs=visible, pairs=report.total)
+    verdict = holds(round(report.density, 4) == SEED_DENSITY[phase],
+                    f"density rounds to the seed's {SEED_DENSITY[phase]:.4f}", density=report.density,
+                    visible_pairs=visible, pairs=report.total)
     if phase == "prefill":
         verdict = verdict.require(visible == SEED_PREFILL_PAIRS,
                                   f"visible pairs = the seed's causal base + span block = {SEED_PREFILL_PAIRS:,}")
     return verdict
 
 
-def _span(phase: str, ctx: CheckContext) -> Verdict:
+def _span(phase: str) -> Verdict:
     layout = seeds.SEED_LAYOUTS[phase]
     fact = f"span detection recovers {layout.describe()}"
     try:
         report = _seed_report(phase)
         detected = contract.layout_for(report.q_len, report.kv_len, report.detected_span).describe()
     except ValueError as err:  # the mask left the structured family: a failed check, not a crash
-        return expect(f"attention.contract.{phase}.span", False, fact, detected=f"none ({err})")
-    return expect(f"attention.contract.{phase}.span", detected == layout.describe(), fact, detected=detected)
+        return holds(False, fact, detected=f"none ({err})")
+    return holds(detected == layout.describe(), fact, detected=detected)
 
 
-@register("attention.contract.denoise.histogram")
-def denoise_histogram(ctx: CheckContext) -> Verdict:
+@register(contract_id("denoise", "histogram"), policy=CONTRACT_POLICY)
+def denoise_histogram() -> Verdict:
     """The denoise row-visibility histogram is exactly the seed's."""
     histogram = _seed_report("denoise").histogram
-    return expect("attention.contract.denoise.histogram", histogram == SEED_DENOISE_HISTOGRAM,
-                  f"row-visibility histogram == {SEED_DENOISE_HISTOGRAM}", histogram=str(histogram))
+    return holds(histogram == SEED_DENOISE_HISTOGRAM,
+                 f"row-visibility histogram == {SEED_DENOISE_HISTOGRAM}", histogram=str(histogram))
 
 
 for _phase in PHASES:
-    register(f"attention.contract.{_phase}.mismatches",
+    register(contract_id(_phase, "mismatches"), policy=CONTRACT_POLICY,
              doc=f"build_mask of the seed {_phase} layout agrees with the formula elementwise")(
         functools.partial(_mismatches, _phase))
-    register(f"attention.contract.{_phase}.density", doc=f"seed {_phase} mask density to 4 decimals")(
+    register(contract_id(_phase, "density"), policy=CONTRACT_POLICY, doc=f"seed {_phase} mask density to 4 decimals")(
         functools.partial(_density, _phase))
-    register(f"attention.contract.{_phase}.span", doc=f"span detection on the seed {_phase} mask")(
+    register(contract_id(_phase, "span"), policy=CONTRACT_POLICY, doc=f"span detection on the seed {_phase} mask")(
         functools.partial(_span, _phase))
 
 
@@ -118,7 +147,6 @@ def _capture_contract(phase: str, ctx: CheckContext) -> Verdict:
     Without --capture-dir the synthetic seed capture goes through the seed's file format and must
     come back bit for bit, with the seed's layout detected.
     """
-    check_id = f"attention.capture.{phase}.contract"
     directory = ctx.capture_dir or str(seeds.seed_capture_dir())
     path = capture_io.phase_capture_path(directory, phase)
     loaded = capture_io.load_capture(path)
@@ -126,8 +154,8 @@ def _capture_contract(phase: str, ctx: CheckContext) -> Verdict:
     try:
         layout = contract.layout_for(report.q_len, report.kv_len, report.detected_span)
     except ValueError as err:  # the mask left the structured family: a failed check, not a crash
-        return expect(check_id, False, f"{path.name} follows the structured layout", error=str(err))
-    verdict = parity.formula_verdict(check_id, report).merge(parity.builder_verdict(check_id, loaded.mask, layout))
+        return holds(False, f"{path.name} follows the structured layout", error=str(err))
+    verdict = judge.formula_verdict(report).merge(judge.builder_verdict(loaded.mask, layout))
     histogram = str(report.histogram) if len(report.histogram) <= 8 else f"{len(report.histogram)} distinct counts"
     verdict = verdict.with_metrics(file=path.name, layout=layout.describe(), histogram=histogram,
                                    q_len=report.q_len, kv_len=report.kv_len)
@@ -141,50 +169,52 @@ def _capture_contract(phase: str, ctx: CheckContext) -> Verdict:
 
 
 for _phase in PHASES:
-    register(f"attention.capture.{_phase}.contract", doc=f"{_phase} capture file: contract + builder reproduce it")(
+    register(capture_id(_phase), policy="fact: the capture file follows the contract; the builder reproduces its mask",
+             doc=f"{_phase} capture file: contract + builder reproduce it")(
         functools.partial(_capture_contract, _phase))
 
 
 # -------------------------------------------------------------------------------------- kernels
 
 
-def _compare(kernel: str, inputs: seeds.PhaseInputs, check_id: str, block: int = kernels.BLOCK) -> Verdict:
+def _compare(kernel: str, inputs: seeds.PhaseInputs, block: int = kernels.BLOCK) -> Verdict:
     """The kernel policy: max|d| and relative L2 each within 4 x the reference's own fp32-vs-fp64 error."""
     if inputs.misread is not None:
-        return expect(check_id, False, "the capture's mask is its detected layout's (see attention.capture.*.contract)",
-                      misread=inputs.misread, capture=inputs.capture.name)
-    return parity.compare_kernel(kernel, inputs.capture, parity.floor_policy(inputs.control), check_id,
-                                 block=block, layout=inputs.layout, expected=inputs.expected,
-                                 max_rel_l2=parity.rel_l2_bound(inputs.control), floor=inputs.control)
+        return holds(False, "the capture's mask is its detected layout's (see attention.capture.*.contract)",
+                     misread=inputs.misread, capture=inputs.capture.name)
+    return judge.compare_kernel(kernel, inputs.capture, judge.floor_policy(inputs.control), block=block,
+                                 layout=inputs.layout, expected=inputs.expected,
+                                 max_rel_l2=judge.rel_l2_bound(inputs.control), floor=inputs.control)
 
 
 def _kernel_vs_sdpa(phase: str, kernel: str, ctx: CheckContext) -> Verdict:
     inputs = _inputs(ctx, phase)
-    return _compare(kernel, inputs, f"attention.{phase}.{kernel}.vs_sdpa")
+    return _compare(kernel, inputs)
 
 
 def _kernel_at_block(phase: str, kernel: str, block: int, ctx: CheckContext) -> Verdict:
     inputs = _inputs(ctx, phase)
-    return _compare(kernel, inputs, f"attention.{phase}.{kernel}.block{block}.vs_sdpa", block)
+    return _compare(kernel, inputs, block)
 
 
 def _gqa_vs_sdpa(kernel: str, ctx: CheckContext) -> Verdict:
     """GQA: the kernel gets compressed key/value heads, the reference the expanded ones (synthetic
     even with --capture-dir: the seed's dumps are already expanded)."""
     inputs = seeds.gqa_inputs(_device(ctx))
-    return _compare(kernel, inputs, f"attention.gqa.{kernel}.vs_sdpa")
+    return _compare(kernel, inputs)
 
 
 for _kernel in FAST_KERNELS:
     for _phase in PHASES:
-        register(f"attention.{_phase}.{_kernel}.vs_sdpa",
+        register(KernelCase(_phase, _kernel).check_id, policy=KERNEL_POLICY,
                  doc=f"{_kernel} vs masked SDPA at the seed {_phase} shapes")(
             functools.partial(_kernel_vs_sdpa, _phase, _kernel))
-    register(f"attention.gqa.{_kernel}.vs_sdpa", doc=f"{_kernel} with compressed KV heads vs expanded masked SDPA")(
+    register(KernelCase("gqa", _kernel).check_id, policy=KERNEL_POLICY,
+             doc=f"{_kernel} with compressed KV heads vs expanded masked SDPA")(
         functools.partial(_gqa_vs_sdpa, _kernel))
 
 for _phase, _kernel in OTHER_BLOCK_CASES:
-    register(f"attention.{_phase}.{_kernel}.block{OTHER_BLOCK}.vs_sdpa",
+    register(KernelCase(_phase, _kernel, OTHER_BLOCK).check_id, policy=KERNEL_POLICY,
              doc=f"{_kernel} tiled at block {OTHER_BLOCK} vs masked SDPA at the seed {_phase} shapes")(
         functools.partial(_kernel_at_block, _phase, _kernel, OTHER_BLOCK))
 
@@ -192,9 +222,8 @@ for _phase, _kernel in OTHER_BLOCK_CASES:
 def _input_case(case: str, kernel: str, ctx: CheckContext) -> Verdict:
     """A kernel on one input class of the conformance contract (small layout), at the seed block and at 64."""
     inputs = seeds.case_inputs(case, _device(ctx))
-    check_id = f"attention.{case}.{kernel}.vs_sdpa"
     blocks = (kernels.BLOCK, OTHER_BLOCK) if kernels.get_kernel(kernel).blocked else (kernels.BLOCK,)
-    verdicts = [parity.compare_kernel(kernel, inputs.capture, inputs.policy, check_id, block=block,
+    verdicts = [judge.compare_kernel(kernel, inputs.capture, inputs.policy, block=block,
                                       layout=inputs.case.layout, expected=inputs.expected,
                                       max_rel_l2=inputs.max_rel_l2, floor=inputs.floor,
                                       pass_scale=inputs.case.pass_scale) for block in blocks]
@@ -203,11 +232,12 @@ def _input_case(case: str, kernel: str, ctx: CheckContext) -> Verdict:
 
 for _case in seeds.INPUT_CASES.values():
     for _kernel in FAST_KERNELS:
-        register(f"attention.{_case.name}.{_kernel}.vs_sdpa", doc=f"{_kernel} vs masked SDPA: {_case.describe()}")(
+        register(KernelCase(_case.name, _kernel).check_id, policy=KERNEL_POLICY,
+                 doc=f"{_kernel} vs masked SDPA: {_case.describe()}")(
             functools.partial(_input_case, _case.name, _kernel))
 
 
-def _detection(check_id: str, phase: str, free: Verdict) -> Verdict:
+def _detection(phase: str, free: Verdict) -> Verdict:
     """A verdict that passes when ``free`` (the mask-free kernel's) fails by >= MASK_FREE_MIN_MARGIN.
 
     Its margin is MASK_FREE_MIN_MARGIN / the mask-free margin, so <= 1 passes like any margin.
@@ -219,25 +249,24 @@ def _detection(check_id: str, phase: str, free: Verdict) -> Verdict:
                                  f"kernel policy's bound, below the required {MASK_FREE_MIN_MARGIN:g} x")
     metrics = {f"{phase}_mask_free_margin": observed, f"{phase}_mask_free_max_abs": free.metrics["max_abs"],
                f"{phase}_mask_free_rel_l2": free.metrics["rel_l2"]}
-    return Verdict(check_id, passed, metrics, f"detect(mask_free error >= {MASK_FREE_MIN_MARGIN:g} x kernel bound)",
+    return Verdict(UNSTAMPED, passed, metrics, f"detect(mask_free error >= {MASK_FREE_MIN_MARGIN:g} x kernel bound)",
                    margin, headline=f"{phase}_mask_free_margin", tolerance=MASK_FREE_MIN_MARGIN, message=message)
 
 
-@register("attention.mask_free.detected")
+@register(MASK_FREE, policy=f"{KERNEL_POLICY}; detect(mask_free error >= {MASK_FREE_MIN_MARGIN:g} x kernel bound)")
 def mask_free_detected(ctx: CheckContext) -> Verdict:
     """Masked SDPA on the layout reproduces the capture while is_causal only misses it by far, both phases."""
-    check_id = "attention.mask_free.detected"
     verdicts = []
     for phase in PHASES:
         inputs = _inputs(ctx, phase)
-        verdicts.append(_compare("sdpa", inputs, check_id))
-        verdicts.append(_detection(check_id, phase, _compare("mask_free", inputs, check_id)))
+        verdicts.append(_compare("sdpa", inputs))
+        verdicts.append(_detection(phase, _compare("mask_free", inputs)))
     return functools.reduce(Verdict.merge, verdicts)
 
 
 conformance.not_judged("attention.contract.*", "judges the suite's mask builder against the seed's formula; "
                                                "no kernel runs")
 conformance.not_judged("attention.capture.*", "judges a capture file and the suite's mask builder; no kernel runs")
-conformance.not_judged("attention.mask_free.detected", "judges the suite's reference against the capture and "
+conformance.not_judged(str(MASK_FREE), "judges the suite's reference against the capture and "
                                                        "the is_causal-only negative control; no kernel under test "
                                                        "runs")

@@ -1,7 +1,7 @@
 """Parity checks of the decode path (registered into harness.checks); the judges live in harness.decode.judge.
 
-Seed 003's matrix (latent lengths 37, 22, 12 x worlds 1, 2, 4, 8) and the cases beyond it: every
-receiving rank's video must be bitwise the stock ``vae.decode(z)`` (max|d| 0, max ULP 0, 0 mismatched,
+The decode PR's matrix (latent lengths 37, 22, 12 x worlds 1, 2, 4, 8; docs/contracts.md) and the cases beyond
+it: every receiving rank's video must be bitwise the stock ``vae.decode(z)`` (max|d| 0, max ULP 0, 0 mismatched,
 equal SHA-256), and the spies must show which path ran. The split is the automatic one unless a
 case names it: whole clips, or (clip, tile) pairs when that leaves the busiest rank less work (W > clips,
 W not dividing the clips). Beyond the matrix: every W from 1 to 8, forced splits, gather-to-one, fp16
@@ -23,12 +23,13 @@ import torch
 
 from fixtures import decode_models, decode_tasks
 from harness import checks, conformance
-from harness.compare import Verdict, exact
+from harness.checkid import CheckId
+from harness.compare import UNSTAMPED, Verdict, exact
 from harness.decode import judge, oracle
 from harness.dist import WorldTaskError
 
 __all__ = ["CASES", "ENCODE_CASES", "FAULT_BOUND_S", "FAULT_RANK", "FAULT_WORLD", "INSTALLED", "DecodeCase",
-           "EncodeCase", "run_fault"]
+           "EncodeCase", "fault_id", "run_fault"]
 
 FAULT_WORLD = 8
 FAULT_RANK = 3
@@ -36,6 +37,7 @@ FAULT_RANK = 3
 # fails in well under a second, so the bound is about hangs, not speed
 FAULT_BOUND_S = 20.0
 ALIVE_TIMEOUT_S = 10.0
+FAULT_POLICY = "fact: every rank raises within the bound, the injected cause survives, the group works afterwards"
 
 
 @dataclass(frozen=True)
@@ -113,18 +115,18 @@ def _decode_check(case: DecodeCase, ctx: checks.CheckContext) -> Verdict:
     sharded = case.shard and case.world > 1
     if not case.groups:
         return judge.compare_sharded_decode(ctx.world(case.world), decode_tasks.decode_task, case.job(),
-                                            case.check_id, sharded=sharded, timeout_s=ctx.task_timeout_s)
+                                            sharded=sharded, timeout_s=ctx.task_timeout_s)
     results = ctx.world(case.world).run(decode_tasks.decode_task, case.job(), timeout_s=ctx.task_timeout_s)
     verdicts = []
     for index, ranks in enumerate(case.groups):
         group = sorted((r for r in results if r.group == index), key=lambda r: r.rank)
-        verdict = judge.judge_decode(case.check_id, group, sharded=sharded, what=f"decoded video of group {index}")
+        verdict = judge.judge_decode(group, sharded=sharded, what=f"decoded video of group {index}")
         verdicts.append(verdict.with_metrics(**{f"group{index}_global_ranks": list(ranks)}))
     return functools.reduce(Verdict.merge, verdicts)
 
 
 for _case in CASES:
-    checks.register(_case.check_id)(functools.partial(_decode_check, _case))
+    checks.register(_case.check_id, policy=exact())(functools.partial(_decode_check, _case))
     if _case.not_judged:
         conformance.not_judged(_case.check_id, _case.not_judged)
 
@@ -132,39 +134,38 @@ for _case in CASES:
 # --------------------------------------------------------------------------------------------- repeats, dtypes
 
 
-@checks.register("decode.t37.w4.repeat3.identical")
+REPEATS = DecodeCase(37, 4, tag="repeat3", what="identical")
+DTYPE_SWITCH = DecodeCase(22, 2, tag="dtype_switch")
+
+
+@checks.register(REPEATS.check_id, policy=exact())
 def repeat_runs_identical(ctx: checks.CheckContext) -> Verdict:
     """Three sharded decodes of a video, alternating with three of another video of the same geometry, on the
     same ranks: every run on every rank bitwise its stock video (so all three are identical)."""
-    check_id = "decode.t37.w4.repeat3.identical"
-    job = DecodeCase(37, 4).job()
+    job = REPEATS.job()
     world = ctx.world(4)
-    verdict = judge.compare_sharded_decode(world, decode_tasks.decode_task, job, check_id, sharded=True,
+    verdict = judge.compare_sharded_decode(world, decode_tasks.decode_task, job, sharded=True,
                                            timeout_s=ctx.task_timeout_s)
     per_rank = world.run(decode_tasks.repeat_task, job, 3, timeout_s=ctx.task_timeout_s)
     for name in ("a", "b"):
         runs = [run for rank in per_rank for run in rank[name]]
         stock = per_rank[0][f"stock_{name}"][0]
         if {tuple(r.shape) for r in runs} != {tuple(stock.shape)}:
-            return verdict.merge(Verdict(check_id, False, {"video": name}, exact().describe(), float("inf"),
+            return verdict.merge(Verdict(UNSTAMPED, False, {"video": name}, exact().describe(), float("inf"),
                                          message=f"video {name}: a repeated run has another shape"))
         actual = torch.stack(runs)
-        again = exact().judge(check_id, actual, stock.unsqueeze(0).expand_as(actual), what=f"video {name} runs")
+        again = exact().judge(actual, stock.unsqueeze(0).expand_as(actual), what=f"video {name} runs")
         verdict = verdict.merge(again.with_metrics(**{f"runs_{name}": f"{len(runs)} (3 per rank)"}))
     return verdict
 
 
-@checks.register("decode.t22.w2.dtype_switch.bitexact")
+@checks.register(DTYPE_SWITCH.check_id, policy=exact())
 def dtype_switch(ctx: checks.CheckContext) -> Verdict:
     """The same geometry decoded in float32 and then in bfloat16 on the same ranks: both bit-exact."""
-    job = DecodeCase(22, 2).job()
+    job = DTYPE_SWITCH.job()
     per_rank = ctx.world(2).run(decode_tasks.dtype_switch_task, job, timeout_s=ctx.task_timeout_s)
-    verdicts = [judge.judge_decode(f"decode.t22.w2.dtype_switch.bitexact[{i}]", [r[i] for r in per_rank],
-                                   sharded=True) for i in range(len(per_rank[0]))]
-    verdict = verdicts[0]
-    for other in verdicts[1:]:
-        verdict = verdict.merge(other)
-    return replace(verdict, check_id="decode.t22.w2.dtype_switch.bitexact")
+    verdicts = [judge.judge_decode([r[i] for r in per_rank], sharded=True) for i in range(len(per_rank[0]))]
+    return functools.reduce(Verdict.merge, verdicts)
 
 
 # --------------------------------------------------------------------------------------------- encode
@@ -199,11 +200,11 @@ ENCODE_CASES = (
 
 def _encode_check(case: EncodeCase, ctx: checks.CheckContext) -> Verdict:
     results = ctx.world(case.world).run(decode_tasks.encode_task, case.job(), timeout_s=ctx.task_timeout_s)
-    return judge.judge_decode(case.check_id, results, sharded=True, policy=exact(), what="encoded moments")
+    return judge.judge_decode(results, sharded=True, policy=exact(), what="encoded moments")
 
 
 for _encode in ENCODE_CASES:
-    checks.register(_encode.check_id)(functools.partial(_encode_check, _encode))
+    checks.register(_encode.check_id, policy=exact())(functools.partial(_encode_check, _encode))
 conformance.not_judged("decode.encode.*", "the sharded encode is the suite's own; the decode conformance "
                                           "signature is sharded_decode")
 
@@ -211,25 +212,33 @@ conformance.not_judged("decode.encode.*", "the sharded encode is the suite's own
 # --------------------------------------------------------------------------------------------- oracle
 
 
-@checks.register("decode.oracle.call_sequence")
-def plan_against_library(ctx: checks.CheckContext) -> Verdict:
+ORACLE = CheckId("decode", "", "oracle", "call_sequence")
+
+
+@checks.register(ORACLE, policy="fact: the plan's clip windows, tile windows and frame sources are the library's")
+def plan_against_library() -> Verdict:
     """The plan's clip windows, tile windows and frame sources against the stock decode's own calls."""
     tiled = decode_models.tiny_vae()
     untiled = decode_models.tiny_vae(decode_models.VaeSpec(tiling=False))
     cases = [(tiled, decode_models.latents(decode_models.LatentSpec(frames))) for frames in (37, 13)]
     cases += [(untiled, decode_models.latents(decode_models.LatentSpec(frames, height=2, width=2)))
               for frames in (22, 9, 3)]
-    return oracle.judge_plan_against_library("decode.oracle.call_sequence", cases)
+    return oracle.judge_plan_against_library(cases)
 
 
-conformance.not_judged("decode.oracle.call_sequence", "judges the suite's clip plan against the library's own "
+conformance.not_judged(str(ORACLE), "judges the suite's clip plan against the library's own "
                                                       "_decode calls; no sharded implementation runs")
 
 
 # --------------------------------------------------------------------------------------------- faults
 
 
-def run_fault(check_id: str, world, job: decode_tasks.DecodeJob, kind: str, fault_rank: int,
+def fault_id(kind: str) -> CheckId:
+    """The id of the fault check of ``kind``: ``decode.fault.w8.<kind>``."""
+    return CheckId("decode", "fault", f"w{FAULT_WORLD}", kind)
+
+
+def run_fault(world, job: decode_tasks.DecodeJob, kind: str, fault_rank: int,
               timeout_s: float) -> Verdict:
     """Inject ``kind`` (on ``fault_rank``, or on every rank for a group fault) and judge the behaviour: every rank
     raises within the bound and none hangs, the injected exception survives in what was raised, and the group
@@ -250,20 +259,19 @@ def run_fault(check_id: str, world, job: decode_tasks.DecodeJob, kind: str, faul
             group_error = None if len(hashes) == 1 else f"the decode after the fault gave {len(hashes)} distinct hashes"
         except WorldTaskError as err:
             group_error = str(err).splitlines()[0][:240]
-    return judge.judge_fault(check_id, world.size, fault_rank, bound, outcomes, statuses,
+    return judge.judge_fault(world.size, fault_rank, bound, outcomes, statuses,
                              decode_tasks.RAISING.get(kind, ""), group_error)
 
 
 def _fault_check(kind: str, ctx: checks.CheckContext) -> Verdict:
     job = decode_tasks.TinyDecodeJob(decode_models.LatentSpec(37))
-    return run_fault(f"decode.fault.w{FAULT_WORLD}.{kind}", ctx.world(FAULT_WORLD), job, kind, FAULT_RANK,
-                     ctx.task_timeout_s)
+    return run_fault(ctx.world(FAULT_WORLD), job, kind, FAULT_RANK, ctx.task_timeout_s)
 
 
 for _kind in decode_tasks.FAULTS:
-    checks.register(f"decode.fault.w{FAULT_WORLD}.{_kind}",
+    checks.register(fault_id(_kind), policy=FAULT_POLICY,
                     doc=f"{decode_tasks.FAULT_KINDS[_kind]}: every rank raises in time, cause kept, group works")(
         functools.partial(_fault_check, _kind))
 for _kind, _what in decode_tasks.SUITE_FAULTS.items():
-    conformance.not_judged(f"decode.fault.w{FAULT_WORLD}.{_kind}",
+    conformance.not_judged(str(fault_id(_kind)),
                            f"{_what}: a fault inside the suite's implementation, not at a boundary yours owns")

@@ -24,15 +24,15 @@ from fixtures.replay_cases import BATCH, UNSORTED_TARGET, fake_problem, real_con
 from fixtures.replay_families import QUANTITIES, family_names
 from fixtures.replay_models import tiny_model
 from harness import conformance
-from harness.checks import CheckContext, register
-from harness.compare import Verdict, exact, expect, expect_raises
+from harness.checks import register
+from harness.compare import Verdict, exact, holds, raises
 from harness.replay import cfg as cfg_combines
 from harness.replay import denoiser, discriminating, tiling
 from harness.replay.conditions import Conditions, broadcast_rows, payload_rows, slice_rows
 from harness.replay.denoiser import concat_branches, predict_velocity
 from harness.replay.families import get_family
 from harness.replay.guards import ReplayConfig
-from harness.replay.parity import (
+from harness.replay.judge import (
     compare_replay,
     compare_replay_determinism,
     judge_result,
@@ -54,95 +54,95 @@ REAL_CASES = tuple((family, cfg, what) for family in FAMILIES for cfg in (1, 2) 
 TILE_REPEATS = 4
 
 
-def _register(check_id: str, fn, *args, doc: str) -> None:
-    register(check_id, doc=doc)(functools.partial(fn, *args))
+FAST_PATH_POLICY = "fact: the batched replay ran (one forward of S*cfg*B rows) and returned [B, S] results"
+GUARD_POLICY = "fact: the guard declines (None) and no forward runs"
+TILING_POLICY = "fact: the tiled conditions are laid out as the CFG layout requires (rows counted and labelled)"
+
+
+def _register(check_id: str, fn, *args, doc: str, policy=None) -> None:
+    register(check_id, doc=doc, policy=policy)(functools.partial(fn, *args))
 
 
 # ------------------------------------------------------------------------- fake kernel: batched vs serial
 
 
-def returns_result(case: str, ctx: CheckContext) -> Verdict:
-    check_id = f"replay.{case}.returns_result"
+def returns_result(case: str) -> Verdict:
     problem = fake_problem(case)
     result, forwards = run_batched(problem)
     ok = isinstance(result, ReplayResult) and result.target == problem.target
-    verdict = expect(check_id, ok, "batched replay returns a ReplayResult for the requested targets",
+    verdict = holds(ok, "batched replay returns a ReplayResult for the requested targets",
                      returned=type(result).__name__)
     return require_fast_path(verdict, problem, forwards)
 
 
-def log_probs_shape(case: str, ctx: CheckContext) -> Verdict:
-    check_id = f"replay.{case}.log_probs_shape"
+def log_probs_shape(case: str) -> Verdict:
     problem = fake_problem(case)
     result, forwards = run_batched(problem)
     want = [problem.segment.batch, problem.steps]
     got = None if result is None else list(result.log_probs.shape)
     means = None if result is None else list(result.prev_sample_means.shape)
     ok = got == want and means == [*want, *problem.segment.latent_shape]
-    verdict = expect(check_id, ok, f"log_probs is [B, S] = {want} and prev_sample_means [B, S, *latent]",
+    verdict = holds(ok, f"log_probs is [B, S] = {want} and prev_sample_means [B, S, *latent]",
                      log_probs_shape=str(got), means_shape=str(means))
     return require_fast_path(verdict, problem, forwards)
 
 
-def batched_equals_serial(case: str, what: str, ctx: CheckContext) -> Verdict:
-    return compare_replay(fake_problem(case), exact(), f"replay.{case}.{what}", what)
+def batched_equals_serial(case: str, what: str) -> Verdict:
+    return compare_replay(fake_problem(case), exact(), what)
 
 
-def forward_count(case: str, ctx: CheckContext) -> Verdict:
-    check_id = f"replay.{case}.forward_count"
+def forward_count(case: str) -> Verdict:
     problem = fake_problem(case)
     run = run_both(problem)
-    verdict = expect(check_id, run.batched is not None, "batched replay ran (flag on, stateless SDE, S > 1)")
+    verdict = holds(run.batched is not None, "batched replay ran (flag on, stateless SDE, S > 1)")
     return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)
 
 
-def replay_determinism(case: str, ctx: CheckContext) -> Verdict:
-    return compare_replay_determinism(fake_problem(case), f"replay.{case}.replay_determinism")
+def replay_determinism(case: str) -> Verdict:
+    return compare_replay_determinism(fake_problem(case))
 
 
 for _case in FAKE_CASES:
-    _register(f"replay.{_case}.returns_result", returns_result, _case,
+    _register(f"replay.{_case}.returns_result", returns_result, _case, policy=FAST_PATH_POLICY,
               doc="batched replay returns a ReplayResult (one forward of S*cfg*B rows)")
-    _register(f"replay.{_case}.log_probs_shape", log_probs_shape, _case, doc="batched log_probs are [B, S]")
-    _register(f"replay.{_case}.log_probs", batched_equals_serial, _case, "log_probs",
+    _register(f"replay.{_case}.log_probs_shape", log_probs_shape, _case, policy=FAST_PATH_POLICY,
+              doc="batched log_probs are [B, S]")
+    _register(f"replay.{_case}.log_probs", batched_equals_serial, _case, "log_probs", policy=exact(),
               doc="batched log_probs == serial, bitwise, every row and step")
-    _register(f"replay.{_case}.prev_sample_means", batched_equals_serial, _case, "prev_sample_means",
+    _register(f"replay.{_case}.prev_sample_means", batched_equals_serial, _case, "prev_sample_means", policy=exact(),
               doc="batched transition means == serial, bitwise")
-    _register(f"replay.{_case}.forward_count", forward_count, _case,
+    _register(f"replay.{_case}.forward_count", forward_count, _case, policy=FAST_PATH_POLICY,
               doc="batched: one forward of S*cfg*B rows; serial: S forwards of cfg*B")
-    _register(f"replay.{_case}.replay_determinism", replay_determinism, _case,
+    _register(f"replay.{_case}.replay_determinism", replay_determinism, _case, policy=exact(),
               doc="the batched replay run twice: exp(logp_2 - logp_1) == 1 and the means bitwise equal")
 
 
-@register("replay.cfg2.unsorted_targets")
-def unsorted_targets(ctx: CheckContext) -> Verdict:
+@register("replay.cfg2.unsorted_targets", policy=exact())
+def unsorted_targets() -> Verdict:
     """An unsorted proper subset of sde_indices replays bitwise like serial (column s is target[s])."""
     problem = fake_problem("cfg2").with_(target=UNSORTED_TARGET)
-    check_id = "replay.cfg2.unsorted_targets"
-    verdict = compare_replay(problem, exact(), check_id, "log_probs")
-    return verdict.merge(compare_replay(problem, exact(), check_id, "prev_sample_means"))
+    verdict = compare_replay(problem, exact(), "log_probs")
+    return verdict.merge(compare_replay(problem, exact(), "prev_sample_means"))
 
 
-@register("replay.cfg2.list_payloads")
-def list_payloads(ctx: CheckContext) -> Verdict:
+@register("replay.cfg2.list_payloads", policy=exact())
+def list_payloads() -> Verdict:
     """Conditions carried only by list/tuple payloads (per-branch and branch-independent) tile like tensors."""
     problem = fake_problem("list_payloads")
-    check_id = "replay.cfg2.list_payloads"
-    verdict = compare_replay(problem, exact(), check_id, "log_probs")
-    return verdict.merge(compare_replay(problem, exact(), check_id, "prev_sample_means"))
+    verdict = compare_replay(problem, exact(), "log_probs")
+    return verdict.merge(compare_replay(problem, exact(), "prev_sample_means"))
 
 
-@register("replay.cfg2.step_varying_guidance")
-def step_varying_guidance_falls_back(ctx: CheckContext) -> Verdict:
+@register("replay.cfg2.step_varying_guidance", policy=exact())
+def step_varying_guidance_falls_back() -> Verdict:
     """A per-step guidance schedule that varies over the targets: replay() must give serial's answer
     through the serial loop (S forwards)."""
-    check_id = "replay.cfg2.step_varying_guidance"
     problem = fake_problem("step_varying_guidance")
     expected, _ = run_serial(problem)
     with spy_forwards(problem.adapter.module) as spy:
         result = replay(problem.adapter, problem.conditions, problem.segment, problem.strategy, problem.target,
                         problem.guidance, problem.config)
-    verdict = judge_result(exact(), check_id, result.log_probs, expected.log_probs, problem.target, "log_probs")
+    verdict = judge_result(exact(), result.log_probs, expected.log_probs, problem.target, "log_probs")
     want = [problem.serial_rows] * problem.steps
     return verdict.require(spy.batch_sizes == want, f"the serial loop ran: {problem.steps} forwards of "
                            f"{problem.serial_rows} rows", forwards=spy.batch_sizes)
@@ -151,37 +151,37 @@ def step_varying_guidance_falls_back(ctx: CheckContext) -> Verdict:
 # ------------------------------------------------------------------------------------------------- guards
 
 
-def _declines(check_id: str, problem: ReplayProblem, fact: str) -> Verdict:
+def _declines(problem: ReplayProblem, fact: str) -> Verdict:
     result, forwards = run_batched(problem)
-    return expect(check_id, result is None and not forwards, fact, returned=type(result).__name__,
+    return holds(result is None and not forwards, fact, returned=type(result).__name__,
                   forwards=str(list(forwards)))
 
 
-@register("replay.guard.flag_off")
-def guard_flag_off(ctx: CheckContext) -> Verdict:
+@register("replay.guard.flag_off", policy=GUARD_POLICY)
+def guard_flag_off() -> Verdict:
     """The default config (batch_replay_steps off) keeps the serial loop."""
     problem = fake_problem("cfg2").with_(config=ReplayConfig())
-    return _declines("replay.guard.flag_off", problem, "flag off -> None, no forward")
+    return _declines(problem, "flag off -> None, no forward")
 
 
-@register("replay.guard.single_step")
-def guard_single_step(ctx: CheckContext) -> Verdict:
+@register("replay.guard.single_step", policy=GUARD_POLICY)
+def guard_single_step() -> Verdict:
     """S == 1 gains nothing from batching: None."""
     problem = fake_problem("cfg2").with_(target=(3,))
-    return _declines("replay.guard.single_step", problem, "S == 1 -> None, no forward")
+    return _declines(problem, "S == 1 -> None, no forward")
 
 
-@register("replay.guard.stateful_solver")
-def guard_stateful_solver(ctx: CheckContext) -> Verdict:
+@register("replay.guard.stateful_solver", policy=GUARD_POLICY)
+def guard_stateful_solver() -> Verdict:
     """A stateful multistep solver (step_index, history) is not a stateless SDE: None."""
     problem = fake_problem("cfg2").with_(strategy=MultistepSDE())
-    return _declines("replay.guard.stateful_solver", problem, "stateful solver -> None, no forward")
+    return _declines(problem, "stateful solver -> None, no forward")
 
 
-@register("replay.guard.step_varying_guidance")
-def guard_step_varying_guidance(ctx: CheckContext) -> Verdict:
+@register("replay.guard.step_varying_guidance", policy=GUARD_POLICY)
+def guard_step_varying_guidance() -> Verdict:
     """Guidance that varies across target steps cannot fold into one forward: None."""
-    return _declines("replay.guard.step_varying_guidance", fake_problem("step_varying_guidance"),
+    return _declines(fake_problem("step_varying_guidance"),
                      "step-varying guidance -> None, no forward")
 
 
@@ -204,22 +204,22 @@ def _expected_labels(conditions: Conditions, name: str, repeats: int) -> list[in
     return [label for branch in branches for label in branch * repeats]
 
 
-@register("replay.tiling.batch_size")
-def tiling_batch_size(ctx: CheckContext) -> Verdict:
+@register("replay.tiling.batch_size", policy=TILING_POLICY)
+def tiling_batch_size() -> Verdict:
     """Every tiled row field has S*cfg*B rows, and the batched forward sees S*cfg*B rows."""
     conditions = _fused()
     tiled = tiling.tile_conditions(conditions, TILE_REPEATS)
     want = TILE_REPEATS * 2 * BATCH
     sizes = {name: payload_rows(value) for name, value in tiled.rows.items()}
-    verdict = expect("replay.tiling.batch_size", all(n == want for n in sizes.values()) and tiled.forward_rows == want,
+    verdict = holds(all(n == want for n in sizes.values()) and tiled.forward_rows == want,
                      f"every field of the tiled fused batch has S*cfg*B = {want} rows", **sizes)
     problem = fake_problem("cfg2")
     _, forwards = run_batched(problem)
     return require_fast_path(verdict, problem, forwards)
 
 
-@register("replay.tiling.branch_major")
-def tiling_branch_major(ctx: CheckContext) -> Verdict:
+@register("replay.tiling.branch_major", policy=TILING_POLICY)
+def tiling_branch_major() -> Verdict:
     """Fused cond-first: [cond_s0..cond_s(S-1), uncond_s0..]; uncond-first: block repetition per branch."""
     bad = {}
     fused = _fused()
@@ -235,54 +235,54 @@ def tiling_branch_major(ctx: CheckContext) -> Verdict:
             got, want = read_labels(out.rows[name]), _expected_labels(source, name, TILE_REPEATS)
             if got != want:
                 bad[f"uncond_first.{branch}.{name}"] = f"{got[:2 * BATCH]}... expected {want[:2 * BATCH]}..."
-    return expect("replay.tiling.branch_major", not bad,
+    return holds(not bad,
                   "tiled rows are branch-major with step-major inside (every field, both layouts)", **bad)
 
 
-@register("replay.tiling.repeats_identity")
-def tiling_repeats_identity(ctx: CheckContext) -> Verdict:
+@register("replay.tiling.repeats_identity", policy=TILING_POLICY)
+def tiling_repeats_identity() -> Verdict:
     """repeats == 1 returns the conditions themselves (no copy, nothing re-laid-out), in both layouts."""
     fused, sd3 = _fused(), labelled_conditions(BATCH, SD3_FIELDS, "uncond_first")
     same = {"fused": tiling.tile_conditions(fused, 1) is fused, "uncond_first": tiling.tile_conditions(sd3, 1) is sd3}
-    return expect("replay.tiling.repeats_identity", all(same.values()), "tile_conditions(c, 1) is c", **same)
+    return holds(all(same.values()), "tile_conditions(c, 1) is c", **same)
 
 
-@register("replay.tiling.rope_cache")
-def tiling_rope_cache(ctx: CheckContext) -> Verdict:
+@register("replay.tiling.rope_cache", policy=TILING_POLICY)
+def tiling_rope_cache() -> Verdict:
     """The per-sample rope_cache [N, 2, L, D] is tiled like any row field, not passed through verbatim."""
     fused = _fused()
     tiled = tiling.tile_conditions(fused, TILE_REPEATS)
     rope = tiled.rows["rope_cache"]
     got, want = read_labels(rope), _expected_labels(fused, "rope_cache", TILE_REPEATS)
     ok = rope is not fused.rows["rope_cache"] and tuple(rope.shape[1:]) == tuple(fused.rows["rope_cache"].shape[1:])
-    return expect("replay.tiling.rope_cache", ok and got == want,
+    return holds(ok and got == want,
                   f"rope_cache tiled to {len(want)} rows, branch-major", rows=len(got), layout=str(got[:2 * BATCH]))
 
 
-@register("replay.tiling.fused_uncond_cleared")
-def tiling_fused_uncond_cleared(ctx: CheckContext) -> Verdict:
+@register("replay.tiling.fused_uncond_cleared", policy=TILING_POLICY)
+def tiling_fused_uncond_cleared() -> Verdict:
     """fused_uncond caches the untiled uncond rows; tiling clears it (shared fields pass through)."""
     fused = _fused()
     tiled = tiling.tile_conditions(fused, TILE_REPEATS)
     ok = fused.fused_uncond is not None and tiled.fused_uncond is None
     shared_kept = all(tiled.shared[k] is v for k, v in fused.shared.items())
-    return expect("replay.tiling.fused_uncond_cleared", ok and shared_kept,
+    return holds(ok and shared_kept,
                   "fused_uncond is None after tiling and shared fields pass through",
                   fused_uncond_after=str(None if tiled.fused_uncond is None else sorted(tiled.fused_uncond)),
                   shared_kept=shared_kept)
 
 
-@register("replay.tiling.repeats_zero")
-def tiling_repeats_zero(ctx: CheckContext) -> Verdict:
+@register("replay.tiling.repeats_zero", policy=TILING_POLICY)
+def tiling_repeats_zero() -> Verdict:
     """repeats = 0 is a ValueError naming repeats (not a silently empty batch)."""
-    return expect_raises("replay.tiling.repeats_zero", lambda: tiling.tile_conditions(_fused(), 0), ValueError,
+    return raises(lambda: tiling.tile_conditions(_fused(), 0), ValueError,
                          match="repeats must be >= 1")
 
 
-@register("replay.tiling.repeats_negative")
-def tiling_repeats_negative(ctx: CheckContext) -> Verdict:
+@register("replay.tiling.repeats_negative", policy=TILING_POLICY)
+def tiling_repeats_negative() -> Verdict:
     """repeats = -1 is a ValueError naming repeats."""
-    return expect_raises("replay.tiling.repeats_negative", lambda: tiling.tile_conditions(_fused(), -1), ValueError,
+    return raises(lambda: tiling.tile_conditions(_fused(), -1), ValueError,
                          match="repeats must be >= 1")
 
 
@@ -301,23 +301,22 @@ def _with_floor(verdict: Verdict, policy: LocalScaleBound) -> Verdict:
                            measured_floor=policy.relative_floor, bound=policy.relative_bound)
 
 
-def real_batched_vs_serial(family: str, cfg: int, what: str, ctx: CheckContext) -> Verdict:
-    check_id = f"replay.{family}.cfg{cfg}.{what}"
+def real_batched_vs_serial(family: str, cfg: int, what: str) -> Verdict:
     policy = real_policy(family, cfg, what)
-    return _with_floor(compare_replay(real_problem(family, cfg), policy, check_id, what), policy)
+    return _with_floor(compare_replay(real_problem(family, cfg), policy, what), policy)
 
 
 for _family, _cfg, _what in REAL_CASES:
-    _register(f"replay.{_family}.cfg{_cfg}.{_what}", real_batched_vs_serial, _family, _cfg, _what,
+    _register(f"replay.{_family}.cfg{_cfg}.{_what}", real_batched_vs_serial, _family, _cfg, _what, policy=real_policy,
               doc=f"tiny {_family} cfg={_cfg}: batched {_what} within the local-scale bound of the stock floor")
 
 
-def real_determinism(family: str, ctx: CheckContext) -> Verdict:
-    return compare_replay_determinism(real_problem(family, 2), f"replay.{family}.cfg2.replay_determinism")
+def real_determinism(family: str) -> Verdict:
+    return compare_replay_determinism(real_problem(family, 2))
 
 
 for _family in FAMILIES:
-    _register(f"replay.{_family}.cfg2.replay_determinism", real_determinism, _family,
+    _register(f"replay.{_family}.cfg2.replay_determinism", real_determinism, _family, policy=exact(),
               doc=f"tiny {_family} cfg=2: the batched replay run twice gives ratio exactly 1")
 
 
@@ -347,10 +346,9 @@ def _pipeline_combine(kind: str, cond: torch.Tensor, uncond: torch.Tensor, scale
                        / torch.norm(combined, dim=channel_dim, keepdim=True))
 
 
-def pipeline_combine(family: str, ctx: CheckContext) -> Verdict:
+def pipeline_combine(family: str) -> Verdict:
     """predict_velocity with the family's combine equals the pipeline expression its combine names,
     bitwise, on the two branches of one forward."""
-    check_id = f"replay.{family}.cfg2.pipeline_combine"
     problem = real_problem(family, 2)
     x = problem.segment.latent_at(problem.target[0]).float()
     scale = float(problem.guidance)
@@ -359,17 +357,17 @@ def pipeline_combine(family: str, ctx: CheckContext) -> Verdict:
     expected = _pipeline_combine(adapter.cfg_combine, cond, uncond, scale, adapter.channel_dim)
     with spy_forwards(problem.adapter.module) as spy:
         got = predict_velocity(problem.adapter, x, 0.6, problem.conditions, scale)
-    verdict = exact().judge(check_id, got, expected, dims=("row",), what=f"{family} CFG-combined velocity")
+    verdict = exact().judge(got, expected, dims=("row",), what=f"{family} CFG-combined velocity")
     return verdict.require(spy.batch_sizes == [2 * BATCH], f"one forward of both CFG branches ({2 * BATCH} rows)",
                            forwards=spy.batch_sizes)
 
 
 for _family in FAMILIES:
-    _register(f"replay.{_family}.cfg2.pipeline_combine", pipeline_combine, _family,
+    _register(f"replay.{_family}.cfg2.pipeline_combine", pipeline_combine, _family, policy=exact(),
               doc=f"tiny {_family}: the family's CFG combine is its pipeline's, bitwise")
 
 
-def adapter_refuses_rows(family: str, ctx: CheckContext) -> Verdict:
+def adapter_refuses_rows(family: str) -> Verdict:
     """An adapter handed a row field with fewer rows than its forward raises (it never repeats rows)."""
     problem = real_problem(family, 2)
     conditions = problem.conditions
@@ -380,13 +378,13 @@ def adapter_refuses_rows(family: str, ctx: CheckContext) -> Verdict:
                        cfg_factor=full.cfg_factor)
     x = problem.segment.latent_at(problem.target[0]).float()
     timestep = problem.adapter.timestep(torch.full((2 * BATCH,), 0.6))
-    return expect_raises(f"replay.{family}.row_count_refused",
-                         lambda: problem.adapter.forward(torch.cat([x, x]), timestep, short), ValueError,
+    return raises(lambda: problem.adapter.forward(torch.cat([x, x]), timestep, short), ValueError,
                          match="the harness broadcasts row fields")
 
 
 for _family in FAMILIES:
     _register(f"replay.{_family}.row_count_refused", adapter_refuses_rows, _family,
+              policy="fact: raises ValueError naming the broadcast (no silent repeat)",
               doc=f"the {_family} adapter refuses a row field of the wrong row count (no silent repeat)")
 
 
@@ -428,10 +426,9 @@ def _repeated(conditions: Conditions, name: str, across: bool) -> Conditions:
                                                                                      slice_rows(value, 0, 1)[0])})
 
 
-def conditions_discriminate(family: str, ctx: CheckContext) -> Verdict:
+def conditions_discriminate(family: str) -> Verdict:
     """The family's example conditions pass the discriminating check, and each row field with one row copied
     onto another (within a branch; across branches for a field each branch carries) is refused, naming it."""
-    check_id = f"replay.{family}.conditions_discriminate"
     conditions = _fresh_conditions(family)
     refused, missed = [], []
     for name, value in sorted(conditions.rows.items()):
@@ -440,13 +437,14 @@ def conditions_discriminate(family: str, ctx: CheckContext) -> Verdict:
             found = discriminating.problems(_repeated(conditions, name, across))
             (refused if any(f"row field {name!r}" in text for text in found) else missed).append(
                 f"{name} ({'across branches' if across else 'within a branch'})")
-    return expect(check_id, bool(refused) and not missed,
+    return holds(bool(refused) and not missed,
                   "every row field made to repeat a row (within a branch, and across branches) is refused by name",
                   refused=", ".join(refused), missed=", ".join(missed))
 
 
 for _family in FAMILIES:
     _register(f"replay.{_family}.conditions_discriminate", conditions_discriminate, _family,
+              policy="fact: every row field made to repeat a row is refused by name",
               doc=f"the {_family} example conditions tell rows and CFG branches apart; a repeated row is refused")
 
 

@@ -2,7 +2,7 @@
 
 Parity (batched == serial) cannot see a bug in code both paths call: the SDE step, its log-prob,
 the rollout's draws, the CFG combine. These checks hold that code to fp64 formulas written from
-DESIGN 1.1 (harness.replay.oracles), to torch.distributions.Normal and to the sampling distribution
+docs/contracts.md (harness.replay.oracles), to torch.distributions.Normal and to the sampling distribution
 itself. Two more close gaps parity leaves: pi_old replayed through the batched path against the
 log-probs the rollout recorded (the real on-policy ratio), and the per-step error curve over all T
 steps, whose growth is judged against the stock path's own per-step floor.
@@ -26,8 +26,8 @@ from fixtures.replay_cases import FAKE_LATENT, GUIDANCE, fake_problem, real_cont
 from fixtures.replay_families import family_names
 from fixtures.replay_models import tiny_model
 from harness import growth
-from harness.checks import CheckContext, register
-from harness.compare import Close, Verdict, close, expect, max_abs_diff, noise_floor
+from harness.checks import register
+from harness.compare import Close, Verdict, close, holds, max_abs_diff, noise_floor
 from harness.floors import StockFloor
 from harness.growth import growth_ratio
 from harness.replay import denoiser, oracles
@@ -35,7 +35,7 @@ from harness.replay.conditions import Conditions, payload_rows, slice_rows
 from harness.replay.controls import fast_shape_serial, measure_batch_shape_control
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
 from harness.replay.families import get_family
-from harness.replay.parity import ReplayRun, judge_result, require_fast_path, run_batched, run_both
+from harness.replay.judge import ReplayRun, judge_result, require_fast_path, run_batched, run_both
 from harness.replay.problem import ReplayProblem, make_problem
 from harness.replay.replay import replay_serial
 from harness.replay.rollout import flow_sigmas, rollout
@@ -71,8 +71,15 @@ FLAVOURS = {
 }
 
 
-def _register(check_id: str, fn, *args, doc: str) -> None:
-    register(check_id, doc=doc)(functools.partial(fn, *args))
+ORACLE_POLICY = (f"noise_floor(error <= {K_ORACLE:g} x the formula's fp32-vs-fp64 error, at least "
+                 f"{ORACLE_FLOOR_ULPS:g} fp32 ulp of the quantity's scale) against the fp64 oracle")
+DRAWS_POLICY = f"close(atol=1): standardised draws' mean and variance within {DRAW_SIGMAS:g} standard errors"
+RATIO_POLICY = f"close(atol={RATIO_FLOOR_MULTIPLE:g} x the pi_old ratio's stock floor) around exp(0) = 1"
+GROWTH_POLICY = "per-step error growth <= the growth budget x the stock floor curve's growth (harness.growth)"
+
+
+def _register(check_id: str, fn, *args, doc: str, policy: str = ORACLE_POLICY) -> None:
+    register(check_id, doc=doc, policy=policy)(functools.partial(fn, *args))
 
 
 # ------------------------------------------------------------------------------------- SDE oracles
@@ -101,7 +108,7 @@ def sde_inputs() -> SDEInputs:
 
 
 def _oracle_transition(flavour: Flavour, inputs: SDEInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) from the DESIGN formulas in fp64: the oracle."""
+    """(mean, std) from the formulas of docs/contracts.md in fp64: the oracle."""
     std_t = flavour.std_t(inputs.sigma, float(inputs.sigma_max))
     mean = oracles.flow_mean64(inputs.x, inputs.v, inputs.sigma, inputs.sigma_next, std_t)
     return mean, oracles.std64(std_t, inputs.sigma, inputs.sigma_next)
@@ -124,35 +131,33 @@ def _prev(inputs: SDEInputs, mean: torch.Tensor, std: torch.Tensor) -> torch.Ten
     return fp32.to(torch.bfloat16)
 
 
-def _bounded(check_id: str, what: str, actual: torch.Tensor, oracle: torch.Tensor, control: float,
+def _bounded(what: str, actual: torch.Tensor, oracle: torch.Tensor, control: float,
              scale: float) -> Verdict:
     """error <= K x control; the control (the formula in fp32 vs fp64) has a minimum of one fp32 ulp of the
     quantity's scale (a formula evaluated exactly in fp32 has error 0), and K must lie in [K_MIN, K_MAX]."""
-    floor = StockFloor(control, scale, ORACLE_FLOOR_ULPS, source="the DESIGN formula in fp32 vs fp64")
+    floor = StockFloor(control, scale, ORACLE_FLOOR_ULPS, source="the formula in fp32 vs fp64")
     policy = noise_floor(floor.value, k=K_ORACLE, reason=f"{what}: fp32 rounding; {floor.describe()}")
-    verdict = policy.judge(check_id, actual.double(), oracle.double(), dims=("row",), what=what)
+    verdict = policy.judge(actual.double(), oracle.double(), dims=("row",), what=what)
     verdict = verdict.require(floor.value > 0 and math.isfinite(floor.value),
                               f"{what}: control floor measured (finite, > 0)", control=control)
     return verdict.require_bounded(policy.bound, floor, k_min=K_MIN, k_max=K_MAX, what=f"{what} tolerance")
 
 
-def oracle_mean(name: str, ctx: CheckContext) -> Verdict:
-    check_id = f"replay.oracle.{name}.mean"
+def oracle_mean(name: str) -> Verdict:
     flavour, inputs = FLAVOURS[name], sde_inputs()
     mean, _ = flavour.strategy.transition(inputs.x, inputs.v, inputs.sigma, inputs.sigma_next, inputs.sigma_max)
     oracle, _ = _oracle_transition(flavour, inputs)
     control, _ = _control_transition(flavour, inputs)
-    return _bounded(check_id, "transition mean", mean, oracle, max_abs_diff(control.double(), oracle),
+    return _bounded("transition mean", mean, oracle, max_abs_diff(control.double(), oracle),
                     float(oracle.abs().max()))
 
 
-def oracle_std(name: str, ctx: CheckContext) -> Verdict:
-    check_id = f"replay.oracle.{name}.std"
+def oracle_std(name: str) -> Verdict:
     flavour, inputs = FLAVOURS[name], sde_inputs()
     _, std = flavour.strategy.transition(inputs.x, inputs.v, inputs.sigma, inputs.sigma_next, inputs.sigma_max)
     _, oracle = _oracle_transition(flavour, inputs)
     _, control = _control_transition(flavour, inputs)
-    return _bounded(check_id, "transition std", std, oracle, max_abs_diff(control.double(), oracle),
+    return _bounded("transition std", std, oracle, max_abs_diff(control.double(), oracle),
                     float(oracle.abs().max()))
 
 
@@ -165,14 +170,13 @@ def _scored(flavour: Flavour, inputs: SDEInputs) -> tuple[torch.Tensor, torch.Te
     return step.log_prob, prev, mean64, std64
 
 
-def oracle_log_prob_fp64(name: str, ctx: CheckContext) -> Verdict:
-    """sde_step's log-prob of a bf16-stored draw against the DESIGN formula in fp64."""
-    check_id = f"replay.oracle.{name}.log_prob_fp64"
+def oracle_log_prob_fp64(name: str) -> Verdict:
+    """sde_step's log-prob of a bf16-stored draw against the formula in fp64."""
     flavour, inputs = FLAVOURS[name], sde_inputs()
     log_prob, prev, mean64, std64 = _scored(flavour, inputs)
     oracle = oracles.gaussian_log_prob64(prev, mean64, std64)
     control = _control_log_prob(prev, mean64, std64)
-    return _bounded(check_id, "log_prob", log_prob, oracle, max_abs_diff(control.double(), oracle),
+    return _bounded("log_prob", log_prob, oracle, max_abs_diff(control.double(), oracle),
                     float(oracle.abs().max()))
 
 
@@ -184,24 +188,23 @@ def _control_log_prob(prev: torch.Tensor, mean64: torch.Tensor, std64: torch.Ten
     return element.reshape(element.shape[0], -1).mean(dim=1)
 
 
-def oracle_log_prob_normal(name: str, ctx: CheckContext) -> Verdict:
+def oracle_log_prob_normal(name: str) -> Verdict:
     """sde_step's log-prob against torch.distributions.Normal, averaged over non-batch dims."""
-    check_id = f"replay.oracle.{name}.log_prob_normal"
     flavour, inputs = FLAVOURS[name], sde_inputs()
     log_prob, prev, mean64, std64 = _scored(flavour, inputs)
     scale64 = std64.reshape(-1, 1, 1, 1).expand_as(mean64)
     reference = torch.distributions.Normal(mean64, scale64).log_prob(prev.double()).flatten(1).mean(dim=1)
     control = torch.distributions.Normal(mean64.float(), scale64.float()).log_prob(prev.float()).flatten(1).mean(dim=1)
-    verdict = _bounded(check_id, "log_prob vs Normal", log_prob, reference,
+    verdict = _bounded("log_prob vs Normal", log_prob, reference,
                        max_abs_diff(control.double(), reference), float(reference.abs().max()))
     return verdict.require(prev.dtype == torch.bfloat16, "prev scored as stored, round-tripped through bf16")
 
 
 for _name in FLAVOURS:
     _register(f"replay.oracle.{_name}.mean", oracle_mean, _name,
-              doc=f"{_name} SDE: transition mean against the DESIGN 1.1 formula in fp64")
+              doc=f"{_name} SDE: transition mean against the fp64 formula (docs/contracts.md)")
     _register(f"replay.oracle.{_name}.std", oracle_std, _name,
-              doc=f"{_name} SDE: transition std against the DESIGN 1.1 formula in fp64")
+              doc=f"{_name} SDE: transition std against the fp64 formula (docs/contracts.md)")
     _register(f"replay.oracle.{_name}.log_prob_fp64", oracle_log_prob_fp64, _name,
               doc=f"{_name} SDE: log-prob of a bf16-stored draw against the fp64 formula")
     _register(f"replay.oracle.{_name}.log_prob_normal", oracle_log_prob_normal, _name,
@@ -211,11 +214,10 @@ for _name in FLAVOURS:
 # ------------------------------------------------------------------------------- the rollout's draws
 
 
-@register("replay.oracle.rollout.draws")
-def rollout_draws(ctx: CheckContext) -> Verdict:
+@register("replay.oracle.rollout.draws", policy=DRAWS_POLICY)
+def rollout_draws() -> Verdict:
     """A seeded rollout's SDE draws, standardised by the fp64 oracle's mean and std, have mean 0 and
     variance 1 within DRAW_SIGMAS standard errors of the number of draws."""
-    check_id = "replay.oracle.rollout.draws"
     gen = torch.Generator().manual_seed(31)
     adapter = FakeDenoiser(FUSED_COND_FIRST, FAKE_LATENT, 31)
     conditions = fused_conditions(DRAW_ROWS, HI3_FIELDS, 1, gen)
@@ -240,7 +242,7 @@ def rollout_draws(ctx: CheckContext) -> Verdict:
     error = (moments - torch.tensor([0.0, 1.0], dtype=torch.float64)).abs() / bounds
     policy = close(atol=1.0, rtol=0.0, reason=f"standardised draws: |mean| <= {DRAW_SIGMAS:g}/sqrt(n), "
                                               f"|var - 1| <= {DRAW_SIGMAS:g} sqrt(2/(n-1)), n = {n}")
-    verdict = policy.judge(check_id, error, torch.zeros_like(error), dims=("moment",),
+    verdict = policy.judge(error, torch.zeros_like(error), dims=("moment",),
                            labels={"moment": ["mean", "variance"]}, what="moment error in standard errors")
     return verdict.with_metrics(draws=n, sample_mean=float(moments[0]), sample_var=float(moments[1]),
                                 mean_bound=float(bounds[0]), var_bound=float(bounds[1]))
@@ -273,10 +275,9 @@ def _cfg_case(layout: str) -> tuple[FakeDenoiser, Conditions, Conditions, Condit
     return adapter, guided, cond, uncond
 
 
-def cfg_standard(case: str, layout: str, ctx: CheckContext) -> Verdict:
+def cfg_standard(case: str, layout: str) -> Verdict:
     """predict_velocity's guided velocity against uncond + g (cond - uncond) in fp64 of the two
     branches run alone."""
-    check_id = f"replay.oracle.cfg.{case}"
     adapter, guided, cond, uncond = _cfg_case(layout)
     gen = torch.Generator().manual_seed(42)
     x = torch.randn((guided.batch, *FAKE_LATENT), generator=gen)
@@ -287,7 +288,7 @@ def cfg_standard(case: str, layout: str, ctx: CheckContext) -> Verdict:
     v_uncond = adapter.forward(x, timestep, uncond)
     oracle = oracles.cfg_standard64(v_cond, v_uncond, GUIDANCE)
     control = v_uncond + GUIDANCE * (v_cond - v_uncond)
-    return _bounded(check_id, f"CFG velocity (g={GUIDANCE:g})", velocity, oracle,
+    return _bounded(f"CFG velocity (g={GUIDANCE:g})", velocity, oracle,
                     max_abs_diff(control.double(), oracle), float(oracle.abs().max()))
 
 
@@ -352,7 +353,7 @@ def ratio_stock_floor(problem: ReplayProblem, floors: tuple[float, float, float]
                       source=f"serial replay vs rollout {rollout_floor:.2e}, batch shape {batch_shape_floor:.2e}")
 
 
-def pi_old_vs_rollout(check_id: str, problem: ReplayProblem, floors: tuple[float, float, float]) -> Verdict:
+def pi_old_vs_rollout(problem: ReplayProblem, floors: tuple[float, float, float]) -> Verdict:
     """exp(logp replayed through the batched path - logp recorded at rollout) == 1 per row and step,
     within a multiple of the stock floor measured on the reference rollout."""
     recorded = problem.segment.recorded_log_probs(problem.target)
@@ -361,29 +362,29 @@ def pi_old_vs_rollout(check_id: str, problem: ReplayProblem, floors: tuple[float
     policy = close(atol=atol, rtol=0.0, reason=f"{RATIO_FLOOR_MULTIPLE:g} x the ratio's stock {stock.describe()}")
     result, forwards = run_batched(problem)
     if result is None:
-        return expect(check_id, False, "batched replay returned a result for pi_old")
+        return holds(False, "batched replay returned a result for pi_old")
     ratio = torch.exp(result.log_probs.double() - recorded.double())
-    verdict = judge_result(policy, check_id, ratio, torch.ones_like(ratio), problem.target, "pi_old ratio")
+    verdict = judge_result(policy, ratio, torch.ones_like(ratio), problem.target, "pi_old ratio")
     verdict = verdict.require(math.isfinite(stock.value), "stock floor of the pi_old ratio measured (finite)",
                               rollout_floor=floors[1], batch_shape_floor=floors[2])
     verdict = verdict.require_bounded(atol, stock, k_min=1.0, k_max=RATIO_FLOOR_MULTIPLE, what="pi_old ratio atol")
     return require_fast_path(verdict, problem, forwards)
 
 
-def fake_pi_old_vs_rollout(case: str, ctx: CheckContext) -> Verdict:
-    return pi_old_vs_rollout(f"replay.{case}.pi_old_vs_rollout", fresh_problem(case), fake_ratio_floor(case))
+def fake_pi_old_vs_rollout(case: str) -> Verdict:
+    return pi_old_vs_rollout(fresh_problem(case), fake_ratio_floor(case))
 
 
 for _case in ("cfg2", "uncond_first"):
-    _register(f"replay.{_case}.pi_old_vs_rollout", fake_pi_old_vs_rollout, _case,
+    _register(f"replay.{_case}.pi_old_vs_rollout", fake_pi_old_vs_rollout, _case, policy=RATIO_POLICY,
               doc="pi_old replayed through the batched path against the log-probs a fresh rollout recorded")
 
 
-@register("replay.flux.cfg2.pi_old_vs_rollout")
-def flux_pi_old_vs_rollout(ctx: CheckContext) -> Verdict:
+@register("replay.flux.cfg2.pi_old_vs_rollout", policy=RATIO_POLICY)
+def flux_pi_old_vs_rollout() -> Verdict:
     """Tiny Flux (fused cond-first): the batched pi_old ratio against the rollout's record, within the
     measured fp32 floor."""
-    return pi_old_vs_rollout("replay.flux.cfg2.pi_old_vs_rollout", fresh_real_problem("flux", 2),
+    return pi_old_vs_rollout(fresh_real_problem("flux", 2),
                              real_ratio_floor("flux", 2))
 
 
@@ -444,20 +445,19 @@ def single_step_policy(problem: ReplayProblem) -> Close:
                  reason=f"single-step: max(4 x floor {floor:.2e}, 4 fp32 ulps x {scale:.2e})")
 
 
-def error_growth(family: str, ctx: CheckContext) -> Verdict:
+def error_growth(family: str) -> Verdict:
     """A family's tiny model over all T steps: the per-step error of the batched means (mean |batched - serial|)
     may grow at most GROWTH_BUDGET x as fast as the stock floor (serial at B rows vs at the fast path's shape)."""
-    check_id = f"replay.{family}.growth.prev_sample_means"
     problem = growth_problem(family)
     run, curve, floor = error_curves(problem, family)
     if curve is None:
-        return expect(check_id, False, "batched replay returned a result (no silent fallback)")
-    verdict = growth.judge_growth(check_id, curve, floor, torch.tensor(resolution_curve(family), dtype=torch.float64),
+        return holds(False, "batched replay returned a result (no silent fallback)")
+    verdict = growth.judge_growth(curve, floor, torch.tensor(resolution_curve(family), dtype=torch.float64),
                                   control=f"stock serial at B rows vs serial with every forward at the fast path's "
                                           f"{problem.batched_rows}-row shape, mean |d| of the means per step")
     return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)
 
 
 for _family in family_names():
-    _register(f"replay.{_family}.growth.prev_sample_means", error_growth, _family,
+    _register(f"replay.{_family}.growth.prev_sample_means", error_growth, _family, policy=GROWTH_POLICY,
               doc=f"tiny {_family} over all T steps: batched-mean error grows no faster than the stock floor")

@@ -18,7 +18,7 @@ from fixtures.replay_cases import BATCH, GUIDANCE
 from fixtures.replay_families import family_names
 from fixtures.replay_models import tiny_model
 from harness import conformance
-from harness.checks import CheckContext, register
+from harness.checks import register
 from harness.compare import Verdict
 from harness.replay import discriminating, pipeline_oracle
 from harness.replay.families import get_family
@@ -40,13 +40,17 @@ def oracle_record(family: str) -> tuple[ModelAdapter, pipeline_oracle.PipelineRe
     return adapter, pipeline_oracle.run_pipeline(registered, adapter, prompts, latents, float(GUIDANCE))
 
 
-def pipeline_oracle_check(family: str, ctx: CheckContext) -> Verdict:
+POLICY = (f"model inputs: close(atol={pipeline_oracle.TIMESTEP_ULPS:g} fp32 ulps of their scale); output: relative "
+          f"error <= {pipeline_oracle.K_OUTPUT:g} x the stock floor, at least 4 fp32 ulps of the local magnitude")
+
+
+def pipeline_oracle_check(family: str) -> Verdict:
     adapter, record = oracle_record(family)
-    return pipeline_oracle.judge_family(f"replay.oracle.pipeline.{family}", get_family(family), adapter, record)
+    return pipeline_oracle.judge_family(get_family(family), adapter, record)
 
 
 for _family in FAMILIES:
-    register(f"replay.oracle.pipeline.{_family}",
+    register(f"replay.oracle.pipeline.{_family}", policy=POLICY,
              doc=f"the {_family} adapter's denoiser gives its diffusers pipeline's model inputs and output")(
         functools.partial(pipeline_oracle_check, _family))
 conformance.not_judged("replay.oracle.pipeline.*", "holds the family's adapter to its diffusers pipeline (model inputs "

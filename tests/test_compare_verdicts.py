@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from harness.compare import Verdict, expect, expect_raises
+from harness.compare import UNSTAMPED, Verdict, holds, raises
 
 pytestmark = pytest.mark.cpu
 
@@ -51,7 +51,7 @@ def test_merge_keeps_the_first_lead_on_a_tied_margin_and_joins_policies():
     larger = Verdict("r.c.w", True, {"b": 2}, "p", 0.75, headline="b", tolerance=2.0)
     assert first.merge(larger) == Verdict("r.c.w", True, {"a": 1, "b": 2}, "p", 0.75, headline="b",
                                           tolerance=2.0, message="m1", notes=("ok: f1",))
-    fact = expect("r.c.w", True, "one forward")
+    fact = holds(True, "one forward")
     assert fact.merge(first).margin == 0.5 and first.merge(fact).headline == "a"
 
 
@@ -69,12 +69,12 @@ def test_require_bounded_accepts_both_edges_and_rejects_just_outside():
     assert not tight.passed and not loose.passed
 
 
-def test_expect_and_expect_raises_report_what_was_observed():
-    assert expect("t.f", True, "one forward", forwards=1) == Verdict(
-        "t.f", True, {"forwards": 1}, "fact: one forward", None, notes=("ok: one forward",))
-    assert expect("t.f", False, "one forward", forwards=2, share=0.5).message == (
+def test_holds_and_raises_report_what_was_observed():
+    assert holds(True, "one forward", forwards=1) == Verdict(
+        UNSTAMPED, True, {"forwards": 1}, "fact: one forward", None, notes=("ok: one forward",))
+    assert holds(False, "one forward", forwards=2, share=0.5).message == (
         "expected: one forward; observed: forwards=2, share=5.000e-01")
-    assert expect("t.f", False, "one forward").message == "expected: one forward; observed: it does not hold"
+    assert holds(False, "one forward").message == "expected: one forward; observed: it does not hold"
     long = "x" * 301
 
     def raise_value_error():
@@ -83,15 +83,15 @@ def test_expect_and_expect_raises_report_what_was_observed():
     def raise_key_error():
         raise KeyError(long)
 
-    raised = expect_raises("t.r", raise_value_error, ValueError, match="x+")
+    raised = raises(raise_value_error, ValueError, match="x+")
     assert raised.passed and raised.metrics == {"raised": "ValueError", "error": "x" * 300}
     assert raised.policy == "fact: raises ValueError matching 'x+'"
-    unmatched = expect_raises("t.r", raise_value_error, (KeyError, ValueError), match="y")
+    unmatched = raises(raise_value_error, (KeyError, ValueError), match="y")
     assert not unmatched.passed and unmatched.policy == "fact: raises KeyError/ValueError matching 'y'"
-    silent = expect_raises("t.r", lambda: None, ValueError)
+    silent = raises(lambda: None, ValueError)
     assert (silent.passed, silent.metrics, silent.message) == (
         False, {"raised": "nothing"}, "expected: raises ValueError; observed: raised=nothing")
-    any_text = expect_raises("t.r", raise_value_error, ValueError)
+    any_text = raises(raise_value_error, ValueError)
     assert any_text.passed and any_text.policy == "fact: raises ValueError"
-    wrong = expect_raises("t.r", raise_key_error, ValueError)
+    wrong = raises(raise_key_error, ValueError)
     assert not wrong.passed and wrong.metrics == {"raised": "KeyError", "error": "'" + "x" * 299}

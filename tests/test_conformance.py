@@ -46,7 +46,7 @@ from harness.compare import exact
 def cdemo_exact(ctx):
     fast = conformance.resolve("attention", suite_impl.scale)
     x = [1.0, 2.0, 3.0]
-    return exact().judge("attention.cdemo.exact", torch.tensor(fast(x)), torch.tensor(suite_impl.stock(x)))
+    return exact().judge(torch.tensor(fast(x)), torch.tensor(suite_impl.stock(x)))
 
 
 @register("attention.cdemo.fallback")
@@ -55,14 +55,14 @@ def cdemo_fallback(ctx):
     fast = conformance.resolve("attention", suite_impl.scale)
     x = [1.0, 2.0]
     got = suite_impl.scale(x) if fast is not suite_impl.scale else fast(x)
-    return exact().judge("attention.cdemo.fallback", torch.tensor(got), torch.tensor(suite_impl.stock(x)))
+    return exact().judge(torch.tensor(got), torch.tensor(suite_impl.stock(x)))
 
 
 @register("attention.cdemo.unwired")
 def cdemo_unwired(ctx):
     """Never fetches the implementation under test (a check not routed through conformance.resolve)."""
     x = [1.0, 2.0]
-    return exact().judge("attention.cdemo.unwired", torch.tensor(suite_impl.scale(x)),
+    return exact().judge(torch.tensor(suite_impl.scale(x)),
                          torch.tensor(suite_impl.stock(x)))
 
 
@@ -70,7 +70,7 @@ def cdemo_unwired(ctx):
 def cdemo_stock_only(ctx):
     """Compares the stock path with itself: no implementation under test can run here, and it says so."""
     x = [1.0, 2.0]
-    return exact().judge("attention.cdemo.stock_only", torch.tensor(suite_impl.stock(x)),
+    return exact().judge(torch.tensor(suite_impl.stock(x)),
                          torch.tensor(suite_impl.stock(x)))
 
 
@@ -80,7 +80,7 @@ conformance.not_judged("attention.cdemo.stock_*", "compares the stock path with 
 @register("replay.cdemo.exact")
 def replay_exact(ctx):
     x = [1.0]
-    return exact().judge("replay.cdemo.exact", torch.tensor(suite_impl.scale(x)), torch.tensor(suite_impl.stock(x)))
+    return exact().judge(torch.tensor(suite_impl.scale(x)), torch.tensor(suite_impl.stock(x)))
 '''
 
 ABLATIONS = '''

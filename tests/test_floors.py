@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from fixtures.replay_cases import fake_problem
-from harness.ar import verdicts
-from harness.attention.policy import FloorControl, RowControl, RowScaledFloor, bounded, floor_policy, rel_l2_bound
-from harness.compare import expect
+from harness.ar import judge
+from harness.ar import policies as ar_policies
+from harness.attention.policies import FloorControl, RowControl, RowScaledFloor, bounded, floor_policy, rel_l2_bound
+from harness.compare import holds
 from harness.floors import StockFloor, eps
 from harness.growth import GROWTH_BUDGET, judge_growth
 from harness.replay.policies import RESOLUTION, LocalScaleBound
@@ -48,7 +49,7 @@ def test_a_stock_floor_is_its_measurement_or_its_minimum_whichever_is_larger():
 
 def test_require_bounded_keeps_too_loose_and_too_tight_meaningful_at_a_zero_floor():
     floor = StockFloor(0.0, 1.0, 4.0)
-    fact = expect("t.floor", True, "ran")
+    fact = holds(True, "ran")
     inside = fact.require_bounded(8 * floor.minimum, floor, k_min=2.0, k_max=8.0)
     assert inside.passed and inside.metrics["floor_at_minimum"] and inside.metrics["stock_floor"] == floor.minimum
     loose = fact.require_bounded(9 * floor.minimum, floor, k_min=2.0, k_max=8.0)
@@ -65,12 +66,12 @@ def test_replay_local_scale_bound(ulps):
     policy = LocalScaleBound("log_probs", relative_floor=ulps * EPS, resolution=RESOLUTION, k=4.0)
     expected = torch.tensor([[-3.0, -1.5], [-0.25, -8.0]])
     assert policy.relative_bound >= 4.0 * RESOLUTION
-    same = policy.judge("t.replay", expected.clone(), expected)
+    same = policy.judge(expected.clone(), expected)
     assert same.passed and same.metrics["floor_at_minimum"] == (ulps * EPS < RESOLUTION)
     one_ulp = expected + EPS * expected.abs().amax(dim=1, keepdim=True)  # one ulp of each row's magnitude
-    assert policy.judge("t.replay", one_ulp, expected).passed
+    assert policy.judge(one_ulp, expected).passed
     off = expected * (1 + 2 * policy.relative_bound)
-    assert not policy.judge("t.replay", off, expected).passed
+    assert not policy.judge(off, expected).passed
 
 
 @pytest.mark.parametrize("ulps", FLOORS.values(), ids=FLOORS.keys())
@@ -93,11 +94,11 @@ def test_replay_oracle_bound(ulps):
 
     oracle = torch.tensor([2.0, -4.0, 0.5], dtype=torch.float64)
     scale = float(oracle.abs().max())
-    verdict = _bounded("t.oracle", "mean", oracle + EPS * scale, oracle, ulps * EPS * scale, scale)
+    verdict = _bounded("mean", oracle + EPS * scale, oracle, ulps * EPS * scale, scale)
     assert verdict.passed, verdict.describe()
     assert verdict.metrics["bound"] >= K_ORACLE * EPS * scale
     assert verdict.metrics["floor_at_minimum"] == (ulps < 1)
-    far = _bounded("t.oracle", "mean", oracle + 2 * verdict.metrics["bound"], oracle, ulps * EPS * scale, scale)
+    far = _bounded("mean", oracle + 2 * verdict.metrics["bound"], oracle, ulps * EPS * scale, scale)
     assert not far.passed
 
 
@@ -109,14 +110,14 @@ def test_growth_judge(ulps):
     """Per-step curves over 9 steps; the resolution is one ulp of a magnitude-2 quantity at every step."""
     resolution = torch.full((9,), 2 * EPS, dtype=torch.float64)
     floor = torch.full((9,), ulps * 2 * EPS, dtype=torch.float64)
-    flat = judge_growth("t.growth", resolution.clone(), floor, resolution, control="test")
+    flat = judge_growth(resolution.clone(), floor, resolution, control="test")
     assert flat.passed, flat.describe()
     assert flat.tolerance == GROWTH_BUDGET and flat.metrics["floor_at_minimum"] is False  # a flat floor: growth 1
     assert flat.metrics["floor_points_at_resolution"] == (9 if ulps <= 1 else 0)
-    growing = judge_growth("t.growth", resolution * torch.logspace(0, 3, 9, dtype=torch.float64), floor, resolution,
+    growing = judge_growth(resolution * torch.logspace(0, 3, 9, dtype=torch.float64), floor, resolution,
                            control="test")
     assert not growing.passed and growing.margin > 1
-    zero_everything = judge_growth("t.growth", torch.zeros(9), torch.zeros(9), resolution, control="test")
+    zero_everything = judge_growth(torch.zeros(9), torch.zeros(9), resolution, control="test")
     assert zero_everything.passed and zero_everything.metrics["error_growth"] == 1.0
 
 
@@ -126,17 +127,17 @@ def test_growth_judge(ulps):
 @pytest.mark.parametrize("ulps", FLOORS.values(), ids=FLOORS.keys())
 def test_ar_fp32_policies(ulps):
     scale = 12.5
-    floor = verdicts.StockPrefillFloor(logp=ulps * EPS * scale, kv=ulps * EPS * 3.0, backend="hand",
+    floor = ar_policies.StockPrefillFloor(logp=ulps * EPS * scale, kv=ulps * EPS * 3.0, backend="hand",
                                        logp_scale=scale, kv_scale=3.0)
-    policies = verdicts.fp32_policies(floor)
-    minimum = verdicts.FLOOR_ULPS * EPS * scale
-    assert policies.logp.atol == verdicts.TOLERANCE_K * max(ulps * EPS * scale, minimum) >= 8 * minimum
+    policies = ar_policies.fp32_policies(floor)
+    minimum = ar_policies.FLOOR_ULPS * EPS * scale
+    assert policies.logp.atol == ar_policies.TOLERANCE_K * max(ulps * EPS * scale, minimum) >= 8 * minimum
     expected = torch.tensor([[-scale, -1.0]])
-    verdict = policies.logp.judge("t.ar", expected + EPS * scale, expected)  # one ulp at the magnitude
-    verdict = verdicts.require_floor_bounds(verdict, policies.logp.atol, floor, "logp")
+    verdict = policies.logp.judge(expected + EPS * scale, expected)  # one ulp at the magnitude
+    verdict = judge.require_floor_bounds(verdict, policies.logp.atol, floor, "logp")
     assert verdict.passed, verdict.describe()
-    assert verdict.metrics["floor_at_minimum"] == (ulps < verdicts.FLOOR_ULPS)
-    loose = verdicts.require_floor_bounds(verdict, 2 * verdicts.K_MAX * floor.floor("logp"), floor, "logp")
+    assert verdict.metrics["floor_at_minimum"] == (ulps < ar_policies.FLOOR_ULPS)
+    loose = judge.require_floor_bounds(verdict, 2 * ar_policies.K_MAX * floor.floor("logp"), floor, "logp")
     assert any("too loose" in fact for fact in loose.violated_facts)
 
 
@@ -149,7 +150,7 @@ def test_attention_fp32_policy(ulps):
     control = FloorControl(ulps * EPS * scale, ulps * EPS, "torch.float32", scale)
     policy = floor_policy(control)
     expected = torch.tensor([[scale, -0.5, 0.25]])
-    verdict = bounded(policy.judge("t.attention", expected + EPS * scale, expected), policy, control.max_abs_floor())
+    verdict = bounded(policy.judge(expected + EPS * scale, expected), policy, control.max_abs_floor())
     assert verdict.passed, verdict.describe()
     assert policy.bound >= 4 * EPS * scale and rel_l2_bound(control) >= 4 * EPS
     assert verdict.metrics["floor_at_minimum"] == (ulps < 1)
@@ -161,7 +162,7 @@ def test_attention_bf16_row_policy(ulps):
     policy = RowScaledFloor(RowControl(ulps * bf16, "batch 0, head 0, query row 0", "torch.bfloat16"), k=4.0)
     expected = torch.tensor([[[[1.0, -2.0], [0.5, 0.25]]]], dtype=torch.float64)
     one_ulp = expected + bf16 * expected.abs().amax(dim=-1, keepdim=True)
-    verdict = bounded(policy.judge("t.bf16", one_ulp, expected), policy, None)
+    verdict = bounded(policy.judge(one_ulp, expected), policy, None)
     assert verdict.passed, verdict.describe()
     assert verdict.metrics["floor_at_minimum"] == (ulps < 1)
-    assert not policy.judge("t.bf16", expected * 3.0, expected).passed  # off by twice each row's magnitude
+    assert not policy.judge(expected * 3.0, expected).passed  # off by twice each row's magnitude

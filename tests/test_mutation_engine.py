@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from mutation.engine import cli, equivalents, report
-from mutation.engine import coverage_map as covmap
-from mutation.engine.coverage_map import CoverageMap
-from mutation.engine.operators import OPERATORS, Mutant, apply, find_mutants
-from mutation.engine.patching import PatchError, patch_live
+from tools.mutation_score import cli, equivalents, report
+from tools.mutation_score import coverage_map as covmap
+from tools.mutation_score.coverage_map import CoverageMap
+from tools.mutation_score.operators import OPERATORS, Mutant, apply, find_mutants
+from tools.mutation_score.patching import PatchError, patch_live
 
 pytestmark = pytest.mark.cpu
 
@@ -328,7 +328,7 @@ def _demo(tmp_path: Path) -> tuple[dict[str, str], dict[str, Mutant]]:
 def _runner(tmp_path: Path, jobs: list[dict], env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
     (tmp_path / "jobs.json").write_text(json.dumps([dict(j, mutant=j["mutant"].__dict__) for j in jobs]))
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "mutation.engine.runner", "jobs.json", str(out), "2", "mutdemo",
+    proc = subprocess.Popen([sys.executable, "-m", "tools.mutation_score.runner", "jobs.json", str(out), "2", "mutdemo",
                              "--", "-q", "-p", "no:cacheprovider", "test_demo.py"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, out
@@ -403,7 +403,7 @@ def test_an_interrupted_runner_kills_its_children_and_removes_its_folder(tmp_pat
 DRIVER = textwrap.dedent('''
     import json, signal, sys
     from pathlib import Path
-    from mutation.engine import cli
+    from tools.mutation_score import cli
 
     cli.REPO = Path.cwd()
     signal.signal(signal.SIGTERM, cli._interrupted)

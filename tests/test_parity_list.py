@@ -33,6 +33,14 @@ def test_every_check_id_maps_to_an_importable_function_and_its_killers():
                 assert f"{item.name} ({item.mode_for(check.id)})" in line
 
 
+def test_every_registered_check_declares_its_policy_and_the_list_prints_it():
+    catalogue.load()
+    lines = {line.split("  ", 1)[0]: line for line in parity_list()}
+    missing = sorted(c.id for c in checks.all_checks() if not c.policy)
+    assert not missing, f"checks registered without a policy: {missing[:10]}"
+    assert all(f"policy={c.policy}" in lines[c.id] for c in checks.all_checks())
+
+
 def test_the_option_lists_matching_checks_and_runs_nothing(pytester):
     catalogue.load()
     pytester.makepyfile(test_never="def test_never():\n    raise AssertionError('--parity-list ran a test')\n")

@@ -103,7 +103,7 @@ from harness.compare import exact
 @register("demo.remote.load")
 def remote_load(ctx):
     model = checkpoints.load_model(checkpoints.detect({directory!r}), torch.float32, "cpu")
-    return exact().judge("demo.remote.load", torch.zeros(1), torch.zeros(1 + 0 * model.config.hidden_size))
+    return exact().judge(torch.zeros(1), torch.zeros(1 + 0 * model.config.hidden_size))
 '''
 
 REMOTE_TESTS = '''

@@ -35,9 +35,9 @@ def test_attend_is_the_reference_and_causal_only_is_not(layout, kv_heads):
     q, k, v = _qkv(layout, kv_heads)
     expected = masked_sdpa(q, k, v, layout)
     policy = close(atol=1e-12, rtol=0.0, reason="fp64: the same masked SDPA, summation order only")
-    right = policy.judge("attention.example.attend", zoo_attention.attend(q, k, v, layout), expected)
+    right = policy.judge(zoo_attention.attend(q, k, v, layout), expected)
     assert right.passed, right.describe()
-    wrong = policy.judge("attention.example.causal_only", zoo_attention.causal_only(q, k, v, layout), expected)
+    wrong = policy.judge(zoo_attention.causal_only(q, k, v, layout), expected)
     assert not wrong.passed and wrong.metrics["max_abs"] > 1e-3, wrong.describe()
 
 
@@ -48,9 +48,9 @@ def test_replay_is_the_suite_replay_and_the_swapped_nesting_is_not_under_cfg(nam
     right = zoo_replay.replay_batched(*problem.args())
     swapped = zoo_replay.nesting_swapped(*problem.args())
     for what in ("log_probs", "prev_sample_means"):
-        verdict = exact().judge(f"replay.example.{name}.{what}", getattr(right, what), getattr(expected, what))
+        verdict = exact().judge(getattr(right, what), getattr(expected, what))
         assert verdict.passed, verdict.describe()
-        same = exact().judge(f"replay.example.{name}.{what}", getattr(swapped, what), getattr(expected, what)).passed
+        same = exact().judge(getattr(swapped, what), getattr(expected, what)).passed
         # fused cond-first CFG splits the batch at its midpoint: only there does the nesting change the rows
         fused_cfg = name in ("cfg2", "list_payloads")
         assert same != fused_cfg, f"{name}: the swapped nesting {'survived' if same else 'differed'}"

@@ -304,7 +304,7 @@ class UpstreamBackend:
 
 
 class TransformersBackend:
-    """A transformers causal LM over its own ``StaticCache`` with the hole layout (DESIGN.md 1.2)."""
+    """A transformers causal LM over its own ``StaticCache`` with the hole layout (docs/contracts.md, ar)."""
 
     layout = "shared slots with per-row holes [real_pos_i, Lmax)"
 
@@ -372,7 +372,7 @@ class TransformersBackend:
 
     def stock_generate(self, prompt: torch.Tensor, max_new_tokens: int, eos: tuple[int, ...]) -> StockRun:
         """The model alone at B=1 on the unpadded prompt: its default DynamicCache, no mask, no position_ids
-        (what ``generate`` does per step; parity/test_ar_transformers.py pins the two together)."""
+        (what ``generate`` does per step; tests/ar/test_transformers.py pins the two together)."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)

@@ -111,7 +111,7 @@ def pad_positions(position_ids: torch.Tensor, length: int) -> torch.Tensor:
     """Pad one row's ``position_ids [1, L_i]`` to ``length`` with the row's own continuing indices.
 
     position_ids are the KV-cache write indices (upstream passes them to ``index_copy_`` as cache_position),
-    so a constant pad would write every pad's KV onto one slot, last write wins (seed 001: slot 0 off by ~4).
+    so a constant pad would write every pad's KV onto one slot, last write wins (the AR PR saw slot 0 off by ~4).
     """
     missing = length - position_ids.shape[-1]
     if missing < 0:
@@ -122,7 +122,7 @@ def pad_positions(position_ids: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def concat(rows: Sequence[ARRow], pad_id: int) -> ARBatch:
-    """Merge separately embedded rows into one right-padded batch (seed 002's construction).
+    """Merge separately embedded rows into one right-padded batch (the AR issue's construction, docs/contracts.md).
 
     input_ids are padded with ``pad_id``, the mask with False on both axes, position_ids through
     ``pad_positions`` (looked up at call time: it is a seam), and real_pos rows are stacked.

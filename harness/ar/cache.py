@@ -1,9 +1,9 @@
 """KV-cache choice and the small cache operations the batched loop needs.
 
-``cache_is_dynamic`` is the seam of seed 002's crash: upstream's dynamic cache trims the returned KV to one
-scalar end position, which cannot represent per-row right-padding, and asserts batch 1. Everything else here
-reads or restores cache slots through the per-layer ``keys``/``values`` buffers that transformers' caches
-(and upstream's subclass) expose.
+``cache_is_dynamic`` is the seam of the AR issue's crash (docs/contracts.md): upstream's dynamic cache trims the
+returned KV to one scalar end position, which cannot represent per-row right-padding, and asserts batch 1.
+Everything else here reads or restores cache slots through the per-layer ``keys``/``values`` buffers that
+transformers' caches (and upstream's subclass) expose.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ padded      block-padded to multiples of a block size (seams: pad_mask, padded_l
 kernels     KernelSpec (GQA claim, computed pairs, launch proof, all at a block size) and register(),
             the entry point that fills harness.plugins.ATTENTION_KERNELS / CHECKPOINT_KINDS
 primitives  the SDPA / flex launches every kernel makes (seam: gqa_operands); spy records them
-policy      tolerance policies from controls on stock code: fp32 floor, row-scaled low precision,
+policies    tolerance policies from controls on stock code: fp32 floor, row-scaled low precision,
             two-sided [K_MIN, K_MAX] bounds
-parity      compare_kernel (registered kernels, or the --impl under test) and the contract verdicts
+judge       compare_kernel (registered kernels, or the --impl under test) and the contract verdicts
 """

@@ -1,4 +1,4 @@
-"""The structured sequence layout of HunyuanImage-3's DiT attention (DESIGN 1.4, seed 004).
+"""The structured sequence layout of HunyuanImage-3's DiT attention (docs/contracts.md, attention).
 
 A sequence is ``text_len`` prompt tokens, an image span of ``image_len`` latents, and ``special_len``
 special tokens. Prefill queries every position against every key. Denoise re-queries only the

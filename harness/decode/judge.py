@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from harness.compare import Policy, Verdict, exact, expect
+from harness.compare import UNSTAMPED, Policy, Verdict, exact, holds
 from harness.decode import exchange
 from harness.decode import plan as plan_mod
 
@@ -119,7 +119,8 @@ def expected_collectives(transport: str, calls: int) -> dict[str, int]:
 
 
 def _with_summary(verdict: Verdict) -> Verdict:
-    """Headline the four numbers seed 003 reports per case: max|d|, max ULP, mismatched / total, rank hashes."""
+    """Headline the four numbers the decode PR reported per case (docs/contracts.md): max|d|, max ULP,
+    mismatched / total, rank hashes."""
     m = verdict.metrics
     summary = (f"max|d| {m.get('max_abs', '-')}, max ULP {m.get('max_ulp', '-')}, "
                f"mismatched {m.get('mismatched', '-')}/{m.get('total', '-')} over {m['receivers']} ranks, "
@@ -127,7 +128,7 @@ def _with_summary(verdict: Verdict) -> Verdict:
     return dataclasses.replace(verdict, headline="parity", metrics={**m, "parity": summary})
 
 
-def judge_decode(check_id: str, results: Sequence[RankDecode], *, sharded: bool,
+def judge_decode(results: Sequence[RankDecode], *, sharded: bool,
                  policy: Policy | None = None, what: str = "decoded video") -> Verdict:
     """Every receiving rank's output against rank 0's stock output, plus the spies of the path that must have run.
 
@@ -137,7 +138,7 @@ def judge_decode(check_id: str, results: Sequence[RankDecode], *, sharded: bool,
     first = results[0]
     stock, work, calls = first.stock, first.work, first.calls
     if stock is None:
-        raise ValueError(f"{check_id}: rank 0 returned no stock reference (run the task with with_stock=True)")
+        raise ValueError("rank 0 returned no stock reference (run the task with with_stock=True)")
     world = len(results)
     transport, dst = first.transport, first.dst
     receivers = [r for r in results if not sharded or exchange.receives(r.rank, transport, dst)]
@@ -170,13 +171,13 @@ def judge_decode(check_id: str, results: Sequence[RankDecode], *, sharded: bool,
     outputs = [r.output for r in receivers]
     shapes = sorted({tuple(o.shape) if o is not None else () for o in outputs})
     if shapes != [tuple(stock.shape)]:
-        verdict = Verdict(check_id, False, {**metrics, "shapes": shapes}, policy.describe(), float("inf"),
+        verdict = Verdict(UNSTAMPED, False, {**metrics, "shapes": shapes}, policy.describe(), float("inf"),
                           message=f"{what} shapes {shapes} differ from the stock {tuple(stock.shape)}")
     else:
         actual = torch.stack([o for o in outputs if o is not None])
         expected = stock.unsqueeze(0).expand_as(actual)
         labels = {"frame": frame_labels(work.clips, stock.shape[2], made_by)} if work is not None else None
-        verdict = policy.judge(check_id, actual, expected, dims=("rank", "batch", "channel", "frame"),
+        verdict = policy.judge(actual, expected, dims=("rank", "batch", "channel", "frame"),
                                labels=labels, what=what)
         verdict = dataclasses.replace(verdict, metrics={**verdict.metrics, **metrics})
     verdict = verdict.require(bool(hashes) and all(h == stock_sha for h in hashes),
@@ -226,18 +227,18 @@ def judge_decode(check_id: str, results: Sequence[RankDecode], *, sharded: bool,
     return _with_summary(verdict)
 
 
-def compare_sharded_decode(world: Any, task: Callable[..., Sequence[RankDecode]], job: Any, check_id: str, *,
+def compare_sharded_decode(world: Any, task: Callable[..., Sequence[RankDecode]], job: Any, *,
                            sharded: bool, policy: Policy | None = None, timeout_s: float = 120.0) -> Verdict:
     """Run ``task(job)`` on every rank of ``world`` and judge it (the gpu tier calls this with a real model)."""
     results = world.run(task, job, timeout_s=timeout_s)
-    return judge_decode(check_id, results, sharded=sharded, policy=policy)
+    return judge_decode(results, sharded=sharded, policy=policy)
 
 
 GROUP_WORKS = ("the group works afterwards (an all-gather over every rank, then the same decode without the fault, "
                "bit-exact)")
 
 
-def judge_fault(check_id: str, size: int, fault_rank: int, bound_s: float, outcomes: Sequence[FaultOutcome] | None,
+def judge_fault(size: int, fault_rank: int, bound_s: float, outcomes: Sequence[FaultOutcome] | None,
                 world_outcomes: Sequence[Any] = (), keeps_cause: str = "", group_error: str | None = None) -> Verdict:
     """Judge a fault by behaviour: every rank raised within ``bound_s`` and none hung or returned; the fault struck
     where it was injected; the injected exception survives in the chain of what rank ``fault_rank`` raised
@@ -248,8 +249,8 @@ def judge_fault(check_id: str, size: int, fault_rank: int, bound_s: float, outco
     if outcomes is None:
         stuck = {s: [o.rank for o in world_outcomes if o.status == s] for s in ("hung", "blocked", "died", "raised")}
         words = "; ".join(f"{s} on ranks {ranks}" for s, ranks in stuck.items() if ranks) or "no answer"
-        verdict = expect(check_id, False, f"every rank raises within {bound_s:g} s; no rank hangs or returns",
-                         outcome=words, rank_outcomes=[o.line()[:240] for o in world_outcomes])
+        verdict = holds(False, f"every rank raises within {bound_s:g} s; no rank hangs or returns",
+                        outcome=words, rank_outcomes=[o.line()[:240] for o in world_outcomes])
         return verdict.require(group_error is None, GROUP_WORKS, follow_up=group_error or "the group answered")
     raised = [o for o in outcomes if o.raised]
     returned = [o.rank for o in outcomes if not o.raised]
@@ -257,10 +258,10 @@ def judge_fault(check_id: str, size: int, fault_rank: int, bound_s: float, outco
     slowest = max((o.seconds for o in outcomes), default=0.0)
     words = f"{len(raised)}/{size} ranks raise" + (f"; ranks {returned} returned" if returned else "") + \
         (f"; ranks {slow} past {bound_s:g} s" if slow else "")
-    verdict = expect(check_id, not returned and not slow and len(outcomes) == size,
-                     f"every rank raises within {bound_s:g} s; no rank hangs or returns", outcome=words,
-                     slowest_raise_s=round(slowest, 3),
-                     rank_outcomes=[f"rank {o.rank}: {o.raised or 'returned'}"[:240] for o in outcomes])
+    verdict = holds(not returned and not slow and len(outcomes) == size,
+                    f"every rank raises within {bound_s:g} s; no rank hangs or returns", outcome=words,
+                    slowest_raise_s=round(slowest, 3),
+                    rank_outcomes=[f"rank {o.rank}: {o.raised or 'returned'}"[:240] for o in outcomes])
     struck = [o.rank for o in outcomes if o.fired]
     where = [fault_rank] if keeps_cause != "every rank" else list(range(size))
     verdict = verdict.require(all(r in struck for r in where), f"the fault struck on rank(s) {where}",

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from harness.compare import Verdict, expect
+from harness.compare import Verdict, holds
 from harness.decode import plan as plan_mod
 from harness.decode import serve
 
@@ -71,7 +71,7 @@ def observe_stock_decode(vae: Any, z: torch.Tensor) -> dict[str, Any]:
     return {"windows": windows, "tiles": tiles, "frames": video.shape[2], "sources": _observed_sources(labelled)}
 
 
-def judge_plan_against_library(check_id: str, cases: Sequence[tuple[Any, torch.Tensor]]) -> Verdict:
+def judge_plan_against_library(cases: Sequence[tuple[Any, torch.Tensor]]) -> Verdict:
     """For each (vae, z): the plan's clip windows, tile windows and frame sources equal the library's own."""
     bad_windows: list[str] = []
     bad_tiles: list[str] = []
@@ -97,8 +97,8 @@ def judge_plan_against_library(check_id: str, cases: Sequence[tuple[Any, torch.T
             f = wrong[0]
             bad_sources.append(f"{name}: {len(wrong)} frames, first {f}: plan {sources[f]}, library "
                                f"{seen['sources'][f]}")
-    verdict = expect(check_id, not bad_windows, "the plan's clip windows are the ones the library's _decode asks for",
-                     cases=len(cases), window_mismatches=bad_windows or "none")
+    verdict = holds(not bad_windows, "the plan's clip windows are the ones the library's _decode asks for",
+                    cases=len(cases), window_mismatches=bad_windows or "none")
     verdict = verdict.require(not bad_tiles, "the plan's tile windows are the ones the library's _decode_clip cuts",
                               tile_mismatches=bad_tiles or "none")
     return verdict.require(not bad_sources, "every output frame's source clips match the library's cross-fade",

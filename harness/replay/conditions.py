@@ -64,7 +64,7 @@ def concat_payloads(parts: Sequence[Payload], name: str = "payload") -> Payload:
 class Conditions:
     """The conditioning of one denoiser call for ``batch`` samples.
 
-    Two CFG layouts (DESIGN 1.1), chosen by the model adapter:
+    Two CFG layouts (docs/contracts.md, replay), chosen by the model adapter:
     - fused cond-first (HunyuanImage-3): ``cfg_factor == 2``; every row field holds either ``2*batch``
       rows ``[cond_B; uncond_B]`` (split by branch) or ``batch`` rows (branch-independent, used once per
       branch). ``fused_uncond`` is the uncond-branch cache the CFG expansion leaves behind; it is only

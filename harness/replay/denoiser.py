@@ -1,4 +1,4 @@
-"""The model adapter contract and the CFG step around one transformer forward (DESIGN 1.1, 6).
+"""The model adapter contract and the CFG step around one transformer forward (docs/contracts.md, replay).
 
 An adapter runs ONE transformer forward over all rows it is given (``forward``), names its CFG
 layout and its CFG combine (harness.replay.cfg). ``predict_velocity`` builds the CFG batch for that

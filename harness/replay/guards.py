@@ -1,4 +1,4 @@
-"""When the batched replay must decline and leave the work to the serial loop (DESIGN 1.1).
+"""When the batched replay must decline and leave the work to the serial loop (docs/contracts.md, replay).
 
 Each predicate is a seam, so an ablation can remove exactly one guard.
 """

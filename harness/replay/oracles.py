@@ -1,7 +1,7 @@
-"""Independent fp64 oracles for what stock and batched replay share (DESIGN 1.1 and 3).
+"""Independent fp64 oracles for what stock and batched replay share (docs/contracts.md, replay).
 
 Parity proves fast == stock; it cannot prove stock right, because both call the same SDE step,
-log-prob and CFG combine. These functions are written again from the formulas in DESIGN 1.1, in
+log-prob and CFG combine. These functions are written again from the formulas in docs/contracts.md, in
 float64 and without importing the implementation, so a bug in the shared code shows up as a
 difference between the implementation and its oracle. Every input is a tensor; every output is fp64.
 """

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from harness.compare import Verdict, close, expect, noise_floor
+from harness.compare import Verdict, close, holds, noise_floor
 from harness.replay import denoiser
 from harness.replay.denoiser import UNCOND_FIRST
 from harness.replay.families.base import ModelAdapter, Prompts, ReplayFamily
@@ -258,14 +258,14 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor
     return torch.where(scale > 0, diff / scale, torch.where(diff > 0, torch.inf, 0.0))
 
 
-def _within(check_id: str, what: str, actual: torch.Tensor, expected: torch.Tensor, floor: float,
+def _within(what: str, actual: torch.Tensor, expected: torch.Tensor, floor: float,
             reason: str) -> Verdict:
     """Relative error within K_OUTPUT x max(floor, RESOLUTION), the bound held within [K_MIN, K_MAX] x it."""
     effective = max(floor, RESOLUTION)
     policy = noise_floor(effective, k=K_OUTPUT, reason=f"{reason}: floor {floor:.2e}, at least {RESOLUTION:.2e} "
                                                        "(4 fp32 ulps) of the local magnitude")
     rel = relative_error(actual, expected)
-    verdict = policy.judge(check_id, rel, torch.zeros_like(rel), dims=("row",), what=f"{what} (relative)")
+    verdict = policy.judge(rel, torch.zeros_like(rel), dims=("row",), what=f"{what} (relative)")
     return verdict.require_bounded(policy.bound, effective, k_min=K_MIN, k_max=K_MAX, what=f"{what} bound")
 
 
@@ -301,7 +301,7 @@ def _control_outputs(adapter: ModelAdapter, aligned: AlignedStep, timestep_arg: 
     return outputs
 
 
-def judge_step(check_id: str, family: ReplayFamily, adapter: ModelAdapter, step: PipelineStep, prompts: Prompts,
+def judge_step(family: ReplayFamily, adapter: ModelAdapter, step: PipelineStep, prompts: Prompts,
                guidance: float, label: str) -> Verdict:
     """The adapter's denoiser at the step's latents and sigma against what the pipeline did at that step."""
     spec = family.pipeline
@@ -311,8 +311,8 @@ def judge_step(check_id: str, family: ReplayFamily, adapter: ModelAdapter, step:
     with torch.no_grad(), record_forwards(adapter.module) as calls:
         velocity = denoiser.predict_velocity(adapter, x, step.sigma.expand(batch), conditions, guidance)
     rows = [_count(c.arguments.get(spec.prompt_arg)) for c in calls]
-    ran = expect(check_id, rows == [2 * batch], f"{label}: the denoiser ran one forward of both CFG branches "
-                                                f"({2 * batch} rows)", forwards=str(rows))
+    ran = holds(rows == [2 * batch], f"{label}: the denoiser ran one forward of both CFG branches "
+                                    f"({2 * batch} rows)", forwards=str(rows))
     if not ran.passed:
         return ran
     mine = calls[0]
@@ -329,7 +329,7 @@ def judge_step(check_id: str, family: ReplayFamily, adapter: ModelAdapter, step:
     scale = float(t_pipe.abs().max())
     verdict = close(atol=TIMESTEP_ULPS * FP32_EPS * scale, rtol=0.0,
                     reason=f"timestep in the pipeline's units: within {TIMESTEP_ULPS:g} fp32 ulps of its "
-                           f"magnitude {scale:.4g}").judge(check_id, t_mine, t_pipe, dims=("row",),
+                           f"magnitude {scale:.4g}").judge(t_mine, t_pipe, dims=("row",),
                                                            what=f"{label} timestep")
     verdict = verdict.require(cfg_order, f"{label}: CFG order: the rows the adapter declares cond carry the "
                                          "pipeline's prompt, the uncond rows its negative prompt",
@@ -338,18 +338,18 @@ def judge_step(check_id: str, family: ReplayFamily, adapter: ModelAdapter, step:
                                               "row by row", **{f"input_{k}": v for k, v in mismatched.items()})
     controls = _control_outputs(adapter, aligned, spec.timestep_arg)
     branch_floor = max(float(relative_error(c, aligned.output).max()) for c in controls)
-    verdict = verdict.merge(_within(check_id, f"{label} branch outputs", mine.output, aligned.output, branch_floor,
+    verdict = verdict.merge(_within(f"{label} branch outputs", mine.output, aligned.output, branch_floor,
                                     "each branch's transformer output vs the pipeline's; floor = the transformer on "
                                     "the pipeline's inputs at the adapter's batch shape, timestep moved by its "
                                     "tolerance"))
     reference = adapter.from_pipeline_latents(step.model_output.float())
     own = _combined(adapter, aligned.output, order, guidance)
-    verdict = verdict.merge(_within(check_id, f"{label} combine", own, reference, 0.0,
+    verdict = verdict.merge(_within(f"{label} combine", own, reference, 0.0,
                                     f"the family's {adapter.cfg_combine} combine of the pipeline's own branch outputs "
                                     "vs its combined prediction"))
     combined_floor = max(float(relative_error(_combined(adapter, c, order, guidance), reference).max())
                          for c in controls)
-    verdict = verdict.merge(_within(check_id, f"{label} velocity", velocity, reference, combined_floor,
+    verdict = verdict.merge(_within(f"{label} velocity", velocity, reference, combined_floor,
                                     "the denoiser's CFG-combined velocity vs the pipeline's combined prediction; "
                                     "floor = the combine of the control outputs"))
     return verdict.with_metrics(**{f"{label}_timestep_pipeline": scale, f"{label}_branch_floor": branch_floor,
@@ -377,8 +377,8 @@ def _input_mismatches(mine: Forward, aligned: AlignedStep, timestep_arg: str,
     return found
 
 
-def judge_family(check_id: str, family: ReplayFamily, adapter: ModelAdapter, record: PipelineRecord) -> Verdict:
+def judge_family(family: ReplayFamily, adapter: ModelAdapter, record: PipelineRecord) -> Verdict:
     """Every recorded step, judged and merged."""
-    verdicts = [judge_step(check_id, family, adapter, step, record.prompts, record.guidance, f"step {i}")
+    verdicts = [judge_step(family, adapter, step, record.prompts, record.guidance, f"step {i}")
                 for i, step in enumerate(record.steps)]
     return functools.reduce(Verdict.merge, verdicts)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.compare import Policy, Verdict, exact, locate
+from harness.compare import UNSTAMPED, Policy, Verdict, exact, locate
 from harness.floors import StockFloor
 from harness.replay.controls import BatchShapeControl
 
@@ -100,7 +100,7 @@ class LocalScaleBound(Policy):
                 f"resolution {self.resolution:.2e}) x local |{self.what}|; floor = stock serial at B rows vs "
                 f"at the fast path's S x cfg x B-row shape, relative to the local magnitude)")
 
-    def judge(self, check_id, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
+    def judge(self, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
         if actual.shape != expected.shape:
             raise ValueError(f"{what}: shapes {tuple(actual.shape)} and {tuple(expected.shape)} differ")
         a, b = actual.detach().double(), expected.detach().double()
@@ -131,7 +131,7 @@ class LocalScaleBound(Policy):
                        f"{locate(at, actual.shape, dims, labels)}: |d| {float(diff.reshape(-1)[at]):.3e} "
                        f"(up to {float(allowed.reshape(-1)[at]):.3e} allowed = {self.relative_bound:.2e} x local "
                        f"|{self.what}| {float(scale.reshape(-1)[at]):.3e})")
-        verdict = Verdict(check_id, passed, metrics, self.describe(), margin, headline="max_relative_to_local",
+        verdict = Verdict(UNSTAMPED, passed, metrics, self.describe(), margin, headline="max_relative_to_local",
                           tolerance=self.relative_bound, message=message)
         return verdict.require_bounded(self.relative_bound, self.stock_floor, k_min=K_MIN, k_max=K_MAX,
                                        what=f"relative {self.what} bound")

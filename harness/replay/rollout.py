@@ -1,4 +1,4 @@
-"""Sample a trajectory with the SDE on selected steps and record pi_old log-probs (DESIGN 1.1).
+"""Sample a trajectory with the SDE on selected steps and record pi_old log-probs (docs/contracts.md, replay).
 
 The rollout carries the latent in the trajectory dtype between steps (what a trainer stores), so
 replaying a stored step sees exactly the input the rollout saw, and replaying pi_old gives ratio 1.

@@ -1,4 +1,4 @@
-"""SDE transitions of the flow-matching sampler and their Gaussian log-probs (DESIGN 1.1).
+"""SDE transitions of the flow-matching sampler and their Gaussian log-probs (docs/contracts.md, replay).
 
 All math is fp32. sigma / sigma_next may be 0-d scalars or per-row vectors ``[N]`` (the batched
 replay mixes steps in one batch, so each row carries its own sigma). Per-row coefficients use only

@@ -1,4 +1,4 @@
-"""A sampled trajectory segment and what replaying it returns (DESIGN 1.1)."""
+"""A sampled trajectory segment and what replaying it returns (docs/contracts.md, replay)."""
 
 from __future__ import annotations
 

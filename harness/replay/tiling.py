@@ -1,4 +1,4 @@
-"""Tiling conditions and stacking latents for the batched-step replay (DESIGN 1.1).
+"""Tiling conditions and stacking latents for the batched-step replay (docs/contracts.md, replay).
 
 The batched forward stacks S target steps on the batch dim, step-major: rows k*B..(k+1)*B-1 are the
 B samples at target[k]. Conditions must follow the same layout inside each CFG branch, and in the

@@ -1,0 +1,329 @@
+"""Turn a batched rollout and its B=1 reference into verdicts, in the AR PR's terms (docs/contracts.md).
+
+Every case verdict carries the AR PR's report row as metrics (``tokens_equal``, ``logp_max_abs``,
+``prefill_kv_max_abs``, ``slot0_max_abs``), whichever quantity it judges, so a kill-matrix report prints the
+table the AR PR printed. Token verdicts read like vLLM's ``check_logprobs_close``: the first divergence per row.
+These functions take the policies as arguments so the GPU tier can reuse them with dtype-specific ones.
+
+fp32 tolerances are TOLERANCE_K x a floor measured on stock code on the same model (harness.ar.policies,
+never below one fp32 eps of the values' magnitude), and a verdict fails when its tolerance leaves
+[K_MIN, K_MAX] x that floor (``require_floor_bounds``). bf16 is judged by the KL rule of ``judge_bf16`` (its
+section below says why). ``judge_growth`` judges the per-step error curve over all decode steps against the
+growth of a stock per-step floor curve (``batch_shape_control_logp``): a bug that starts below the worst-element
+tolerance and compounds step by step is not judged like noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from harness import growth
+from harness.ar.loop import Rollout
+from harness.ar.policies import FP32_EPS, K_MAX, K_MIN, ARPolicies, StockPrefillFloor, model_device
+from harness.ar.spy import ARForwardSpy
+from harness.compare import Policy, Verdict, max_abs_diff, noise_floor
+from harness.growth import GROWTH_BUDGET, growth_ratio
+
+__all__ = [
+    "GROWTH_BUDGET",
+    "batch_shape_control_logp",
+    "comparable_kl",
+    "compare_case",
+    "divergences",
+    "flips",
+    "format_seed001",
+    "growth_ratio",
+    "judge_bf16",
+    "judge_growth",
+    "judge_logp",
+    "judge_prefill_kv",
+    "judge_slot0",
+    "judge_tokens",
+    "kl_rows",
+    "padding_control",
+    "require_floor_bounds",
+    "require_path",
+    "resolution_curve",
+    "seed001_metrics",
+    "step_curve",
+]
+
+
+def require_floor_bounds(verdict: Verdict, tolerance: float, floor: StockPrefillFloor, quantity: str) -> Verdict:
+    """The tolerance a verdict was judged at must lie in [K_MIN, K_MAX] x the stock floor of ``quantity``."""
+    stock = floor.stock_floor(quantity)
+    verdict = verdict.require(math.isfinite(stock.value) and stock.value > 0,
+                              f"stock {quantity} floor measured on {floor.backend} (finite, > 0)")
+    return verdict.require_bounded(tolerance, stock, k_min=K_MIN, k_max=K_MAX, what=f"{quantity} atol")
+
+
+
+# --------------------------------------------------------------------------------------------- metrics
+
+
+def divergences(actual: torch.Tensor, expected: torch.Tensor) -> list[str]:
+    """First divergence of every row: ``row 2 diverges at decode step 3: token 17 vs 41``."""
+    lines = []
+    for row in range(actual.shape[0]):
+        bad = (actual[row] != expected[row]).nonzero()
+        if bad.numel():
+            k = int(bad[0])
+            lines.append(f"row {row} diverges at decode step {k}: token {int(actual[row, k])} vs "
+                         f"{int(expected[row, k])} (step 0 is read from the prefill)")
+    return lines
+
+
+def _common_prefix(actual: torch.Tensor, expected: torch.Tensor) -> list[int]:
+    same = (actual == expected).long().cumprod(dim=1)
+    return same.sum(dim=1).tolist()
+
+
+def _padded_prefill_kv(rollout: Rollout) -> torch.Tensor:
+    """``[B, layers, 2, H, max real_pos, hd]``, each row's prefill KV zero-padded on the slot axis."""
+    longest = int(rollout.real_pos.max())
+    rows = []
+    for i in range(rollout.tokens.shape[0]):
+        kv = rollout.prefill_kv(i)
+        pad = torch.zeros(*kv.shape[:-2], longest - kv.shape[-2], kv.shape[-1], dtype=kv.dtype)
+        rows.append(torch.cat([kv, pad], dim=-2))
+    return torch.stack(rows)
+
+
+def _slot0(rollout: Rollout) -> torch.Tensor:
+    return torch.stack([kv[..., 0, :] for kv in rollout.kv])
+
+
+def seed001_metrics(fast: Rollout, ref: Rollout) -> dict[str, Any]:
+    """The AR PR's report row: tokens equal?, logp max|d|, prefill-KV max|d|, cache slot 0 max|d|."""
+    return {
+        "tokens_equal": bool(torch.equal(fast.tokens, ref.tokens)),
+        "common_prefix": _common_prefix(fast.tokens, ref.tokens),
+        "logp_max_abs": max_abs_diff(fast.logp, ref.logp),
+        "prefill_kv_max_abs": max_abs_diff(_padded_prefill_kv(fast), _padded_prefill_kv(ref)),
+        "slot0_max_abs": max_abs_diff(_slot0(fast), _slot0(ref)),
+    }
+
+
+def format_seed001(label: str, passed: bool, metrics: dict[str, Any] | None = None, raised: str = "",
+                   note: str = "") -> str:
+    """One row of the AR PR's harness output: ``[FAIL] label`` then tokens / logp / KV / slot 0 (and why)."""
+    head = f"[{'PASS' if passed else 'FAIL'}] {label}"
+    if raised:
+        return f"{head}\n        raised {raised}"
+    m = metrics or {}
+    row = (f"{head}\n        tokens equal={m.get('tokens_equal')}  logp max|d|={m.get('logp_max_abs', math.nan):.3e}"
+           f"  prefill-KV max|d|={m.get('prefill_kv_max_abs', math.nan):.3e}"
+           f"  (cache slot 0 max|d|={m.get('slot0_max_abs', math.nan):.3e})")
+    return f"{row}\n        {note}" if note else row
+
+
+# --------------------------------------------------------------------------------------------- judges
+
+_KV_DIMS = ("row", "layer", "kv", "head", "slot")
+_KV_LABELS = {"kv": ("K", "V")}
+
+
+def judge_tokens(fast: Rollout, ref: Rollout, policy: Policy) -> Verdict:
+    verdict = policy.judge(fast.tokens, ref.tokens, dims=("row", "step"), what="tokens")
+    lines = divergences(fast.tokens, ref.tokens)
+    if lines:
+        verdict = dataclasses.replace(verdict, message="\n".join(lines))
+    return verdict
+
+
+def judge_logp(fast: Rollout, ref: Rollout, policy: Policy) -> Verdict:
+    return policy.judge(fast.logp, ref.logp, dims=("row", "step"), what="log_probs")
+
+
+def judge_prefill_kv(fast: Rollout, ref: Rollout, policy: Policy) -> Verdict:
+    return policy.judge(_padded_prefill_kv(fast), _padded_prefill_kv(ref), dims=_KV_DIMS,
+                        labels=_KV_LABELS, what="prefill KV over [0, real_pos_i)")
+
+
+def judge_slot0(fast: Rollout, ref: Rollout, policy: Policy) -> Verdict:
+    return policy.judge(_slot0(fast), _slot0(ref), dims=_KV_DIMS[:4], labels=_KV_LABELS,
+                        what="cache slot 0")
+
+
+_JUDGES: dict[str, tuple[Callable[[Rollout, Rollout, Policy], Verdict], str]] = {
+    "tokens": (judge_tokens, "tokens"),
+    "logp": (judge_logp, "logp"),
+    "prefill_kv": (judge_prefill_kv, "kv"),
+    "slot0": (judge_slot0, "slot0"),
+}
+
+
+def compare_case(what: str, fast: Rollout, ref: Rollout, policies: ARPolicies) -> Verdict:
+    """Judge one quantity (``tokens``, ``logp``, ``prefill_kv``, ``slot0``) of a case; attach the AR PR's row."""
+    if what not in _JUDGES:
+        raise ValueError(f"unknown ar comparison {what!r}; expected one of {sorted(_JUDGES)}")
+    if fast.tokens.shape != ref.tokens.shape:
+        raise ValueError(f"rollout shapes differ: fast {tuple(fast.tokens.shape)} vs ref {tuple(ref.tokens.shape)}")
+    judge, policy_name = _JUDGES[what]
+    verdict = judge(fast, ref, getattr(policies, policy_name))
+    row = seed001_metrics(fast, ref)
+    summary = (f"tokens {'equal' if row['tokens_equal'] else 'DIFFER'}, logp {row['logp_max_abs']:.1e}, "
+               f"prefill-KV {row['prefill_kv_max_abs']:.1e}, slot0 {row['slot0_max_abs']:.1e} (max|d|)")
+    verdict = dataclasses.replace(verdict, headline="seed001", metrics={**verdict.metrics, **row, "seed001": summary})
+    floor = policies.floor
+    if floor is not None and policy_name != "tokens":
+        verdict = require_floor_bounds(verdict, verdict.tolerance or 0.0, floor, policy_name)
+    return verdict
+
+
+def require_path(verdict: Verdict, spy: ARForwardSpy, batch_size: int) -> Verdict:
+    """Prove the path that ran: every forward at the full batch, static cache at B > 1, dynamic at B == 1."""
+    sizes = spy.batch_sizes
+    verdict = verdict.require(bool(sizes) and all(s == batch_size for s in sizes),
+                              f"every forward ran at batch size {batch_size}", forward_batch_sizes=sizes,
+                              forwards=len(sizes))
+    if batch_size > 1:
+        return verdict.require(spy.static, "batched forwards wrote a static (preallocated) KV cache",
+                               cache_static=spy.static)
+    return verdict.require(spy.dynamic, "B=1 kept the stock dynamic (trimmed) cache", cache_dynamic=spy.dynamic)
+
+
+# --------------------------------------------------------------------------------------------- growth
+
+def step_curve(actual: torch.Tensor, expected: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Mean |actual - expected| per step of ``[B, N]`` log-probs over the rows that emitted that step (fp64;
+    NaN stays NaN, a step no row emitted is NaN)."""
+    if actual.shape != expected.shape or actual.dim() != 2:
+        raise ValueError(f"step_curve needs two [B, N] tensors, got {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    emitted = (torch.arange(actual.shape[1])[None] < lengths.reshape(-1, 1).cpu()).double()
+    diff = (actual.double().cpu() - expected.double().cpu()).abs()
+    return torch.where(emitted > 0, diff, 0.0).sum(dim=0) / emitted.sum(dim=0)
+
+
+def resolution_curve(reference: Rollout) -> torch.Tensor:
+    """One fp32 eps at each step's mean |log-prob|: differences below it are the values' own spacing."""
+    logp = reference.logp.double().abs()
+    emitted = (torch.arange(logp.shape[1])[None] < reference.lengths[:, None]).double()
+    return FP32_EPS * (logp * emitted).sum(dim=0) / emitted.sum(dim=0)
+
+
+@torch.no_grad()
+def batch_shape_control_logp(backend: Any, prompts: list[torch.Tensor], reference: Rollout, width: int,
+                             max_cache_len: int) -> torch.Tensor:
+    """Stock code only, at the fast path's shape: each prompt right-padded to ``width`` in every row of a
+    ``len(prompts)``-row batch over a cache of ``max_cache_len`` slots (the batch's), teacher-forced on the
+    reference tokens, read at the prompt's own row; the log-prob of those tokens ``[B, N]``. Its GEMMs have the
+    batch's row count at every step, so the rounding a batch shape brings shows here without the fast path."""
+    out = torch.zeros_like(reference.logp)
+    device = model_device(backend)
+    rows = len(prompts)
+    for row, prompt in enumerate(prompts):
+        count = int(reference.lengths[row])
+        tokens = reference.tokens[row, :count]
+        logits = backend.stock_padded(prompt.to(device), tokens.to(device), width, max_cache_len, rows=rows,
+                                      row=row).cpu()
+        out[row, :count] = torch.log_softmax(logits.double(), dim=-1).gather(-1, tokens[:, None])[:, 0].float()
+    return out
+
+
+def judge_growth(fast: Rollout, reference: Rollout, control_logp: torch.Tensor,
+                 budget: float = GROWTH_BUDGET) -> Verdict:
+    """Per-step error of the batched log-probs vs B=1 (mean |d| over the rows that emitted the step, fp64)
+    against the stock floor curve ``control_logp`` (``batch_shape_control_logp``: each prompt at the batch's
+    shape through stock code), judged by ``harness.growth.judge_growth``: both curves floored at the
+    log-probs' fp32 resolution, the error's growth at most ``budget`` x the floor's."""
+    if fast.logp.shape != reference.logp.shape or control_logp.shape != reference.logp.shape:
+        raise ValueError(f"log-prob shapes differ: fast {tuple(fast.logp.shape)}, reference "
+                         f"{tuple(reference.logp.shape)}, control {tuple(control_logp.shape)}")
+    verdict = growth.judge_growth(
+        step_curve(fast.logp, reference.logp, reference.lengths),
+        step_curve(control_logp, reference.logp, reference.lengths), resolution_curve(reference),
+        control="stock B=1 unpadded vs stock right-padded at the batch's row count and width in its cache, "
+                "mean |d logp| per step", budget=budget)
+    verdict = verdict.with_metrics(logp_max_abs=max_abs_diff(fast.logp, reference.logp))
+    tokens_equal = bool(torch.equal(fast.tokens, reference.tokens))
+    return verdict.require(tokens_equal, "batched tokens equal B=1 on every step (every step's context shared)",
+                           common_prefix=_common_prefix(fast.tokens, reference.tokens))
+
+
+# --------------------------------------------------------------------------------------------- bf16
+
+# The bf16 judge of batched AR: what padding legitimately changes, measured on stock code only.
+#
+# In bf16 a row's logits move when its prompt is right-padded and its keys sit in a longer (masked) key axis:
+# SDPA's reductions run over a different length. A control that batches identical unpadded copies through the fast
+# path cannot see that rounding (and runs the code under test), so the bound would collapse to its floor. The
+# control here is stock code on the same row twice: B=1 on the unpadded prompt (``stock_generate``) against the
+# same prompt right-padded under its mask in a cache of the batch's length, at the batch's row count
+# (``stock_padded``, teacher-forced on the first run's tokens). Rule:
+#
+# - per row, KL(B=1 || batched) over every step whose context both runs share (the common token prefix and the
+#   first divergent step) must be at most ``k`` x the largest padded-control KL over the rows, plus ``floor``;
+# - a row may diverge only where the B=1 top-1/top-2 log-prob margin at the divergent step is below
+#   ``flip_margin`` (a near-tie: rounding may pick either token).
+
+
+def kl_rows(reference_logits: torch.Tensor, candidate_logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference || candidate) over the last dim of logits, in float64 on the reference's device (a stock
+    run's logits may sit on the accelerator while the reference rollout is on the CPU)."""
+    ref = torch.log_softmax(reference_logits.double(), dim=-1)
+    cand = torch.log_softmax(candidate_logits.to(ref.device, torch.float64), dim=-1)
+    return (ref.exp() * (ref - cand)).sum(dim=-1)
+
+
+def comparable_kl(reference: Rollout, fast: Rollout) -> tuple[torch.Tensor, list[int]]:
+    """Per row, the largest KL over the steps whose context both runs share: every step of the common token
+    prefix and the first divergent step. Returns the per-row maxima and the common prefixes."""
+    prefix = ((reference.tokens == fast.tokens).long().cumprod(dim=1)).sum(dim=1).tolist()
+    steps = reference.tokens.shape[1]
+    kl = kl_rows(reference.logits, fast.logits)  # [B, N]
+    worst = torch.stack([kl[row, : min(p + 1, steps)].max() for row, p in enumerate(prefix)])
+    return worst, prefix
+
+
+def flips(reference: Rollout, prefix: list[int]) -> tuple[list[bool], list[float]]:
+    """At each row's first divergent step: did the top-1 flip, and B=1's top-1/top-2 log-prob margin there."""
+    flipped, margins = [], []
+    for row, p in enumerate(prefix):
+        if p >= reference.tokens.shape[1]:
+            flipped.append(False)
+            margins.append(float("nan"))
+            continue
+        top2 = torch.log_softmax(reference.logits[row, p].double(), dim=-1).topk(2).values
+        flipped.append(True)
+        margins.append(float(top2[0] - top2[1]))
+    return flipped, margins
+
+
+@torch.no_grad()
+def padding_control(backend: Any, prompts: list[torch.Tensor], reference: Rollout, width: int,
+                    max_cache_len: int) -> torch.Tensor:
+    """Per row, max over steps of KL(stock B=1 unpadded || stock right-padded to ``width`` in a cache of
+    ``max_cache_len``, at the batch's row count and the row's own position), teacher-forced on the unpadded
+    run's tokens (same contexts, every step comparable). The control runs the batch's GEMM shapes: in bf16 a
+    kernel picked for another row count rounds differently, and that rounding is legitimate."""
+    out = []
+    for row, prompt in enumerate(prompts):
+        count = int(reference.lengths[row])
+        tokens = reference.tokens[row, :count].to(prompt.device)
+        padded = backend.stock_padded(prompt, tokens, width, max_cache_len, rows=len(prompts), row=row)
+        out.append(kl_rows(reference.logits[row, :count], padded).max())
+    return torch.stack(out)
+
+
+def judge_bf16(fast: Rollout, reference: Rollout, control: torch.Tensor, *, k: float,
+               floor: float, flip_margin: float, dtype: torch.dtype) -> Verdict:
+    """The bf16 rule (module docstring) as one verdict; per-row KL, controls, prefixes and margins in metrics."""
+    kl, prefix = comparable_kl(reference, fast)
+    bound_control = float(control.max())
+    policy = noise_floor(bound_control, k=k, floor=floor,
+                         reason=f"{dtype} KL(B=1 || batched) over each row's shared-context steps vs stock B=1 "
+                                "unpadded against stock B=1 right-padded in a cache of the batch's length")
+    verdict = policy.judge(kl, torch.zeros_like(kl), dims=("row",), what="KL(B=1 || batched)")
+    flipped, margins = flips(reference, prefix)
+    bad = [row for row, (f, m) in enumerate(zip(flipped, margins, strict=True)) if f and m >= flip_margin]
+    return verdict.require(not bad, f"rows diverge only where the B=1 top-1/top-2 margin < {flip_margin}",
+                           kl_per_row=[float(f"{float(v):.6g}") for v in kl],
+                           padding_control_per_row=[float(f"{float(v):.6g}") for v in control],
+                           common_prefix=prefix, diverged=flipped,
+                           margin_at_divergence=[round(m, 4) for m in margins], unexplained_flips=bad)

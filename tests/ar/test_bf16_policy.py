@@ -1,0 +1,177 @@
+"""The gpu tier's bf16 judge (harness.ar.judge.judge_bf16), run in-process on hand-built rollouts and a tiny bf16 model.
+
+Expected values come from an independent route: ``torch.distributions`` KL in float64 and hand arithmetic on
+bf16-exact logits, so the policy's bookkeeping (shared-context steps, divergence margins, flips) is pinned
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import pytest
+import torch
+from torch.distributions import Categorical, kl_divergence
+
+from fixtures import ar_models
+from fixtures.ar_cases import prompt_ids
+from harness.ar.backends import TransformersBackend, UpstreamBackend
+from harness.ar.batch import right_padded_batch
+from harness.ar.judge import comparable_kl, flips, judge_bf16, kl_rows, padding_control
+from harness.ar.loop import Rollout, fast_rollout, stock_rollout
+
+pytestmark = pytest.mark.cpu
+
+
+def _rollout(tokens: torch.Tensor, logits: torch.Tensor) -> Rollout:
+    bsz, steps = tokens.shape
+    return Rollout(tokens, torch.zeros(bsz, steps), logits, torch.full((bsz,), steps), torch.ones(bsz), ())
+
+
+def _kl64(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+    return kl_divergence(Categorical(logits=reference.double()), Categorical(logits=candidate.double()))
+
+
+@functools.cache
+def bf16_backend(name: str) -> UpstreamBackend | TransformersBackend:
+    """A tiny model's weights in bf16 (what the gpu tier's bf16 run drives)."""
+    base = ar_models.backend(name)
+    model = copy.deepcopy(base.model).to(torch.bfloat16)
+    return UpstreamBackend(model, name=name) if isinstance(base, UpstreamBackend) else TransformersBackend(model, name)
+
+
+def test_kl_rows_is_float64_kl_of_bf16_logits() -> None:
+    gen = torch.Generator().manual_seed(3)
+    reference = (3 * torch.randn(4, 7, generator=gen)).bfloat16()
+    candidate = (reference.double() + 0.7 * torch.randn(4, 7, generator=gen, dtype=torch.float64)).bfloat16()
+    kl = kl_rows(reference, candidate)
+    assert kl.dtype == torch.float64 and kl.shape == (4,)
+    torch.testing.assert_close(kl, _kl64(reference, candidate), rtol=1e-12, atol=0.0)
+
+
+def _diverging_pair() -> tuple[Rollout, Rollout, torch.Tensor]:
+    """3 rows x 4 steps x vocab 3: row 0 never diverges, row 1 diverges at step 1, row 2 at step 2; the fast
+    logits drift more at every step, so each row's KL grows along the steps."""
+    gen = torch.Generator().manual_seed(5)
+    ref_logits = torch.randn(3, 4, 3, generator=gen)
+    drift = torch.tensor([0.05, 0.2, 0.6, 1.5])[None, :, None] * torch.tensor([1.0, -1.0, 0.5])
+    ref_tokens = torch.tensor([[1, 2, 0, 1]] * 3)
+    fast_tokens = torch.tensor([[1, 2, 0, 1], [1, 0, 0, 1], [1, 2, 1, 1]])
+    kl = _kl64(ref_logits, ref_logits + drift)
+    assert bool((kl[:, 1:] > kl[:, :-1]).all()), "fixture: KL must grow along the steps"
+    return _rollout(ref_tokens, ref_logits), _rollout(fast_tokens, ref_logits + drift), kl
+
+
+def test_comparable_kl_reads_the_common_prefix_and_the_first_divergent_step() -> None:
+    reference, fast, kl = _diverging_pair()
+    worst, prefix = comparable_kl(reference, fast)
+    assert prefix == [4, 1, 2] and all(type(p) is int for p in prefix)
+    assert worst.dtype == torch.float64 and worst.shape == (3,)
+    # row 0: every step; row 1: steps 0..1 (prefix 1 + the divergent step); row 2: steps 0..2
+    torch.testing.assert_close(worst, torch.stack([kl[0, 3], kl[1, 1], kl[2, 2]]), rtol=1e-12, atol=0.0)
+
+
+def test_flips_report_the_b1_margin_at_the_divergent_step() -> None:
+    # vocab 2, bf16 logits whose bf16 log-softmax margin is off from the exact one (5.5 vs 5.50390625)
+    logits = torch.tensor([[[4.625, -0.87890625], [1.0, 0.0], [0.0, 1.0]],
+                           [[-6.53125, 1.703125], [2.0, 0.0], [0.0, 3.0]],
+                           [[1.0, 0.0], [0.5, 0.25], [-1.7890625, 0.546875]]], dtype=torch.bfloat16)
+    reference = _rollout(torch.zeros(3, 3, dtype=torch.long), logits)
+    flipped, margins = flips(reference, [3, 0, 2])
+    assert flipped == [False, True, True]
+    assert math.isnan(margins[0])
+    assert margins[1:] == [pytest.approx(8.234375, abs=1e-12), pytest.approx(2.3359375, abs=1e-12)]
+
+
+def _judged_pair(margin_row2: float) -> tuple[Rollout, Rollout]:
+    """Vocab 2, 3 rows x 3 steps: row 0 agrees everywhere; row 1 diverges at step 1 where B=1's top-1/top-2 gap
+    is 0.123456; row 2 diverges at step 0 where the gap is ``margin_row2``. Fast logits are a small drift."""
+    ref_logits = torch.tensor([[[2.0, 0.0], [0.0, 1.0], [1.0, 0.0]],
+                               [[1.0, 0.0], [0.123456, 0.0], [0.0, 2.0]],
+                               [[margin_row2, 0.0], [0.0, 1.0], [1.0, 0.0]]], dtype=torch.float64)
+    drift = torch.tensor([[[0.01, 0.0], [0.0, 0.02], [0.03, 0.0]],
+                          [[0.0, 0.04], [0.05, 0.0], [0.0, 0.5]],
+                          [[0.0, 0.06], [0.7, 0.0], [0.0, 0.8]]], dtype=torch.float64)
+    ref_tokens = torch.tensor([[0, 1, 0], [0, 0, 1], [0, 1, 0]])
+    fast_tokens = torch.tensor([[0, 1, 0], [0, 1, 1], [1, 1, 0]])
+    return _rollout(ref_tokens, ref_logits), _rollout(fast_tokens, ref_logits + drift)
+
+
+@pytest.mark.parametrize(("flip_margin", "bad"), [(2.0, []), (1.5, [2])])
+def test_judge_bf16_reports_every_row_and_flags_wide_margin_flips(flip_margin: float, bad: list[int]) -> None:
+    reference, fast = _judged_pair(margin_row2=1.5)  # log-softmax gap of [1.5, 0] is exactly 1.5 in float64
+    control = torch.tensor([0.01, 0.03, 0.02], dtype=torch.float64)
+    verdict = judge_bf16(fast, reference, control, k=8.0, floor=1e-3, flip_margin=flip_margin,
+                         dtype=torch.bfloat16)
+    kl = _kl64(reference.logits, fast.logits)
+    expected_kl = [float(kl[0].max()), float(kl[1, :2].max()), float(kl[2, :1].max())]
+    m = verdict.metrics
+    assert m["kl_per_row"] == pytest.approx(expected_kl, rel=1e-5)
+    assert (m["control"], m["bound"]) == (0.03, pytest.approx(8.0 * 0.03 + 1e-3, rel=1e-12))
+    assert m["padding_control_per_row"] == [0.01, 0.03, 0.02]
+    assert (m["common_prefix"], m["diverged"], m["unexplained_flips"]) == ([3, 1, 0], [False, True, True], bad)
+    assert math.isnan(m["margin_at_divergence"][0]) and m["margin_at_divergence"][1:] == [0.1235, 1.5]
+    assert verdict.passed == (not bad)
+    fact = f"rows diverge only where the B=1 top-1/top-2 margin < {flip_margin}"
+    assert verdict.violated_facts == ([fact] if bad else [])
+
+
+def test_judge_bf16_fails_a_kl_over_k_times_the_padding_control() -> None:
+    reference, fast = _judged_pair(margin_row2=0.5)
+    kl = _kl64(reference.logits, fast.logits)
+    worst = max(float(kl[0].max()), float(kl[1, :2].max()), float(kl[2, :1].max()))
+    control = torch.full((3,), worst / 4, dtype=torch.float64)  # the worst row at 4x the control
+    verdict = judge_bf16(fast, reference, control, k=2.0, floor=0.0, flip_margin=1.0,
+                         dtype=torch.bfloat16)
+    assert not verdict.passed and verdict.margin == pytest.approx(2.0, rel=1e-9)
+    assert "KL(B=1 || batched)" in verdict.message and verdict.violated_facts == []
+
+
+def test_padding_control_is_stock_b1_against_stock_padded_on_the_same_tokens() -> None:
+    backend = bf16_backend("fake")
+    prompts = prompt_ids([6, 9], seed=31)
+    reference = stock_rollout(backend, prompts, 3)
+    control = padding_control(backend, prompts, reference, width=16, max_cache_len=19)
+    assert control.dtype == torch.float64 and control.shape == (2,)
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            padded = backend.stock_padded(prompt, reference.tokens[row], 16, 19, rows=len(prompts), row=row)
+            assert padded.shape == (3, ar_models.VOCAB) and padded.dtype == torch.float32
+            torch.testing.assert_close(control[row], _kl64(reference.logits[row], padded).max(), rtol=1e-9, atol=0.0)
+    # bf16 padding may or may not move the logits on this host's SDPA kernels: the control is whatever it
+    # measured (finite, >= 0), and judge_bf16's additive floor keeps a zero control meaningful
+    assert bool(torch.isfinite(control).all()) and bool((control >= 0).all())
+
+
+@pytest.mark.parametrize("name", ["fake", "qwen3"])
+def test_bf16_fast_rollout_records_fp32_log_probs_of_fp32_logits(name: str) -> None:
+    """The fake casts its logits to fp32 (as upstream); qwen3 hands back its lm_head's bf16 logits."""
+    backend = bf16_backend(name)
+    fast = fast_rollout(backend, right_padded_batch(prompt_ids((4, 7), seed=52), ar_models.PAD_ID), 3)
+    assert (fast.logits.dtype, fast.logp.dtype) == (torch.float32, torch.float32)
+    assert all(kv.dtype == torch.float32 for kv in fast.kv)
+    want = torch.log_softmax(fast.logits.double(), dim=-1).gather(-1, fast.tokens[..., None])[..., 0]
+    # the fp32 softmax of the fp32 logits (a bf16 softmax would be off by ~1e-2)
+    torch.testing.assert_close(fast.logp, want.float(), rtol=0.0, atol=2e-6)
+
+
+def test_bf16_replay_log_probs_are_fp32_softmaxes() -> None:
+    """qwen3 hands back bf16 logits; the teacher-forced replay scores them in fp32."""
+    from harness.ar.replay import teacher_forced_logp
+
+    backend = bf16_backend("qwen3")
+    prompts = prompt_ids([4, 6], seed=66)
+    tokens = torch.tensor([[3, 9, 12], [7, 7, 20]])
+    rollout = Rollout(tokens, torch.zeros(2, 3), torch.zeros(2, 3, ar_models.VOCAB), torch.tensor([3, 2]),
+                      torch.tensor([4, 6]), ())
+    with torch.no_grad():
+        logp = teacher_forced_logp(backend, prompts, rollout)
+        logits = [backend.full_forward(torch.cat([p, tokens[i, :n]])) for i, (p, n) in enumerate(zip(prompts, (3, 2),
+                                                                                                   strict=True))]
+    assert logits[0].dtype == torch.bfloat16 and logp.dtype == torch.float32 and logp[1, 2] == 0.0
+    for i, (p, n) in enumerate(zip(prompts, (3, 2), strict=True)):
+        want = torch.log_softmax(logits[i][p.numel() - 1: p.numel() - 1 + n].double(), dim=-1)
+        want = want.gather(1, tokens[i, :n, None])[:, 0]
+        torch.testing.assert_close(logp[i, :n], want.float(), rtol=0.0, atol=2e-6)

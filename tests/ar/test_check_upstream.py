@@ -1,0 +1,142 @@
+"""scripts/check-upstream's pieces: what a code directory holds, the tiny configs, the pytest run, the summary, the
+CPU patches, and (``launch``) the whole run on a code directory written from the fakes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures import ar_models, check_upstream, upstream_checkpoint
+from fixtures.ar_checkpoint import COMMON_FILE, PORTABLE_FILE, source_path
+from fixtures.upstream_checkpoint import KINDS, UpstreamPackageError, package_generations, tiny_config
+from harness import compat
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _touch(directory: Path, *names: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (directory / name).write_text("")
+    return directory
+
+
+@pytest.mark.cpu
+def test_the_generations_are_read_from_the_files(tmp_path: Path) -> None:
+    assert package_generations(_touch(tmp_path / "g1", "hunyuan.py", "configuration_hunyuan.py")) == [1]
+    two = _touch(tmp_path / "g2", "modeling_hunyuan_image_3.py", "configuration_hunyuan_image_3.py")
+    assert package_generations(two) == [2]
+    assert package_generations(_touch(two, "hunyuan.py", "configuration_hunyuan.py")) == [1, 2]  # as 5848fb47
+    with pytest.raises(UpstreamPackageError, match=r"holds neither generation's modeling code; expected hunyuan.py "
+                                                   r"\+ configuration_hunyuan.py \(generation 1\) or"):
+        package_generations(_touch(tmp_path / "half", "hunyuan.py"))
+    with pytest.raises(UpstreamPackageError, match="not a directory"):
+        package_generations(tmp_path / "missing")
+
+
+@pytest.mark.cpu
+def test_tiny_configs_route_as_released() -> None:
+    moe, dense, drop = (tiny_config(kind) for kind in KINDS)
+    assert moe["num_experts"] >= 2 and moe["moe_topk"] == [2] * moe["num_hidden_layers"]  # per-layer top-k
+    assert moe["use_mixed_mlp_moe"] and not moe["moe_drop_tokens"] and drop["moe_drop_tokens"]
+    assert dense["num_experts"] == 1
+    with pytest.raises(ValueError, match="kind must be one of"):
+        tiny_config("sparse")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("offered", [True, False])
+def test_the_pytest_run_patches_the_cpu_and_trusts_remote_code_only_when_offered(
+        offered: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(check_upstream, "pytest_offers", lambda option: offered and option == "--trust-remote-code")
+    cpu = check_upstream.pytest_command([tmp_path / "gen2_moe"], "cpu", "fp32", tmp_path / "r.json",
+                                        tmp_path / "r.xml", ["-x"])
+    assert cpu[1:6] == ["-m", "pytest", "-p", "fixtures.upstream_cpu", "-m"]
+    assert f"--checkpoint={tmp_path / 'gen2_moe'}" in cpu and cpu[-1] == "-x"
+    assert ("--trust-remote-code" in cpu) == offered
+    cuda = check_upstream.pytest_command([tmp_path / "gen2_moe"], "cuda", "bf16", tmp_path / "r.json",
+                                         tmp_path / "r.xml", [])
+    assert "fixtures.upstream_cpu" not in cuda and "--device=cuda" in cuda
+
+
+@pytest.mark.cpu
+def test_the_summary_reads_verdicts_kills_and_the_named_routing_cause() -> None:
+    routing = "MoE routing depends on what shares the forward, not on padding: a token alone ..."
+    data = {"checks": [
+        {"id": "ar.gpu.batched_vs_b1[gen2_moe-fp32]", "passed": False, "margin": "inf", "headline": "max_abs",
+         "metrics": {"logp_max_abs": 0.75, "moe_routing": routing}},
+        {"id": "ar.gpu.batched_vs_b1[gen1_dense-bf16]", "passed": True, "margin": 0.1, "headline": "max_abs",
+         "metrics": {"kl_per_row": [1e-4, 6e-4], "moe_routing": "no MoE layer"}}],
+        "ablations": [{"name": "ar.decode_mask_removed", "kills": [
+            {"check": "ar.gpu.batched_vs_b1[gen1_dense-bf16]", "killed": True, "margin": 463.0, "mode": "tolerance"}]}]}
+    rows = check_upstream.summarize(data)
+    failed, passed = rows[("gen2_moe", "fp32")], rows[("gen1_dense", "bf16")]
+    assert (failed["passed"], failed["margin"], failed["why"]) == (False, float("inf"), routing)
+    assert failed["headline"] == "logp|d| 7.50e-01" and failed["kills"] == []
+    assert (passed["passed"], passed["headline"], passed["why"]) == (True, "KL 6.00e-04", "")
+    assert passed["kills"] == [("ar.decode_mask_removed", True, 463.0, "tolerance")]
+
+
+@pytest.mark.launch
+def test_the_cpu_patches_apply_from_outside() -> None:
+    """In a fresh interpreter (seconds: ``launch``): the stand-in imports in place of a torchvision that does not,
+    the VAE's CUDA empty lands on the CPU, and the MoE's set_device and NVTX range do nothing (each only where the
+    host lacks them)."""
+    probe = ("import torch; from fixtures import upstream_cpu; done = upstream_cpu.install(); "
+             "import torchvision.transforms as T, transformers; "
+             "from transformers import Siglip2ImageProcessorFast; "
+             "print(done, torch.empty(0, device='cuda').device.type, torch.cuda.set_device(None), "
+             "type(torch.cuda.nvtx.range('x')).__name__, T.Compose([T.ToTensor()]).__class__.__name__, "
+             "Siglip2ImageProcessorFast.__module__, upstream_cpu.install() == done)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = done.stdout.strip()
+    assert "'torchvision stand-in'" in printed and "'torch.cuda.set_device no-op'" in printed
+    # transformers 4.x keeps the fast processor in image_processing_siglip2_fast, 5.x in image_processing_siglip2
+    assert re.search(r"cpu None nullcontext Compose transformers\.models\.siglip2\.image_processing_siglip2(_fast)? "
+                     r"True$", printed), printed
+
+
+def _fake_package(directory: Path, generation: int) -> Path:
+    """A user's code directory written from a fake: the generation's two files plus the fakes they import."""
+    modeling, configuration = upstream_checkpoint.GENERATION_FILES[generation]
+    directory.mkdir(parents=True)
+    (directory / modeling).write_text(source_path(generation).read_text())
+    (directory / configuration).write_text("from .ar_hunyuan_common import HunyuanImage3Config  # noqa: F401\n")
+    for helper in (COMMON_FILE, PORTABLE_FILE):
+        (directory / helper).write_text(source_path(ar_models.PORTABLE).with_name(helper).read_text())
+    return directory
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("generation", [1, 2])
+def test_check_upstream_runs_on_a_code_directory(tmp_path: Path, generation: int) -> None:
+    """The whole script on a directory holding a fake generation: 4.x runs it (generation 2's MoE fails, named;
+    dense passes with its kills); 5.x refuses it, naming the generation."""
+    package = _fake_package(tmp_path / "hunyuan_image_3", generation)
+    done = subprocess.run([str(REPO / "scripts" / "check-upstream"), str(package), "--dir", str(tmp_path / "run"),
+                           "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "PYTHON": sys.executable})
+    table = done.stdout[done.stdout.index("check-upstream summary"):]
+    name = f"gen{generation}"
+    if not compat.has_module("transformers.modeling_attn_mask_utils"):
+        assert done.returncode == 1 and table.count("refused:") == 2
+        assert f"HunyuanImage-3 generation {generation} ({upstream_checkpoint.GENERATION_FILES[generation][0]})" \
+            in table
+        return
+    rows = {line.split()[0] + " " + line.split()[1]: line for line in table.splitlines() if line.startswith(name)}
+    for dtype in ("fp32", "bf16"):
+        assert " 13/13 " in rows[f"{name}_dense {dtype}"] and " PASS " in rows[f"{name}_dense {dtype}"]
+        assert " 4/4 " in rows[f"{name}_dense {dtype}"]
+        moe = rows[f"{name}_moe {dtype}"]
+        assert (" FAIL " in moe and "MoE routing depends" in moe) == (generation == 2), moe
+    assert (done.returncode == 0) == (generation == 1), done.stdout[-3000:]
+    report = json.loads((tmp_path / "run" / "check-upstream.json").read_text())
+    assert report["summary"]["checks"] == 4

@@ -1,0 +1,131 @@
+"""The ar verdicts on hand-built rollouts: the AR PR's report row, token divergences, path facts, the floor's inputs."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fixtures import ar_models
+from harness.ar import judge
+from harness.ar import policies as ar_policies
+from harness.ar.loop import Rollout
+from harness.ar.spy import ARForwardSpy
+from harness.compare import close, exact
+
+pytestmark = pytest.mark.cpu
+
+
+def _rollout(tokens: list[list[int]], logp: list[list[float]], kv: list[torch.Tensor],
+             real_pos: list[int]) -> Rollout:
+    t = torch.tensor(tokens)
+    return Rollout(t, torch.tensor(logp), torch.zeros(*t.shape, 3), torch.full((t.shape[0],), t.shape[1]),
+                   torch.tensor(real_pos), tuple(kv))
+
+
+def _kv(slots: int, fill: float) -> torch.Tensor:
+    """``[layers 1, 2, H 1, slots, hd 2]`` with slot s holding fill + s."""
+    return (fill + torch.arange(slots, dtype=torch.float32))[None, None, None, :, None].expand(1, 2, 1, slots, 2)
+
+
+def _pair() -> tuple[Rollout, Rollout]:
+    """Row 0 agrees everywhere; row 1 diverges at step 1; slot 1 of row 0's KV differs, slot 0 never does."""
+    ref = _rollout([[5, 6, 7], [5, 6, 7]], [[-0.1, -0.2, -0.3], [-0.1, -0.2, -0.3]],
+                   [_kv(4, 0.0), _kv(3, 0.0)], [3, 2])
+    fast_kv0 = _kv(4, 0.0).clone()
+    fast_kv0[..., 1, :] += 0.5
+    fast = _rollout([[5, 6, 7], [5, 9, 7]], [[-0.1, -0.2, -0.3], [-0.1, -0.45, -0.3]],
+                    [fast_kv0, _kv(3, 0.0)], [3, 2])
+    return fast, ref
+
+
+def test_seed001_metrics_and_divergences() -> None:
+    fast, ref = _pair()
+    metrics = judge.seed001_metrics(fast, ref)
+    assert metrics == {"tokens_equal": False, "common_prefix": [3, 1], "logp_max_abs": pytest.approx(0.25),
+                       "prefill_kv_max_abs": 0.5, "slot0_max_abs": 0.0}
+    assert judge.divergences(fast.tokens, ref.tokens) == [
+        "row 1 diverges at decode step 1: token 9 vs 6 (step 0 is read from the prefill)"]
+
+
+def test_format_seed001_rows() -> None:
+    metrics = {"tokens_equal": True, "logp_max_abs": 1.5e-6, "prefill_kv_max_abs": 0.0, "slot0_max_abs": 2e-7}
+    head = "[PASS] unequal real_pos"
+    body = ("\n        tokens equal=True  logp max|d|=1.500e-06  prefill-KV max|d|=0.000e+00"
+            "  (cache slot 0 max|d|=2.000e-07)")
+    assert judge.format_seed001("unequal real_pos", True, metrics) == head + body
+    assert judge.format_seed001("unequal real_pos", True, metrics, note="why") == head + body + "\n        why"
+    assert judge.format_seed001("b1", False, raised="AssertionError") == "[FAIL] b1\n        raised AssertionError"
+    assert judge.format_seed001("b1", False) == (
+        "[FAIL] b1\n        tokens equal=None  logp max|d|=nan  prefill-KV max|d|=nan  (cache slot 0 max|d|=nan)")
+
+
+def test_slot0_verdict_names_row_layer_kv_and_head() -> None:
+    fast, ref = _pair()
+    bad_kv = fast.kv[1].clone()
+    bad_kv[0, 1, 0, 0, 1] += 1.0
+    fast = Rollout(fast.tokens, fast.logp, fast.logits, fast.lengths, fast.real_pos, (fast.kv[0], bad_kv))
+    verdict = judge.judge_slot0(fast, ref, close(atol=1e-6, rtol=0.0))
+    assert not verdict.passed and "at row 1, layer 0, kv V, head 0, element (1,)" in verdict.message
+
+
+def _spy(sizes: list[int], static: bool = True, dynamic: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(batch_sizes=sizes, static=static, dynamic=dynamic)
+
+
+def test_require_path_needs_every_forward_at_the_batch_size() -> None:
+    ref = _pair()[1]
+    base = judge.judge_logp(ref, ref, close(atol=0.0, rtol=0.0))
+    fact = "every forward ran at batch size 2"
+    assert judge.require_path(base, _spy([2, 2, 2]), 2).violated_facts == []
+    assert judge.require_path(base, _spy([2, 1, 2]), 2).violated_facts == [fact]
+    assert judge.require_path(base, _spy([]), 2).violated_facts == [fact]
+    assert judge.require_path(base, _spy([1], static=False, dynamic=True), 1).violated_facts == []
+
+
+@pytest.mark.parametrize(("pad_id", "vocab"), [(0, 3), (1, 3), (1, 2)])
+def test_stock_prefill_floor_draws_every_non_pad_id_and_never_the_pad(pad_id: int, vocab: int) -> None:
+    seen = []
+
+    def stock_prefill(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(ids.clone())
+        return torch.zeros(*ids.shape, vocab), torch.zeros(ids.shape[0], 1, 2, 1, ids.shape[1], 2)
+
+    backend = SimpleNamespace(pad_id=pad_id, vocab_size=vocab, name="stand-in", stock_prefill=stock_prefill)
+    floor = ar_policies.stock_prefill_floor(backend)
+    assert (floor.logp, floor.kv, floor.backend) == (0.0, 0.0, "stand-in")
+    batched = seen[0]
+    assert batched.shape == (4, 6) and [s.shape for s in seen[1:]] == [(1, 6)] * 4
+    assert sorted(set(batched.flatten().tolist())) == [i for i in range(vocab) if i != pad_id]
+    assert torch.equal(torch.cat(seen[1:]), batched)
+    assert not math.isnan(floor.logp)
+
+
+def test_token_verdict_reports_each_rows_first_divergence() -> None:
+    fast, ref = _pair()
+    verdict = judge.judge_tokens(fast, ref, exact())
+    assert not verdict.passed
+    assert verdict.message == "row 1 diverges at decode step 1: token 9 vs 6 (step 0 is read from the prefill)"
+    assert judge.judge_tokens(ref, ref, exact()).message == ""
+
+
+def test_exact_policies_are_exact_everywhere_with_no_floor() -> None:
+    policies = ar_policies.exact_policies()
+    assert [p.describe() for p in (policies.tokens, policies.logp, policies.kv, policies.slot0)] == [
+        exact().describe()] * 4
+    assert policies.floor is None
+
+
+def test_spy_reads_positional_input_ids_and_starts_empty() -> None:
+    """The forward spy the path facts read: a forward called positionally counts, each entry starts afresh."""
+    model = ar_models.transformers_model("qwen3")
+    spy = ARForwardSpy(model)
+    with spy:
+        assert not spy.static and not spy.dynamic  # no forward proves nothing
+    with torch.no_grad(), spy:
+        model(torch.tensor([[5, 6, 7]]))
+    with torch.no_grad(), spy:  # entering again starts a fresh record
+        model(torch.tensor([[5, 6], [7, 8]]))
+    assert [(c.batch, c.queries, c.cache) for c in spy.calls] == [(2, 2, "none")]

@@ -1,0 +1,116 @@
+"""Every kernel against the masked-SDPA reference over layouts, block sizes, heads and GQA groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_block_mask
+
+from fixtures.attention_captures import small_capture
+from fixtures.attention_strategies import KernelCase, block_sizes, kernel_cases, layouts, straddling_layouts
+from harness.attention import contract, decomposed, flex, judge, kernels, masks, padded, primitives, reference, spy
+from harness.attention.layout import AttentionLayout
+from harness.compare import close
+
+pytestmark = pytest.mark.cpu
+
+# fp32 kernels summing the same products in another order: torch.testing's fp32 defaults.
+FP32 = close(reason="fp32 torch.testing defaults: same products, another summation order")
+
+
+def _run(case: KernelCase, name: str) -> torch.Tensor:
+    capture = small_capture(case.layout, heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim,
+                            seed=case.seed)
+    q, k, v = capture.heads_first()
+    fn = {"sdpa": reference.masked_sdpa, "decomposed": decomposed.decomposed}.get(name)
+    if fn is not None:
+        return fn(q, k, v, case.layout, scale=capture.scale)
+    fn = {"flex": flex.flex_structured, "block_padded": padded.block_padded}[name]
+    return fn(q, k, v, case.layout, scale=capture.scale, block=case.block)
+
+
+@settings(max_examples=15, deadline=None)
+@given(kernel_cases())
+def test_kernels_match_masked_sdpa_on_the_capture_mask(case: KernelCase):
+    capture = small_capture(case.layout, heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim,
+                            seed=case.seed)
+    expected = judge.reference_output(capture)
+    for name in ("sdpa", "decomposed", "flex", "block_padded"):
+        verdict = FP32.judge(_run(case, name), expected, dims=judge.OUTPUT_DIMS,
+                             what=f"{name} on {case.layout.describe()} block {case.block}")
+        assert verdict.passed, verdict.describe()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.one_of(straddling_layouts(), st.tuples(layouts(), block_sizes)))
+def test_block_mask_matches_create_block_mask(case: tuple[AttentionLayout, int]):
+    layout, block = case
+    mine = flex.block_mask_for(layout, block=block)
+    theirs = create_block_mask(flex.mask_mod_for(layout), None, None, layout.q_len, layout.kv_len, device="cpu",
+                               BLOCK_SIZE=block)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(getattr(mine, name), getattr(theirs, name)), f"{name} differs for {layout.describe()}"
+    cover = kernels.block_coverage(mine, masks.build_mask(layout))
+    assert cover["skipped_visible_tiles"] == 0 and cover["false_full_tiles"] == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.one_of(straddling_layouts(), st.tuples(layouts(), block_sizes)))
+def test_pad_mask_keeps_pad_keys_invisible_and_pad_rows_defined(case: tuple[AttentionLayout, int]):
+    layout, block = case
+    mask = masks.build_mask(layout)
+    q_pad, kv_pad = padded.padded_length(layout.q_len, block), padded.padded_length(layout.kv_len, block)
+    out = padded.pad_mask(mask, q_pad, kv_pad)
+    assert q_pad % block == 0 and kv_pad % block == 0
+    assert torch.equal(out[:layout.q_len, :layout.kv_len], mask)
+    assert not out[:layout.q_len, layout.kv_len:].any()
+    assert out[layout.q_len:].any(dim=-1).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(layouts())
+def test_split_rows_partitions_rows_into_prefix_blocks(layout: AttentionLayout):
+    mask = masks.build_mask(layout)
+    blocks = decomposed.split_rows(layout)
+    assert [b.start for b in blocks] == [0] + [b.stop for b in blocks[:-1]]
+    assert blocks[-1].stop == layout.q_len
+    for block in blocks:
+        rows = mask[block.start:block.stop]
+        assert not rows[:, block.kv_stop:].any()
+        inner = rows[:, :block.kv_stop]
+        if block.causal:
+            lower_right = torch.ones(block.rows, block.kv_stop, dtype=torch.bool).tril(block.kv_stop - block.rows)
+            assert torch.equal(inner, lower_right)
+        else:
+            assert inner.all()
+
+
+@settings(max_examples=15, deadline=None)
+@given(kernel_cases())
+def test_decomposed_launches_one_unmasked_or_causal_sdpa_per_block(case: KernelCase):
+    with spy.recording() as launches:
+        _run(case, "decomposed")
+    blocks = decomposed.split_rows(case.layout)
+    assert [launch.rows for launch in launches] == [b.rows for b in blocks]
+    assert {launch.mask for launch in launches} <= {"none", "causal_bias"}
+    assert all(launch.kv_shape[1] == case.kv_heads for launch in launches)
+
+
+def test_mask_free_is_far_from_the_reference_on_a_small_layout():
+    layout = AttentionLayout(6, 20, 2, "prefill")
+    capture = small_capture(layout, heads=2, head_dim=16, seed=3)
+    q, k, v = capture.heads_first()
+    gap = (reference.mask_free(q, k, v, layout) - judge.reference_output(capture)).abs().max()
+    assert gap > 1e-2
+    assert contract.verify_mask(masks.causal_only(layout), layout.span).mismatches > 0
+
+
+def test_the_launch_spy_keeps_sdpa_s_own_defaults():
+    """A kernel that leaves attn_mask and is_causal out launches plain full attention, and the spy says so."""
+    q, k, v = torch.randn(3, 1, 2, 5, 4, generator=torch.Generator().manual_seed(0)).unbind(0)
+    with spy.recording() as launches:
+        out = primitives.launch_sdpa(q, k, v, scale=0.5, enable_gqa=False)
+    assert [launch.mask for launch in launches] == ["none"]
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5))

@@ -1,0 +1,176 @@
+"""judge_decode on hand-made rank answers: the verdict's metrics and facts for a sharded, a stock and a user's run.
+
+No world: the RankDecode values are what a 2-rank run of 12 latent frames (2 clips of 9 tiles) reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fixtures import decode_models
+from harness.compare import sha256
+from harness.decode import judge, oracle
+from harness.decode import plan as plan_mod
+
+pytestmark = [pytest.mark.cpu,
+              pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
+
+
+def _answers(sharded: bool, *, impl_calls: int | None = None, calls: int = 1) -> list[judge.RankDecode]:
+    """``calls`` `_decode` calls per video (a sliced batch): every count scales with it."""
+    work = plan_mod.plan_work(decode_models.tiny_vae(), (1, 4, 12, 8, 8), 2)  # clips split: 9 tiles per clip
+    stock = torch.arange(39.0).reshape(1, 1, 39, 1, 1)
+    digest = sha256(stock)
+    decoder = (9 if sharded else 18) * calls  # each rank owns one clip of 9 tiles, or decodes both
+    seen = {"all_gather": 4 * calls} if sharded else {}
+    return [judge.RankDecode(rank, 2, stock.clone(), digest, decoder, (1 if sharded else 2) * calls, dict(seen),
+                             work=work, calls=calls, stock=stock if rank == 0 else None, stock_sha256=digest,
+                             impl_calls=impl_calls)
+            for rank in range(2)]
+
+
+def test_sharded_and_stock_runs_report_their_transport_share_and_facts():
+    sharded = judge.judge_decode(_answers(True), sharded=True)
+    assert sharded.passed, sharded.describe()
+    picked = {k: sharded.metrics[k] for k in ("world", "receivers", "transport", "ranks_matching_stock_sha",
+                                              "decoder_calls_per_rank", "split", "clips", "busiest_share")}
+    assert picked == {"world": 2, "receivers": 2, "transport": "all_gather", "ranks_matching_stock_sha": "2/2",
+                      "decoder_calls_per_rank": "9, 9", "split": "clips", "clips": 2, "busiest_share": 0.5}
+    stock = judge.judge_decode(_answers(False), sharded=False)
+    assert stock.passed, stock.describe()
+    assert (stock.metrics["transport"], stock.metrics["busiest_share"]) == ("stock", 1.0)
+    assert stock.violated_facts == [] and len(stock.notes) == 2
+    # a sharded verdict on a run that decoded everything everywhere fails on the ownership fact
+    everywhere = judge.judge_decode(_answers(False), sharded=True)
+    assert "each piece decoded exactly once across the world (round-robin ownership)" in everywhere.violated_facts
+    sliced = judge.judge_decode(_answers(True, calls=2), sharded=True)
+    assert sliced.passed and sliced.metrics["expected_decoder_calls_per_rank"] == "18, 18"
+    # 3 ranks split the 18 tiles 6 / 6 / 6 (no clip calls): the share is rounded to 4 digits
+    three = [dataclasses.replace(a, rank=r, world_size=3, decoder_calls=6, clip_calls=0,
+                                 work=plan_mod.plan_work(decode_models.tiny_vae(), (1, 4, 12, 8, 8), 3))
+             for r, a in enumerate([*_answers(True), _answers(True)[1]])]
+    tiled = judge.judge_decode(three, sharded=True)
+    assert tiled.passed, tiled.describe()
+    assert (tiled.metrics["split"], tiled.metrics["busiest_share"]) == ("tiles", 0.3333)
+    assert judge.judge_decode(_answers(False, calls=2), sharded=False).passed
+    # the right total on the wrong ranks: rank 0 decoded both clips and rank 1 sat idle, without collectives
+    first, second = _answers(True)
+    lopsided = [dataclasses.replace(first, decoder_calls=18), dataclasses.replace(second, decoder_calls=0,
+                                                                                  collectives={})]
+    verdict = judge.judge_decode(lopsided, sharded=True)
+    assert "each piece decoded exactly once across the world (round-robin ownership)" in verdict.violated_facts
+    assert verdict.metrics["collectives_per_rank"] == "{'all_gather': 4}; none"
+
+
+def test_wrong_shapes_hashes_and_a_user_run_without_collectives_fail():
+    answers = _answers(True)
+    short = dataclasses.replace(answers[1], output=answers[1].output[:, :, :38])  # its reported hash is stale
+    verdict = judge.judge_decode([answers[0], short], sharded=True)
+    assert not verdict.passed and verdict.margin == float("inf") and verdict.violated_facts == []  # shapes alone
+    assert verdict.message.startswith("decoded video shapes [(1, 1, 38, 1, 1), (1, 1, 39, 1, 1)] differ from the "
+                                      "stock (1, 1, 39, 1, 1)")
+    rehashed = dataclasses.replace(short, sha256=sha256(short.output))
+    verdict = judge.judge_decode([answers[0], rehashed], sharded=True)
+    assert verdict.violated_facts == ["every receiving rank's SHA-256 equals the stock output's"]
+    user = _answers(True, impl_calls=1, calls=2)  # a user's implementation under test: rank 1 ran no collective
+    user[1] = dataclasses.replace(user[1], collectives={})
+    verdict = judge.judge_decode(user, sharded=True)
+    assert verdict.violated_facts == ["every rank communicated (a collective ran on every rank)"]
+    assert verdict.metrics["collectives_per_rank"] == "{'all_gather': 8}; none"
+    assert (verdict.metrics["pieces_per_rank"], verdict.metrics["pieces_total"]) == ("18, 18", 36)
+
+
+def test_the_plan_oracle_passes_the_plan_and_names_same_shaped_wrong_windows(monkeypatch):
+    z = decode_models.latents(decode_models.LatentSpec(9, height=2, width=2))  # 2 clips, one cross-fade
+    cases = [(decode_models.tiny_vae(), z)]
+    verdict = oracle.judge_plan_against_library(cases)
+    assert verdict.passed, verdict.describe()
+    assert verdict.metrics == {"cases": 1, "window_mismatches": "none", "tile_mismatches": "none",
+                               "source_mismatches": "none"}
+    # windows and tiles of the right shape but read backwards in time must not pass
+    window, tile = plan_mod.window_latents, plan_mod.tile_latents
+    monkeypatch.setattr(plan_mod, "window_latents", lambda padded, plan, c: window(padded, plan, c).flip(2))
+    flipped = oracle.judge_plan_against_library(cases)
+    assert flipped.metrics["window_mismatches"] == ["t9 (2, 2) tiling=on: plan 2 clips, library 2"]
+    monkeypatch.setattr(plan_mod, "window_latents", window)
+    monkeypatch.setattr(plan_mod, "tile_latents", lambda w, tiles, t: tile(w, tiles, t).flip(2))
+    flipped = oracle.judge_plan_against_library(cases)
+    assert flipped.metrics["tile_mismatches"] == ["t9 (2, 2) tiling=on: plan 2 tiles, library 2"]
+
+
+def _outcome(rank: int, raised: str = "RuntimeError: stop", *, fired: int = 0, kept: bool | None = None,
+             seconds: float = 0.1) -> judge.FaultOutcome:
+    return judge.FaultOutcome(rank, raised, seconds, fired, kept)
+
+
+def test_a_fault_that_other_ranks_never_hear_of_fails_even_without_a_hang():
+    """Rank 1 raises alone while the others return: nobody is stuck, but the group did not fail together."""
+    alone = [_outcome(0, ""), _outcome(1, fired=1, kept=True), _outcome(2, "")]
+    verdict = judge.judge_fault(3, 1, 20.0, alone, keeps_cause="fault rank")
+    assert not verdict.passed
+    assert verdict.metrics["outcome"] == "1/3 ranks raise; ranks [0, 2] returned"
+    together = [_outcome(0), _outcome(1, fired=1, kept=True), _outcome(2)]
+    assert judge.judge_fault(3, 1, 20.0, together, keeps_cause="fault rank").passed
+
+
+def test_faults_are_judged_by_behaviour_not_by_wording():
+    """Any exception type and message will do; what counts is that every rank raised in time, the fault struck,
+    the injected cause survives where it must, and the group works afterwards."""
+    plain = [_outcome(0, "ValueError: whatever the wording"), _outcome(1, "KeyError: 3", fired=1, kept=True)]
+    assert judge.judge_fault(2, 1, 20.0, plain, keeps_cause="fault rank").passed
+    lost = [plain[0], _outcome(1, "RuntimeError: failed", fired=1, kept=False)]
+    verdict = judge.judge_fault(2, 1, 20.0, lost, keeps_cause="fault rank")
+    assert verdict.violated_facts == ["the injected exception survives in the __cause__/__context__ chain of what "
+                                      "rank 1 raised"]
+    slow = [plain[0], _outcome(1, "KeyError: 3", fired=1, kept=True, seconds=25.0)]
+    verdict = judge.judge_fault(2, 1, 20.0, slow, keeps_cause="fault rank")
+    assert verdict.violated_facts == ["every rank raises within 20 s; no rank hangs or returns"]
+    never = [plain[0], _outcome(1, "KeyError: 3")]  # the implementation never reached the faulty decoder
+    verdict = judge.judge_fault(2, 1, 20.0, never)
+    assert verdict.violated_facts == ["the fault struck on rank(s) [1]"]
+    broken = judge.judge_fault(2, 1, 20.0, plain, keeps_cause="fault rank", group_error="hung")
+    assert broken.violated_facts == [judge.GROUP_WORKS] and broken.metrics["follow_up"] == "hung"
+
+
+def test_a_hung_rank_fails_with_the_world_statuses():
+    from harness.dist import RankOutcome
+
+    statuses = [RankOutcome(0, "ok"), RankOutcome(1, "hung", "no result within 20 s")]
+    verdict = judge.judge_fault(2, 1, 20.0, None, statuses, group_error="the world was torn down")
+    assert not verdict.passed and verdict.metrics["outcome"] == "hung on ranks [1]"
+    assert set(verdict.violated_facts) == {"every rank raises within 20 s; no rank hangs or returns",
+                                           judge.GROUP_WORKS}
+    long = [statuses[0], RankOutcome(1, "raised", "RuntimeError: " + "x" * 400)]  # a traceback-sized error
+    lines = judge.judge_fault(2, 1, 20.0, None, long).metrics["rank_outcomes"]
+    assert lines == ["rank 0: ok", long[1].line()[:240]] and len(lines[1]) == 240
+    nobody = judge.judge_fault(2, 1, 20.0, [])  # no rank's outcome: no raise time to claim
+    assert not nobody.passed and nobody.metrics["slowest_raise_s"] == 0.0
+
+
+def test_a_bad_frame_names_the_rank_that_decoded_its_clip():
+    """The decoder inputs each rank fingerprinted, matched against the stock decode's, name a bad frame's maker."""
+    answers = _answers(True)
+    answers[0] = dataclasses.replace(answers[0], stock_decoded=tuple(f"p{i}" for i in range(18)),
+                                     decoded=tuple(f"p{i}" for i in range(9)))
+    answers[1] = dataclasses.replace(answers[1], decoded=tuple(f"p{i}" for i in range(9, 18)))
+    bad = answers[1].output.clone()
+    bad[:, :, 30] += 1.0
+    answers[1] = dataclasses.replace(answers[1], output=bad, sha256=sha256(bad))
+    verdict = judge.judge_decode(answers, sharded=True)
+    assert verdict.metrics["clip_producers"] == "clip 0: rank 0; clip 1: rank 1"
+    assert "frame 30 (clip 1 on rank 1)" in verdict.message, verdict.message
+    assert judge.frame_labels(answers[0].work.clips, 39, {0: [0]})[18] == (
+        "18 (clip 0 on rank 0/1 (its planned input decoded on no rank) cross-fade)")
+
+
+def test_a_sliced_sharded_encode_counts_each_rank_s_clips_once_per_call():
+    """Two `_encode` calls (a sliced batch of two videos), two clips over two ranks: each rank encodes its clip
+    once per call; a count that does not scale with the calls is a clip encoded twice or never."""
+    encode = [dataclasses.replace(a, work=None, pieces=2, clip_calls=2) for a in _answers(True, calls=2)]
+    fact = "each clip encoded exactly once across the world"
+    assert fact not in judge.judge_decode(encode, sharded=True).violated_facts
+    once = [dataclasses.replace(a, clip_calls=1) for a in encode]
+    assert fact in judge.judge_decode(once, sharded=True).violated_facts

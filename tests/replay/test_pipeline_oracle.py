@@ -1,0 +1,202 @@
+"""The pipeline oracle's own tests: two adapter bugs that pass batched-vs-serial parity and the combine check
+alike (a CogView4 timestep in sigma units, a Sana adapter that declares cond-first while building its rows
+uncond-first, as SanaPipeline concatenates them) are caught by the oracle; and its refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from fixtures.replay_models import tiny_model
+from harness.compare import exact
+from harness.plugins import CheckpointKind
+from harness.replay import denoiser, pipeline_oracle
+from harness.replay.conditions import Conditions, broadcast_rows
+from harness.replay.controls import measure_batch_shape_control
+from harness.replay.denoiser import FUSED_COND_FIRST, concat_branches, predict_velocity
+from harness.replay.families import COGVIEW4, SANA, ReplayFamily
+from harness.replay.families.cogview4 import CogView4Adapter
+from harness.replay.families.sana import SanaAdapter
+from harness.replay.judge import compare_replay
+from harness.replay.policies import local_scale_policy
+from harness.replay.problem import make_problem
+
+pytestmark = pytest.mark.cpu
+
+BATCH, GUIDANCE = 2, 4.5
+
+
+class SigmaUnitsCogView4(CogView4Adapter):
+    """Passes sigma where CogView4Pipeline passes its timestep in [0, 1000]."""
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        return sigma
+
+
+class PipelineOrderSana(SanaAdapter):
+    """Declares fused cond-first but fuses its rows ``[negative; prompt]``, the way SanaPipeline batches them."""
+
+    cfg_layout = FUSED_COND_FIRST
+
+    def conditions_from_prompts(self, prompts, cfg):
+        if cfg == 1:
+            return super().conditions_from_prompts(prompts, cfg)
+        rows = {"encoder_hidden_states": torch.cat([prompts["negative_prompt_embeds"], prompts["prompt_embeds"]]),
+                "encoder_attention_mask": torch.cat([prompts["negative_prompt_attention_mask"],
+                                                     prompts["prompt_attention_mask"]])}
+        return Conditions(batch=prompts["prompt_embeds"].shape[0], rows=rows, cfg_factor=2)
+
+
+def _variant(base: ReplayFamily, name: str, adapter_class) -> ReplayFamily:
+    kind = CheckpointKind(name, "replay", base.class_names, "diffusers", family=name)
+    return ReplayFamily(name, adapter_class, kind, base.pipeline)
+
+
+def _oracle(family: ReplayFamily, base: str):
+    adapter = family.adapter(tiny_model(base))
+    prompts = adapter.example_prompts(BATCH, 2, torch.Generator().manual_seed(4))
+    latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(5))
+    record = pipeline_oracle.run_pipeline(family, adapter, prompts, latents, GUIDANCE)
+    return adapter, pipeline_oracle.judge_family(family, adapter, record)
+
+
+def _parity_and_combine_pass(family: ReplayFamily, adapter) -> None:
+    """What the catalogue already ran on the bug: batched vs serial at cfg 2, and the combine check (which
+    splits the branches by the adapter's own declaration). Both pass."""
+    conditions = family.example_conditions(adapter, BATCH, 2, torch.Generator().manual_seed(6))
+    problem = make_problem(f"{family.name}.cfg2", adapter, conditions, seed=2, latent_shape=adapter.latent_shape)
+    policy = local_scale_policy(measure_batch_shape_control(problem), "log_probs", torch.float32)
+    verdict = compare_replay(problem, policy)
+    assert verdict.passed, verdict.describe()
+    x = problem.segment.latent_at(0).float()
+    fused = concat_branches(conditions.negative, conditions) if conditions.negative is not None else conditions
+    out = adapter.forward(torch.cat([x, x]), adapter.timestep(torch.full((2 * BATCH,), 0.6)), broadcast_rows(fused))
+    cond, uncond = denoiser.split_branches(denoiser.declared_layout(adapter), out, BATCH)
+    combined = exact().judge(predict_velocity(adapter, x, 0.6, conditions, GUIDANCE),
+                             uncond + GUIDANCE * (cond - uncond))
+    assert combined.passed, combined.describe()
+
+
+def test_a_cogview4_timestep_in_sigma_units_passes_parity_and_fails_the_oracle():
+    family = _variant(COGVIEW4, "cogview4_sigma_units", SigmaUnitsCogView4)
+    adapter, verdict = _oracle(family, "cogview4")
+    assert not verdict.passed
+    assert verdict.margin > 1e3 and "step 0 timestep" in verdict.message, verdict.describe()
+    _parity_and_combine_pass(family, adapter)
+
+
+def test_a_sana_adapter_declaring_the_wrong_cfg_order_passes_parity_and_fails_the_oracle():
+    family = _variant(SANA, "sana_pipeline_order", PipelineOrderSana)
+    adapter, verdict = _oracle(family, "sana")
+    assert not verdict.passed
+    assert any("CFG order: the rows the adapter declares cond carry the pipeline's prompt" in fact
+               for fact in verdict.violated_facts), verdict.describe()
+    assert verdict.metrics["cfg_order_backwards"] is True and verdict.margin > 10, verdict.describe()
+    _parity_and_combine_pass(family, adapter)
+
+
+def test_the_shipped_adapters_pass_their_oracle():
+    for family, base in ((COGVIEW4, "cogview4"), (SANA, "sana")):
+        _, verdict = _oracle(family, base)
+        assert verdict.passed, verdict.describe()
+
+
+def test_a_family_without_a_pipeline_is_an_oracle_error():
+    family = dataclasses.replace(SANA, pipeline=None)
+    with pytest.raises(pipeline_oracle.OracleError, match="registers no pipeline"):
+        pipeline_oracle.build_pipeline(family, SANA.adapter(tiny_model("sana")))
+
+
+def test_prompts_that_do_not_differ_from_the_negative_ones_are_refused():
+    adapter = SANA.adapter(tiny_model("sana"))
+    prompts = adapter.example_prompts(BATCH, 2, torch.Generator().manual_seed(4))
+    prompts["negative_prompt_embeds"] = prompts["prompt_embeds"].clone()
+    latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(5))
+    record = pipeline_oracle.run_pipeline(SANA, adapter, prompts, latents, GUIDANCE)
+    with pytest.raises(pipeline_oracle.OracleError, match="matches 2 rows of prompt_embeds / negative_prompt_embeds"):
+        pipeline_oracle.judge_family(SANA, adapter, record)
+
+
+def test_cogview4_size_conditioning_is_the_pipelines_own_default():
+    """CogView4Pipeline conditions on original_size = target_size = (height, width) and crops (0, 0) unless it is
+    told otherwise: the example prompts state exactly that, and prompts that leave the sizes out are conditioned
+    the same way by the adapter as by the pipeline's own defaults."""
+    adapter = COGVIEW4.adapter(tiny_model("cogview4"))
+    prompts = adapter.example_prompts(BATCH, 2, torch.Generator().manual_seed(4))
+    bare = {k: v for k, v in prompts.items() if k not in ("original_size", "crops_coords_top_left")}
+    stated, defaulted = adapter.conditions_from_prompts(prompts, 2), adapter.conditions_from_prompts(bare, 2)
+    assert {k: v.tolist() for k, v in stated.shared.items()} == {k: v.tolist() for k, v in defaulted.shared.items()}
+    latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(5))
+    record = pipeline_oracle.run_pipeline(COGVIEW4, adapter, bare, latents, GUIDANCE)
+    verdict = pipeline_oracle.judge_family(COGVIEW4, adapter, record)
+    assert verdict.passed, verdict.describe()
+
+
+def test_a_learned_sigma_sana_head_is_cut_to_the_latent_channels_as_the_pipeline_cuts_it():
+    """A Sana checkpoint whose transformer predicts 2 x the latent channels (a learned-sigma head): the adapter
+    keeps the first half, SanaPipeline does the same, and the oracle reads the pipeline's outputs the same way."""
+    tiny = tiny_model("sana")
+    config = {**tiny.config, "out_channels": 2 * tiny.config.in_channels}
+    torch.manual_seed(0)
+    model = type(tiny).from_config(config).eval()
+    adapter = SANA.adapter(model)
+    prompts = adapter.example_prompts(BATCH, 2, torch.Generator().manual_seed(4))
+    latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(5))
+    conditions = adapter.conditions_from_prompts(prompts, 1)
+    timestep = adapter.timestep(torch.full((BATCH,), 0.6))
+    out = adapter.forward(latents, timestep, conditions)
+    raw = model(latents, encoder_hidden_states=conditions.rows["encoder_hidden_states"],
+                encoder_attention_mask=conditions.rows["encoder_attention_mask"], timestep=timestep,
+                return_dict=False)[0]
+    assert tuple(raw.shape[1:2]) == (2 * latents.shape[1],) and torch.equal(out, raw[:, :latents.shape[1]])
+    record = pipeline_oracle.run_pipeline(SANA, adapter, prompts, latents, GUIDANCE)
+    verdict = pipeline_oracle.judge_family(SANA, adapter, record)
+    assert verdict.passed, verdict.describe()
+
+
+@pytest.mark.parametrize(("calls", "per_step", "steps"), [(0, 0, 2), (3, 1, 2), (4, 0, 2)])
+def test_a_pipeline_whose_transformer_calls_do_not_split_evenly_over_its_steps_is_an_oracle_error(calls, per_step,
+                                                                                                  steps):
+    forwards = [pipeline_oracle.Forward({}, torch.zeros(1)) for _ in range(calls)]
+    with pytest.raises(pipeline_oracle.OracleError, match=f"made {calls} transformer calls over {steps} steps"):
+        pipeline_oracle._group_by_step(forwards, per_step, steps)
+    whole = [pipeline_oracle.Forward({}, torch.zeros(1)) for _ in range(4)]
+    assert pipeline_oracle._group_by_step(whole, 2, 2) == [tuple(whole[:2]), tuple(whole[2:])]
+
+
+class ShiftedCogView4(CogView4Adapter):
+    """The right units, off by ``FACTOR`` x the oracle's timestep room (relative)."""
+
+    FACTOR = 0.0
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        room = pipeline_oracle.TIMESTEP_ULPS * pipeline_oracle.FP32_EPS
+        return (super().timestep(sigma).double() * (1.0 + self.FACTOR * room)).float()
+
+
+@pytest.mark.parametrize(("factor", "passed"), [(0.25, True), (2.0, False)])
+def test_the_timestep_room_is_relative_to_the_pipelines_own_magnitude(factor, passed):
+    """16 fp32 ulps of max |t|: a timestep a quarter of that off still passes; twice that off does not."""
+    adapter_class = type(f"ShiftedCogView4x{factor}", (ShiftedCogView4,), {"FACTOR": factor})
+    _, verdict = _oracle(_variant(COGVIEW4, f"cogview4_shifted_{factor}", adapter_class), "cogview4")
+    assert verdict.passed is passed, verdict.describe()
+
+
+def test_arguments_compare_by_kind_shape_and_value():
+    same = pipeline_oracle._same
+    assert same({"ids": torch.ones(2, dtype=torch.long)}, {"ids": torch.ones(2, dtype=torch.float64)})  # dtype aside
+    assert same({}, None) and same([1, (2, 3)], (1, [2, 3]))  # an empty mapping is an argument left out
+    assert same({"a": 1}, 3) is False and same(3, {"a": 1}) is False and same({"a": 1}, {"b": 1}) is False
+    assert same(torch.ones(2), torch.ones(1, 2)) is False and same(torch.ones(2), [1.0, 1.0]) is False
+
+
+def test_relative_error_is_over_each_row_s_largest_magnitude_whatever_its_sign():
+    expected = torch.tensor([[-4.0, 1.0], [2.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    actual = expected + torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 3.0]])
+    assert pipeline_oracle.relative_error(actual, expected).tolist() == [[0.25, 0.0], [0.0, 0.5], [0.0, 0.0],
+                                                                         [0.0, math.inf]]
+    with pytest.raises(pipeline_oracle.OracleError, match=r"shapes \(4, 2\) and \(2, 4\) differ"):
+        pipeline_oracle.relative_error(actual, expected.reshape(2, 4))

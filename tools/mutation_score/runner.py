@@ -1,0 +1,287 @@
+"""The mutant runner: one pytest session collects once, then forks one child per mutant.
+
+Run as ``python -m tools.mutation_score.runner SPEC.json RESULTS.jsonl WORKERS ROOTS -- PYTEST_ARGS``.
+The parent collects the test items, then runs a few warm-up tests that fill the project's
+functools caches (tiny models, seeded inputs), tears their fixtures down and resets the parity
+session, so no verdict, world or fixture outlives the warm-up. Each child (its own process group, so its world ranks
+die with it) patches the mutant into the live modules, clears the caches whose values were computed through
+the mutated line (the coverage map knows them), runs only the tests selected for that mutant,
+fastest first, stops at the first failure (``-x``) and reports. A mutant that survives that first,
+capped pass runs again against all its other covering tests: only then is it a survivor. A child past
+its deadline is killed with its group: status ``timeout``. A test that kills a mutant is run once
+unmutated in a child of its own; a test that fails there cannot kill anything (its kills are re-run
+without it). The runner's scratch folder and every child go away with it, on an interrupt too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import importlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tools.mutation_score.operators import Mutant, parsed
+from tools.mutation_score.patching import PatchError, clear_caches, patch_live
+
+__all__ = ["MutantRunner"]
+
+_CHILD: dict[str, Any] = {"failed": []}
+
+
+class MutantRunner:
+    """The pytest plugin of the runner process (see the module docstring)."""
+
+    def __init__(self, jobs: list[dict], results: Path, workers: int, roots: tuple[str, ...],
+                 warm: list[str] | None = None, log_dir: Path | None = None,
+                 baseline: dict[str, float] | None = None):
+        self.jobs = jobs
+        self.baseline = baseline or {}
+        self.stop_at: float | None = None  # wall-clock time after which no new mutant starts
+        self.slowdown = 1.0
+        self.log_dir = log_dir
+        self.warm = warm or []
+        self.results = results
+        self.workers = max(1, workers)
+        self.roots = roots
+        self.verified: dict[str, bool] = {}
+        self.unverified: dict[str, list[dict]] = {}  # killing test -> the kills waiting for its verification
+        self.killers: dict[tuple[str, str], dict[str, int]] = {}  # (file, function) -> test -> kills
+
+    # ------------------------------------------------------------------ child side
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed:
+            _CHILD["failed"].append(report.nodeid)
+
+    def _child(self, session: pytest.Session, items: list[pytest.Item], mutant: Mutant | None, stale: list[str],
+               out: Path, *, stop_first: bool, timeout: float) -> None:
+        os.setpgid(0, 0)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's cleanup handler is not the tests'
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        log = os.open(out.with_suffix(".log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        faulthandler.dump_traceback_later(max(1.0, timeout - 2.0), exit=False, file=log)  # where a timeout hung
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:  # it writes to the real stdout that capture saved, not to fd 1
+            session.config.pluginmanager.unregister(reporter)
+        result: dict[str, Any]
+        try:
+            if mutant is not None:
+                patch_live(mutant, roots=self.roots, in_place=True)
+            clear_caches(self.roots, stale)
+        except (PatchError, SyntaxError, ValueError, TypeError) as err:
+            out.write_text(json.dumps({"status": "error", "error": f"{type(err).__name__}: {err}"}))
+            os._exit(0)
+        try:
+            for position, item in enumerate(items):
+                following = items[position + 1] if position + 1 < len(items) else None
+                item.config.hook.pytest_runtest_protocol(item=item, nextitem=following)
+                if _CHILD["failed"] and stop_first:
+                    break
+            with contextlib.suppress(Exception):
+                session._setupstate.teardown_exact(None)
+            failed = list(dict.fromkeys(_CHILD["failed"]))
+            result = {"status": "killed" if failed else "survived", "failed": failed}
+        except BaseException as err:  # noqa: BLE001 - a crash of the session under a mutant is a kill by the test
+            result = {"status": "killed", "failed": list(_CHILD["failed"]) or ["<session>"],
+                      "error": f"{type(err).__name__}: {err}"}
+        out.write_text(json.dumps(result))
+        os._exit(0)
+
+    # ------------------------------------------------------------------ parent side
+    def _warm_up(self, session: pytest.Session, by_id: dict[str, pytest.Item]) -> None:
+        """Fill the caches; measure how much slower this machine runs now than the coverage pass did."""
+        items = [by_id[t] for t in self.warm if t in by_id]
+        began = time.perf_counter()
+        for position, item in enumerate(items):
+            following = items[position + 1] if position + 1 < len(items) else None
+            item.config.hook.pytest_runtest_protocol(item=item, nextitem=following)
+        spent = time.perf_counter() - began
+        baseline = sum(self.baseline.get(item.nodeid, 0.0) for item in items)
+        if baseline > 1.0:  # deadlines scale with the load of the machine, never below the baseline's
+            self.slowdown = min(8.0, max(1.0, spent / baseline))
+        print(f"runner: warm-up {len(items)} tests in {spent:.1f} s (baseline {baseline:.1f} s); deadlines x "
+              f"{self.slowdown:.2f}", file=sys.__stderr__, flush=True)
+        with contextlib.suppress(Exception):
+            session._setupstate.teardown_exact(None)
+        _reset_parity_session(session.config)
+        _CHILD["failed"] = []
+        session.testsfailed = 0
+        session.shouldstop = session.shouldfail = False
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self, session: pytest.Session) -> bool:
+        by_id = {item.nodeid: item for item in session.items}
+        self._warm_up(session, by_id)
+        queue: list[dict] = [dict(job, tests=[t for t in job["tests"] if t in by_id],
+                                  more=[t for t in job.get("more", []) if t in by_id]) for job in self.jobs]
+        _parse_before_forking(queue)
+        running: dict[int, tuple[dict, float, Path]] = {}
+        tmp = Path(tempfile.mkdtemp(prefix="mutrun-"))
+        try:
+            self._loop(session, by_id, queue, running, tmp)
+        finally:  # also on an interrupt: no child, no world rank and no scratch file outlives the runner
+            for pid in list(running):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+            shutil.rmtree(tmp, ignore_errors=True)
+        return True
+
+    def _loop(self, session: pytest.Session, by_id: dict[str, pytest.Item], queue: list[dict],
+              running: dict[int, tuple[dict, float, Path]], tmp: Path) -> None:
+        serial = 0
+        with self.results.open("a") as sink:
+            while queue or running or self.unverified:
+                if self.stop_at is not None and time.time() > self.stop_at and queue:
+                    print(f"runner: time limit reached, {len(queue)} mutants not run", file=sys.__stderr__,
+                          flush=True)
+                    queue.clear()
+                while (queue or self.unverified) and len(running) < self.workers:
+                    job = self._verify_job() if self.unverified else self._ordered(queue.pop(0))
+                    if not job["tests"]:
+                        self._finish(sink, job, {"status": "survived", "failed": []}, 0.0, queue)
+                        continue
+                    serial += 1
+                    out = tmp / f"{serial}.json"
+                    mutant = Mutant(**job["mutant"]) if job.get("mutant") else None
+                    items = [by_id[t] for t in job["tests"]]
+                    pid = os.fork()
+                    if pid == 0:
+                        self._child(session, items, mutant, job.get("stale", ["*"]), out,
+                                    stop_first=not job.get("verify"), timeout=job["timeout"] * self.slowdown)
+                    running[pid] = (job, time.monotonic(), out)
+                time.sleep(0.02)
+                for pid, (job, began, out) in list(running.items()):
+                    done, _ = os.waitpid(pid, os.WNOHANG)
+                    elapsed = time.monotonic() - began
+                    if done == 0 and elapsed < job["timeout"] * self.slowdown:
+                        continue
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
+                    if done == 0:
+                        with contextlib.suppress(ChildProcessError):
+                            os.waitpid(pid, 0)
+                        result = {"status": "timeout", "failed": []}
+                        if self.log_dir is not None and out.with_suffix(".log").is_file():
+                            self.log_dir.mkdir(parents=True, exist_ok=True)
+                            shutil.copy(out.with_suffix(".log"), self.log_dir / f"timeout-{job.get('id')}.log")
+                    elif out.is_file():
+                        result = json.loads(out.read_text())
+                    else:
+                        result = {"status": "killed", "failed": ["<crash>"]}
+                    del running[pid]
+                    self._finish(sink, job, result, elapsed, queue)
+
+    def _ordered(self, job: dict) -> dict:
+        """Tests that already killed a mutant of the same function go first: they are the likeliest killers."""
+        mutant = job.get("mutant")
+        if not mutant:
+            return job
+        counts = self.killers.get((mutant["file"], mutant["qualname"]), {})
+        first = sorted((t for t in job["tests"] if t in counts), key=lambda t: -counts[t])
+        return dict(job, tests=first + [t for t in job["tests"] if t not in counts])
+
+    def _verify_job(self) -> dict:
+        """One unmutated child for every killing test not yet verified (all of them run, no -x)."""
+        tests = sorted(self.unverified)
+        waiting = [w for t in tests for w in self.unverified.pop(t)]
+        return {"verify": True, "tests": tests, "timeout": 60.0 + 5.0 * len(tests), "waiting": waiting, "stale": []}
+
+    def _finish(self, sink: Any, job: dict, result: dict, elapsed: float, queue: list[dict]) -> None:
+        if job.get("verify"):  # an unmutated run of killing tests
+            failed = set(result.get("failed", []))
+            for test in job["tests"]:
+                self.verified[test] = result["status"] != "timeout" and test not in failed
+            for waiting in job["waiting"]:
+                self._finish(sink, waiting["job"], waiting["result"], waiting["elapsed"], queue)
+            return
+        killers = [t for t in result.get("failed", []) if t in job["tests"]]
+        if result["status"] == "killed" and killers:
+            test = killers[0]
+            if test not in self.verified:
+                self.unverified.setdefault(test, []).append({"job": job, "result": result, "elapsed": elapsed})
+                return
+            if not self.verified[test]:  # the test fails without the mutant: drop it and run again
+                queue.insert(0, dict(job, tests=[t for t in job["tests"] if t != test]))
+                return
+        if result["status"] == "survived" and job.get("more"):  # the capped pass is not the verdict
+            queue.insert(0, dict(job, tests=job["more"], more=[], timeout=job["more_timeout"], full=True,
+                                 first_seconds=round(elapsed, 2), first_tests=len(job["tests"])))
+            return
+        killed_by = killers[:1] if killers else result.get("failed", [])[:1]
+        if killers and job.get("mutant"):
+            counts = self.killers.setdefault((job["mutant"]["file"], job["mutant"]["qualname"]), {})
+            counts[killers[0]] = counts.get(killers[0], 0) + 1
+        tests = len(job["tests"]) + job.get("first_tests", 0)
+        record = {"id": job["id"], "status": result["status"], "killed_by": killed_by,
+                  "seconds": round(elapsed + job.get("first_seconds", 0.0), 2), "tests": tests,
+                  "pass": 2 if job.get("full") else 1}
+        if result.get("error"):
+            record["error"] = result["error"]
+        sink.write(json.dumps(record) + "\n")
+        sink.flush()
+
+
+def _parse_before_forking(jobs: list[dict]) -> None:
+    """Parse each mutated module and find its sites once, here: every forked child inherits the result."""
+    for file in sorted({job["mutant"]["file"] for job in jobs if job.get("mutant")}):
+        module = next(job["mutant"]["module"] for job in jobs if job.get("mutant", {}).get("file") == file)
+        with contextlib.suppress(Exception):  # a module that cannot be imported errors in its child, named
+            parsed(Path(importlib.import_module(module).__file__ or "").read_text(), file)
+
+
+def _reset_parity_session(config: pytest.Config) -> None:
+    """A fresh parity session (no cached verdict, no started world) in place of the warm-up's one."""
+    parity_plugin = sys.modules.get("harness.plugin")
+    if parity_plugin is None:  # not this suite's session (the engine's own tests)
+        return
+    old = config.stash.get(parity_plugin.SESSION_KEY, None)
+    if old is None:
+        return
+    old.close()
+    fresh = parity_plugin.ParitySession(config)
+    fresh.checkpoints = old.checkpoints
+    config.stash[parity_plugin.SESSION_KEY] = fresh
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _interrupted)  # a terminated runner still cleans up (see pytest_runtestloop)
+    split = argv.index("--")
+    spec_file, results_file, workers, roots = argv[:split]
+    spec = json.loads(Path(spec_file).read_text())
+    if isinstance(spec, list):
+        spec = {"jobs": spec}
+    plugin = MutantRunner(spec["jobs"], Path(results_file), int(workers), tuple(roots.split(",")),
+                          spec.get("warm"), Path(spec["log_dir"]) if spec.get("log_dir") else None,
+                          spec.get("baseline"))
+    plugin.stop_at = spec.get("stop_at")
+    return int(pytest.main([*argv[split + 1:], "-p", "no:cacheprovider"], plugins=[plugin]))
+
+
+def job_for(mutant: Mutant, tests: list[str], timeout: float, job_id: int, stale: list[str],
+            more: list[str] | None = None, more_timeout: float = 0.0) -> dict:
+    """A runner job: the mutant, its first-pass tests in run order and their deadline in seconds, the caches it
+    makes stale, and the rest of its covering tests (and their deadline) for a second pass if it survives."""
+    return {"id": job_id, "mutant": asdict(mutant), "tests": tests, "timeout": timeout, "stale": stale,
+            "more": list(more or []), "more_timeout": more_timeout}
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
