@@ -166,3 +166,11 @@ def test_attention_bf16_row_policy(ulps):
     assert verdict.passed, verdict.describe()
     assert verdict.metrics["floor_at_minimum"] == (ulps < 1)
     assert not policy.judge(expected * 3.0, expected).passed  # off by twice each row's magnitude
+
+
+@pytest.mark.parametrize("shapes", [((6, 2), (6, 2), (6, 2)), ((6,), (7,), (6,)), ((6,), (6,), (5,))])
+def test_growth_curves_must_be_one_dimensional_and_of_one_length(shapes):
+    """A per-step curve is 1-D: a [steps, rows] error would be read step by step as if its rows were steps."""
+    error, floor, resolution = (torch.full(shape, 1e-6, dtype=torch.float64) for shape in shapes)
+    with pytest.raises(ValueError, match="growth curves must be 1-D and of one length"):
+        judge_growth(error, floor, resolution, control="a stock control")

@@ -24,7 +24,10 @@ from harness.compare import max_abs_diff
 
 pytestmark = pytest.mark.cpu
 
-TIE_MARGIN = 4 * ar_policies.LOGP_ATOL  # a top-1/top-2 gap below this is inside the noise band
+# The fixed fp32 logp figure the AR fast path's own PR accepted on its GPU; no policy uses it (every fp32 tolerance
+# is a multiple of a floor measured on stock code), it only keeps the drawn greedy cases away from near-ties.
+LOGP_BAND = 5e-5
+TIE_MARGIN = 4 * LOGP_BAND  # a top-1/top-2 gap below this is inside the noise band
 
 
 @functools.cache
@@ -86,4 +89,4 @@ def test_fake_rollout_matches_teacher_forced_replay(plan: ARPlan) -> None:
     backend = ar_models.backend("fake")
     fast = loop.fast_rollout(backend, plan.case.batch(), plan.case.max_new_tokens)
     replayed = teacher_forced_logp(backend, plan.case.prompts(), fast)
-    assert max_abs_diff(fast.logp, replayed) <= ar_policies.LOGP_ATOL
+    assert max_abs_diff(fast.logp, replayed) <= LOGP_BAND

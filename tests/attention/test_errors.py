@@ -26,6 +26,13 @@ LAYOUT = AttentionLayout(4, 6, 2, "prefill")
     ({"text_len": 2, "image_len": 4, "special_len": 0, "phase": "decode"}, ValueError, "phase must be one of"),
     ({"text_len": 2, "image_len": 4, "special_len": 3, "phase": "denoise"}, ValueError,
      "special_len must be <= text_len"),
+    ({"text_len": 20, "image_len": 4, "special_len": 0, "images": ((4, 10), (8, 12))}, ValueError,
+     r"earlier image span \(8, 12\) must hold >= 2 tokens, follow the previous one \(from 10\)"),
+    ({"text_len": 20, "image_len": 4, "special_len": 0, "images": ((4, 5),)}, ValueError, "must hold >= 2 tokens"),
+    ({"text_len": 20, "image_len": 4, "special_len": 2, "phase": "denoise", "images": ((10, 19),)}, ValueError,
+     "and end by 18"),
+    ({"text_len": 20, "image_len": 4, "special_len": 0, "images": [(4, 10)]}, TypeError, "must be a tuple"),
+    ({"text_len": 20, "image_len": 4, "special_len": 0, "images": ((4, 10.0),)}, TypeError, "int pairs"),
 ])
 def test_bad_layouts(kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -152,3 +159,13 @@ def test_a_capture_at_another_scale_is_judged_with_its_scale_and_refused_without
         assert verdict.passed, verdict.describe()
     with pytest.raises(ValueError, match=r"scale=None means 1 / sqrt\(16\), but capture .* at scale 0.125"):
         judge.compare_kernel("decomposed", scaled, judge.floor_policy(control), pass_scale=False)
+
+
+def test_a_kernel_output_in_another_dtype_fails_the_output_fact():
+    """The output must be (B, H, Q, D) in the inputs' dtype: a kernel that hands back fp64 does not pass."""
+    wide = kernels.KernelSpec("wide", lambda q, k, v, layout, *, scale, block=None: reference.masked_sdpa(
+        q.double(), k.double(), v.double(), layout, scale=scale), False, lambda lay: 0, lambda *a: [], "test")
+    capture = small_capture(LAYOUT)
+    control = judge.floor_control(capture)
+    verdict = judge.compare_kernel(wide, capture, judge.floor_policy(control), floor=control)
+    assert "the output is (B, H, Q, D) in the inputs' dtype" in verdict.violated_facts, verdict.describe()

@@ -252,3 +252,11 @@ def test_a_flux_transformer_whose_config_is_silent_on_guidance_embeds_has_none()
     assert FluxAdapter(module).guidance_embeds is False
     module.config.guidance_embeds = True
     assert FluxAdapter(module).guidance_embeds is True
+
+
+def test_rows_held_as_python_values_are_told_apart_by_value_and_tensors_inside_them_by_bytes():
+    ids = Conditions(batch=2, rows={"prompt": torch.arange(2.0), "ids": [3, 3]})
+    assert discriminating.problems(ids) == ["row field 'ids': rows 0 and 1 of the cond branch are identical"]
+    nested = Conditions(batch=2, rows={"prompt": torch.arange(2.0),
+                                       "parts": [(1, torch.zeros(2)), (1, torch.tensor([0.0, -0.0]))]})
+    assert discriminating.problems(nested) == []  # -0.0 is another row than 0.0: bytes, not ==

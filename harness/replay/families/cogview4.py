@@ -36,7 +36,6 @@ def time_shift_mu(image_seq_len: int) -> float:
 class CogView4Adapter(ModelAdapter):
     cfg_layout = FUSED_COND_FIRST
     cfg_combine = cfg_combines.STANDARD
-    channel_dim = 1
 
     @property
     def mu(self) -> float:

@@ -28,7 +28,6 @@ EMBEDDED_GUIDANCE = 3.5  # FluxPipeline's default guidance_scale for a guidance-
 class FluxAdapter(ModelAdapter):
     cfg_layout = FUSED_COND_FIRST
     cfg_combine = cfg_combines.STANDARD
-    channel_dim = 1
 
     def __init__(self, transformer: torch.nn.Module, latent_hw: int = 8):
         if latent_hw % 2:

@@ -24,7 +24,6 @@ ROW_FIELDS = ("encoder_hidden_states", "encoder_attention_mask")
 class SanaAdapter(ModelAdapter):
     cfg_layout = UNCOND_FIRST
     cfg_combine = cfg_combines.STANDARD
-    channel_dim = 1
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         return sigma * 1000.0 * float(self.module.config.timestep_scale)

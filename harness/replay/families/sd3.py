@@ -21,7 +21,6 @@ SD3_TEXT_TOKENS = 5  # prompt tokens of the example conditions
 class SD3Adapter(ModelAdapter):
     cfg_layout = UNCOND_FIRST
     cfg_combine = cfg_combines.STANDARD
-    channel_dim = 1
 
     def forward(self, hidden: torch.Tensor, timestep: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         rows = conditions.rows
