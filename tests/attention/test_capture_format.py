@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -126,3 +128,15 @@ def test_a_capture_file_whose_query_heads_do_not_group_over_its_kv_heads_is_refu
     with pytest.raises(ValueError, match="capture f.npz: 3 query heads are not a multiple of 2 key/value heads"):
         check_shapes("f.npz", shapes)
     check_shapes("f.npz", dict(shapes, query=(1, 3, 4, 4)))  # 4 query heads share 2 kv heads in pairs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_capture_in_another_float_dtype_is_saved_as_float32(dtype, tmp_path):
+    """The format holds float32 q/k/v: a bf16 run's capture (numpy has no bf16) or an fp64 one is written as
+    float32, and reads back as the same values rounded to float32."""
+    source = small_capture(PREFILL, heads=1, head_dim=4)
+    cast = dataclasses.replace(source, query=source.query.to(dtype), key=source.key.to(dtype),
+                               value=source.value.to(dtype))
+    loaded = capture_io.load_capture(capture_io.save_capture(cast, tmp_path / "call0_rank0.npz"))
+    for name in ("query", "key", "value"):
+        assert torch.equal(getattr(loaded, name), getattr(cast, name).float()), name

@@ -125,6 +125,11 @@ def test_faults_are_judged_by_behaviour_not_by_wording():
     verdict = judge.judge_fault(2, 1, 20.0, lost, keeps_cause="fault rank")
     assert verdict.violated_facts == ["the injected exception survives in the __cause__/__context__ chain of what "
                                       "rank 1 raised"]
+    at_bound = [plain[0], _outcome(1, "KeyError: 3", fired=1, kept=True, seconds=20.0)]
+    assert judge.judge_fault(2, 1, 20.0, at_bound, keeps_cause="fault rank").passed  # within 20 s includes 20 s
+    wordy = [plain[0], _outcome(1, "KeyError: " + "k" * 400, fired=1, kept=True)]
+    lines = judge.judge_fault(2, 1, 20.0, wordy, keeps_cause="fault rank").metrics["rank_outcomes"]
+    assert [len(line) for line in lines] == [len("rank 0: ValueError: whatever the wording"), 240]
     slow = [plain[0], _outcome(1, "KeyError: 3", fired=1, kept=True, seconds=25.0)]
     verdict = judge.judge_fault(2, 1, 20.0, slow, keeps_cause="fault rank")
     assert verdict.violated_facts == ["every rank raises within 20 s; no rank hangs or returns"]
