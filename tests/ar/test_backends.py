@@ -183,9 +183,10 @@ def test_stock_padded_fp32_equals_the_unpadded_stock_run(name: str, width: int) 
     assert max_abs_diff(padded, run.logits) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["fake", "qwen3"])
 @pytest.mark.parametrize(("rows", "row"), [(2, 2), (2, -1), (0, 0)])
-def test_a_stock_control_batch_refuses_a_row_it_does_not_hold(rows: int, row: int) -> None:
-    backend = ar_models.backend("fake")
+def test_a_stock_control_batch_refuses_a_row_it_does_not_hold(name: str, rows: int, row: int) -> None:
+    backend = ar_models.backend(name)
     prompt = prompt_ids([5], seed=43)[0]
     with pytest.raises(ValueError, match=f"rows >= 1 and 0 <= row < rows, got rows={rows}, row={row}"):
         backend.stock_padded(prompt, torch.tensor([3, 4]), 8, 10, rows=rows, row=row)

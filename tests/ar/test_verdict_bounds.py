@@ -175,3 +175,13 @@ def test_the_growth_check_refuses_a_control_of_another_shape_alone() -> None:
     ref = _curve_rollout(6)
     with pytest.raises(ValueError, match="log-prob shapes differ"):
         judge.judge_growth(ref, ref, _curve_rollout(7).logp)
+
+
+@pytest.mark.parametrize(("measured", "scale"), [(0.0, 0.0), (math.nan, 1.0), (math.inf, 1.0)])
+def test_an_fp32_tolerance_needs_a_finite_positive_floor(measured: float, scale: float) -> None:
+    """A stock run whose KV is all zeros (no magnitude, no measured rounding) leaves no floor: a tolerance of 0 x
+    nothing would pass only bitwise-equal runs by accident, so it is refused, as a non-finite stock run is."""
+    floor = ar_policies.StockPrefillFloor(logp=measured, kv=measured, backend="zeros", logp_scale=scale,
+                                          kv_scale=scale)
+    with pytest.raises(ValueError, match="the stock floor of kv on zeros is .*: the stock run must be finite"):
+        ar_policies.fp32_tolerance(floor, "kv")

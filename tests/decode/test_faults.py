@@ -143,6 +143,9 @@ def test_the_piece_server_compares_bit_patterns():
     other_nan = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
     assert not serve.same_bits(nan[:1], other_nan), "another NaN payload is another input"
     assert serve.same_bits(nan, nan.double()) is False and serve.same_bits(nan, nan[:1]) is False  # a bool
+    half = torch.tensor([0.0, float("nan")], dtype=torch.bfloat16)  # two-byte elements: compared as int16
+    assert serve.same_bits(half, half.clone()) and not serve.same_bits(half, torch.tensor([-0.0, float("nan")],
+                                                                                          dtype=torch.bfloat16))
     flags = torch.tensor([True, False])  # one-byte elements: compared as uint8
     assert serve.same_bits(flags, flags.clone()) and not serve.same_bits(flags, ~flags)
     wide = torch.tensor([1 + 2j, -3j], dtype=torch.complex128)  # 16-byte elements have no integer view
