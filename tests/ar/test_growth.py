@@ -16,10 +16,11 @@ import torch
 
 from fixtures import ar_models
 from fixtures.ar_cases import CASES
-from harness import ablation, catalogue, checks, conformance
+from harness import ablation, catalogue, checks
 from harness.ar import judge, loop
 from harness.ar import policies as ar_policies
 from harness.compare import close
+from tests.unablated import unablated_check_ids
 
 catalogue.load()
 
@@ -182,14 +183,7 @@ def test_growth_judge_refuses_short_curves():
 
 @pytest.fixture(scope="module")
 def baselines(parity_session, parity_ctx):
-    """Every ar CPU check passes without ablations (and warms the caches outside any ablation)."""
-    spec = conformance.active("ar")
-    if spec is not None:
-        pytest.skip(f"--impl ar={spec}: these tests apply the suite's own ablations to the suite's seams")
-    ids = [c.id for c in checks.all_checks("cpu") if c.path == "ar"]
-    failed = [i for i in ids if not parity_session.check(i, parity_ctx).passed]
-    assert not failed, f"ar checks failing without any ablation: {failed}"
-    return ids
+    return unablated_check_ids("ar", parity_session, parity_ctx)
 
 
 @pytest.mark.cpu

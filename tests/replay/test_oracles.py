@@ -10,11 +10,12 @@ import torch
 from fakes.replay_conditions import HI3_FIELDS, fused_conditions
 from fakes.replay_kernel import FakeDenoiser, FakeKernel
 from fixtures.replay_families import family_names
-from harness import ablation, catalogue, checks, conformance
+from harness import ablation, catalogue, checks
 from harness.replay import oracles, tiling
 from harness.replay.conditions import Conditions, concat_payloads
 from harness.replay.denoiser import FUSED_COND_FIRST
 from harness.replay.judge import judge_result, run_both
+from tests.unablated import unablated_check_ids
 
 catalogue.load()
 
@@ -131,14 +132,7 @@ def test_fused_adapter_reads_the_uncond_branch_from_the_cache():
 
 @pytest.fixture(scope="module")
 def baselines(parity_session, parity_ctx):
-    """Every replay check passes without ablations (and warms the caches outside any ablation)."""
-    spec = conformance.active("replay")
-    if spec is not None:
-        pytest.skip(f"--impl replay={spec}: these tests apply the suite's own ablations to the suite's seams")
-    ids = [c.id for c in checks.all_checks("cpu") if c.path == "replay"]
-    failed = [i for i in ids if not parity_session.check(i, parity_ctx).passed]
-    assert not failed, f"replay checks failing without any ablation: {failed}"
-    return ids
+    return unablated_check_ids("replay", parity_session, parity_ctx)
 
 
 @pytest.mark.cpu

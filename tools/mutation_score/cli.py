@@ -28,7 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from tools.mutation_score import equivalents, report
-from tools.mutation_score.coverage_map import CoverageMap, collect
+from tools.mutation_score.coverage_map import CoverageMap, collect, expand_contexts
 from tools.mutation_score.operators import Mutant, find_mutants
 from tools.mutation_score.runner import job_for
 
@@ -415,17 +415,7 @@ def warm_tests(coverage_map: CoverageMap) -> list[str]:
     passing = set(durations) - set(coverage_map.failing)
     chosen: set[str] = set()
     for label in coverage_map.cache_users:
-        users: set[str] = set()
-        todo, seen = [label], set()
-        while todo:
-            context = todo.pop()
-            if context in seen:
-                continue
-            seen.add(context)
-            if context.startswith("cache:"):
-                todo.extend(coverage_map.cache_users.get(context, []))
-            elif context in passing:
-                users.add(context)
+        users = expand_contexts({label}, coverage_map.cache_users, passing)
         if users and not users & chosen:
             chosen.add(min(users, key=lambda t: (durations.get(t, 0.0), t)))
     return sorted(chosen, key=lambda t: (durations.get(t, 0.0), t))

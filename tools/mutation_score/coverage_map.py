@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CoverageMap", "collect"]
+__all__ = ["CoverageMap", "collect", "expand_contexts"]
 
 ENGINE_TESTS = "tests/test_mutation_engine.py"  # they exercise the engine on toy modules, never harness/
 
@@ -222,7 +222,7 @@ def _relative(repo: Path, file: str) -> str:
     return str(path.relative_to(repo)) if path.is_relative_to(repo) else str(path)
 
 
-def _expand(contexts: set[str], cache_uses: dict[str, list[str]], tests: set[str]) -> set[str]:
+def expand_contexts(contexts: set[str], cache_uses: dict[str, list[str]], tests: set[str]) -> set[str]:
     """Test ids behind a set of contexts: ``cache:`` contexts stand for every context that used the cache."""
     found: set[str] = set()
     todo = list(contexts)
@@ -267,7 +267,7 @@ def _main(tmp: Path, pytest_args: list[str]) -> int:
     caches: dict[str, dict[int, list[str]]] = {}
     for file in data.measured_files():
         by_line = data.contexts_by_lineno(file)
-        lines[file] = {line: sorted(_expand(set(contexts), info["cache_uses"], tests))
+        lines[file] = {line: sorted(expand_contexts(set(contexts), info["cache_uses"], tests))
                        for line, contexts in by_line.items()}
         labelled = {line: sorted(c for c in contexts if c.startswith("cache:")) for line, contexts in by_line.items()}
         caches[file] = {line: labels for line, labels in labelled.items() if labels}
