@@ -26,10 +26,10 @@ from harness.paths import PATHS
 from harness.registry import Registry, load_ref, split_ref
 
 __all__ = ["PATHS", "SIGNATURES", "active", "add_calls", "applied", "call_counts", "calls", "clear", "judged_by",
-           "load_callable", "not_judged", "not_judged_reasons", "resolve", "specs", "use"]
+           "load_callable", "not_judged", "resolve", "specs", "use"]
 
 SIGNATURES = {
-    "replay": "replay_batched(adapter, conditions, segment, strategy, target, guidance=1.0, config=None)",
+    "replay": "replay_batched(adapter, conditions, segment, strategy, target, guidance=None, config=None)",
     "ar": "fast_rollout(backend, batch, max_new_tokens, eos)",
     "decode": "sharded_decode(vae, z, group, *, transport='all_gather', dst=0)",
     "attention": "kernel(query, key, value, layout, *, scale=None)",
@@ -62,11 +62,6 @@ def judged_by(check_id: str) -> str | None:
         return declared[check_id]
     matching = [pattern for pattern in declared if fnmatch.fnmatchcase(check_id, pattern)]
     return declared[max(matching, key=len)] if matching else None
-
-
-def not_judged_reasons() -> dict[str, str]:
-    """Every declaration: pattern -> reason."""
-    return dict(NOT_JUDGED.items())
 
 
 def load_callable(spec: str) -> Callable[..., Any]:

@@ -1,6 +1,7 @@
 """Checkpoint kinds come from the registry; anything unregistered is an error listing what is supported."""
 
 import json
+import os
 
 import pytest
 
@@ -124,6 +125,16 @@ def test_a_file_is_not_a_checkpoint(tmp_path):
     file.write_bytes(b"x")
     with pytest.raises(CheckpointError, match="expected a directory, got a file"):
         detect(file)
+
+
+@pytest.mark.parametrize("denied", ["R_OK", "X_OK"])
+def test_a_directory_that_cannot_be_listed_is_refused(tmp_path, monkeypatch, denied):
+    """Listing a directory takes read and search permission; the OS answers through os.access (root bypasses
+    both, so the answer is stood in for here)."""
+    refused = getattr(os, denied)
+    monkeypatch.setattr(checkpoints.os, "access", lambda path, mode: not mode & refused)
+    with pytest.raises(CheckpointError, match="the directory cannot be listed"):
+        detect(tmp_path)
 
 
 def test_empty_directory_is_not_a_model(tmp_path):

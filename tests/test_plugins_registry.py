@@ -57,3 +57,31 @@ def test_implementation_under_test_is_counted_and_bad_specs_are_named():
             conformance.use("ar", "harness.compare:nope")
     finally:
         conformance.clear()
+
+
+def test_a_source_checkout_without_entry_points_still_knows_the_shipped_families_and_kernels(monkeypatch):
+    """Metadata that predates the entry points (a checkout on PYTHONPATH) installs none: the replay and attention
+    lookups and the checkpoint kinds register the suite's own entries themselves, into empty registries."""
+    from harness import checkpoints
+    from harness.attention import kernels
+    from harness.decode import families as decode_families
+    from harness.replay import families
+
+    monkeypatch.setattr(plugins, "_installed", lambda: ())
+    for name in ("REPLAY_FAMILIES", "ATTENTION_KERNELS", "CHECKPOINT_KINDS"):
+        old = getattr(plugins, name)
+        monkeypatch.setattr(plugins, name, plugins.Registry(old.kind, old.how_to_add))
+    assert families.get_family("sana") is families.SANA
+    fresh = plugins.Registry("replay family", "")
+    monkeypatch.setattr(plugins, "REPLAY_FAMILIES", fresh)
+    assert [f.name for f in families.registered_families()] == sorted(f.name for f in families.SHIPPED)
+    monkeypatch.setattr(plugins, "REPLAY_FAMILIES", plugins.Registry("replay family", ""))
+    monkeypatch.setattr(plugins, "CHECKPOINT_KINDS", plugins.Registry("checkpoint kind", ""))
+    assert families.family_for_class("FluxTransformer2DModel") is families.FLUX
+    assert kernels.kernels_under_test() == tuple(n for n, spec in kernels.KERNELS.items() if spec.under_test)
+    monkeypatch.setattr(plugins, "ATTENTION_KERNELS", plugins.Registry("attention kernel", ""))
+    assert kernels.get_kernel("flex") is kernels.KERNELS["flex"]
+    monkeypatch.setattr(plugins, "CHECKPOINT_KINDS", plugins.Registry("checkpoint kind", ""))
+    kinds = {kind.name for kind in checkpoints.registered_kinds()}
+    assert kinds == ({f.checkpoint_kind.name for f in families.SHIPPED} | {k.name for k in checkpoints.SHIPPED_KINDS}
+                     | {decode_families.MINIMAX_H3_KIND.name})

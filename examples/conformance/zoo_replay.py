@@ -1,6 +1,6 @@
 """Batched replays written the way a team's own framework would, for ``--impl replay=zoo_replay:NAME``.
 
-Signature: ``replay_batched(adapter, conditions, segment, strategy, target, guidance=1.0, config=None)``
+Signature: ``replay_batched(adapter, conditions, segment, strategy, target, guidance=None, config=None)``
 returning a ``harness.replay.segment.ReplayResult`` (log_probs [B, S] with column s for target[s],
 prev_sample_means [B, S, ...]), or None when it declines (the flag is off, one step, a stateful solver, or
 guidance that varies over the targets: the caller then replays serially). ``guidance`` is a float or a

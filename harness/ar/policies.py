@@ -62,8 +62,8 @@ class StockPrefillFloor:
     logp: float
     kv: float
     backend: str
-    logp_scale: float = 0.0
-    kv_scale: float = 0.0
+    logp_scale: float
+    kv_scale: float
     rows: int = 4
     length: int = 6
 

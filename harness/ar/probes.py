@@ -118,7 +118,7 @@ def footprint_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Se
         result = rollout(backend, batch, max_new_tokens, eos)
     static = bool(seen) and _static(seen[0])
     stray: dict[int, list[int]] = {}
-    if static and after_prefill:
+    if after_prefill:  # filled only when the first forward was handed a static cache: static is True here
         real_pos = real_positions(batch)
         final = ar_cache.layer_buffers(seen[0])
         slots = final[0][0].shape[2]

@@ -214,7 +214,6 @@ def get_kernel(name: str) -> KernelSpec:
 def kernels_under_test() -> tuple[str, ...]:
     """Every registered kernel the catalogue judges (not the reference, not the negative control): the
     shipped ones in their order, then an installed package's, by name."""
-    register(plugins)
     shipped = [name for name, spec in KERNELS.items() if spec.under_test]
     installed = [name for name in plugins.ATTENTION_KERNELS.names()
                  if name not in KERNELS and get_kernel(name).under_test]

@@ -228,8 +228,9 @@ def judge_decode(results: Sequence[RankDecode], *, sharded: bool,
 
 
 def compare_sharded_decode(world: Any, task: Callable[..., Sequence[RankDecode]], job: Any, *,
-                           sharded: bool, policy: Policy | None = None, timeout_s: float = 120.0) -> Verdict:
-    """Run ``task(job)`` on every rank of ``world`` and judge it (the gpu tier calls this with a real model)."""
+                           sharded: bool, policy: Policy | None = None, timeout_s: float) -> Verdict:
+    """Run ``task(job)`` on every rank of ``world`` and judge it (the gpu tier calls this with a real model); every
+    caller bounds the task with its own ``timeout_s`` (the run's task timeout)."""
     results = world.run(task, job, timeout_s=timeout_s)
     return judge_decode(results, sharded=sharded, policy=policy)
 

@@ -21,6 +21,7 @@ from harness.replay.sde import as_rows
 __all__ = [
     "FUSED_COND_FIRST",
     "UNCOND_FIRST",
+    "UNGUIDED_CFG",
     "DenoiserAdapter",
     "Guidance",
     "WrappedAdapter",
@@ -37,6 +38,8 @@ UNCOND_FIRST = "uncond_first"
 LAYOUTS = (FUSED_COND_FIRST, UNCOND_FIRST)
 
 Guidance = float | Sequence[float]
+UNGUIDED_CFG = ("the conditions carry two CFG branches but no guidance scale was given: pass guidance (a float or a "
+                "per-step schedule); it is only optional for conditions without CFG")
 
 
 class DenoiserAdapter:
@@ -85,8 +88,10 @@ class WrappedAdapter(DenoiserAdapter):
         return self.inner.combine(cond, uncond, guidance_scale)
 
 
-def guidance_at(guidance: Guidance, step: int) -> float:
-    """The CFG scale at ``step`` from a constant or a per-step schedule."""
+def guidance_at(guidance: Guidance | None, step: int) -> float | None:
+    """The CFG scale at ``step`` from a constant or a per-step schedule (None: conditions without CFG)."""
+    if guidance is None:
+        return None
     if isinstance(guidance, (int, float)) and not isinstance(guidance, bool):
         return float(guidance)
     if isinstance(guidance, Sequence) and not isinstance(guidance, (str, bytes)):
@@ -132,7 +137,7 @@ def split_branches(layout: str, out: torch.Tensor, rows: int) -> tuple[torch.Ten
 
 
 def predict_velocity(adapter: DenoiserAdapter, x: torch.Tensor, sigma: torch.Tensor | float,
-                     conditions: Conditions, guidance_scale: float) -> torch.Tensor:
+                     conditions: Conditions, guidance_scale: float | None) -> torch.Tensor:
     """Velocity for ``x [N, *latent]`` at per-row ``sigma``, with CFG in the adapter's layout and combine.
 
     uncond-first: the forward sees ``[uncond; cond]``; fused cond-first: ``[cond; uncond]`` as the
@@ -146,6 +151,8 @@ def predict_velocity(adapter: DenoiserAdapter, x: torch.Tensor, sigma: torch.Ten
     timestep = model_timestep(adapter, as_rows(sigma, rows))
     if not conditions.guided:
         return adapter.forward(x, timestep, broadcast_rows(conditions))
+    if guidance_scale is None:
+        raise ValueError(UNGUIDED_CFG)
     fused = concat_branches(conditions.negative, conditions) if conditions.negative is not None else conditions
     out = adapter.forward(torch.cat([x, x]), torch.cat([timestep, timestep]), broadcast_rows(fused))
     cond, uncond = split_branches(declared_layout(adapter), out, rows)

@@ -42,13 +42,14 @@ def is_stateless_sde(strategy: object) -> bool:
     return isinstance(strategy, SDEStrategy) and bool(strategy.stateless)
 
 
-def guidance_is_constant(guidance: Guidance, steps: Sequence[int]) -> bool:
+def guidance_is_constant(guidance: Guidance | None, steps: Sequence[int]) -> bool:
     """One forward has one CFG scale; a per-step schedule that varies over the targets cannot fold."""
     scales = {guidance_at(guidance, step) for step in steps}
     return len(scales) <= 1
 
 
-def fallback_reason(config: ReplayConfig, strategy: object, steps: Sequence[int], guidance: Guidance) -> str | None:
+def fallback_reason(config: ReplayConfig, strategy: object, steps: Sequence[int],
+                    guidance: Guidance | None) -> str | None:
     """Why the batched path declines, or None when it may run."""
     if not batching_enabled(config):
         return "batch_replay_steps is off"

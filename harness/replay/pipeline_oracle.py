@@ -85,8 +85,11 @@ class PipelineStep:
 
 @dataclass(frozen=True, eq=False)
 class PipelineRecord:
+    """One pipeline run: its prompts and guidance, the replay-layout latents it was started from, its steps."""
+
     prompts: Prompts
     guidance: float
+    start: torch.Tensor
     steps: tuple[PipelineStep, ...]
 
 
@@ -131,6 +134,10 @@ def build_pipeline(family: ReplayFamily, adapter: ModelAdapter) -> Any:
 def run_pipeline(family: ReplayFamily, adapter: ModelAdapter, prompts: Prompts, latents: torch.Tensor,
                  guidance: float, steps: int = ORACLE_STEPS) -> PipelineRecord:
     """Run the family's pipeline for ``steps`` steps from ``prompts`` and replay-layout ``latents``."""
+    dtypes = sorted({str(p.dtype) for p in adapter.module.parameters()} | {str(latents.dtype)})
+    if dtypes != [str(torch.float32)]:
+        raise OracleError(f"the pipeline oracle judges fp32 pipelines (its timestep room is {TIMESTEP_ULPS:g} fp32 "
+                          f"ulps and its floors are fp32 floors); the transformer and latents hold {dtypes}")
     pipe = build_pipeline(family, adapter)
     scheduler_calls: list[tuple[torch.Tensor, torch.Tensor]] = []
     step = pipe.scheduler.step
@@ -152,7 +159,7 @@ def run_pipeline(family: ReplayFamily, adapter: ModelAdapter, prompts: Prompts, 
                           f"num_inference_steps={steps}")
     grouped = _group_by_step(calls, len(calls) // steps, steps)
     sigmas = pipe.scheduler.sigmas
-    return PipelineRecord(prompts, guidance, tuple(
+    return PipelineRecord(prompts, guidance, latents.clone(), tuple(
         PipelineStep(sigmas[i].to(torch.float32), sample, output, grouped[i])
         for i, (output, sample) in enumerate(scheduler_calls)))
 
@@ -272,7 +279,7 @@ def _within(what: str, actual: torch.Tensor, expected: torch.Tensor, floor: floa
 def _to_replay(adapter: ModelAdapter, transformer_out: torch.Tensor) -> torch.Tensor:
     """Transformer outputs in replay's layout; a learned-sigma head's second half of the channels is cut, as the
     pipelines cut it."""
-    out = adapter.from_pipeline_latents(transformer_out.float())
+    out = adapter.from_pipeline_latents(transformer_out)
     channels = adapter.latent_shape[0]
     if out.shape[1] == 2 * channels:  # replay's layout is channels-first: (B, C, ...)
         out = out[:, :channels]
@@ -307,7 +314,7 @@ def judge_step(family: ReplayFamily, adapter: ModelAdapter, step: PipelineStep, 
     spec = family.pipeline
     conditions = adapter.conditions_from_prompts(prompts, 2)
     batch = conditions.batch
-    x = adapter.from_pipeline_latents(step.latents).float()
+    x = adapter.from_pipeline_latents(step.latents)
     with torch.no_grad(), record_forwards(adapter.module) as calls:
         velocity = denoiser.predict_velocity(adapter, x, step.sigma.expand(batch), conditions, guidance)
     rows = [_count(c.arguments.get(spec.prompt_arg)) for c in calls]
@@ -342,7 +349,7 @@ def judge_step(family: ReplayFamily, adapter: ModelAdapter, step: PipelineStep, 
                                     "each branch's transformer output vs the pipeline's; floor = the transformer on "
                                     "the pipeline's inputs at the adapter's batch shape, timestep moved by its "
                                     "tolerance"))
-    reference = adapter.from_pipeline_latents(step.model_output.float())
+    reference = adapter.from_pipeline_latents(step.model_output)
     own = _combined(adapter, aligned.output, order, guidance)
     verdict = verdict.merge(_within(f"{label} combine", own, reference, 0.0,
                                     f"the family's {adapter.cfg_combine} combine of the pipeline's own branch outputs "
@@ -378,7 +385,11 @@ def _input_mismatches(mine: Forward, aligned: AlignedStep, timestep_arg: str,
 
 
 def judge_family(family: ReplayFamily, adapter: ModelAdapter, record: PipelineRecord) -> Verdict:
-    """Every recorded step, judged and merged."""
+    """The pipeline's start and every recorded step, judged and merged."""
+    started = adapter.from_pipeline_latents(record.steps[0].latents)
+    start = holds(started.shape == record.start.shape and torch.equal(started, record.start),
+                  "step 0: the pipeline stepped the replay latents it was given (the adapter's to_pipeline_latents "
+                  "is the inverse of its from_pipeline_latents)", start_shape=str(tuple(started.shape)))
     verdicts = [judge_step(family, adapter, step, record.prompts, record.guidance, f"step {i}")
                 for i, step in enumerate(record.steps)]
-    return functools.reduce(Verdict.merge, verdicts)
+    return functools.reduce(Verdict.merge, verdicts, start)

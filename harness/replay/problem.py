@@ -38,7 +38,7 @@ class ReplayProblem:
     segment: TrajectorySegment
     strategy: SDEStrategy
     target: tuple[int, ...]
-    guidance: Guidance = 1.0
+    guidance: Guidance | None
     config: ReplayConfig = field(default_factory=lambda: ReplayConfig(batch_replay_steps=True))
 
     @property

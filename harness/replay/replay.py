@@ -14,7 +14,7 @@ import torch
 
 from harness.replay import guards, tiling
 from harness.replay.conditions import Conditions
-from harness.replay.denoiser import DenoiserAdapter, Guidance, guidance_at, predict_velocity
+from harness.replay.denoiser import UNGUIDED_CFG, DenoiserAdapter, Guidance, guidance_at, predict_velocity
 from harness.replay.guards import ReplayConfig
 from harness.replay.sde import SDEStrategy, sde_step
 from harness.replay.segment import ReplayResult, TrajectorySegment, validate_targets
@@ -22,17 +22,19 @@ from harness.replay.segment import ReplayResult, TrajectorySegment, validate_tar
 __all__ = ["replay", "replay_batched", "replay_serial", "step_sigma_vectors", "stored_next_latents"]
 
 
-def _check_inputs(conditions: Conditions, segment: TrajectorySegment, guidance: Guidance,
+def _check_inputs(conditions: Conditions, segment: TrajectorySegment, guidance: Guidance | None,
                   steps: Sequence[int]) -> None:
     conditions.validate()
     if conditions.batch != segment.batch:
         raise ValueError(f"conditions are for batch {conditions.batch} but the segment holds {segment.batch} samples")
+    if guidance is None and conditions.guided:
+        raise ValueError(UNGUIDED_CFG)
     for step in steps:
         guidance_at(guidance, step)
 
 
 def replay_serial(adapter: DenoiserAdapter, conditions: Conditions, segment: TrajectorySegment,
-                  strategy: SDEStrategy, target: Sequence[int], guidance: Guidance = 1.0,
+                  strategy: SDEStrategy, target: Sequence[int], guidance: Guidance | None = None,
                   config: ReplayConfig | None = None) -> ReplayResult:
     """The stock loop: one forward of B (x CFG) rows per target step."""
     steps = validate_targets(segment, target)
@@ -64,7 +66,7 @@ def stored_next_latents(segment: TrajectorySegment, steps: Sequence[int]) -> tor
 
 
 def replay_batched(adapter: DenoiserAdapter, conditions: Conditions, segment: TrajectorySegment,
-                   strategy: SDEStrategy, target: Sequence[int], guidance: Guidance = 1.0,
+                   strategy: SDEStrategy, target: Sequence[int], guidance: Guidance | None = None,
                    config: ReplayConfig | None = None) -> ReplayResult | None:
     """All S target steps in one forward of S*B (x CFG) rows, or None when a guard declines."""
     steps = validate_targets(segment, target)
@@ -83,7 +85,7 @@ def replay_batched(adapter: DenoiserAdapter, conditions: Conditions, segment: Tr
 
 
 def replay(adapter: DenoiserAdapter, conditions: Conditions, segment: TrajectorySegment, strategy: SDEStrategy,
-           target: Sequence[int], guidance: Guidance = 1.0, config: ReplayConfig | None = None) -> ReplayResult:
+           target: Sequence[int], guidance: Guidance | None = None, config: ReplayConfig | None = None) -> ReplayResult:
     """What a trainer calls: the batched path when it may run, else the serial loop."""
     result = replay_batched(adapter, conditions, segment, strategy, target, guidance, config)
     if result is not None:

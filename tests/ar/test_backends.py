@@ -17,7 +17,13 @@ from fixtures import ar_models
 from fixtures.ar_cases import prompt_ids
 from harness import compat
 from harness.ar import loop
-from harness.ar.backends import IMAGE_SLICE_FIELDS, UpstreamBackend, remote_code_generation, upstream_generation
+from harness.ar.backends import (
+    IMAGE_SLICE_FIELDS,
+    UpstreamBackend,
+    remote_code_generation,
+    remote_code_name,
+    upstream_generation,
+)
 from harness.ar.batch import right_padded_batch
 from harness.ar.policies import stock_prefill_floor
 from harness.compare import max_abs_diff
@@ -166,6 +172,18 @@ def test_remote_code_generation_is_read_from_the_auto_map(auto_map: dict, genera
     assert remote_code_generation({"auto_map": auto_map}) == generation
 
 
+@pytest.mark.parametrize("auto_map", [{"AutoModelForCausalLM": "modeling_other.OtherForCausalLM"}, {}])
+def test_a_refusal_for_unrecognised_remote_code_names_the_checkpoints_code(auto_map: dict,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remote code that is no HunyuanImage-3 generation is still named in the transformers 5.x refusal: the same
+    subject the refusal takes when no name is given, never a missing one."""
+    monkeypatch.setattr(compat, "TRANSFORMERS_MAJOR", 5)
+    err = ModuleNotFoundError(f"No module named '{_NO_MASK_UTILS}'", name=_NO_MASK_UTILS)
+    reason = compat.removed_module_reason(err, remote_code_name({"auto_map": auto_map}))
+    assert reason == compat.removed_module_reason(err)
+    assert reason is not None and reason.startswith(f"the checkpoint's remote code imports {_NO_MASK_UTILS},")
+
+
 # ---------------------------------------------------------------------------------------- stock padded runs
 
 
@@ -181,6 +199,18 @@ def test_stock_padded_fp32_equals_the_unpadded_stock_run(name: str, width: int) 
         padded = backend.stock_padded(prompt, run.tokens, width, width + 4)
     assert padded.shape == (4, ar_models.VOCAB) and padded.dtype == torch.float32
     assert max_abs_diff(padded, run.logits) < 1e-5
+
+
+def test_stock_padded_masks_each_query_as_transformers_documents() -> None:
+    """transformers takes a 4-D mask as ``[batch, 1, queries, keys]``: a kernel that reads it literally (the
+    read-safe one, like a flash kernel skipping masked blocks) gets one mask row per query and the same
+    teacher-forced logits as the unpadded stock run, at the batch's row count."""
+    backend = ar_models.backend("qwen3", "read_safe")
+    prompt = prompt_ids([5], seed=43)[0]
+    with torch.no_grad():
+        run = backend.stock_generate(prompt, 3, ())
+        padded = backend.stock_padded(prompt, run.tokens, 8, 11, rows=2, row=1)
+    assert padded.shape == (3, ar_models.VOCAB) and max_abs_diff(padded, run.logits) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["fake", "qwen3"])

@@ -243,6 +243,84 @@ def test_footprint_sees_a_stray_write_nan_or_not(buffer: int, value: float) -> N
     assert run.static and run.stray_writes == {0: [7, 8]}  # row 0 owns slots 4, 5 after the prefill
 
 
+def test_footprint_of_a_row_that_stops_at_once_allows_it_no_slot() -> None:
+    """A row whose first token (read from the prefill) is its EOS is never fed a token: after the prefill it
+    owns no slot, so a write to the slot its first token would have taken is a stray write."""
+    backend = ar_models.backend("fake")
+    batch, eos, ends = _early_stop(backend, (5, 8), 55, {0: 0}, 3)
+    assert ends == [1, 3], "fixture: row 0 stops at step 0, row 1 runs on"
+    with deadline(8.0):
+        run = probes.footprint_rollout(StrayWrite(backend, 0, [5], 0.5), batch, 3, eos)
+    assert run.rollout.lengths.tolist() == ends
+    assert run.static and run.stray_writes == {0: [5]}  # row 0's prompt is slots 0..4; slot 5 was never its
+
+
+def test_footprint_of_a_clean_run_reports_no_poison_and_no_nonfinite_logits() -> None:
+    """The footprint probe plants nothing and its rollout's logits are all finite: its run says so."""
+    backend = ar_models.backend("fake")
+    with deadline(8.0):
+        run = probes.footprint_rollout(backend, right_padded_batch(prompt_ids((4, 6), seed=57), PAD), 2)
+    assert bool(torch.isfinite(run.rollout.logits).all())
+    assert (run.static, run.stray_writes, run.poisoned_slots, run.nonfinite_logits) == (True, {}, 0, 0)
+
+
+def test_footprint_over_a_dynamic_cache_is_not_static() -> None:
+    """B=1 decodes over the stock dynamic cache: no preallocated slots, so no footprint is checked."""
+    backend = ar_models.backend("fake")
+    with deadline(8.0):
+        run = probes.footprint_rollout(backend, right_padded_batch(prompt_ids((5,), seed=56), PAD), 2)
+    assert run.spy.dynamic and (run.static, run.stray_writes) == (False, {})
+
+
+@pytest.mark.parametrize("probe", [probes.footprint_rollout, probes.nan_probe_rollout], ids=["footprint", "nan"])
+def test_a_rollout_that_runs_no_forward_is_not_static(probe: Any) -> None:
+    """A rollout that never calls the model (one replayed from a record) wrote no cache the probe could see."""
+    backend = ar_models.backend("fake")
+    batch = right_padded_batch(prompt_ids((4, 6), seed=57), PAD)
+    recorded = loop.Rollout(torch.ones(2, 2, dtype=torch.long), torch.zeros(2, 2), torch.zeros(2, 2, V),
+                            torch.tensor([2, 2]), batch.real_pos, ())
+    with deadline(8.0):
+        run = probe(backend, batch, 2, rollout=lambda *args: recorded)
+    assert run.rollout is recorded and run.spy.calls == []
+    assert (run.static, run.stray_writes, run.poisoned_slots, run.nonfinite_logits) == (False, {}, 0, 0)
+
+
+class TakesACache(torch.nn.Module):
+    """A model whose forward takes the ids and a cache and computes nothing: all the probes' hooks read."""
+
+    def forward(self, input_ids: torch.Tensor, past_key_values: Any = None) -> torch.Tensor:
+        return input_ids
+
+
+def _transformers_dynamic_cache() -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+@pytest.mark.parametrize("cache", [_transformers_dynamic_cache,
+                                   lambda: ar_models.backend("fake").new_cache(1, 8, dynamic=True)],
+                         ids=["transformers_dynamic", "upstream_dynamic"])
+@pytest.mark.parametrize("probe", [probes.footprint_rollout, probes.nan_probe_rollout], ids=["footprint", "nan"])
+def test_a_forward_handed_a_dynamic_cache_is_not_static_and_nothing_is_planted(cache: Any, probe: Any) -> None:
+    """A dynamic cache has no preallocated slots, upstream's (a StaticCache subclass with dynamic=True) included:
+    the probes see it handed to the forward, plant nothing, snapshot nothing and call the run not static."""
+    handed = cache()
+    backend = SimpleNamespace(model=TakesACache(), kv_heads=1, head_dim=2)
+    batch = right_padded_batch(prompt_ids((3,), seed=59), PAD)
+    recorded = loop.Rollout(torch.ones(1, 2, dtype=torch.long), torch.zeros(1, 2), torch.zeros(1, 2, V),
+                            torch.tensor([2]), batch.real_pos, ())
+
+    def rollout(backend: Any, batch: Any, max_new_tokens: int, eos: Any) -> loop.Rollout:
+        backend.model(input_ids=batch.input_ids, past_key_values=handed)
+        return recorded
+
+    with deadline(2.0):
+        run = probe(backend, batch, 2, rollout=rollout)
+    assert run.rollout is recorded and run.spy.dynamic and len(run.spy.calls) == 1
+    assert (run.static, run.stray_writes, run.poisoned_slots, run.nonfinite_logits) == (False, {}, 0, 0)
+
+
 class AdmitsPads(Wrapped):
     """A decode mask that also admits each row's right-padding slots [real_pos, width)."""
 

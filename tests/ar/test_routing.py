@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -71,3 +72,38 @@ def test_capacity_is_named_with_its_config_knobs() -> None:
                              "moe_drop_tokens=True, capacity_factor=1.0")
     unnamed = routing.probe_routing(StubModel(StubMoE("rows"), moe_drop_tokens=False, capacity_factor=1.0))
     assert unnamed.knobs == {"moe_drop_tokens": False} and "moe_drop_tokens=False" in unnamed.cause()
+
+
+def test_a_move_exactly_at_the_bound_is_rounding_and_one_ulp_above_is_routing() -> None:
+    """A token moved by more than the bound was routed differently; a move of exactly the bound was not."""
+    bound = routing.routing_bound(torch.float32)
+    at = routing.RoutingProbe(1, "float32", bound, lone_token=(bound,), own_row=(bound,))
+    assert at.independent and at.cause() == ""
+    above = math.nextafter(bound, math.inf)
+    lone = routing.RoutingProbe(1, "float32", bound, lone_token=(above,), own_row=(bound,))
+    assert not lone.independent and lone.cause().startswith("single-token path")
+    rows = routing.RoutingProbe(1, "float32", bound, lone_token=(bound,), own_row=(above,))
+    assert not rows.independent and rows.cause().startswith("expert capacity")
+
+
+def test_a_model_without_moe_layers_names_no_cause() -> None:
+    probe = routing.probe_routing(StubModel(nn.Linear(8, 8)))
+    assert (probe.layers, probe.lone_token, probe.own_row) == (0, (), ())
+    assert probe.independent and probe.cause() == ""
+
+
+class RoutedAndZeroExperts(nn.Module):
+    """One routed expert followed by a zero-compute (identity, weightless) expert, the order transformers 4.x's
+    LongcatFlash lists them in; every token goes to the identity expert."""
+
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(hidden, hidden, bias=False), nn.Identity()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts[1](x).clone()
+
+
+def test_zero_compute_experts_do_not_hide_the_hidden_size() -> None:
+    probe = routing.probe_routing(StubModel(RoutedAndZeroExperts()))
+    assert (probe.layers, probe.lone_token, probe.own_row) == (1, (0.0,), (0.0,)) and probe.independent

@@ -34,6 +34,21 @@ def test_transformers_backend_reads_pad_and_head_dim_from_the_config() -> None:
     assert (backend.pad_id, backend.head_dim) == (7, 16)
 
 
+@pytest.mark.parametrize("model", ["qwen3", "hunyuan_moe"])
+def test_a_full_forward_builds_no_cache(model: str) -> None:
+    """``full_forward`` is one cache-free forward: the model is handed no cache and builds none (a cache the
+    model made for it would hold the whole sequence's KV for nothing); it returns its logits alone."""
+    backend = ar_models.backend(model)
+    outputs = []
+    handle = backend.model.register_forward_hook(lambda module, args, out: outputs.append(out))
+    try:
+        with torch.no_grad():
+            logits = backend.full_forward(prompt_ids([6], seed=8)[0])
+    finally:
+        handle.remove()
+    assert logits.shape == (6, ar_models.VOCAB) and [list(out.keys()) for out in outputs] == [["logits"]]
+
+
 def test_transformers_hole_layout_slots() -> None:
     backend = ar_models.backend("qwen3")
     state = loop.init_state(backend, right_padded_batch(prompt_ids((3, 5), seed=45), PAD), 4)

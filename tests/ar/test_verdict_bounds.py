@@ -185,3 +185,46 @@ def test_an_fp32_tolerance_needs_a_finite_positive_floor(measured: float, scale:
                                           kv_scale=scale)
     with pytest.raises(ValueError, match="the stock floor of kv on zeros is .*: the stock run must be finite"):
         ar_policies.fp32_tolerance(floor, "kv")
+
+
+def test_a_floor_of_exactly_zero_is_refused_and_the_smallest_positive_one_is_not() -> None:
+    """A stock run with no magnitude and no measured rounding leaves a floor of 0: any tolerance, 0 included,
+    would sit "within" k x 0, so the bound is refused for want of a floor. One step above 0 is a floor."""
+    values = torch.tensor([[-1.0, -2.0]])
+    passed = exact().judge(values, values)
+    zero = ar_policies.StockPrefillFloor(logp=0.0, kv=0.0, backend="zeros", logp_scale=0.0, kv_scale=0.0)
+    refused = judge.require_floor_bounds(passed, 0.0, zero, "logp")
+    assert not refused.passed
+    assert refused.violated_facts == ["stock logp floor measured on zeros (finite, > 0)"]
+    tiny = math.nextafter(0.0, 1.0)
+    smallest = ar_policies.StockPrefillFloor(logp=tiny, kv=tiny, backend="tiny", logp_scale=0.0, kv_scale=0.0)
+    accepted = judge.require_floor_bounds(passed, ar_policies.TOLERANCE_K * tiny, smallest, "kv")
+    assert accepted.passed and accepted.violated_facts == []
+
+
+def test_a_floor_built_without_a_shape_states_the_batch_the_default_measurement_prefills() -> None:
+    """``rows`` x ``length`` is the batch a floor was prefilled at: a floor built from the same measurements
+    without them states (and describes) the batch ``stock_prefill_floor`` prefills when it is given no shape."""
+    stand_in, shapes = _stand_in(), []
+    prefill = stand_in.stock_prefill
+
+    def recorded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shapes.append(tuple(ids.shape))
+        return prefill(ids)
+
+    stand_in.stock_prefill = recorded
+    measured = ar_policies.stock_prefill_floor(stand_in)
+    given = ar_policies.StockPrefillFloor(logp=measured.logp, kv=measured.kv, backend=measured.backend,
+                                          logp_scale=measured.logp_scale, kv_scale=measured.kv_scale)
+    assert shapes[0] == (given.rows, given.length)  # the batched prefill, ahead of each row alone
+    assert given == measured and given.describe() == measured.describe()
+
+
+def test_a_floor_describes_the_quantity_it_is_asked_for_or_both() -> None:
+    """A policy's reason names the floor of its own quantity (slot 0 is KV); with no quantity both are listed."""
+    floor = _floor()
+    logp = f"logp {floor.stock_floor('logp').describe()}"
+    kv = f"KV {floor.stock_floor('kv').describe()}"
+    assert floor.describe("logp") == f"stock floor on stand-in: {logp}"
+    assert floor.describe("kv") == floor.describe("slot0") == f"stock floor on stand-in: {kv}"
+    assert floor.describe() == f"stock floor on stand-in: {logp}; {kv}"

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import io
+import pickle
+import re
+import struct
+import zipfile
+import zlib
 
 import numpy as np
 import pytest
@@ -130,6 +136,15 @@ def test_a_capture_file_whose_query_heads_do_not_group_over_its_kv_heads_is_refu
     check_shapes("f.npz", dict(shapes, query=(1, 3, 4, 4)))  # 4 query heads share 2 kv heads in pairs
 
 
+@pytest.mark.parametrize(("key", "differs"), [((2, 5, 2, 4), r"\(2, 5, 2, 4\)"), ((1, 5, 2, 8), r"\(1, 5, 2, 8\)")],
+                         ids=["batch", "head_dim"])
+def test_a_capture_file_whose_key_differs_from_its_query_in_batch_or_head_dim_alone_is_refused(key, differs):
+    shapes = {"query": (1, 3, 2, 4), "key": key, "value": key, "mask": (1, 1, 3, 5)}
+    with pytest.raises(ValueError, match=rf"capture f.npz: query \(1, 3, 2, 4\) and key {differs} must share batch "
+                                         "and head dim"):
+        check_shapes("f.npz", shapes)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_a_capture_in_another_float_dtype_is_saved_as_float32(dtype, tmp_path):
     """The format holds float32 q/k/v: a bf16 run's capture (numpy has no bf16) or an fp64 one is written as
@@ -140,3 +155,80 @@ def test_a_capture_in_another_float_dtype_is_saved_as_float32(dtype, tmp_path):
     loaded = capture_io.load_capture(capture_io.save_capture(cast, tmp_path / "call0_rank0.npz"))
     for name in ("query", "key", "value"):
         assert torch.equal(getattr(loaded, name), getattr(cast, name).float()), name
+
+
+def test_a_capture_taken_from_a_live_model_is_saved_as_its_values(tmp_path):
+    """Tensors that still require grad (q/k/v hooked off a model outside no_grad) save like any others."""
+    source = small_capture(PREFILL, heads=1, head_dim=4, seed=2)
+    live = dataclasses.replace(source, **{name: getattr(source, name).clone().requires_grad_()
+                                          for name in ("query", "key", "value")})
+    loaded = capture_io.load_capture(capture_io.save_capture(live, tmp_path / "call0_rank0.npz"))
+    for name in capture_io.CAPTURE_ARRAYS:
+        assert torch.equal(getattr(loaded, name), getattr(source, name)), name
+
+
+def _saved(tmp_path, name="call0_rank0.npz") -> bytes:
+    return capture_io.save_capture(small_capture(PREFILL, heads=1, head_dim=4), tmp_path / name).read_bytes()
+
+
+def test_a_zip_behind_other_data_is_not_an_npz_archive_to_either_reader(tmp_path):
+    """zipfile finds an archive behind leading bytes, but np.load reads such a file as a pickle or a bare array:
+    both readers refuse it up front, so validation passes nothing the loader would not read (and no pickle runs)."""
+    archive = _saved(tmp_path)
+    bare, objects = io.BytesIO(), io.BytesIO()
+    np.save(bare, np.zeros(3, dtype=np.float32))
+    np.save(objects, np.array([None, 1], dtype=object), allow_pickle=True)
+    tripwire = _Tripwire()
+    tripwire.armed = True  # a state to set: unpickling it calls __setstate__
+    assert pickle.loads(pickle.dumps(tripwire)) and _UNPICKLED.pop() == "unpickled"
+    for lead in (pickle.dumps(tripwire), bare.getvalue(), objects.getvalue()):
+        path = tmp_path / "call1_rank0.npz"
+        path.write_bytes(lead + archive)
+        for read in (capture_io.validate_file, capture_io.load_capture):
+            with pytest.raises(ValueError, match=rf"capture file {re.escape(str(path))}: not an npz archive \(other "
+                                                 r"data precedes its zip records\)"):
+                read(path)
+    assert _UNPICKLED == []
+    empty = tmp_path / "call2_rank0.npz"
+    np.savez(empty)  # an archive of no arrays starts with the zip's end record: an npz, refused for what it lacks
+    for read in (capture_io.validate_file, capture_io.load_capture):
+        with pytest.raises(ValueError, match=r"call2_rank0.npz: missing arrays \['query', 'key', 'value', 'mask'\]"):
+            read(empty)
+
+
+def _short_member(archive: bytes, member: bytes, short_by: int) -> bytes:
+    """``archive`` whose central directory gives ``member`` ``short_by`` fewer stored bytes (and their CRC) but
+    keeps its declared size: zipfile then reads a short member without complaint."""
+    data = bytearray(archive)
+    with zipfile.ZipFile(io.BytesIO(archive)) as zf:
+        info = zf.getinfo(member.decode())
+        kept = zf.read(info)[:-short_by]
+    assert info.compress_type == zipfile.ZIP_STORED  # np.savez stores its members
+    entry = data.index(b"PK\x01\x02")  # the central directory's entries
+    while data[entry + 46:entry + 46 + len(member)] != member:
+        entry = data.index(b"PK\x01\x02", entry + 4)
+    struct.pack_into("<II", data, entry + 16, zlib.crc32(kept), len(kept))  # CRC-32, compressed size
+    return bytes(data)
+
+
+def test_a_member_shorter_than_its_declared_size_is_refused_by_both_readers(tmp_path):
+    """The npy header and the archive agree on 64 bytes of mask, but only 54 are stored (with their own CRC):
+    validation reads the data and says so; the loader names numpy's own refusal."""
+    path = tmp_path / "call0_rank0.npz"
+    path.write_bytes(_short_member(_saved(tmp_path), b"mask.npy", 10))
+    with pytest.raises(ValueError, match=r"call0_rank0.npz: member 'mask.npy' holds 182 bytes of data where the "
+                                         r"archive declares 192 \(truncated or padded\)"):
+        capture_io.validate_file(path)
+    with pytest.raises(ValueError, match=r"call0_rank0.npz: a damaged array \(ValueError: EOF: reading array data, "
+                                         r"expected 64 bytes got 54\); expected an npz archive"):
+        capture_io.load_capture(path)
+
+
+def test_validation_applies_the_shape_rules_to_a_file_s_headers(tmp_path):
+    """A file of the right arrays and dtypes whose shapes break the format is refused before any check loads it."""
+    q, k, v, mask = (t.numpy() for t in _tensors(heads=3, kv_heads=2))
+    path = tmp_path / "call0_rank0.npz"
+    np.savez(path, query=q, key=k, value=v, mask=mask)
+    with pytest.raises(ValueError, match=rf"capture {re.escape(str(path))}: 3 query heads are not a multiple of 2 "
+                                         "key/value heads"):
+        capture_io.validate_file(path)

@@ -108,9 +108,12 @@ def test_mask_free_is_far_from_the_reference_on_a_small_layout():
 
 
 def test_the_launch_spy_keeps_sdpa_s_own_defaults():
-    """A kernel that leaves attn_mask and is_causal out launches plain full attention, and the spy says so."""
+    """A kernel that leaves attn_mask and is_causal out launches plain full attention, recorded or not, and the spy
+    says so."""
     q, k, v = torch.randn(3, 1, 2, 5, 4, generator=torch.Generator().manual_seed(0)).unbind(0)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5)
+    assert torch.equal(primitives.launch_sdpa(q, k, v, scale=0.5, enable_gqa=False), full)  # no spy in between
     with spy.recording() as launches:
         out = primitives.launch_sdpa(q, k, v, scale=0.5, enable_gqa=False)
     assert [launch.mask for launch in launches] == ["none"]
-    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5))
+    assert torch.equal(out, full)

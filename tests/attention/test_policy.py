@@ -3,6 +3,7 @@ rows, ties, NaN, no rows), the relative-L2 twin and the two-sided bound around a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -129,3 +130,42 @@ def test_the_fp32_bounds_allow_a_kernel_four_floors_and_no_more(multiple, passed
                                                      what="out")
     assert verdict.passed is passed, verdict.describe()
     assert (multiple * control.rel_l2 <= policies.rel_l2_bound(control)) is passed
+
+
+def test_a_floor_control_without_a_magnitude_bounds_by_its_measurement_alone():
+    """No stated magnitude, no ulp minimum to widen the floor: a 1e-9 measurement gives a 4e-9 bound, not 4 ulps."""
+    control = FloorControl(1e-9, 1e-9, "torch.float32")
+    assert (control.max_abs_floor().value, control.max_abs_floor().at_minimum) == (1e-9, False)
+    expected = torch.zeros(1, 1, 1, 2, dtype=torch.float64)
+    for multiple, passed in ((3.9, True), (4.1, False)):
+        actual = torch.tensor([[[[multiple * 1e-9, 0.0]]]], dtype=torch.float64)
+        verdict = policies.floor_policy(control).judge(actual, expected, what="out")
+        assert verdict.passed is passed, (multiple, verdict.describe())
+
+
+@pytest.mark.parametrize(("multiple", "passed"), [(3.9, True), (4.1, False)])
+def test_the_bf16_bound_allows_a_kernel_four_row_floors_and_no_more(multiple, passed):
+    """The default low-precision room: per row, 4 x stock bf16 masked SDPA's own relative error against fp64."""
+    capture = small_capture(AttentionLayout(2, 3, 1, "denoise"), heads=1, head_dim=8, seed=9)
+    truth = policies.reference_output(capture, torch.float64)
+    policy = policies.low_precision_policy(capture, torch.bfloat16, truth)
+    actual = truth.clone()
+    row = truth[0, 0, 1]
+    actual[0, 0, 1, 0] += multiple * policy.control.relative_floor * float(row.abs().max())
+    verdict = policy.judge(actual, truth, dims=DIMS, what="out")
+    assert verdict.passed is passed, verdict.describe()
+    assert verdict.metrics["worst_row"] == "batch 0, head 0, query row 1"
+
+
+def test_the_fp32_floor_counts_its_minimum_in_the_output_s_magnitude_whatever_its_sign():
+    """Negating the values negates the output exactly: the same errors, the same magnitude (max |value|), so the
+    same floor, even where every output is negative."""
+    capture = small_capture(AttentionLayout(2, 3, 1, "denoise"), heads=1, head_dim=8, seed=9)
+    positive = dataclasses.replace(capture, value=capture.value.abs() + 0.5)
+    negative = dataclasses.replace(capture, value=-positive.value)
+    assert float(policies.reference_output(negative, torch.float64).max()) < 0  # every output is negative
+    up, down = policies.floor_control(positive), policies.floor_control(negative)
+    assert (down.max_abs, down.rel_l2, down.scale) == (up.max_abs, up.rel_l2, up.scale)
+    magnitude = float(policies.reference_output(positive, torch.float64).abs().max())
+    assert up.scale == magnitude > 0.5  # every output averages values above 0.5
+    assert down.max_abs_floor().minimum == up.max_abs_floor().minimum == 2.0**-23 * magnitude  # 1 fp32 ulp

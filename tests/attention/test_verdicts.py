@@ -12,7 +12,14 @@ from fixtures.attention_captures import small_capture
 from harness import conformance
 from harness.attention import contract, judge, kernels, masks, reference
 from harness.attention.layout import AttentionLayout
-from harness.attention.policies import FloorControl, floor_control, floor_policy, reference_output
+from harness.attention.policies import (
+    FloorControl,
+    floor_control,
+    floor_policy,
+    in_dtype,
+    low_precision_policy,
+    reference_output,
+)
 
 pytestmark = pytest.mark.cpu
 
@@ -124,6 +131,18 @@ def test_compare_kernel_computes_the_reference_or_judges_against_the_given_one()
     off = judge.compare_kernel("decomposed", capture, floor_policy(control), expected=wrong,
                                 floor=control)
     assert not off.passed and off.metrics["max_abs"] == pytest.approx(1.0)
+
+
+def test_a_kernel_verdict_names_the_dtype_its_inputs_ran_in():
+    """The report's dtype column reads torch's own name of the inputs' dtype: fp32 and bf16 runs are told apart."""
+    capture = small_capture(LAYOUT, heads=1, head_dim=8, seed=6)
+    control = floor_control(capture)
+    fp32 = judge.compare_kernel("decomposed", capture, floor_policy(control), floor=control)
+    truth = reference_output(capture, torch.float64)
+    bf16 = judge.compare_kernel("decomposed", in_dtype(capture, torch.bfloat16),
+                                low_precision_policy(capture, torch.bfloat16, truth), expected=truth)
+    assert (fp32.passed, bf16.passed) == (True, True), (fp32.describe(), bf16.describe())
+    assert (fp32.metrics["dtype"], bf16.metrics["dtype"]) == ("float32", "bfloat16")
 
 
 def test_under_impl_the_kernels_under_test_are_replaced_and_the_reference_is_not():

@@ -98,6 +98,32 @@ def test_bad_latents_are_rejected_naming_what_was_expected(make, match):
             entry(vae, make(z))
 
 
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda x: x[0],
+         r"videos must be a float tensor \(batch, channels, frames, height, width\), got \(3, 5, 4, 4\)"),
+        (lambda x: x[:, :2], r"videos have 2 channels but the VAE takes 3 .* expected \(batch, 3, frames"),
+        (lambda x: x.long(), "videos must be a float tensor"),
+    ],
+    ids=["4d", "channels", "int"],
+)
+def test_bad_videos_are_rejected_by_both_encode_entries_before_any_group_check(make, match):
+    vae = decode_models.tiny_vae()
+    video = torch.zeros(1, vae.config.in_channels, 5, 4, 4)
+    for entry in (sharded.stock_encode, sharded.sharded_encode):
+        with pytest.raises(ValueError, match=match):
+            entry(vae, make(video))
+
+
+def test_sharded_encode_without_a_group_is_a_clear_error():
+    vae = decode_models.tiny_vae()
+    video = torch.zeros(1, vae.config.in_channels, 5, 4, 4)
+    with pytest.raises(ValueError, match="the sharded decode/encode needs an initialised torch.distributed process "
+                                         "group; decode_video falls back"):
+        sharded.sharded_encode(vae, video)
+
+
 def test_a_video_too_short_for_one_clip_is_rejected_by_the_plan():
     vae = decode_models.tiny_vae()
     with pytest.raises(ValueError, match="2 frames holds no whole clip .* needs at least 3 latent frames"):
@@ -213,3 +239,25 @@ def test_ranks_that_planned_different_splits_stop_before_the_payload():
         exchange.agree_on_shapes(probes, 0)
     with pytest.raises(ValueError, match="dst 4 is not a rank of the 4-rank group"):
         exchange.destination(4, 4)
+
+
+def opt_in_task(frames: int) -> dict[str, object]:
+    """On every rank: the opt-in entry with the flag on, and a gather-to-one that leaves ``dst`` out."""
+    vae = decode_models.tiny_vae()
+    z = decode_models.latents(decode_models.LatentSpec(frames))
+    with torch.no_grad():
+        stock = sharded.stock_decode(vae, z)
+        with _spy_stock_call(vae) as seen:
+            video = sharded.decode_video(vae, z, shard_across_group=True)
+        gathered = sharded.sharded_decode(vae, z, None, transport="gather")
+    return {"video": video is not None and torch.equal(video, stock), "sharded": seen["clip_under_rebound_decode"],
+            "gathered": None if gathered is None else torch.equal(gathered, stock)}
+
+
+def test_the_opt_in_entry_returns_the_whole_video_on_every_rank_and_gather_lands_on_rank_0(parity_ctx):
+    """decode_video shards by all-gather, so every rank returns the stock video; a gather-to-one without ``dst``
+    lands on group rank 0 (the documented ``dst=0``) and the other ranks return None."""
+    results = parity_ctx.world(2).run(opt_in_task, 12)
+    assert [r["video"] for r in results] == [True, True]
+    assert all(r["sharded"] > 0 for r in results)  # clips decoded under the rebound `_decode`: the sharded path
+    assert [r["gathered"] for r in results] == [True, None]

@@ -101,6 +101,28 @@ def test_the_plan_oracle_passes_the_plan_and_names_same_shaped_wrong_windows(mon
     assert flipped.metrics["tile_mismatches"] == ["t9 (2, 2) tiling=on: plan 2 tiles, library 2"]
 
 
+def test_the_plan_oracle_records_what_the_library_passed_not_a_view_of_the_caller_s_latents():
+    """7 latent frames + token_drop 3 fill whole chunks: no padding, so the library slices the caller's z itself."""
+    vae = decode_models.tiny_vae()
+    z = decode_models.latents(decode_models.LatentSpec(7, height=1, width=1))
+    seen = oracle.observe_stock_decode(vae, z)
+    plan = plan_mod.plan_clips(vae, 7)
+    planned = [plan_mod.window_latents(z, plan, c).clone() for c in range(plan.num_clips)]  # one tile per clip
+    z.zero_()  # the caller reuses its latents buffer
+    assert [len(tiles) for tiles in seen["tiles"]] == [1] * plan.num_clips
+    assert all(torch.equal(w, p) for w, p in zip(seen["windows"], planned, strict=True))
+    assert all(torch.equal(t, p) for (t,), p in zip(seen["tiles"], planned, strict=True))
+
+
+def test_the_plan_oracle_reads_a_frame_that_is_no_single_clip_s_constant_as_unnamed():
+    """Clip c decodes to the constant 4**c: a frame of 4**c is clip c's, one strictly between 4**c and 4**(c+1) the
+    cross-fade of c and c + 1, and a frame that is not one constant (or is below 4**0) is (-1,), a source no plan
+    names; every frame gets its entry, in order."""
+    frames = [[1.0, 1.0], [4.0, 4.0], [2.5, 2.5], [1.0, 4.0], [0.0, 0.0], [16.0, 16.0]]
+    video = torch.tensor(frames, dtype=torch.float64).reshape(1, 1, len(frames), 1, 2)  # (B, C, F, H, W)
+    assert oracle._observed_sources(video) == [(0,), (1,), (0, 1), (-1,), (-1,), (2,)]
+
+
 def _outcome(rank: int, raised: str = "RuntimeError: stop", *, fired: int = 0, kept: bool | None = None,
              seconds: float = 0.1) -> judge.FaultOutcome:
     return judge.FaultOutcome(rank, raised, seconds, fired, kept)
@@ -169,6 +191,19 @@ def test_a_bad_frame_names_the_rank_that_decoded_its_clip():
     assert "frame 30 (clip 1 on rank 1)" in verdict.message, verdict.message
     assert judge.frame_labels(answers[0].work.clips, 39, {0: [0]})[18] == (
         "18 (clip 0 on rank 0/1 (its planned input decoded on no rank) cross-fade)")
+
+
+def test_without_fingerprints_a_bad_frame_is_named_by_its_clip_alone():
+    """A run that fingerprinted no decoder inputs says nothing of who made a clip: no producers, and no label that
+    claims a clip's input was decoded on no rank."""
+    answers = _answers(True)
+    bad = answers[1].output.clone()
+    bad[:, :, 30] += 1.0
+    answers[1] = dataclasses.replace(answers[1], output=bad, sha256=sha256(bad))
+    assert judge.producers(answers) is None
+    verdict = judge.judge_decode(answers, sharded=True)
+    assert "frame 30 (clip 1)" in verdict.message, verdict.message
+    assert "clip_producers" not in verdict.metrics
 
 
 def test_a_sliced_sharded_encode_counts_each_rank_s_clips_once_per_call():

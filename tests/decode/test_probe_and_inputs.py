@@ -53,6 +53,16 @@ def test_plan_for_token_drop_one_and_zero_matches_the_stock_decode():
         1: (1, 4, 0), 5: (1, 0, 0), 6: (2, 4, 0)}
 
 
+def test_the_plan_of_a_real_vae_without_token_drop_takes_the_model_s_own_geometry():
+    """token_drop=0 leaves no overlap: the model derives frame_overlap 0 (no cross-fade), and the plan agrees."""
+    vae = decode_models.tiny_vae()
+    no_drop = type(vae).from_config(vae.config, token_drop=0)
+    plan = plan_mod.plan_clips(no_drop, 6)
+    derived = ("tokens_chunk_size", "token_overlap", "frame_pre_padding", "frame_overlap")
+    assert {name: getattr(plan, name) for name in derived} == {name: getattr(no_drop, name) for name in derived}
+    assert (plan.num_clips, plan.token_overlap, plan.frame_overlap) == (2, 0, 0)
+
+
 def test_the_gate_shards_only_when_asked_in_a_group_of_more_than_one(monkeypatch):
     assert (sharded.takes_sharded_path(True), sharded.takes_sharded_path(False)) == (False, False)  # no group
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # the gate's view of an initialised group
@@ -154,3 +164,21 @@ def test_the_split_shards_tiles_only_where_the_busiest_rank_gets_less():
     assert plan_mod.choose_split(2, 4, 9) == "clips"  # 2/4 vs 18/36: a tie keeps whole clips
     assert plan_mod.choose_split(8, 7, 9) == "tiles"
     assert plan_mod.choose_split(8, 7, 1) == "clips"  # one tile per clip: nothing to split
+
+
+def test_the_payload_collective_is_the_one_the_transport_names(monkeypatch):
+    """all_gather: every rank's slab into every rank's receive slabs; gather: the slabs to group rank ``dst`` only,
+    addressed by its global rank in a subgroup. (Without a world: a wrong collective here would leave the ranks in
+    mismatched collectives, a hang until the task's timeout, not a failure.)"""
+    seen = []
+    monkeypatch.setattr(dist, "all_gather", lambda slabs, t, group=None: seen.append(("all_gather", slabs, t, group)))
+    monkeypatch.setattr(dist, "gather", lambda t, slabs=None, dst=0, group=None: seen.append(("gather", slabs, t,
+                                                                                               dst, group)))
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: {0: 4, 1: 6}[rank])  # a subgroup {4, 6}
+    payload, slabs, subgroup = torch.zeros(1), [torch.zeros(1), torch.zeros(1)], object()
+    assert exchange.collect(payload, slabs, "all_gather", 1, subgroup) is slabs
+    assert seen == [("all_gather", slabs, payload, subgroup)]
+    seen.clear()
+    assert exchange.collect(payload, None, "gather", 1, subgroup) is None  # a rank that receives nothing
+    assert exchange.collect(payload, slabs, "gather", 1, None) is slabs
+    assert seen == [("gather", None, payload, 6, subgroup), ("gather", slabs, payload, 1, None)]

@@ -8,15 +8,17 @@ import types
 
 import pytest
 import torch
+from diffusers import SanaTransformer2DModel
 
 import harness.plugins
 from fixtures.replay_cases import real_problem
-from fixtures.replay_models import tiny_flux, tiny_model
+from fixtures.replay_models import LATENT_SHAPE, tiny_flux, tiny_model
 from harness.plugins import CheckpointKind
 from harness.replay import cfg, discriminating, families
 from harness.replay.conditions import Conditions, broadcast_field, broadcast_rows
 from harness.replay.families import COGVIEW4, FLUX, QWEN_IMAGE, SANA, SD3, family_for_class, get_family
 from harness.replay.families.base import distinct_lengths, padded_prompts, uncond_first_conditions
+from harness.replay.families.cogview4 import CogView4Adapter
 from harness.replay.families.flux import FluxAdapter
 
 pytestmark = pytest.mark.cpu
@@ -72,6 +74,7 @@ def test_two_families_claiming_one_class_name_both_kinds_and_no_way_to_add_one()
     assert "replay families ['sana', 'sana_again'] all claim SanaTransformer2DModel" in text
     assert "sana_again (family sana_again, tests: a second package)" in text
     assert "sana_transformer (family sana, harness.replay.families)" in text
+    assert text.count("(family ") == 2, text  # the two claims, no other kind
     assert "Add one by registering" not in text and text.endswith("narrow its kind's class_names")
 
 
@@ -257,6 +260,87 @@ def test_a_flux_transformer_whose_config_is_silent_on_guidance_embeds_has_none()
 def test_rows_held_as_python_values_are_told_apart_by_value_and_tensors_inside_them_by_bytes():
     ids = Conditions(batch=2, rows={"prompt": torch.arange(2.0), "ids": [3, 3]})
     assert discriminating.problems(ids) == ["row field 'ids': rows 0 and 1 of the cond branch are identical"]
+    assert discriminating.problems(Conditions(batch=2, rows={"prompt": torch.arange(2.0), "ids": [3, 4]})) == []
     nested = Conditions(batch=2, rows={"prompt": torch.arange(2.0),
                                        "parts": [(1, torch.zeros(2)), (1, torch.tensor([0.0, -0.0]))]})
     assert discriminating.problems(nested) == []  # -0.0 is another row than 0.0: bytes, not ==
+
+
+@pytest.mark.parametrize("family", [SD3, FLUX, QWEN_IMAGE, COGVIEW4, SANA], ids=lambda f: f.name)
+def test_every_shipped_adapter_refuses_a_cfg_other_than_one_or_two_when_building_conditions(family):
+    adapter = family.adapter(tiny_model(family.name))
+    prompts = adapter.example_prompts(2, 2, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="cfg must be 1 .* got 3"):
+        adapter.conditions_from_prompts(prompts, 3)
+
+
+def test_a_sana_latent_the_patch_size_does_not_divide_is_refused_before_the_model_runs():
+    """Sana embeds patches with a strided convolution, which floors an odd side instead of failing: without the
+    refusal a 7 x 7 latent would come back 6 x 6."""
+    channels, size, _ = LATENT_SHAPE
+    model = SanaTransformer2DModel(
+        in_channels=channels, out_channels=channels, num_attention_heads=2, attention_head_dim=8, num_layers=1,
+        num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=12,
+        sample_size=size, patch_size=2)
+    adapter = SANA.adapter(model)
+    conditions = adapter.conditions_from_prompts(adapter.example_prompts(1, 1, torch.Generator().manual_seed(0)), 1)
+    with pytest.raises(ValueError, match=r"latents of shape \(1, 4, 7, 7\) do not fit the model.s patch size 2: "
+                                         r"the spatial dims \(7, 7\)"):
+        adapter.forward(torch.zeros(1, channels, 7, 7), torch.ones(1), conditions)
+
+
+@pytest.mark.parametrize("patch", [1, 2, 4])
+def test_cogview4_shifts_by_the_image_tokens_the_pipeline_counts(patch):
+    """CogView4Pipeline's mu comes from image_seq_len = (H/8)(W/8) / patch_size**2 tokens, through its
+    calculate_shift (read from the installed diffusers)."""
+    from diffusers.pipelines.cogview4.pipeline_cogview4 import calculate_shift
+
+    module = torch.nn.Linear(1, 1)
+    module.config = types.SimpleNamespace(patch_size=patch, in_channels=4, sample_size=16)
+    assert CogView4Adapter(module).mu == pytest.approx(calculate_shift(16 * 16 // patch**2), rel=1e-15)
+
+
+def test_flux_example_prompts_carry_the_embedded_guidance_only_to_a_distilled_checkpoint():
+    distilled = FluxAdapter(tiny_flux())
+    prompts = distilled.example_prompts(1, 2, torch.Generator().manual_seed(0), guidance_scale=5.0)
+    assert prompts["guidance_scale"] == 5.0
+    assert float(distilled.conditions_from_prompts(prompts, 2).shared["guidance"]) == 5.0
+    module = torch.nn.Linear(1, 1)
+    module.config = types.SimpleNamespace(**{**tiny_flux().config, "guidance_embeds": False})
+    plain = FluxAdapter(module)
+    assert "guidance_scale" not in plain.example_prompts(1, 2, torch.Generator().manual_seed(0), guidance_scale=5.0)
+
+
+def test_qwen_image_example_embeddings_are_zero_past_each_mask_as_its_text_encoder_pads_them():
+    adapter = QWEN_IMAGE.adapter(tiny_model("qwen_image"))
+    prompts = adapter.example_prompts(2, 2, torch.Generator().manual_seed(0))
+    for prefix in ("", "negative_"):
+        embeds, mask = prompts[f"{prefix}prompt_embeds"], prompts[f"{prefix}prompt_embeds_mask"]
+        assert bool((mask == 0).any()) and bool((embeds[mask == 1] != 0).all(dim=-1).all())
+        assert torch.count_nonzero(embeds[mask == 0]) == 0
+
+
+def test_cogview4_timesteps_are_the_shift_formula_rounded_once_to_fp32():
+    """t = 1000 s / (s + mu (1 - s)) is worked out in fp64 and rounded once: fp32 arithmetic would be several ulps
+    off on some sigmas, eating the oracle's timestep room."""
+    adapter = COGVIEW4.adapter(tiny_model("cogview4"))
+    sigma = torch.linspace(0.001, 0.999, 997, dtype=torch.float32)
+    mu = adapter.mu
+    exact = torch.tensor([1000.0 * s / (s + mu * (1.0 - s)) for s in sigma.tolist()], dtype=torch.float64)
+    assert torch.equal(adapter.timestep(sigma), exact.to(torch.float32))
+
+
+@pytest.mark.parametrize("family", [SD3, FLUX, QWEN_IMAGE, COGVIEW4, SANA], ids=lambda f: f.name)
+def test_every_shipped_adapter_refuses_example_prompts_for_a_cfg_other_than_one_or_two(family):
+    adapter = family.adapter(tiny_model(family.name))
+    with pytest.raises(ValueError, match="cfg must be 1 .* got 3"):
+        adapter.example_prompts(2, 3, torch.Generator().manual_seed(0))
+
+
+def test_a_shipped_kind_is_a_diffusers_replay_kind_and_a_scheduler_factory_builds_a_fresh_configured_scheduler():
+    kind = families._kind("k", "SomeTransformer2DModel", "fam")
+    assert (kind.name, kind.feeds, kind.class_names, kind.source, kind.family) == (
+        "k", "replay", ("SomeTransformer2DModel",), "diffusers", "fam")
+    factory = families._flow_match(shift=3.0)
+    first, second = factory(), factory()
+    assert first is not second and first.config.shift == second.config.shift == 3.0

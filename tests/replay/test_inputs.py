@@ -11,7 +11,7 @@ import torch
 
 from harness.replay.conditions import Conditions, concat_payloads
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST, DenoiserAdapter, guidance_at, predict_velocity
-from harness.replay.replay import replay_batched, replay_serial
+from harness.replay.replay import replay, replay_batched, replay_serial
 from harness.replay.rollout import flow_sigmas
 from harness.replay.sde import FlowGRPOSDE
 from harness.replay.segment import TrajectorySegment, validate_targets
@@ -22,6 +22,16 @@ pytestmark = pytest.mark.cpu
 def _refused(exc, message, make):
     with pytest.raises(exc, match=re.escape(message)):
         make()
+
+
+class _Never(DenoiserAdapter):
+    """Fails the test if the replay ever calls it."""
+
+    def __init__(self, layout: str):
+        self.cfg_layout, self.module = layout, torch.nn.Identity()
+
+    def forward(self, hidden, timestep, conditions):
+        raise AssertionError("the forward ran before the inputs were checked")
 
 
 class _Rows(DenoiserAdapter):
@@ -121,6 +131,23 @@ def test_replay_checks_its_inputs_before_any_forward():
                                        FlowGRPOSDE(), (0,)))
         _refused(ValueError, "conditions are for batch 1 but the segment holds 2 samples",
                  lambda f=replay_fn: f(adapter, Conditions(batch=1, rows={}), segment, FlowGRPOSDE(), (0,)))
+
+
+def test_cfg_conditions_without_a_guidance_scale_are_refused_before_any_forward():
+    """Guidance may be left out only for conditions without CFG: a guided batch without one is a usage error, not
+    a silent scale."""
+    segment = TrajectorySegment(torch.zeros(2, 2, 4), (0, 1), flow_sigmas(1), (0,), torch.zeros(2, 1))
+    guided = Conditions(batch=2, rows={}, negative=Conditions(batch=2, rows={}))
+    fused = Conditions(batch=2, rows={"e": torch.zeros(4, 1)}, cfg_factor=2)
+    cases = ((replay_serial, UNCOND_FIRST, guided), (replay_batched, UNCOND_FIRST, guided),
+             (replay, FUSED_COND_FIRST, fused))
+    for replay_fn, adapter, conditions in cases:
+        _refused(ValueError, "the conditions carry two CFG branches but no guidance scale was given",
+                 lambda f=replay_fn, a=adapter, c=conditions: f(_Never(a), c, segment, FlowGRPOSDE(), (0,)))
+    _refused(ValueError, "the conditions carry two CFG branches but no guidance scale was given",
+             lambda: predict_velocity(_Never(FUSED_COND_FIRST), torch.zeros(2, 4), 0.5, fused, None))
+    plain = replay_serial(_Rows(FUSED_COND_FIRST), Conditions(batch=2, rows={}), segment, FlowGRPOSDE(), (0,))
+    assert plain.log_probs.shape == (2, 1)
 
 
 def test_a_guidance_schedule_too_short_for_the_targets_is_refused_before_any_forward():

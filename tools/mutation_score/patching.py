@@ -20,7 +20,7 @@ from typing import Any
 
 from tools.mutation_score.operators import Mutant, apply, apply_in_place, module_bindings
 
-__all__ = ["PatchError", "clear_caches", "patch_live"]
+__all__ = ["PatchError", "clear_caches", "index_caches", "patch_live"]
 
 
 class PatchError(RuntimeError):
@@ -339,15 +339,26 @@ def _rebind_class_value(module: types.ModuleType, cls: type, name: str, node: as
                 _set_init_default(each, name, value)
 
 
+_CACHES: dict[tuple[str, ...], list[Any]] = {}
+
+
+def index_caches(roots: tuple[str, ...]) -> None:
+    """Find the project's functools caches once, in the runner before it forks: every child inherits the list
+    instead of walking every module's namespace again (a module first imported later has empty caches)."""
+    _CACHES[roots] = _find_caches(roots)
+
+
+def _find_caches(roots: tuple[str, ...]) -> list[Any]:
+    return [value for module in _project_modules(roots) for value in list(vars(module).values())
+            if hasattr(value, "cache_clear") and hasattr(value, "__wrapped__")]
+
+
 def clear_caches(roots: tuple[str, ...], labels: list[str] | None = None) -> None:
     """Empty the project's functools caches named in ``labels`` (all when None): their values are stale.
 
     A label is ``cache:<module>.<qualname>`` (the coverage map's name for the cache's computation).
     """
     wanted = None if labels is None or "*" in labels else set(labels)
-    for module in _project_modules(roots):
-        for value in list(vars(module).values()):
-            if not (hasattr(value, "cache_clear") and hasattr(value, "__wrapped__")):
-                continue
-            if wanted is None or f"cache:{value.__module__}.{value.__qualname__}" in wanted:
-                value.cache_clear()
+    for value in _CACHES[roots] if roots in _CACHES else _find_caches(roots):
+        if wanted is None or f"cache:{value.__module__}.{value.__qualname__}" in wanted:
+            value.cache_clear()

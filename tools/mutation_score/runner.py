@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import importlib
 import json
 import os
+import select
 import shutil
 import signal
 import sys
@@ -32,7 +34,7 @@ from typing import Any
 import pytest
 
 from tools.mutation_score.operators import Mutant, parsed
-from tools.mutation_score.patching import PatchError, clear_caches, patch_live
+from tools.mutation_score.patching import PatchError, clear_caches, index_caches, patch_live
 
 __all__ = ["MutantRunner"]
 
@@ -129,6 +131,11 @@ class MutantRunner:
         _parse_before_forking(queue)
         running: dict[int, tuple[dict, float, Path]] = {}
         tmp = Path(tempfile.mkdtemp(prefix="mutrun-"))
+        index_caches(self.roots)
+        # Everything alive now is frozen out of the collector: a child's collection would otherwise walk (and
+        # copy-on-write) every object of the parent's models and modules, which costs more than most tests.
+        gc.collect()
+        gc.freeze()
         try:
             self._loop(session, by_id, queue, running, tmp)
         finally:  # also on an interrupt: no child, no world rank and no scratch file outlives the runner
@@ -143,6 +150,7 @@ class MutantRunner:
     def _loop(self, session: pytest.Session, by_id: dict[str, pytest.Item], queue: list[dict],
               running: dict[int, tuple[dict, float, Path]], tmp: Path) -> None:
         serial = 0
+        handles: dict[int, int] = {}  # child pid -> its pidfd, readable once the child has exited
         with self.results.open("a") as sink:
             while queue or running or self.unverified:
                 if self.stop_at is not None and time.time() > self.stop_at and queue:
@@ -163,7 +171,8 @@ class MutantRunner:
                         self._child(session, items, mutant, job.get("stale", ["*"]), out,
                                     stop_first=not job.get("verify"), timeout=job["timeout"] * self.slowdown)
                     running[pid] = (job, time.monotonic(), out)
-                time.sleep(0.02)
+                    handles[pid] = os.pidfd_open(pid)
+                _await_any(handles, running, self.slowdown)
                 for pid, (job, began, out) in list(running.items()):
                     done, _ = os.waitpid(pid, os.WNOHANG)
                     elapsed = time.monotonic() - began
@@ -183,6 +192,7 @@ class MutantRunner:
                     else:
                         result = {"status": "killed", "failed": ["<crash>"]}
                     del running[pid]
+                    os.close(handles.pop(pid))
                     self._finish(sink, job, result, elapsed, queue)
 
     def _ordered(self, job: dict) -> dict:
@@ -233,6 +243,15 @@ class MutantRunner:
             record["error"] = result["error"]
         sink.write(json.dumps(record) + "\n")
         sink.flush()
+
+
+def _await_any(handles: dict[int, int], running: dict[int, tuple[dict, float, Path]], slowdown: float) -> None:
+    """Block until a child exits or the nearest deadline passes (at most a second), not a fixed poll."""
+    if not handles:
+        return
+    now = time.monotonic()
+    nearest = min(began + job["timeout"] * slowdown - now for job, began, _ in running.values())
+    select.select(list(handles.values()), [], [], min(1.0, max(0.0, nearest)))
 
 
 def _parse_before_forking(jobs: list[dict]) -> None:

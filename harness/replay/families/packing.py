@@ -25,8 +25,10 @@ def pack_latents(latents: torch.Tensor) -> torch.Tensor:
 def unpack_latents(tokens: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
     """``[N, (H/2)(W/2), 4C]`` -> ``[N, C, H, W]`` for ``shape = (C, H, W)``."""
     c, h, w = shape
-    n = tokens.shape[0]
-    expected = (n, (h // 2) * (w // 2), c * 4)
+    if h % 2 or w % 2:
+        raise ValueError(f"2 x 2 patch packing needs even H and W, got H={h}, W={w}")
+    n, rows, cols = tokens.shape[0], h // 2, w // 2
+    expected = (n, rows * cols, c * 4)
     if tuple(tokens.shape) != expected:
         raise ValueError(f"packed tokens have shape {tuple(tokens.shape)}; latents {shape} pack to {expected}")
-    return tokens.reshape(n, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c, h, w)
+    return tokens.reshape(n, rows, cols, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c, h, w)
