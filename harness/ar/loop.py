@@ -222,10 +222,16 @@ def collect(state: ARState) -> Rollout:
 
 
 def fast_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()) -> Rollout:
-    """Decode the whole right-padded batch at once over one cache."""
+    """Decode the whole right-padded batch at once over one cache: at most ``max_new_tokens`` steps, so a step that
+    fails to advance the state stops the rollout instead of spinning."""
     state = init_state(backend, batch, max_new_tokens, eos)
-    while not state.done:
+    for _ in range(max_new_tokens):
+        if state.done:
+            break
         step(state)
+    if not state.done:
+        raise RuntimeError(f"the rollout is not done after {max_new_tokens} steps (step {state.step_idx}): a step "
+                           "did not advance it")
     return collect(state)
 
 

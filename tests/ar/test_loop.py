@@ -467,3 +467,10 @@ def test_one_stop_eos_is_first_emitted_mid_rollout_by_one_row_only() -> None:
     assert eos_for_one_stop(torch.tensor([[1, 2, 3, 4, 5], [6, 3, 8, 9, 10]])) == (8,)  # 3 is in both rows
     assert eos_for_one_stop(torch.tensor([[1, 1, 1, 2], [3, 3, 3, 3]])) == ()  # nothing starts mid-rollout
 
+
+
+def test_a_step_that_does_not_advance_stops_the_rollout_instead_of_spinning(monkeypatch) -> None:
+    backend = ar_models.backend("fake")
+    monkeypatch.setattr(loop, "step", lambda state: None)
+    with deadline(8.0), pytest.raises(RuntimeError, match="not done after 3 steps .*a step did not advance it"):
+        loop.fast_rollout(backend, right_padded_batch(prompt_ids((4, 6), seed=54), PAD), 3)

@@ -228,3 +228,9 @@ def test_a_floor_describes_the_quantity_it_is_asked_for_or_both() -> None:
     assert floor.describe("logp") == f"stock floor on stand-in: {logp}"
     assert floor.describe("kv") == floor.describe("slot0") == f"stock floor on stand-in: {kv}"
     assert floor.describe() == f"stock floor on stand-in: {logp}; {kv}"
+
+
+@pytest.mark.parametrize(("rows", "length"), [(0, 6), (4, 0)])
+def test_a_prefill_floor_of_an_empty_batch_is_refused_before_the_model_runs(rows, length):
+    with pytest.raises(ValueError, match=f"needs rows >= 1 and length >= 1, got {rows} x {length}"):
+        ar_policies.stock_prefill_floor(None, rows=rows, length=length)

@@ -159,6 +159,9 @@ def test_a_capture_at_another_scale_is_judged_with_its_scale_and_refused_without
         assert verdict.passed, verdict.describe()
     with pytest.raises(ValueError, match=r"scale=None means 1 / sqrt\(16\), but capture .* at scale 0.125"):
         judge.compare_kernel("decomposed", scaled, judge.floor_policy(control), pass_scale=False)
+    control = judge.floor_control(scaled)
+    by_default = judge.compare_kernel("decomposed", scaled, judge.floor_policy(control), floor=control)
+    assert by_default.passed and by_default.metrics["scale"] == "given", by_default.describe()  # the capture's own
 
 
 def test_a_kernel_output_in_another_dtype_fails_the_output_fact():

@@ -6,6 +6,7 @@ No world: the RankDecode values are what a 2-rank run of 12 latent frames (2 cli
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -214,3 +215,21 @@ def test_a_sliced_sharded_encode_counts_each_rank_s_clips_once_per_call():
     assert fact not in judge.judge_decode(encode, sharded=True).violated_facts
     once = [dataclasses.replace(a, clip_calls=1) for a in encode]
     assert fact in judge.judge_decode(once, sharded=True).violated_facts
+
+
+@pytest.mark.parametrize("calls", [1, 2, 3])
+def test_each_decode_call_runs_the_whole_fail_closed_sequence_again(calls):
+    """Probe, gather status, payload, assemble status, once per `_decode` call: the payload collective is the one
+    the transport names."""
+    assert judge.expected_collectives("all_gather", calls) == {"all_gather": 4 * calls}
+    assert judge.expected_collectives("gather", calls) == {"all_gather": 3 * calls, "gather": calls}
+
+
+def test_a_fault_world_that_did_not_answer_fails_and_says_whether_the_group_still_works():
+    ranks = [types.SimpleNamespace(rank=0, status="hung", line=lambda: "rank 0: hung"),
+             types.SimpleNamespace(rank=1, status="raised", line=lambda: "rank 1: raised")]
+    answered = judge.judge_fault(2, 1, 2.0, None, ranks)
+    assert not answered.passed and answered.metrics["outcome"] == "hung on ranks [0]; raised on ranks [1]"
+    assert answered.metrics["follow_up"] == "the group answered" and judge.GROUP_WORKS not in answered.violated_facts
+    broken = judge.judge_fault(2, 1, 2.0, None, ranks, group_error="the all-gather timed out")
+    assert judge.GROUP_WORKS in broken.violated_facts and broken.metrics["follow_up"] == "the all-gather timed out"

@@ -344,3 +344,12 @@ def test_a_shipped_kind_is_a_diffusers_replay_kind_and_a_scheduler_factory_build
     factory = families._flow_match(shift=3.0)
     first, second = factory(), factory()
     assert first is not second and first.config.shift == second.config.shift == 3.0
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_sana_timesteps_are_scaled_by_the_config_as_its_pipeline_scales_them(scale):
+    """SanaPipeline hands the transformer t = 1000 sigma times transformer.config.timestep_scale."""
+    module = torch.nn.Linear(1, 1)
+    module.config = types.SimpleNamespace(timestep_scale=scale, in_channels=4, sample_size=8)
+    sigma = torch.tensor([1.0, 0.25])
+    assert torch.equal(SANA.adapter(module).timestep(sigma), torch.tensor([1000.0, 250.0]) * scale)

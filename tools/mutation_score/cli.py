@@ -11,6 +11,7 @@ markdown reports.
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import hashlib
 import importlib.util
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from tools.mutation_score import equivalents, report
 from tools.mutation_score.coverage_map import CoverageMap, collect, expand_contexts
-from tools.mutation_score.operators import Mutant, find_mutants
+from tools.mutation_score.operators import Mutant, find_mutants, parsed
 from tools.mutation_score.runner import job_for
 
 __all__ = ["PATHS", "main"]
@@ -208,17 +209,67 @@ def covering_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict
     if mutant.scope in ("global", "class"):
         name = mutant.qualname.rpartition(".")[2]
         named = re.compile(rf"\.{re.escape(name)}\b|\b{re.escape(name)}\s*=" if mutant.scope == "class"
-                           else rf"\b{re.escape(name)}\b")
+                           else "|".join(rf"\b{re.escape(n)}\b" for n in sorted(_carriers(mutant, source_lines))))
         for file, lines in source_lines.items():
             for number, text in enumerate(lines, start=1):
                 if named.search(text) and not (file == mutant.file and first <= number <= last):
                     covering.update(coverage_map.tests_for(file, number))
-    if mutant.scope == "global":  # a module constant's name is distinctive: a test file naming it uses it
-        word = re.compile(rf"\b{re.escape(mutant.qualname)}\b")
+    if mutant.scope == "global":
+        # what import computed from the constant runs later without naming it: a default (``k=TOLERANCE_K``) or a
+        # class-level value is read by the function or class it belongs to, so their tests notice it too
+        carriers = _carriers(mutant, source_lines)
+        for start, end in _spans_reading(mutant, source_lines, carriers):
+            for number in range(start, end + 1):
+                covering.update(coverage_map.tests_for(mutant.file, number))
+        # a module constant's name is distinctive: a test file naming it (or a constant computed from it) uses it
+        word = re.compile("|".join(rf"\b{re.escape(n)}\b" for n in sorted(carriers)))
         files = {t.split("::")[0] for t in coverage_map.durations}
         naming = {f for f in files if word.search(_test_file_text(f))}
         covering.update(t for t in coverage_map.durations if t.split("::")[0] in naming)
     return covering - failing
+
+
+def _module_tree(mutant: Mutant, source_lines: dict[str, list[str]]) -> ast.Module:
+    return parsed("\n".join(source_lines[mutant.file]) + "\n", mutant.file)[0]
+
+
+def _carriers(mutant: Mutant, source_lines: dict[str, list[str]]) -> set[str]:
+    """A module constant's name and the names of the module constants computed from it, transitively
+    (``RESOLUTION = RESOLUTION_ULPS * EPS`` carries RESOLUTION_ULPS)."""
+    names = {mutant.qualname}
+    if mutant.scope != "global" or mutant.file not in source_lines:
+        return names
+    assignments = [node for node in _module_tree(mutant, source_lines).body
+                   if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None]
+    grew = True
+    while grew:
+        grew = False
+        for node in assignments:
+            if not {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)} & names:
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            new = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)} - names
+            if new:
+                names |= new
+                grew = True
+    return names
+
+
+def _spans_reading(mutant: Mutant, source_lines: dict[str, list[str]], names: set[str]) -> list[tuple[int, int]]:
+    """Lines of the functions whose defaults, and of the classes whose class-level values, name one of ``names``."""
+    if mutant.file not in source_lines:
+        return []
+    spans = []
+    for node in ast.walk(_module_tree(mutant, source_lines)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            values = [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+        elif isinstance(node, ast.ClassDef):
+            values = [s.value for s in node.body if isinstance(s, ast.Assign | ast.AnnAssign) and s.value is not None]
+        else:
+            continue
+        if any(isinstance(n, ast.Name) and n.id in names for value in values for n in ast.walk(value)):
+            spans.append((node.lineno, node.end_lineno or node.lineno))
+    return spans
 
 
 def select_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict[str, list[str]],
