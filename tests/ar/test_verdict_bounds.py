@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fixtures import ar_models
 from harness.ar import judge
 from harness.ar import policies as ar_policies
 from harness.ar.loop import Rollout
@@ -234,3 +235,8 @@ def test_a_floor_describes_the_quantity_it_is_asked_for_or_both() -> None:
 def test_a_prefill_floor_of_an_empty_batch_is_refused_before_the_model_runs(rows, length):
     with pytest.raises(ValueError, match=f"needs rows >= 1 and length >= 1, got {rows} x {length}"):
         ar_policies.stock_prefill_floor(None, rows=rows, length=length)
+
+
+def test_a_prefill_floor_of_one_token_in_one_row_is_measured():
+    floor = ar_policies.stock_prefill_floor(ar_models.backend("fake"), rows=1, length=1)
+    assert floor.rows == 1 and floor.length == 1 and math.isfinite(floor.logp)

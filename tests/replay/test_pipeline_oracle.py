@@ -292,3 +292,24 @@ def test_a_denoiser_that_splits_its_cfg_branches_over_two_forwards_fails_the_ora
     assert "step 0: the denoiser ran one forward of both CFG branches (4 rows)" in verdict.violated_facts, \
         verdict.describe()
     assert verdict.metrics["forwards"] == "[2, 2]"
+
+
+class SwappedMaskSana(SanaAdapter):
+    """Gives each branch the other branch's padding mask; the embeddings, and so the CFG order, stay right."""
+
+    def conditions_from_prompts(self, prompts, cfg):
+        swapped = {**prompts, "prompt_attention_mask": prompts["negative_prompt_attention_mask"],
+                   "negative_prompt_attention_mask": prompts["prompt_attention_mask"]}
+        return super().conditions_from_prompts(swapped, cfg)
+
+
+def test_a_row_input_that_differs_from_the_pipelines_is_named():
+    family = _variant(SANA, "sana_swapped_mask", SwappedMaskSana)
+    adapter = family.adapter(tiny_model("sana"))
+    prompts = adapter.example_prompts(BATCH, 2, torch.Generator().manual_seed(4))
+    latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(5))
+    record = pipeline_oracle.run_pipeline(SANA, SANA.adapter(tiny_model("sana")), prompts, latents, GUIDANCE, steps=1)
+    verdict = pipeline_oracle.judge_family(family, adapter, record)
+    assert "step 0: every other transformer input equals the pipeline's, row by row" in verdict.violated_facts
+    assert verdict.metrics["input_encoder_attention_mask"] == "rows uncond[0], uncond[1], cond[0], cond[1]", \
+        verdict.describe()
