@@ -64,6 +64,17 @@ def _oracle(family: ReplayFamily, base: str):
     return adapter, pipeline_oracle.judge_family(family, adapter, record)
 
 
+def _one_step_verdict(family: ReplayFamily, *, recorded_by_it: bool = False):
+    """One step of Sana's pipeline, recorded with the shipped adapter (or with ``family``'s own when what it hands
+    the pipeline is the bug), judged against ``family``'s adapter."""
+    adapter = family.adapter(tiny_model("sana"))
+    prompts = adapter.example_prompts(BATCH, 2, torch.Generator().manual_seed(4))
+    latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(5))
+    recorder = (family, adapter) if recorded_by_it else (SANA, SANA.adapter(tiny_model("sana")))
+    record = pipeline_oracle.run_pipeline(*recorder, prompts, latents, GUIDANCE, steps=1)
+    return pipeline_oracle.judge_family(family, adapter, record)
+
+
 def _parity_and_combine_pass(family: ReplayFamily, adapter) -> None:
     """What the catalogue already ran on the bug: batched vs serial at cfg 2, and the combine check (which
     splits the branches by the adapter's own declaration). Both pass."""
@@ -213,12 +224,7 @@ class MirroredStartSana(SanaAdapter):
 
 
 def test_a_pipeline_started_from_other_latents_than_the_replay_ones_fails_the_oracle_and_prints_nothing(capfd):
-    family = _variant(SANA, "sana_mirrored_start", MirroredStartSana)
-    adapter = family.adapter(tiny_model("sana"))
-    prompts = adapter.example_prompts(BATCH, 2, torch.Generator().manual_seed(4))
-    latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(5))
-    record = pipeline_oracle.run_pipeline(family, adapter, prompts, latents, GUIDANCE, steps=1)
-    verdict = pipeline_oracle.judge_family(family, adapter, record)
+    verdict = _one_step_verdict(_variant(SANA, "sana_mirrored_start", MirroredStartSana), recorded_by_it=True)
     assert not verdict.passed
     assert verdict.violated_facts == ["step 0: the pipeline stepped the replay latents it was given (the adapter's "
                                       "to_pipeline_latents is the inverse of its from_pipeline_latents)"], \
@@ -282,12 +288,7 @@ class TwoForwardSana(SanaAdapter):
 
 
 def test_a_denoiser_that_splits_its_cfg_branches_over_two_forwards_fails_the_oracle():
-    family = _variant(SANA, "sana_two_forwards", TwoForwardSana)
-    adapter = family.adapter(tiny_model("sana"))
-    prompts = adapter.example_prompts(BATCH, 2, torch.Generator().manual_seed(4))
-    latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(5))
-    record = pipeline_oracle.run_pipeline(SANA, SANA.adapter(tiny_model("sana")), prompts, latents, GUIDANCE, steps=1)
-    verdict = pipeline_oracle.judge_family(family, adapter, record)
+    verdict = _one_step_verdict(_variant(SANA, "sana_two_forwards", TwoForwardSana))
     assert not verdict.passed
     assert "step 0: the denoiser ran one forward of both CFG branches (4 rows)" in verdict.violated_facts, \
         verdict.describe()
@@ -304,12 +305,7 @@ class SwappedMaskSana(SanaAdapter):
 
 
 def test_a_row_input_that_differs_from_the_pipelines_is_named():
-    family = _variant(SANA, "sana_swapped_mask", SwappedMaskSana)
-    adapter = family.adapter(tiny_model("sana"))
-    prompts = adapter.example_prompts(BATCH, 2, torch.Generator().manual_seed(4))
-    latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(5))
-    record = pipeline_oracle.run_pipeline(SANA, SANA.adapter(tiny_model("sana")), prompts, latents, GUIDANCE, steps=1)
-    verdict = pipeline_oracle.judge_family(family, adapter, record)
+    verdict = _one_step_verdict(_variant(SANA, "sana_swapped_mask", SwappedMaskSana))
     assert "step 0: every other transformer input equals the pipeline's, row by row" in verdict.violated_facts
     assert verdict.metrics["input_encoder_attention_mask"] == "rows uncond[0], uncond[1], cond[0], cond[1]", \
         verdict.describe()
