@@ -206,21 +206,24 @@ def covering_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict
     if mutant.scope in ("default", "class"):
         for number in range(first, last + 1):
             covering.update(coverage_map.tests_for(mutant.file, number))
+    carriers = _carriers(mutant, source_lines)
     if mutant.scope in ("global", "class"):
         name = mutant.qualname.rpartition(".")[2]
         named = re.compile(rf"\.{re.escape(name)}\b|\b{re.escape(name)}\s*=" if mutant.scope == "class"
-                           else "|".join(rf"\b{re.escape(n)}\b" for n in sorted(_carriers(mutant, source_lines))))
+                           else "|".join(rf"\b{re.escape(n)}\b" for n in sorted(carriers)))
         for file, lines in source_lines.items():
             for number, text in enumerate(lines, start=1):
                 if named.search(text) and not (file == mutant.file and first <= number <= last):
                     covering.update(coverage_map.tests_for(file, number))
     if mutant.scope == "global":
-        # what import computed from the constant runs later without naming it: a default (``k=TOLERANCE_K``) or a
-        # class-level value is read by the function or class it belongs to, so their tests notice it too
-        carriers = _carriers(mutant, source_lines)
-        for start, end in _spans_reading(mutant, source_lines, carriers):
-            for number in range(start, end + 1):
-                covering.update(coverage_map.tests_for(mutant.file, number))
+        # what import computed from the constant runs later without naming it: a default (``k=TOLERANCE_K``, in any
+        # module that imported it) or a class-level value is read by the function or class it belongs to, so their
+        # tests notice it too
+        for file, lines in source_lines.items():
+            for start, end, read in _default_readers(file, "\n".join(lines) + "\n"):
+                if read & carriers:
+                    for number in range(start, end + 1):
+                        covering.update(coverage_map.tests_for(file, number))
         # a module constant's name is distinctive: a test file naming it (or a constant computed from it) uses it
         word = re.compile("|".join(rf"\b{re.escape(n)}\b" for n in sorted(carriers)))
         files = {t.split("::")[0] for t in coverage_map.durations}
@@ -229,17 +232,14 @@ def covering_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict
     return covering - failing
 
 
-def _module_tree(mutant: Mutant, source_lines: dict[str, list[str]]) -> ast.Module:
-    return parsed("\n".join(source_lines[mutant.file]) + "\n", mutant.file)[0]
-
-
 def _carriers(mutant: Mutant, source_lines: dict[str, list[str]]) -> set[str]:
     """A module constant's name and the names of the module constants computed from it, transitively
     (``RESOLUTION = RESOLUTION_ULPS * EPS`` carries RESOLUTION_ULPS)."""
     names = {mutant.qualname}
     if mutant.scope != "global" or mutant.file not in source_lines:
         return names
-    assignments = [node for node in _module_tree(mutant, source_lines).body
+    tree = parsed("\n".join(source_lines[mutant.file]) + "\n", mutant.file)[0]
+    assignments = [node for node in tree.body
                    if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None]
     grew = True
     while grew:
@@ -255,21 +255,22 @@ def _carriers(mutant: Mutant, source_lines: dict[str, list[str]]) -> set[str]:
     return names
 
 
-def _spans_reading(mutant: Mutant, source_lines: dict[str, list[str]], names: set[str]) -> list[tuple[int, int]]:
-    """Lines of the functions whose defaults, and of the classes whose class-level values, name one of ``names``."""
-    if mutant.file not in source_lines:
-        return []
-    spans = []
-    for node in ast.walk(_module_tree(mutant, source_lines)):
+@functools.cache
+def _default_readers(file: str, source: str) -> tuple[tuple[int, int, frozenset[str]], ...]:
+    """(first line, last line, names read) of every function whose defaults, and every class whose class-level
+    values, read a name: what import evaluated once and the code reads later."""
+    found = []
+    for node in ast.walk(parsed(source, file)[0]):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             values = [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
         elif isinstance(node, ast.ClassDef):
             values = [s.value for s in node.body if isinstance(s, ast.Assign | ast.AnnAssign) and s.value is not None]
         else:
             continue
-        if any(isinstance(n, ast.Name) and n.id in names for value in values for n in ast.walk(value)):
-            spans.append((node.lineno, node.end_lineno or node.lineno))
-    return spans
+        read = frozenset(n.id for value in values for n in ast.walk(value) if isinstance(n, ast.Name))
+        if read:
+            found.append((node.lineno, node.end_lineno or node.lineno, read))
+    return tuple(found)
 
 
 def select_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict[str, list[str]],
