@@ -462,8 +462,8 @@ class NoiseFloor(Policy):
     """
 
     control: float
-    k: float = 2.0
-    floor: float = 0.0
+    k: float
+    floor: float
     metric: str = "max_abs"
     reason: str = ""
 

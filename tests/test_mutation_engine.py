@@ -369,6 +369,19 @@ def test_a_first_pass_survivor_runs_against_all_its_covering_tests(tmp_path):
     assert (records[1]["status"], records[1]["pass"], records[1]["tests"]) == ("survived", 2, 2)
 
 
+def test_likely_killers_run_first_and_a_second_pass_also_puts_the_modules_killers_ahead(tmp_path):
+    from tools.mutation_score.runner import MutantRunner
+
+    runner = MutantRunner([], tmp_path / "out.jsonl", 1, ("mutdemo",))
+    runner.killers = {("m.py", "f"): {"t_f": 1}, ("m.py", "g"): {"t_g": 3, "t_g2": 1}, ("n.py", "f"): {"t_n": 9}}
+    mutant = {"file": "m.py", "qualname": "f"}
+    tests = ["t_fast", "t_g2", "t_n", "t_g", "t_f"]  # fastest first, as selected
+    first = runner._ordered({"mutant": mutant, "tests": tests})
+    assert first["tests"] == ["t_f", "t_fast", "t_g2", "t_n", "t_g"]  # only the function's own killer moves
+    second = runner._ordered({"mutant": mutant, "tests": tests, "full": True})
+    assert second["tests"] == ["t_f", "t_g", "t_g2", "t_fast", "t_n"]  # then the module's, most kills first
+
+
 def _gone(pid: int) -> bool:
     for _ in range(100):
         try:
@@ -611,6 +624,23 @@ def test_the_coverage_pass_splits_the_test_files_into_balanced_shards(tmp_path):
     assert covmap._shards(tmp_path, ["-m", "cpu"], 2, cache) == [["t/test_a.py"], [
         "t/test_b.py", "u/test_c.py", "u/test_d.py"]]
     assert covmap._shards(tmp_path, ["-m", "cpu", "t/test_b.py"], 2, cache) == [[]]  # the user's selection
+
+
+def test_a_fresh_machine_splits_the_coverage_pass_by_the_recorded_seconds_per_file(tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["t"]\n')
+    (tmp_path / "t").mkdir()
+    for name, size in (("test_world.py", 10), ("test_a.py", 40), ("test_b.py", 40), ("test_new.py", 20)):
+        (tmp_path / "t" / name).write_text("#" * (size - 1) + "\n")
+    recorded = tmp_path / "seconds.json"
+    recorded.write_text(json.dumps({"t/test_world.py": 9.0, "t/test_a.py": 4.0, "t/test_b.py": 4.0}))
+    empty = tmp_path / "cache"
+    empty.mkdir()
+    # by size the small world file would share a shard with a big one; its seconds put it alone. The new file is
+    # estimated at the record's seconds per byte (17 s / 90 bytes * 20 bytes, about 3.8 s)
+    assert covmap._shards(tmp_path, ["-m", "cpu"], 2, empty, recorded) == [
+        ["t/test_world.py"], ["t/test_a.py", "t/test_b.py", "t/test_new.py"]]
+    assert covmap._shards(tmp_path, ["-m", "cpu"], 2, empty, None) == [
+        ["t/test_a.py", "t/test_new.py"], ["t/test_b.py", "t/test_world.py"]]
 
 
 def test_shard_maps_merge_into_one():

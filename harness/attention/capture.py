@@ -337,7 +337,7 @@ def phase_capture_path(directory: str | Path, phase: str, rank: int = 0) -> Path
 
 
 def synthetic_capture(layout: AttentionLayout, *, heads: int = SEED_HEADS, kv_heads: int | None = None,
-                      head_dim: int = SEED_HEAD_DIM, batch: int = 1, seed: int = 0) -> Capture:
+                      head_dim: int = SEED_HEAD_DIM, batch: int = 1, seed: int) -> Capture:
     """A deterministic capture of ``layout``: seeded bf16-rounded normal q/k/v, the formula's mask."""
     kv_heads = heads if kv_heads is None else kv_heads
     if heads < 1 or kv_heads < 1 or heads % kv_heads:

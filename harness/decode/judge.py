@@ -40,18 +40,18 @@ class RankDecode:
     sha256: str | None
     decoder_calls: int  # real decoder forwards (tile decodes) on this rank during the call under test
     clip_calls: int  # real `_decode_clip` (or `_encode_clip`) calls on this rank
+    pieces: int  # pieces of one call (clips of an encode)
+    dst: int  # the group rank a ``transport="gather"`` lands on
+    group: int  # which subgroup of the world this rank decoded in (its ``rank`` is its rank there)
     collectives: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     work: plan_mod.WorkPlan | None = None  # the work plan of one `_decode` call (None for encode)
-    pieces: int = 0  # pieces of one call (clips of an encode)
     calls: int = 1  # `_decode`/`_encode` calls the library's wrapper makes (one per video when it slices)
     transport: str = "all_gather"
-    dst: int = 0
     impl_calls: int | None = None  # calls of a user's implementation under test (conformance mode)
     stock: torch.Tensor | None = None  # rank 0's stock output, same process, when asked for
     stock_sha256: str | None = None
     received_bytes: int = 0  # bytes of gathered pieces this rank received (memory it held for them)
-    group: int = 0  # which subgroup of the world this rank decoded in (its ``rank`` is its rank there)
     decoded: tuple[str, ...] = ()  # fingerprints of this rank's decoder inputs during the call under test
     stock_decoded: tuple[str, ...] = ()  # rank 0: fingerprints of the stock decode's decoder inputs, in call order
 
@@ -98,17 +98,15 @@ def producers(results: Sequence[RankDecode]) -> dict[int, list[int]] | None:
     return {c: sorted(ranks) for c, ranks in sorted(made_by.items())}
 
 
-def piece_calls(work: plan_mod.WorkPlan, rank: int, world: int) -> tuple[int, int]:
-    """(decoder calls, `_decode_clip` calls) rank ``rank`` makes for one sharded `_decode` on ``work``."""
+def piece_calls(work: plan_mod.WorkPlan, rank: int, world: int) -> int:
+    """The decoder calls rank ``rank`` makes for its pieces of one sharded `_decode` on ``work``."""
     owned = len(plan_mod.owned_units(work.num_units, rank, world))
-    if work.split == "clips":
-        return owned * work.tiles_per_clip, owned
-    return owned, 0
+    return owned * work.tiles_per_clip if work.split == "clips" else owned
 
 
 def busiest_shares(work: plan_mod.WorkPlan, world: int) -> float:
     """The busiest rank's share of the decoder work of one call."""
-    return max(piece_calls(work, r, world)[0] for r in range(world)) / work.decoder_calls
+    return max(piece_calls(work, r, world) for r in range(world)) / work.decoder_calls
 
 
 def expected_collectives(transport: str, calls: int) -> dict[str, int]:
@@ -201,7 +199,7 @@ def judge_decode(results: Sequence[RankDecode], *, sharded: bool,
                                   "only the receiving ranks hold the output; the others return None",
                                   ranks_holding_output=holders)
         if work is not None:
-            owned = [piece_calls(work, r, world)[0] * calls for r in range(world)]
+            owned = [piece_calls(work, r, world) * calls for r in range(world)]
             verdict = verdict.require(decoder == owned and sum(decoder) == work.decoder_calls * calls,
                                       "each piece decoded exactly once across the world (round-robin ownership)",
                                       expected_decoder_calls_per_rank=", ".join(map(str, owned)))

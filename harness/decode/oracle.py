@@ -61,13 +61,13 @@ def observe_stock_decode(vae: Any, z: torch.Tensor) -> dict[str, Any]:
     def constant_clip(window: torch.Tensor) -> torch.Tensor:
         nonlocal shape
         if shape is None:
-            shape = clip_fn(window.to(z.dtype)).shape
+            shape = clip_fn(window).shape
         value = 4.0 ** calls[0]
         calls[0] += 1
         return torch.full(shape, value, dtype=torch.float64)
 
-    with torch.no_grad(), serve.bound(vae, "_decode_clip", constant_clip):
-        labelled = type(vae)._decode(vae, z.double())
+    with torch.no_grad(), serve.bound(vae, "_decode_clip", constant_clip):  # float64 clips: z's dtype is not read
+        labelled = type(vae)._decode(vae, z)
     return {"windows": windows, "tiles": tiles, "frames": video.shape[2], "sources": _observed_sources(labelled)}
 
 
@@ -79,19 +79,20 @@ def judge_plan_against_library(cases: Sequence[tuple[Any, torch.Tensor]]) -> Ver
     for vae, z in cases:
         name = f"t{z.shape[2]} {tuple(z.shape[3:])} tiling={'on' if vae.use_tiling else 'off'}"
         seen = observe_stock_decode(vae, z)
-        work = plan_mod.plan_work(vae, tuple(z.shape), 1)
-        padded = plan_mod.pad_latents(z, work.clips)
-        planned = [plan_mod.window_latents(padded, work.clips, c) for c in range(work.clips.num_clips)]
+        _, _, frames, height, width = z.shape  # what is decoded where: no split or world enters
+        clips, tiles = plan_mod.plan_clips(vae, frames), plan_mod.plan_tiles(vae, height, width)
+        padded = plan_mod.pad_latents(z, clips)
+        planned = [plan_mod.window_latents(padded, clips, c) for c in range(clips.num_clips)]
         if len(planned) != len(seen["windows"]) or not all(
                 a.shape == b.shape and torch.equal(a, b) for a, b in zip(planned, seen["windows"], strict=False)):
             bad_windows.append(f"{name}: plan {len(planned)} clips, library {len(seen['windows'])}")
-        per_clip = [plan_mod.tile_latents(w, work.tiles, t) for w in planned for t in range(work.tiles.num_tiles)] \
-            if work.tiles is not None else list(planned)
+        per_clip = [plan_mod.tile_latents(w, tiles, t) for w in planned for t in range(tiles.num_tiles)] \
+            if tiles is not None else list(planned)
         observed = [t for clip in seen["tiles"] for t in clip]
         if len(per_clip) != len(observed) or not all(
                 a.shape == b.shape and torch.equal(a, b) for a, b in zip(per_clip, observed, strict=False)):
             bad_tiles.append(f"{name}: plan {len(per_clip)} tiles, library {len(observed)}")
-        sources = plan_mod.frame_sources(work.clips, seen["frames"])
+        sources = plan_mod.frame_sources(clips, seen["frames"])
         wrong = [f for f, (a, b) in enumerate(zip(sources, seen["sources"], strict=True)) if a != b]
         if wrong:
             f = wrong[0]

@@ -34,13 +34,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors hold the same values bit for bit: dtype, shape and every element's bit pattern.
 
     Not ``torch.equal``: NaN != NaN there, so a latent holding a NaN would read as a plan mismatch, and
-    -0.0 == 0.0 would let a different input pass.
+    -0.0 == 0.0 would let a different input pass. A complex element is compared as its two real parts.
     """
     if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
         return False
-    bits = _BITS.get(a.element_size())
-    if bits is None or a.is_complex():
-        return torch.equal(a, b)
+    if a.is_complex():
+        a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj())
+    bits = _BITS[a.element_size()]  # every real dtype's item is 1, 2, 4 or 8 bytes
     return torch.equal(a.view(bits), b.view(bits))  # same item size: a view of any strides
 
 

@@ -39,12 +39,13 @@ def draw_sde_step(strategy: SDEStrategy, x: torch.Tensor, v: torch.Tensor, sigma
 
 def rollout(adapter: DenoiserAdapter, conditions: Conditions, strategy: SDEStrategy, sigmas: torch.Tensor,
             sde_indices: Sequence[int], latent_shape: Sequence[int], *, generator: torch.Generator,
-            guidance: Guidance = 1.0, trajectory_dtype: torch.dtype = torch.bfloat16,
+            guidance: Guidance | None = None, trajectory_dtype: torch.dtype = torch.bfloat16,
             device: torch.device | str = "cpu") -> TrajectorySegment:
     """Run T steps from seeded noise: SDE sampling on ``sde_indices``, the flow ODE elsewhere.
 
     Stores only the latents replay needs (x_i and x_(i+1) of every SDE step). Noise comes from
     ``generator`` on its own device, so a seed gives the same trajectory whatever ``device`` runs it.
+    ``guidance`` (a CFG scale or per-step schedule) may only be left out for conditions without CFG.
     """
     steps = int(sigmas.numel()) - 1
     sde = tuple(sde_indices)

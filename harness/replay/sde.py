@@ -100,7 +100,7 @@ class FlowGRPOSDE(SDEStrategy):
 class ConstantStdSDE(SDEStrategy):
     """A second stateless flavour: std_t = eta on every step."""
 
-    eta: float = 0.5
+    eta: float
 
     def std_t(self, sigma: torch.Tensor, sigma_max: torch.Tensor) -> torch.Tensor:
         return torch.full_like(sigma, self.eta)

@@ -148,12 +148,30 @@ def test_the_piece_server_compares_bit_patterns():
                                                                                           dtype=torch.bfloat16))
     flags = torch.tensor([True, False])  # one-byte elements: compared as uint8
     assert serve.same_bits(flags, flags.clone()) and not serve.same_bits(flags, ~flags)
-    wide = torch.tensor([1 + 2j, -3j], dtype=torch.complex128)  # 16-byte elements have no integer view
+    wide = torch.tensor([1 + 2j, -3j], dtype=torch.complex128)  # 16-byte elements: two float64 parts each
     assert serve.same_bits(wide, wide.clone()) and not serve.same_bits(wide, wide.conj().resolve_conj())
+    assert serve.same_bits(wide.conj(), wide.conj().resolve_conj())  # a lazily conjugated input is its values
     server = serve.PieceServer(lambda i: nan, [torch.zeros(1)], "decoder (one tile)")
     assert server(nan.clone()) is server.pieces[0]
     with pytest.raises(sharded.ShardedDecodeError, match="not the planned one"):
         serve.PieceServer(lambda i: nan, [torch.zeros(1)], "decoder (one tile)")(torch.tensor([-0.0, 1.0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+                                   torch.complex128], ids=str)
+def test_inputs_of_every_item_size_are_compared_bit_for_bit(dtype: torch.dtype):
+    """1-, 2-, 4- and 8-byte floats, and complex ones part by part: a NaN input is the planned one when its bits
+    are, and -0.0 is never the planned 0.0 (torch.equal would say the opposite of both)."""
+    zero, negative = torch.tensor([0.0, -0.0]).to(dtype).split(1)
+    nan = torch.full((2,), float("nan"), dtype=dtype)
+    assert serve.same_bits(nan, nan.clone()) and serve.same_bits(zero, zero.clone())
+    assert not serve.same_bits(zero, negative)
+
+
+def test_an_input_of_another_dtype_is_not_the_planned_one_even_with_the_same_bits():
+    """Zeros are zero bits in float32 and int32 alike: the dtype, not the bit pattern, tells them apart."""
+    assert not serve.same_bits(torch.zeros(2), torch.zeros(2, dtype=torch.int32))
+    assert not serve.same_bits(torch.zeros(4), torch.zeros(2, 2))  # nor is another shape of the same zeros
 
 
 def raise_after_gather_task(job: decode_tasks.TinyDecodeJob, fault_rank: int) -> str:

@@ -27,9 +27,9 @@ def _answers(sharded: bool, *, impl_calls: int | None = None, calls: int = 1) ->
     digest = sha256(stock)
     decoder = (9 if sharded else 18) * calls  # each rank owns one clip of 9 tiles, or decodes both
     seen = {"all_gather": 4 * calls} if sharded else {}
-    return [judge.RankDecode(rank, 2, stock.clone(), digest, decoder, (1 if sharded else 2) * calls, dict(seen),
-                             work=work, calls=calls, stock=stock if rank == 0 else None, stock_sha256=digest,
-                             impl_calls=impl_calls)
+    return [judge.RankDecode(rank, 2, stock.clone(), digest, decoder, (1 if sharded else 2) * calls,
+                             pieces=work.num_units, dst=0, group=0, collectives=dict(seen), work=work, calls=calls,
+                             stock=stock if rank == 0 else None, stock_sha256=digest, impl_calls=impl_calls)
             for rank in range(2)]
 
 
@@ -122,6 +122,17 @@ def test_the_plan_oracle_reads_a_frame_that_is_no_single_clip_s_constant_as_unna
     frames = [[1.0, 1.0], [4.0, 4.0], [2.5, 2.5], [1.0, 4.0], [0.0, 0.0], [16.0, 16.0]]
     video = torch.tensor(frames, dtype=torch.float64).reshape(1, 1, len(frames), 1, 2)  # (B, C, F, H, W)
     assert oracle._observed_sources(video) == [(0,), (1,), (0, 1), (-1,), (-1,), (2,)]
+    pixels = torch.tensor([1.0, 2.5, 4.0], dtype=torch.float64).reshape(1, 1, 3, 1, 1)  # one-pixel frames are read too
+    assert oracle._observed_sources(pixels) == [(0,), (0, 1), (1,)]
+
+
+def test_a_stock_run_that_communicated_names_the_collectives_of_each_rank():
+    """The stock call runs no collective: a rank that ran one fails the stock fact, and the verdict shows what each
+    rank ran ("none" for a rank that ran nothing)."""
+    first, second = _answers(False)
+    verdict = judge.judge_decode([dataclasses.replace(first, collectives={"all_gather": 1}), second], sharded=False)
+    assert verdict.violated_facts == ["the stock call was taken: every rank decoded every piece, no collective ran"]
+    assert verdict.metrics["collectives_per_rank"] == "{'all_gather': 1}; none"
 
 
 def _outcome(rank: int, raised: str = "RuntimeError: stop", *, fired: int = 0, kept: bool | None = None,
@@ -176,6 +187,13 @@ def test_a_hung_rank_fails_with_the_world_statuses():
     assert lines == ["rank 0: ok", long[1].line()[:240]] and len(lines[1]) == 240
     nobody = judge.judge_fault(2, 1, 20.0, [])  # no rank's outcome: no raise time to claim
     assert not nobody.passed and nobody.metrics["slowest_raise_s"] == 0.0
+
+
+def test_the_slowest_raise_is_reported_to_the_millisecond():
+    """A fault's raise times are wall-clock readings: the report gives the slowest in whole milliseconds, not the
+    clock's noise digits."""
+    outcomes = [_outcome(0, seconds=0.0123456), _outcome(1, fired=1, kept=True, seconds=1.2345678)]
+    assert judge.judge_fault(2, 1, 20.0, outcomes).metrics["slowest_raise_s"] == 1.235
 
 
 def test_a_bad_frame_names_the_rank_that_decoded_its_clip():

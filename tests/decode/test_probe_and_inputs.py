@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fixtures import decode_models
+from fixtures import decode_models, decode_tasks
 from harness.decode import exchange, serve, sharded
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import Probe, ProbeStatus, ShardedDecodeError
@@ -182,3 +182,74 @@ def test_the_payload_collective_is_the_one_the_transport_names(monkeypatch):
     assert exchange.collect(payload, None, "gather", 1, subgroup) is None  # a rank that receives nothing
     assert exchange.collect(payload, slabs, "gather", 1, None) is slabs
     assert seen == [("gather", None, payload, 6, subgroup), ("gather", slabs, payload, 1, None)]
+
+
+def test_the_probe_describes_clips_of_up_to_eight_dims_and_refuses_a_ninth():
+    """The fixed-size probe has room for 8 dims (video clips have 5): an 8-dim clip travels with its shape, a 9-dim
+    one is refused as unsupported before any payload could be sized from a truncated shape."""
+    eight = torch.zeros(1, 1, 1, 1, 1, 1, 1, 2)
+    assert exchange.read_probe(0, exchange.make_probe([eight], False, CPU)).shape == (1, 1, 1, 1, 1, 1, 1, 2)
+    refused = exchange.read_probe(0, exchange.make_probe([eight[None]], False, CPU))
+    assert (refused.status, refused.shape) == (ProbeStatus.UNSUPPORTED, ())
+
+
+def test_the_clip_and_tile_servers_refuse_a_post_loop_that_leaves_a_gathered_piece_unused():
+    """A library whose `_decode` asks for fewer clips (or tiles) than the plan gathered no longer matches it: the
+    server raises on leaving, naming how many were used, rather than returning a video built from part of them."""
+    vae = decode_models.tiny_vae()
+    z = decode_models.latents(decode_models.LatentSpec(12))
+    work = plan_mod.plan_work(vae, tuple(z.shape), 3)  # 2 clips of 9 tiles, split into tiles
+    padded = plan_mod.pad_latents(z, work.clips)
+    windows = [plan_mod.window_latents(padded, work.clips, clip) for clip in range(work.clips.num_clips)]
+    clips = [torch.zeros(1), torch.ones(1)]
+    with serve.serve_clips(vae, padded, work.clips, clips):
+        assert [vae._decode_clip(w) for w in windows] == clips
+    with pytest.raises(ShardedDecodeError, match="used 1 of the 2 gathered pieces at _decode_clip"), \
+            serve.serve_clips(vae, padded, work.clips, clips):
+        vae._decode_clip(windows[0])
+    assert work.split == "tiles" and work.tiles is not None
+    tiles = [torch.full((1,), float(unit)) for unit in range(work.num_units)]
+    first = plan_mod.tile_latents(windows[0], work.tiles, 0)
+    with pytest.raises(ShardedDecodeError, match="used 1 of the 18 gathered pieces at decoder"), \
+            serve.serve_tiles(vae, padded, work, tiles):
+        assert vae.decoder(vae.post_quant_conv(first)) is tiles[0]
+    assert {"_decode_clip", "decoder", "post_quant_conv"}.isdisjoint(vae.__dict__)
+
+
+def _local_group(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
+    """The entries' view of rank ``rank`` of a ``world``-rank group whose exchange this process plays alone: it
+    computes every piece itself, and a rank that receives assembles them as if they had been gathered."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+
+    def across(compute, num_units, length, assemble, device, group, transport, dst):
+        receiving = exchange.receives(rank, transport, exchange.destination(dst, world))
+        return assemble([compute(unit) for unit in range(num_units)]) if receiving else None
+
+    monkeypatch.setattr(sharded, "_across_group", across)
+
+
+def test_an_encode_gathered_without_dst_lands_on_rank_0(monkeypatch):
+    """``sharded_encode(..., transport="gather")`` without ``dst`` gathers to group rank 0, like sharded_decode: rank
+    0 returns the stock posterior, rank 1 None."""
+    vae = decode_models.tiny_vae()
+    x = decode_tasks.EncodeJob(frames=18).build_video(CPU)
+    with torch.no_grad():
+        stock = sharded.stock_encode(vae, x).parameters
+        answers = []
+        for rank in (0, 1):
+            _local_group(monkeypatch, rank, 2)
+            answers.append(sharded.sharded_encode(vae, x, transport="gather"))
+    assert serve.same_bits(answers[0].parameters, stock) and answers[1] is None
+
+
+@pytest.mark.parametrize("frames", [1, 2])
+def test_a_one_and_a_two_frame_video_encode_as_the_stock_call_does(frames, monkeypatch):
+    """One frame is encoded whole by the spatial encoder alone, two are padded to one clip: the sharded encode's
+    pieces must be the windows the library's `_encode` asks for, or its served post-loop refuses them."""
+    vae = decode_models.tiny_vae()
+    x = decode_tasks.EncodeJob(frames=frames).build_video(CPU)
+    _local_group(monkeypatch, 0, 2)
+    with torch.no_grad():
+        assert serve.same_bits(sharded.sharded_encode(vae, x).parameters, sharded.stock_encode(vae, x).parameters)

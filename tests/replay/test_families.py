@@ -16,6 +16,7 @@ from fixtures.replay_models import LATENT_SHAPE, tiny_flux, tiny_model
 from harness.plugins import CheckpointKind
 from harness.replay import cfg, discriminating, families
 from harness.replay.conditions import Conditions, broadcast_field, broadcast_rows
+from harness.replay.denoiser import DenoiserAdapter
 from harness.replay.families import COGVIEW4, FLUX, QWEN_IMAGE, SANA, SD3, family_for_class, get_family
 from harness.replay.families.base import distinct_lengths, padded_prompts, uncond_first_conditions
 from harness.replay.families.cogview4 import CogView4Adapter
@@ -90,6 +91,20 @@ def test_true_cfg_rescale_keeps_the_cond_norm_over_channels():
     torch.testing.assert_close(out.norm(dim=-1), cond.norm(dim=-1))
     plain = cfg.combine(cfg.STANDARD, cond, uncond, 4.0, channel_dim=-1)
     torch.testing.assert_close(out / out.norm(dim=-1, keepdim=True), plain / plain.norm(dim=-1, keepdim=True))
+
+
+class _ChannelsFirstRescale(DenoiserAdapter):
+    """A norm-rescaling family that leaves ``channel_dim`` as the base adapter sets it."""
+
+    cfg_combine = cfg.TRUE_CFG_NORM_RESCALE
+
+
+def test_an_adapter_rescales_over_the_channels_of_replays_channels_first_layout_unless_it_says_otherwise():
+    """Replay latents are (B, C, *spatial): the combine keeps the cond norm over C at every position."""
+    gen = torch.Generator().manual_seed(1)
+    cond, uncond = torch.randn(2, 4, 3, 5, generator=gen), torch.randn(2, 4, 3, 5, generator=gen)
+    out = _ChannelsFirstRescale().combine(cond, uncond, 4.0)
+    torch.testing.assert_close(out.norm(dim=1), cond.norm(dim=1))
 
 
 def test_combine_errors():
@@ -219,6 +234,18 @@ def test_a_fused_field_both_branches_use_only_needs_distinct_rows():
     assert discriminating.problems(conditions) == []
     same = Conditions(batch=2, rows={"prompt": torch.arange(4.0), "pooled": torch.zeros(2)}, cfg_factor=2)
     assert discriminating.problems(same) == ["row field 'pooled': rows 0 and 1 of the both branch are identical"]
+
+
+def test_rows_that_require_grad_or_are_strided_views_are_keyed_by_their_values():
+    """A row field may come from a module (it requires grad) or a column slice of a wider tensor (a strided row):
+    either is keyed as its plain contiguous copy, so a repeat is still found."""
+    wide = torch.tensor([[1.0, 9.0, 2.0, 9.0], [3.0, 8.0, 4.0, 8.0], [1.0, 7.0, 2.0, 7.0]])
+    strided = wide[:, ::2]
+    assert discriminating.row_key(strided[0]) == discriminating.row_key(torch.tensor([1.0, 2.0]))
+    assert discriminating.first_repeat([strided[0], strided[1], strided[2]]) == (0, 2)
+    learned = torch.nn.Parameter(torch.tensor([[0.5, 1.5], [0.5, 1.5]]))
+    assert discriminating.row_key(learned[1]) == discriminating.row_key(torch.tensor([0.5, 1.5]))
+    assert discriminating.first_repeat([learned[0], learned[1]]) == (0, 1)
 
 
 @pytest.mark.parametrize("family", [f.name for f in families.SHIPPED])

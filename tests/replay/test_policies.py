@@ -66,6 +66,16 @@ def test_nan_never_passes_and_k_is_bounded_on_both_sides():
         assert not verdict.passed and any("x the stock floor" in f for f in verdict.violated_facts)
 
 
+@pytest.mark.parametrize(("k", "fact"), [(1.9, "too tight"), (2.1, "within"), (7.9, "within"), (8.1, "too loose")])
+def test_k_is_admitted_from_2_to_8_times_the_stock_floor(k, fact):
+    """Just inside the band a policy judges; just outside it fails as mis-set, even on an exact output."""
+    expected = _means(1.0)
+    verdict = LocalScaleBound("prev_sample_means", relative_floor=1e-3, resolution=RESOLUTION, k=k).judge(
+        expected.clone(), expected)
+    assert verdict.passed is (fact == "within"), verdict.describe()
+    assert any(fact in note for note in verdict.notes), verdict.notes
+
+
 def test_policy_is_built_from_the_stock_control():
     control = real_control("sd3", 1)
     policy = local_scale_policy(control, "log_probs", torch.bfloat16)

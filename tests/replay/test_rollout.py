@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness.replay.conditions import Conditions
-from harness.replay.denoiser import DenoiserAdapter
+from harness.replay.denoiser import UNGUIDED_CFG, DenoiserAdapter
 from harness.replay.replay import replay_serial
 from harness.replay.rollout import flow_sigmas, rollout
 from harness.replay.sde import FlowGRPOSDE, MultistepSDE
@@ -69,3 +69,13 @@ def test_rollout_takes_euler_steps_between_sde_steps_and_forgets_solver_state():
     flow = _rollout(FlowGRPOSDE(), (0, 3), steps=4)
     replayed = replay_serial(_Curl(), Conditions(batch=2, rows={}), flow, FlowGRPOSDE(), (0, 3))
     assert torch.equal(replayed.log_probs, flow.log_probs)
+
+
+def test_a_guided_rollout_needs_a_guidance_scale():
+    """Left out, guidance is refused for CFG conditions, as replay refuses it: no silent cond-only combine."""
+    guided = Conditions(batch=2, rows={}, cfg_factor=2)
+    with pytest.raises(ValueError, match=re.escape(UNGUIDED_CFG)):
+        rollout(_Curl(), guided, FlowGRPOSDE(), flow_sigmas(2), (0,), (3,), generator=torch.Generator().manual_seed(5))
+    segment = rollout(_Curl(), guided, FlowGRPOSDE(), flow_sigmas(2), (0,), (3,),
+                      generator=torch.Generator().manual_seed(5), guidance=1.0)
+    assert segment.latent_steps == (0, 1)

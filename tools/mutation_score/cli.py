@@ -29,7 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from tools.mutation_score import equivalents, report
-from tools.mutation_score.coverage_map import CoverageMap, collect, expand_contexts
+from tools.mutation_score.coverage_map import SHARD_SECONDS, CoverageMap, collect, expand_contexts, file_seconds
 from tools.mutation_score.operators import Mutant, find_mutants, parsed
 from tools.mutation_score.runner import job_for
 
@@ -92,6 +92,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                         help="start no mutant after this many seconds; the rest are reported as not run")
     parser.add_argument("--equivalents", type=Path, default=EQUIVALENTS)
+    parser.add_argument("--save-shard-seconds", action="store_true",
+                        help=f"record this run's seconds per test file in {_display(SHARD_SECONDS)}: a fresh "
+                             "machine splits the coverage pass by them")
     parser.add_argument("--cache-dir", type=Path, default=REPO / "reports" / "mutation-cache",
                         help="where the coverage map is cached (keyed by the hash of the sources)")
     argv = list(argv)
@@ -347,6 +350,10 @@ def _main(args: argparse.Namespace, pytest_args: list[str]) -> int:
                            jobs=args.jobs)
     coverage_map.lines = {(_display(REPO / f) if not Path(f).is_absolute() else _display(Path(f))): ls
                           for f, ls in coverage_map.lines.items()}
+    if args.save_shard_seconds:
+        seconds = {f: round(t, 1) for f, t in sorted(file_seconds(coverage_map.durations).items())}
+        SHARD_SECONDS.write_text(json.dumps(seconds, indent=1) + "\n")
+        _log(f"recorded the seconds of {len(seconds)} test files in {_display(SHARD_SECONDS)}")
     mutants: list[tuple[str, Mutant]] = []
     # where a constant is read: any traced source, not only the mutated ones (a --path run's constant is
     # read by the other paths too)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 __all__ = ["CoverageMap", "collect", "expand_contexts"]
 
+SHARD_SECONDS = Path(__file__).resolve().parent / "shard_seconds.json"  # refreshed by --save-shard-seconds
 ENGINE_TESTS = "tests/test_mutation_engine.py"  # they exercise the engine on toy modules, never harness/
 
 
@@ -109,7 +110,7 @@ def collect(repo: Path, files: list[str], pytest_args: list[str], roots: tuple[s
         log(f"coverage: reusing {cached.relative_to(repo) if cached.is_relative_to(repo) else cached}")
         return CoverageMap.from_json(json.loads(cached.read_text()))
     began = time.perf_counter()
-    shards = _shards(repo, pytest_args, jobs, cache_dir)
+    shards = _shards(repo, pytest_args, jobs, cache_dir, SHARD_SECONDS)
     with tempfile.TemporaryDirectory(prefix="mutcov-") as tmp:
         log(f"coverage: running {' '.join(pytest_args)} once under coverage.py"
             + (f", in {len(shards)} shards of test files" if len(shards) > 1 else ""))
@@ -145,10 +146,13 @@ def collect(repo: Path, files: list[str], pytest_args: list[str], roots: tuple[s
     return coverage_map
 
 
-def _shards(repo: Path, pytest_args: list[str], jobs: int, cache_dir: Path) -> list[list[str]]:
+def _shards(repo: Path, pytest_args: list[str], jobs: int, cache_dir: Path,
+            recorded: Path | None = None) -> list[list[str]]:
     """The test files of the default selection (the engine's own tests left out: they never run harness/) split
-    into ``jobs`` shards of about equal baseline time (the last coverage map's, else file size), or one shard of
-    nothing extra when the arguments name test paths."""
+    into ``jobs`` shards of about equal baseline time, or one shard of nothing extra when the arguments name test
+    paths. The time of a file comes from the last coverage map in ``cache_dir``, else from ``recorded`` (the
+    seconds per test file the repository keeps, for a fresh machine), else from its size: sizes misjudge the
+    world tests by a factor of two, and the pass lasts as long as its slowest shard."""
     named = [a for a in pytest_args if not a.startswith("-") and (repo / a.split("::")[0]).exists()]
     if named:
         return [[]]
@@ -156,14 +160,14 @@ def _shards(repo: Path, pytest_args: list[str], jobs: int, cache_dir: Path) -> l
     roots = config.get("tool", {}).get("pytest", {}).get("ini_options", {}).get("testpaths", [])
     tests = sorted(str(p.relative_to(repo)) for root in roots for p in (repo / root).rglob("test_*.py")
                    if str(p.relative_to(repo)) != ENGINE_TESTS)
-    weight = {t: float((repo / t).stat().st_size) for t in tests}
-    previous = sorted(cache_dir.glob("coverage-*.json"), key=lambda p: p.stat().st_mtime)
-    if previous:
-        with contextlib.suppress(ValueError, KeyError, OSError):
-            seconds: dict[str, float] = {}
-            for test, duration in json.loads(previous[-1].read_text())["durations"].items():
-                seconds[test.split("::")[0]] = seconds.get(test.split("::")[0], 0.0) + duration
-            weight = {t: seconds.get(t, 0.1) for t in tests}
+    size = {t: float((repo / t).stat().st_size) for t in tests}
+    seconds = _recorded_seconds(cache_dir, recorded)
+    known = [t for t in tests if t in seconds]
+    if known:  # a file new since the record is estimated from its size at the record's seconds per byte
+        rate = sum(seconds[t] for t in known) / max(1.0, sum(size[t] for t in known))
+        weight = {t: seconds[t] if t in seconds else size[t] * rate for t in tests}
+    else:
+        weight = size
     jobs = max(1, jobs)
     shards: list[list[str]] = [[] for _ in range(jobs)]
     load = [0.0] * jobs
@@ -172,6 +176,29 @@ def _shards(repo: Path, pytest_args: list[str], jobs: int, cache_dir: Path) -> l
         shards[lightest].append(test)
         load[lightest] += weight[test]
     return [sorted(shard) for shard in shards if shard]
+
+
+def _recorded_seconds(cache_dir: Path, recorded: Path | None) -> dict[str, float]:
+    """Seconds per test file: from the newest coverage map in the cache, else from the repository's record."""
+    previous = sorted(cache_dir.glob("coverage-*.json"), key=lambda p: p.stat().st_mtime)
+    if previous:
+        with contextlib.suppress(ValueError, KeyError, OSError):
+            return file_seconds(json.loads(previous[-1].read_text())["durations"])
+    if recorded is not None and recorded.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            data = json.loads(recorded.read_text())
+            if isinstance(data, dict):
+                return {str(k): float(v) for k, v in data.items() if isinstance(v, int | float)}
+    return {}
+
+
+def file_seconds(durations: dict[str, float]) -> dict[str, float]:
+    """Seconds per test file from seconds per test id."""
+    seconds: dict[str, float] = {}
+    for test, duration in durations.items():
+        file = test.split("::")[0]
+        seconds[file] = seconds.get(file, 0.0) + duration
+    return seconds
 
 
 def _merge(parts: list[dict]) -> dict:

@@ -67,6 +67,7 @@ class MutantRunner:
 
     def _child(self, session: pytest.Session, items: list[pytest.Item], mutant: Mutant | None, stale: list[str],
                out: Path, *, stop_first: bool, timeout: float) -> None:
+        started = time.monotonic()
         os.setpgid(0, 0)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's cleanup handler is not the tests'
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -85,6 +86,7 @@ class MutantRunner:
         except (PatchError, SyntaxError, ValueError, TypeError) as err:
             out.write_text(json.dumps({"status": "error", "error": f"{type(err).__name__}: {err}"}))
             os._exit(0)
+        ready = time.monotonic()
         try:
             for position, item in enumerate(items):
                 following = items[position + 1] if position + 1 < len(items) else None
@@ -98,23 +100,26 @@ class MutantRunner:
         except BaseException as err:  # noqa: BLE001 - a crash of the session under a mutant is a kill by the test
             result = {"status": "killed", "failed": list(_CHILD["failed"]) or ["<session>"],
                       "error": f"{type(err).__name__}: {err}"}
+        result["phases"] = {"started": started, "setup": round(ready - started, 4),
+                            "tests": round(time.monotonic() - ready, 4)}
         out.write_text(json.dumps(result))
         os._exit(0)
 
     # ------------------------------------------------------------------ parent side
     def _warm_up(self, session: pytest.Session, by_id: dict[str, pytest.Item]) -> None:
-        """Fill the caches; measure how much slower this machine runs now than the coverage pass did."""
+        """Fill the caches; measure how much slower this machine runs now than the coverage pass did.
+
+        The measurement is a second run of the same tests, with the caches full: the first run also builds what
+        the caches hold, which the coverage pass timed in whichever test came first, so it overstates the load
+        (on 2 cores by 2.5 x, and every deadline of a hung mutant with it)."""
         items = [by_id[t] for t in self.warm if t in by_id]
-        began = time.perf_counter()
-        for position, item in enumerate(items):
-            following = items[position + 1] if position + 1 < len(items) else None
-            item.config.hook.pytest_runtest_protocol(item=item, nextitem=following)
-        spent = time.perf_counter() - began
+        filled = _run_items(items)
+        spent = _run_items(items)
         baseline = sum(self.baseline.get(item.nodeid, 0.0) for item in items)
         if baseline > 1.0:  # deadlines scale with the load of the machine, never below the baseline's
             self.slowdown = min(8.0, max(1.0, spent / baseline))
-        print(f"runner: warm-up {len(items)} tests in {spent:.1f} s (baseline {baseline:.1f} s); deadlines x "
-              f"{self.slowdown:.2f}", file=sys.__stderr__, flush=True)
+        print(f"runner: warm-up {len(items)} tests in {filled:.1f} s, again with full caches in {spent:.1f} s "
+              f"(baseline {baseline:.1f} s); deadlines x {self.slowdown:.2f}", file=sys.__stderr__, flush=True)
         with contextlib.suppress(Exception):
             session._setupstate.teardown_exact(None)
         _reset_parity_session(session.config)
@@ -189,6 +194,7 @@ class MutantRunner:
                             shutil.copy(out.with_suffix(".log"), self.log_dir / f"timeout-{job.get('id')}.log")
                     elif out.is_file():
                         result = json.loads(out.read_text())
+                        _phases(result, began, elapsed)
                     else:
                         result = {"status": "killed", "failed": ["<crash>"]}
                     del running[pid]
@@ -196,13 +202,22 @@ class MutantRunner:
                     self._finish(sink, job, result, elapsed, queue)
 
     def _ordered(self, job: dict) -> dict:
-        """Tests that already killed a mutant of the same function go first: they are the likeliest killers."""
+        """Tests that already killed a mutant of the same function go first: they are the likeliest killers. In a
+        second pass (hundreds of tests, fastest first) the tests that killed mutants of the same module come next:
+        a first-pass survivor there is most often killed by one of them."""
         mutant = job.get("mutant")
         if not mutant:
             return job
         counts = self.killers.get((mutant["file"], mutant["qualname"]), {})
-        first = sorted((t for t in job["tests"] if t in counts), key=lambda t: -counts[t])
-        return dict(job, tests=first + [t for t in job["tests"] if t not in counts])
+        near = {}
+        if job.get("full"):
+            for (file, _), by_test in self.killers.items():
+                if file == mutant["file"]:
+                    for test, kills in by_test.items():
+                        near[test] = near.get(test, 0) + kills
+        rank = {t: (0, -counts[t]) if t in counts else (1, -near[t]) for t in job["tests"] if t in counts or t in near}
+        first = sorted(rank, key=lambda t: rank[t])
+        return dict(job, tests=first + [t for t in job["tests"] if t not in rank])
 
     def _verify_job(self) -> dict:
         """One unmutated child for every killing test not yet verified (all of them run, no -x)."""
@@ -241,8 +256,30 @@ class MutantRunner:
                   "pass": 2 if job.get("full") else 1}
         if result.get("error"):
             record["error"] = result["error"]
+        if result.get("phases"):
+            record["phases"] = result["phases"]
         sink.write(json.dumps(record) + "\n")
         sink.flush()
+
+
+def _phases(result: dict, began: float, elapsed: float) -> None:
+    """Where a child's seconds went (for tuning): from the fork to its first line, its patch and cache clearing, its
+    tests, and from its exit to the parent's reaping it."""
+    phases = result.get("phases")
+    if not phases:
+        return
+    fork = phases.pop("started") - began
+    phases["fork"] = round(fork, 4)
+    phases["exit"] = round(elapsed - fork - phases["setup"] - phases["tests"], 4)
+
+
+def _run_items(items: list[pytest.Item]) -> float:
+    """Run the items in order in this process; return the seconds they took."""
+    began = time.perf_counter()
+    for position, item in enumerate(items):
+        following = items[position + 1] if position + 1 < len(items) else None
+        item.config.hook.pytest_runtest_protocol(item=item, nextitem=following)
+    return time.perf_counter() - began
 
 
 def _await_any(handles: dict[int, int], running: dict[int, tuple[dict, float, Path]], slowdown: float) -> None:
