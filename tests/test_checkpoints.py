@@ -48,6 +48,17 @@ def test_kinds_are_read_from_config(tmp_path, config, kind, feeds):
     assert checkpoint.remote_code == ("auto_map" in config)
 
 
+def test_a_checkpoint_is_its_directory_and_kind_so_it_can_key_a_cache(tmp_path):
+    """The config it was read from is carried along but is not its identity: a frozen checkpoint hashes, and two
+    reads of one directory are the same key even after the file was edited in place."""
+    folder = _config(tmp_path, "model", _class_name="SD3Transformer2DModel", num_layers=2)
+    first = detect(folder)
+    (folder / "config.json").write_text(json.dumps({"_class_name": "SD3Transformer2DModel", "num_layers": 4}))
+    second = detect(folder)
+    assert first.config != second.config
+    assert first == second and {first: "loaded"}[second] == "loaded"
+
+
 def test_the_shipped_kinds_are_registrations_through_the_entry_point_function():
     registry = plugins.Registry("checkpoint kind", "")
     module = type("Plugins", (), {"CHECKPOINT_KINDS": registry})

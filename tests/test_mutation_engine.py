@@ -172,6 +172,19 @@ def test_selection_reaches_the_unit_test_of_a_line_every_end_to_end_test_runs(mo
     assert chosen == ["e0.py::run", "e1.py::run", "test_m.py::unit"]  # run fastest first
 
 
+def test_a_focused_test_over_the_budget_on_its_own_leaves_the_first_pass_to_the_fast_ones(monkeypatch):
+    lines = {"m.py": {3: ["test_m.py::property", "e.py::a", "e.py::b"]}}
+    durations = {"test_m.py::property": 6.5, "e.py::a": 0.1, "e.py::b": 0.2}
+    coverage_map = CoverageMap(lines=lines, caches={}, cache_users={}, durations=durations, failing=[], seconds=1.0)
+    monkeypatch.setattr(cli, "TEST_BUDGET_S", 6.0)
+    mutant = Mutant("m", "m.py", 3, 0, "arith", "- a\n+ b", "function", "f")
+    assert coverage_map.focus("test_m.py::property", "m.py") >= coverage_map.focus("e.py::a", "m.py")
+    assert cli.select_tests(mutant, coverage_map, {}) == ["e.py::a", "e.py::b"]  # the slow one waits for pass 2
+    alone = CoverageMap(lines={"m.py": {3: ["test_m.py::property", "f.py::c"]}}, caches={}, cache_users={},
+                        durations={"test_m.py::property": 6.5, "f.py::c": 7.0}, failing=[], seconds=1.0)
+    assert cli.select_tests(mutant, alone, {}) == ["test_m.py::property"]  # all over: the fastest of them
+
+
 def _population(sizes: dict[str, int]) -> list[tuple[str, Mutant]]:
     return [(file.split("/")[0], Mutant(file, file, n, n, "const", "-\n+", "function", "f"))
             for file, size in sizes.items() for n in range(size)]
@@ -652,3 +665,21 @@ def test_shard_maps_merge_into_one():
     assert merged.tests_for("m.py", 3) == ["a::x", "b::y"] and merged.tests_for("m.py", 4) == ["b::y"]
     assert merged.cache_users == {"cache:k": ["a::x", "b::y"]} and merged.failing == ["b::z"]
     assert merged.stale_caches("m.py", 3) == ["cache:k"]
+
+
+def test_the_runner_collapses_only_its_own_private_memory_into_aligned_huge_pages(tmp_path):
+    from tools.mutation_score.hugepages import HUGE_PAGE, collapse_private_memory, private_ranges
+
+    maps = "\n".join([
+        "00400000-00a00000 r-xp 00000000 08:01 1 /usr/bin/python3.11",    # code: shared with the file
+        "01000000-01500000 rw-p 00000000 00:00 0 [heap]",                  # heap: 16 MiB .. 21 MiB
+        "7f0000100000-7f0000700000 rw-p 00000000 00:00 0 ",                # anonymous, unaligned at both ends
+        "7f0000800000-7f0000900000 rw-p 00000000 00:00 0 ",                # under one huge page once aligned
+        "7f0001000000-7f0001400000 rw-p 00000000 08:01 2 /tmp/data.bin",   # a private file mapping
+        "7ffc00000000-7ffc00400000 rw-p 00000000 00:00 0 [stack]",
+    ])
+    assert private_ranges(maps) == [(0x1000000, 0x1400000), (0x7F0000200000, 0x7F0000600000)]
+    assert all(first % HUGE_PAGE == 0 and last % HUGE_PAGE == 0 for first, last in private_ranges(maps))
+    (tmp_path / "maps").write_text("7f0000000000-7f0000400000 rw-p 00000000 00:00 0 \n")  # nothing mapped there
+    assert collapse_private_memory(tmp_path / "maps") == 0
+
