@@ -158,6 +158,19 @@ def test_selection_is_fastest_first_and_covers_globals_by_use():
     assert _map().stale_caches("m.py", 3) == ["cache:a", "cache:b"]
 
 
+def test_a_field_default_is_tested_by_every_test_that_constructs_its_class():
+    source = {"m.py": ["@dataclass(frozen=True)", "class Record:", "    path: str",
+                       "    config: dict = field(default_factory=dict, compare=False)", "",
+                       "def detect(path):", "    return Record(path)", "", "def label(r):", "    return r.config",
+                       "", "def mark(p):", "    return Record(p, config={})"]}
+    lines = {"m.py": {7: ["t.py::detects"], 10: ["t.py::labels"], 13: ["t.py::marks"]}}
+    coverage_map = CoverageMap(lines=lines, caches={}, cache_users={}, durations={
+        "t.py::detects": 0.1, "t.py::labels": 0.1, "t.py::marks": 0.1}, failing=[], seconds=1.0)
+    field_default = Mutant("m", "m.py", 4, 0, "const", "- compare=False\n+ compare=True", "class", "Record.config",
+                           (2, 4))
+    assert cli.covering_tests(field_default, coverage_map, source) == {"t.py::detects", "t.py::labels", "t.py::marks"}
+
+
 def test_selection_reaches_the_unit_test_of_a_line_every_end_to_end_test_runs(monkeypatch):
     e2e = [f"e{k}.py::run" for k in range(6)]
     lines = {"m.py": {3: [*e2e, "test_m.py::unit"], 4: ["test_m.py::unit"]},

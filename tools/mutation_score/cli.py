@@ -199,8 +199,8 @@ def sample(mutants: list[tuple[str, Mutant]], size: int, seed: int) -> list[tupl
 def covering_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict[str, list[str]]) -> set[str]:
     """Every passing test that can notice the mutant: for a line in a function, the tests that run that line;
     for a default, the tests that run the function; for a class constant (or field default), the tests that run
-    the class's code or a line reading ``.NAME``; for a module constant, the tests that run a line naming it,
-    plus the tests of every test file that names it."""
+    the class's code, a line reading ``.NAME`` or passing ``NAME=``, or a line constructing the class; for a
+    module constant, the tests that run a line naming it, plus the tests of every test file that names it."""
     failing = set(coverage_map.failing)
     if mutant.scope == "function":
         return set(coverage_map.tests_for(mutant.file, mutant.line))
@@ -211,9 +211,11 @@ def covering_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict
             covering.update(coverage_map.tests_for(mutant.file, number))
     carriers = _carriers(mutant, source_lines)
     if mutant.scope in ("global", "class"):
-        name = mutant.qualname.rpartition(".")[2]
-        named = re.compile(rf"\.{re.escape(name)}\b|\b{re.escape(name)}\s*=" if mutant.scope == "class"
-                           else "|".join(rf"\b{re.escape(n)}\b" for n in sorted(carriers)))
+        owner, _, name = mutant.qualname.rpartition(".")
+        owner = owner.rpartition(".")[2]
+        # a field default is read where the attribute is (.NAME), passed (NAME=) or left out: every construction
+        named = re.compile(rf"\.{re.escape(name)}\b|\b{re.escape(name)}\s*=|\b{re.escape(owner)}\("
+                           if mutant.scope == "class" else "|".join(rf"\b{re.escape(n)}\b" for n in sorted(carriers)))
         for file, lines in source_lines.items():
             for number, text in enumerate(lines, start=1):
                 if named.search(text) and not (file == mutant.file and first <= number <= last):
