@@ -436,12 +436,14 @@ def _main(args: argparse.Namespace, pytest_args: list[str]) -> int:
              f"{args.jobs} workers; {seconds:.0f} s in all (coverage pass {coverage_map.seconds:.0f} s)",
              f"tests per mutant, first pass: the passing tests that can notice it (coverage contexts, world ranks "
              f"and cached fixtures included): the {FOCUSED_TESTS} most focused on its module, then the fastest, "
-             f"round robin over test files, at most {MAX_TESTS} tests / {TEST_BUDGET_S:.0f} s of baseline time; a "
-             "test that killed a mutant of the same function runs first; stop at the first failure",
-             f"a first-pass survivor runs again against all its other covering tests before it counts as survived: "
-             f"{len(second)} did, {sum(1 for r in second if r['status'] == 'killed')} of them were killed there",
-             "deadline 2 x the tests' baseline time + 20 s per pass; a killing test is re-run unmutated once; a test "
-             "that fails there kills nothing",
+             f"round robin over test files, at most {MAX_TESTS} tests / {TEST_BUDGET_S:.0f} s of baseline time (a "
+             "test over that on its own waits for the second pass); a test that killed a mutant of the same function "
+             "runs first; stop at the first failure; hypothesis does not shrink a counterexample",
+             f"a first-pass survivor runs again against all its other covering tests before it counts as survived "
+             f"(those that killed mutants of its module first): {len(second)} did, "
+             f"{sum(1 for r in second if r['status'] == 'killed')} of them were killed there",
+             "deadline 2 x the tests' baseline time + 20 s per pass, times the load factor the warm-up measures with "
+             "full caches; a killing test is re-run unmutated once; a test that fails there kills nothing",
              "a mutant no passing test can reach counts as survived"]
     if doc["errors"]:
         notes.append(f"{doc['errors']} mutants could not be put into the live module: status `error`, not in the "
