@@ -335,6 +335,12 @@ DEMO_TESTS = textwrap.dedent('''
     def test_slow():
         Path("started").write_text(str(os.getpid()))
         time.sleep(60)
+
+    def test_leaves_state():
+        mutdemo.LEFT = True
+
+    def test_breaks_after_the_one_that_leaves_state():
+        assert not getattr(mutdemo, "LEFT", False)
 ''')
 
 
@@ -406,6 +412,19 @@ def test_likely_killers_run_first_and_a_second_pass_also_puts_the_modules_killer
     assert first["tests"] == ["t_f", "t_fast", "t_g2", "t_n", "t_g"]  # only the function's own killer moves
     second = runner._ordered({"mutant": mutant, "tests": tests, "full": True})
     assert second["tests"] == ["t_f", "t_g", "t_g2", "t_fast", "t_n"]  # then the module's, most kills first
+
+
+def test_a_test_that_fails_for_what_an_earlier_one_left_behind_kills_nothing(tmp_path):
+    env, chosen = _demo(tmp_path)
+    leaks = ["test_demo.py::test_leaves_state", "test_demo.py::test_breaks_after_the_one_that_leaves_state"]
+    jobs = [{"id": 0, "mutant": chosen["spin"], "tests": leaks, "timeout": 30.0},  # neither test reads spin
+            {"id": 1, "mutant": chosen["add"], "tests": [leaks[0], "test_demo.py::test_add"], "timeout": 30.0}]
+    proc, out = _runner(tmp_path, jobs, env)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    records = _records(out)
+    assert (records[0]["status"], records[0]["killed_by"]) == ("survived", [])  # it fails unmutated in that order
+    assert records[1]["killed_by"] == ["test_demo.py::test_add"]  # a kill after another test still counts
 
 
 def _gone(pid: int) -> bool:
@@ -589,6 +608,9 @@ def test_defaults_and_class_constants_are_mutants_and_enum_members_are_not(bindi
             ("default", "Child.__init__"), ("class", "Policy.k"), ("class", "Policy.floor"),
             ("class", "Adapter.channel_dim"), ("default", "window")} <= scopes
     assert not any("FAST" in m.diff or "SLOW" in m.diff for m in mutants)  # enum members: not rebindable
+    # of field(default=0.5, compare=False) only the default: dataclass read compare once, when it built __eq__
+    assert [m.diff.split("\n")[1] for m in mutants if m.qualname == "Policy.floor"] == [
+        "+ floor: float = dataclasses.field(default=1.5, compare=False)"]
     assert _site(mutants, "class", "k: float = 3.0").span == (16, 21)  # the class: its methods read it
 
 

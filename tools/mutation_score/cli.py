@@ -443,7 +443,8 @@ def _main(args: argparse.Namespace, pytest_args: list[str]) -> int:
              f"(those that killed mutants of its module first): {len(second)} did, "
              f"{sum(1 for r in second if r['status'] == 'killed')} of them were killed there",
              "deadline 2 x the tests' baseline time + 20 s per pass, times the load factor the warm-up measures with "
-             "full caches; a killing test is re-run unmutated once; a test that fails there kills nothing",
+             "full caches; a kill is re-run unmutated as it ran (the killing test after the tests that ran before it, "
+             "in order); a test that fails there kills nothing",
              "a mutant no passing test can reach counts as survived"]
     if doc["errors"]:
         notes.append(f"{doc['errors']} mutants could not be put into the live module: status `error`, not in the "

@@ -201,7 +201,7 @@ class _Finder(ast.NodeVisitor):
         for stmt in node.body:
             if constants.get(id(stmt)):
                 for name, value in constants[id(stmt)]:
-                    self._visit_bound(value, "class", ".".join([*self._classes, name]),
+                    self._visit_bound(_field_default(value), "class", ".".join([*self._classes, name]),
                                       (node.lineno, node.end_lineno or node.lineno))
             elif isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) or self._function:
                 self.visit(stmt)
@@ -346,6 +346,16 @@ _DROPPABLE = {
     "item", "tolist", "squeeze", "flatten", "t", "sort", "reverse", "copy", "numpy", "abs", "exp", "log",
     "sqrt", "neg", "sum", "mean", "max", "min", "any", "all", "argmax", "cumsum", "wait", "barrier",
 }
+
+
+def _field_default(value: ast.expr) -> ast.expr:
+    """What of a class-level value a live process can take: of ``field(default=..., compare=False, ...)`` only the
+    default. The other arguments (compare, hash, init, repr, kw_only) were read once, when ``dataclass`` generated
+    the class's methods, so rebinding them changes nothing and their mutants would be judged without being applied."""
+    if isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", "")) == "field":
+        default = next((k.value for k in value.keywords if k.arg == "default"), None)
+        return default if default is not None else ast.Constant(None)
+    return value
 
 
 def _has_number(node: ast.AST) -> bool:

@@ -9,9 +9,11 @@ its world ranks die with it) patches the mutant into the live modules, clears th
 computed through the mutated line (the coverage map knows them), runs only the tests selected for that mutant,
 fastest first, stops at the first failure (``-x``) and reports. A mutant that survives that first,
 capped pass runs again against all its other covering tests: only then is it a survivor. A child past
-its deadline is killed with its group: status ``timeout``. A test that kills a mutant is run once
-unmutated in a child of its own; a test that fails there cannot kill anything (its kills are re-run
-without it). The runner's scratch folder and every child go away with it, on an interrupt too.
+its deadline is killed with its group: status ``timeout``. A kill is run again unmutated, in a child of
+its own, as it ran: the killing test after the tests that ran before it in that child, in the same order. A
+test that fails there failed for something other than the mutant (a test that breaks when an earlier one
+leaves state behind) and kills nothing: the mutant runs again without it. The runner's scratch folder and
+every child go away with it, on an interrupt too.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ class MutantRunner:
         self.results = results
         self.workers = max(1, workers)
         self.roots = roots
-        self.verified: dict[str, bool] = {}
-        self.unverified: dict[str, list[dict]] = {}  # killing test -> the kills waiting for its verification
+        # the tests a child ran up to and including the one that killed -> whether that one fails without a mutant
+        self.verified: dict[tuple[str, ...], bool] = {}
+        self.unverified: dict[tuple[str, ...], list[dict]] = {}  # such a sequence -> the kills waiting on it
         self.killers: dict[tuple[str, str], dict[str, int]] = {}  # (file, function) -> test -> kills
 
     # ------------------------------------------------------------------ child side
@@ -227,26 +230,32 @@ class MutantRunner:
         return dict(job, tests=first + [t for t in job["tests"] if t not in rank])
 
     def _verify_job(self) -> dict:
-        """One unmutated child for every killing test not yet verified (all of them run, no -x)."""
-        tests = sorted(self.unverified)
-        waiting = [w for t in tests for w in self.unverified.pop(t)]
-        return {"verify": True, "tests": tests, "timeout": 60.0 + 5.0 * len(tests), "waiting": waiting, "stale": []}
+        """An unmutated child for the kills waiting on a verdict (all tests run, no -x): every killing test that ran
+        first in its child, together; else one kill whose test ran after others, with those others before it in the
+        same order, because a test can fail for what an earlier test left behind, with or without a mutant."""
+        singles = sorted(key for key in self.unverified if len(key) == 1)
+        keys = singles or [min(self.unverified)]
+        waiting = [w for key in keys for w in self.unverified.pop(key)]
+        tests = [t for key in keys for t in key]
+        return {"verify": True, "keys": keys, "tests": tests, "timeout": 60.0 + 5.0 * len(tests), "waiting": waiting,
+                "stale": []}
 
     def _finish(self, sink: Any, job: dict, result: dict, elapsed: float, queue: list[dict]) -> None:
         if job.get("verify"):  # an unmutated run of killing tests
             failed = set(result.get("failed", []))
-            for test in job["tests"]:
-                self.verified[test] = result["status"] != "timeout" and test not in failed
+            for key in job["keys"]:
+                self.verified[key] = result["status"] != "timeout" and key[-1] not in failed
             for waiting in job["waiting"]:
                 self._finish(sink, waiting["job"], waiting["result"], waiting["elapsed"], queue)
             return
         killers = [t for t in result.get("failed", []) if t in job["tests"]]
         if result["status"] == "killed" and killers:
             test = killers[0]
-            if test not in self.verified:
-                self.unverified.setdefault(test, []).append({"job": job, "result": result, "elapsed": elapsed})
+            key = tuple(job["tests"][:job["tests"].index(test) + 1])  # what ran in the child, up to the kill
+            if key not in self.verified:
+                self.unverified.setdefault(key, []).append({"job": job, "result": result, "elapsed": elapsed})
                 return
-            if not self.verified[test]:  # the test fails without the mutant: drop it and run again
+            if not self.verified[key]:  # it fails there without the mutant too: drop it and run again
                 queue.insert(0, dict(job, tests=[t for t in job["tests"] if t != test]))
                 return
         if result["status"] == "survived" and job.get("more"):  # the capped pass is not the verdict
