@@ -7,7 +7,9 @@ tasks run in this process (harness.launch). A task is a module-level function ru
 rank with the default group initialised. Every rank's outcome comes back: a raise on any rank
 becomes one error listing all ranks (the others get ERROR_GRACE_S to answer before they count as
 blocked), a rank that dies or is stopped by a signal is seen at once (its pipe closes; /proc says it
-is stopped), and a hang becomes a timeout naming the hung ranks, after which the world is torn down
+is stopped), a live rank that never reaches the collective its peers have waited in for launch.stuck_s() is
+named "stuck" (each rank tells the parent the collectives it enters: harness.progress), and a hang becomes a
+timeout naming the hung ranks, after which the world is torn down
 with no child process left behind. Error text keeps no per-run detail (ports, pids, addresses): those
 go to the ``harness.dist`` log, so the same command gives the same verdicts and report.
 """
@@ -31,7 +33,7 @@ from typing import Any
 
 import torch
 
-from harness import carried, launch
+from harness import carried, launch, progress
 
 __all__ = ["START_METHODS", "RankOutcome", "World", "WorldError", "WorldPool", "WorldTaskError", "WorldTimeout",
            "resolve_start_method", "stable_error"]
@@ -93,7 +95,7 @@ def resolve_start_method(device_type: str, chosen: str | None = None) -> str:
 @dataclass(frozen=True)
 class RankOutcome:
     rank: int
-    status: str  # "ok", "raised", "hung", "blocked", "died"
+    status: str  # "ok", "raised", "hung", "blocked", "died", "stuck" (never reached its peers' collective)
     error: str = ""
     traceback: str = ""
 
@@ -169,11 +171,15 @@ def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg
             break
         task_id, fn, args, kwargs, captured = message
         marked = carried.marks(captured)
+        # the parent hears where this rank is (the collectives it entered), so a peer that never arrives is named
+        progress.begin(lambda where, task_id=task_id: _send(conn, ("position", task_id, where)))
         try:
             with carried.entered(captured):
                 result = fn(*args, **kwargs)
+            progress.end()
             _send(conn, ("ok", task_id, (result, carried.tallies(captured, marked))))
         except BaseException as err:  # noqa: BLE001 - every task failure goes back to the parent
+            progress.end()
             # what a task that raised did still counts (a call of the code under test was still made)
             _send(conn, ("raised", task_id, (f"{type(err).__name__}: {err}", traceback.format_exc(),
                                              carried.tallies(captured, marked))))
@@ -181,6 +187,52 @@ def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg
         dist.destroy_process_group()
     conn.close()
     os._exit(0)
+
+
+class _StragglerWatch:
+    """The parent's view of where its ranks are (harness.progress): names a rank that has not reached the collective
+    its peers have waited in for launch.stuck_s(), instead of waiting out the task's time limit."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.within_s = launch.stuck_s()
+        self.positions: dict[int, progress.Position] = {}
+        self.onset: dict[tuple[int, str], float] = {}  # (straggler, collective) -> since when it has been behind
+        self.found: list[progress.Straggler] = []
+
+    def moved(self, rank: int, where: progress.Position) -> None:
+        self.positions[rank] = where
+
+    def overdue(self, finished: set[int]) -> bool:
+        """Whether some rank has been behind its peers' collective for the bound (then ``found`` names them)."""
+        now = time.monotonic()
+        behind = progress.stragglers(self.positions, finished, self.size)
+        keys = {(s.rank, s.collective) for s in behind}
+        self.onset = {key: self.onset.get(key, now) for key in keys}
+        late = {key for key, since in self.onset.items() if now - since >= self.within_s}
+        self.found = [s for s in behind if (s.rank, s.collective) in late]
+        return bool(self.found)
+
+    def headline(self) -> str:
+        first = self.found[0]
+        rest = f" (and ranks {[s.rank for s in self.found[1:]]})" if len(self.found) > 1 else ""
+        return f"{first.text(self.within_s)}{rest}; ranks {list(first.waiting)} waited for it there"
+
+    def outcomes(self, outcomes: dict[int, RankOutcome]) -> list[RankOutcome]:
+        """Every rank's outcome: those that answered, the stragglers "stuck", the rest "blocked" waiting on them."""
+        named = {s.rank: s for s in self.found}
+        ordered = []
+        for rank in range(self.size):
+            if rank in outcomes:
+                ordered.append(outcomes[rank])
+            elif rank in named:
+                ordered.append(RankOutcome(rank, "stuck", named[rank].cause(self.within_s)))
+            else:
+                inside = self.positions.get(rank, progress.Position()).inside
+                where = progress.describe(*inside, self.size) if inside else "its task"
+                culprits = sorted(named)
+                ordered.append(RankOutcome(rank, "blocked", f"waited in {where} for rank(s) {culprits}"))
+        return ordered
 
 
 class World:
@@ -355,6 +407,7 @@ class World:
         pending = dict(enumerate(self._conns))
         deadline = time.monotonic() + timeout_s
         stopped: dict[int, float] = {}  # rank -> since when its process has been stopped (SIGSTOP)
+        watch = _StragglerWatch(self.size)
         while pending:
             ready = wait(list(pending.values()), timeout=max(0.0, min(deadline - time.monotonic(), STOP_POLL_S)))
             if not ready:
@@ -364,15 +417,18 @@ class World:
                     del pending[rank]
                     outcomes[rank] = RankOutcome(rank, "died", "the process was stopped (SIGSTOP)")
                     deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
-                continue
             for conn in ready:
                 rank = self._conns.index(conn)
-                del pending[rank]
                 try:
                     status, got_id, payload = _recv(conn)
                 except (EOFError, OSError):
+                    del pending[rank]
                     outcomes[rank] = RankOutcome(rank, "died", self._exit_reason(rank))
                     continue
+                if status == "position" and got_id == task_id:
+                    watch.moved(rank, payload)
+                    continue
+                del pending[rank]
                 if got_id != task_id:
                     outcomes[rank] = RankOutcome(rank, "raised", f"answered task {got_id}, expected {task_id}")
                 elif status == "ok":
@@ -387,13 +443,19 @@ class World:
                         LOG.info("task %d, rank %d raised: %s", task_id, rank, error)
             if any(o.status != "ok" for o in outcomes.values()):
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+            elif pending and watch.overdue(set(outcomes)):
+                break
+        name = getattr(fn, "__qualname__", repr(fn))
+        if watch.found and not outcomes.keys() - results.keys():
+            self.close(stuck=tuple(pending))  # the stragglers run on, their peers sit inside a collective
+            ordered = watch.outcomes(outcomes)
+            raise WorldTaskError(f"task {name}: {watch.headline()}; the world was torn down", ordered)
         failed = any(o.status != "ok" for o in outcomes.values())
         for rank in pending:
             outcomes[rank] = RankOutcome(rank, "blocked" if failed else "hung",
                                          "no result within the grace period after another rank failed" if failed
                                          else f"no result within {timeout_s:g} s")
         ordered = [outcomes[r] for r in range(self.size)]
-        name = getattr(fn, "__qualname__", repr(fn))
         if pending or any(o.status == "died" for o in ordered):
             self.close(stuck=(*pending, *stopped))  # hung ranks sit inside a collective: the group is lost
             if failed:
@@ -422,9 +484,15 @@ class World:
         failed = [o.rank for o in ordered if o.status != "ok"]
         if launch.lost():
             self._joined = False
-        if any(o.status in ("hung", "blocked", "died") for o in ordered):
+        if any(o.status in ("hung", "blocked", "died", "stuck") for o in ordered):
             self._joined = False
             launch.mark_lost(f"task {name} did not finish on ranks {failed}")
+            stuck = [o for o in ordered if o.status == "stuck"]
+            if stuck:  # a live rank never reached the collective its peers waited in: it alone is named
+                waited = [o.rank for o in ordered if o.status == "blocked"]
+                raise WorldTaskError(f"task {name}: rank {stuck[0].rank} {stuck[0].error}; ranks {waited} of "
+                                     f"{self.size} waited for it and gave up; the launcher's group is lost "
+                                     "(torchrun worlds cannot restart)", ordered)
             by_status = {s: [o.rank for o in ordered if o.status == s] for s in ("died", "raised", "hung")}
             cause = next((s for s in by_status if by_status[s]), "blocked")
             what = {"died": "stopped or died", "raised": "raised", "hung": "hung", "blocked": "blocked"}[cause]

@@ -17,6 +17,8 @@ while a rank waits (for its own task, or for the others' outcomes) it watches th
   peer that is merely slow (an import holding the GIL for tens of seconds on a loaded machine) is never
   mistaken for a dead one; on another host, when its heartbeat has not moved for ``silence_s``. Such a
   peer is reported "died" with the phase it was in, and left out of every later agreement;
+- ``stuck_s()`` after its own task entered a collective that a live peer has not reached (each rank posts how many
+  collectives it entered, harness.progress): that peer is named, and it names itself "stuck";
 - at the task's own time limit ("hung").
 
 ``silence_s + grace_s`` plus polling stays within ``fault_bound()`` (30 s by default, PARITY_FAULT_BOUND_S
@@ -44,9 +46,11 @@ from typing import Any
 
 import torch
 
+from harness import progress
+
 __all__ = ["ENV", "FAULT_BOUND_ENV", "Launch", "PeerLost", "agree", "fault_bound", "gather", "grace_s", "join",
            "joined", "launched", "leave", "lost", "mark_lost", "process_state", "run_task", "set_fault_bound",
-           "silence_s"]
+           "silence_s", "stuck_s"]
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 FAULT_BOUND_ENV = "PARITY_FAULT_BOUND_S"
@@ -95,6 +99,14 @@ def silence_s() -> float:
 def grace_s() -> float:
     """After a peer failed, how long a rank's own step may still finish before it reports itself blocked."""
     return min(5.0, fault_bound() / 6)
+
+
+def stuck_s() -> float:
+    """How long peers wait inside a collective for a live rank that never reaches it before they name it.
+
+    Two graces below the bound: the waiting ranks give up, then the straggler itself within one grace.
+    """
+    return fault_bound() - 2 * grace_s()
 
 
 @dataclass(frozen=True)
@@ -233,6 +245,25 @@ class _Board:
         if step > 2:  # every rank read step - 2 before any rank could post step - 1
             with contextlib.suppress(Exception):
                 self.store.delete_key(f"s{step - 2}/r{self.launch.rank}")
+                self.store.delete_key(f"p{step - 2}/r{self.launch.rank}")
+
+    def post_position(self, step: int, where: progress.Position) -> None:
+        self.store.set(f"p{step}/r{self.launch.rank}", json.dumps(where.to_json()))
+
+    def positions(self, step: int) -> dict[int, progress.Position]:
+        """Where every rank that posted one is inside ``step`` (its collectives; harness.progress)."""
+        keys = {r: f"p{step}/r{r}" for r in range(self.launch.world_size) if r not in self.gone}
+        present = {r: k for r, k in keys.items() if self.store.check([k])}
+        if not present:
+            return {}
+        raw = self.store.multi_get(list(present.values()))
+        return {r: progress.Position.from_json(json.loads(v)) for r, v in zip(present, raw, strict=True)}
+
+    def stragglers(self, step: int) -> list[progress.Straggler]:
+        """Live ranks behind a collective some rank waits in during ``step`` (those that posted an outcome are not)."""
+        finished = set(self.read(step))
+        return progress.stragglers(self.positions(step), finished, self.launch.world_size,
+                                   unseen="an earlier step: it has not started this task")
 
     def failures(self, step: int) -> int:
         return int(self.store.add(f"s{step}/failed", 0))
@@ -405,15 +436,30 @@ def agree(status: str, error: str = "", trace: str = "", *, phase: str = "an ite
     return _wait_for_peers(board, step, phase, time.monotonic() + timeout_s)
 
 
+def _straggler_status(board: _Board, step: int, phase: str, rank: int) -> tuple[str, str, str] | None:
+    """This rank's outcome when some rank never reached the collective it waits in (or when it is that rank)."""
+    found = board.stragglers(step)
+    if not found:
+        return None
+    mine = next((s for s in found if s.rank == rank), None)
+    if mine is not None:
+        return ("stuck", mine.cause(stuck_s()), "")
+    first = found[0]
+    return ("blocked", f"{first.text(stuck_s())}, while this rank waited inside it during {phase}", "")
+
+
 def _watched(work: Callable[[], Any], phase: str, deadline: float, step: int | None,
              ) -> tuple[tuple[str, str, str], Any]:
     """Run ``work`` on a daemon thread while watching the board: (status, error, traceback) and its result.
 
-    Gives up on the thread ``grace_s()`` after a peer failed this step or went silent, or at ``deadline``;
-    the abandoned thread sits in a collective that can never finish, so the task group is marked lost.
+    Gives up on the thread ``grace_s()`` after a peer failed this step or went silent, at ``deadline``, or (in a
+    task step) once it has waited stuck_s() inside a collective that a live peer never reached, naming that peer;
+    the abandoned thread sits in a collective that can never finish, so the task group is marked lost. Where the
+    worker is (harness.progress) goes to the board as it moves, so a waiting peer can tell who is behind.
     """
     joined = _joined()
     board = joined.board
+    rank = joined.launch.rank
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -424,8 +470,12 @@ def _watched(work: Callable[[], Any], phase: str, deadline: float, step: int | N
         except BaseException as err:  # noqa: BLE001 - every failure is reported to every rank
             box["error"] = (f"{type(err).__name__}: {err}", traceback.format_exc())
 
-    worker = threading.Thread(target=target, name=f"parity-{phase}-rank{joined.launch.rank}", daemon=True)
+    worker = threading.Thread(target=target, name=f"parity-{phase}-rank{rank}", daemon=True)
     board.start_watch()
+    posted: progress.Position | None = None
+    if step is not None:
+        posted = progress.position()[0]
+        board.post_position(step, posted)
     worker.start()
     given_up: float | None = None
     why = ""
@@ -434,6 +484,17 @@ def _watched(work: Callable[[], Any], phase: str, deadline: float, step: int | N
         if not worker.is_alive():
             break
         now = time.monotonic()
+        if step is not None:
+            where, since = progress.position()
+            if where != posted:
+                board.post_position(step, where)
+                posted = where
+            if given_up is None and where.inside is not None and now - since >= stuck_s():
+                named = _straggler_status(board, step, phase, rank)
+                if named is not None:
+                    joined.stuck.append(worker)
+                    mark_lost(f"{phase} did not finish on rank {rank}: {named[1]}")
+                    return named, None
         if given_up is None:
             failed = step is not None and board.failures(step) > 0
             lost = board.lost_peers()
@@ -444,11 +505,15 @@ def _watched(work: Callable[[], Any], phase: str, deadline: float, step: int | N
                        f"rank(s) {sorted(lost)} stopped or died during {phase}")
         if given_up is not None and now >= given_up:
             joined.stuck.append(worker)
-            mark_lost(f"{phase} did not finish on rank {joined.launch.rank} after {why}")
+            named = _straggler_status(board, step, phase, rank) if step is not None else None
+            if named is not None and named[0] == "stuck":
+                mark_lost(f"{phase} did not finish on rank {rank}: it {named[1]}")
+                return named, None
+            mark_lost(f"{phase} did not finish on rank {rank} after {why}")
             return ("blocked", f"still inside {phase} {grace_s():g} s after {why}", ""), None
         if now >= deadline:
             joined.stuck.append(worker)
-            mark_lost(f"{phase} hung on rank {joined.launch.rank}")
+            mark_lost(f"{phase} hung on rank {rank}")
             return ("hung", f"no result within the time limit of {phase}", ""), None
     if "error" in box:
         return ("raised", *box["error"]), None
@@ -464,7 +529,11 @@ def run_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     phase = f"task {name}"
     step = board.next_step()
     began = time.monotonic()
-    mine, result = _watched(lambda: fn(*args, **kwargs), phase, began + timeout_s, step)
+    progress.begin()
+    try:
+        mine, result = _watched(lambda: fn(*args, **kwargs), phase, began + timeout_s, step)
+    finally:
+        progress.end()
     board.post(step, mine)
     # a peer still running its task is waited for until its own time limit (same timeout), plus the grace
     outcomes = _wait_for_peers(board, step, phase, began + timeout_s + grace_s() + 1.0)

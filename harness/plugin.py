@@ -6,9 +6,11 @@ harness brings it to any pytest run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import functools
+import json
 import os
 import re
 import sys
@@ -25,6 +27,7 @@ from harness.ablation import KillResult
 from harness.checks import CheckContext
 from harness.compare import Verdict
 from harness.dist import WorldTaskError, stable_error
+from harness.inputs import InputLedger
 from harness.items import ParityItem
 from harness.paths import path_of
 from harness.registry import split_ref
@@ -220,6 +223,9 @@ def _first_line(text: str, limit: int = 400) -> str:
     return stable_error(line)[:limit]
 
 
+CAUSES = ("raised", "stuck", "died", "hung")  # a rank's own failure; "blocked" only waited for one of these
+
+
 def unfinished(check_label: str, err: BaseException, ablation_name: str = "") -> Unfinished:
     """How a check (or pair) ended without a verdict: skipped with its reason, or failed with type, message, ranks."""
     if isinstance(err, pytest.skip.Exception):
@@ -227,11 +233,12 @@ def unfinished(check_label: str, err: BaseException, ablation_name: str = "") ->
     message = _first_line(str(err))
     ranks: tuple[int, ...] = ()
     if isinstance(err, WorldTaskError):
+        # the ranks that caused it, not those that only waited for them (blocked) or this rank answering for them
         bad = [o for o in err.outcomes if o.status != "ok"]
-        ranks = tuple(o.rank for o in bad)
-        first = next((o for o in bad if o.status == "raised"), bad[0] if bad else None)
-        if first is not None:
-            message = f"{message}: {_first_line(first.line())}"
+        culprits = [o for o in bad if o.status in CAUSES] or bad
+        ranks = tuple(o.rank for o in culprits)
+        if culprits:
+            message = f"{message}: {_first_line(culprits[0].line())}"
     elif launch.joined() is not None:
         ranks = (launch.joined().rank,)
     return Unfinished(check_label, "failed", message, type(err).__name__, ranks, ablation_name)
@@ -461,6 +468,122 @@ def reporting_rank() -> bool:
     return joined is None or joined.rank == 0
 
 
+INPUTS_KEY = pytest.StashKey[InputLedger]()  # the run's --checkpoint/--capture-dir/--impl and their items' ends
+IDLE_KEY = pytest.StashKey[list[str]]()  # one line per given input that no check ran on
+
+
+def given_inputs(config: pytest.Config) -> tuple[str, ...]:
+    """The run's inputs a check judges, as labels naming the option and its value (``--checkpoint=/m/x``)."""
+    labels = [f"--checkpoint={given}" for given in config.getoption("checkpoint") or []]
+    capture = config.getoption("capture_dir")
+    if capture is not None:
+        labels.append(f"--capture-dir={capture}")
+    labels += [f"--impl {path}={spec}" for path, spec in (config.stash.get(IMPLS_KEY, None) or {}).items()]
+    return tuple(labels)
+
+
+def item_inputs(config: pytest.Config, item: pytest.Item) -> list[str]:
+    """The inputs a parity item judges: the gpu checkpoint it loads, the capture directory its check declares it
+    reads, the implementation under test of its path (its checks, not the suite's ablations, which skip)."""
+    found = parity_item(item)
+    if found is None:
+        return []
+    used = []
+    session = config.stash.get(SESSION_KEY, None)
+    detected = session.checkpoints if session is not None else []
+    for given, checkpoint in zip(config.getoption("checkpoint") or [], detected, strict=False):
+        if found.checkpoint is not None and found.checkpoint == str(checkpoint.path):
+            used.append(f"--checkpoint={given}")
+    capture = config.getoption("capture_dir")
+    if capture is not None and checks.exists(found.check) and "capture_dir" in checks.get(found.check).reads:
+        used.append(f"--capture-dir={capture}")
+    path = path_of(found.check)
+    spec = (config.stash.get(IMPLS_KEY, None) or {}).get(path)
+    if spec is not None and not found.ablation:
+        used.append(f"--impl {path}={spec}")
+    return used
+
+
+def _ledger(config: pytest.Config) -> InputLedger:
+    ledger = config.stash.get(INPUTS_KEY, None)
+    if ledger is None:
+        ledger = config.stash[INPUTS_KEY] = InputLedger(given_inputs(config))
+    return ledger
+
+
+def _deselected_why(item: pytest.Item) -> str:
+    check_id, _ = item_check(item)
+    under_test = item.config.stash.get(IMPLS_KEY, None) or {}
+    if under_test and path_of(str(check_id)) not in under_test:
+        return f"conformance mode runs only the {', '.join(sorted(under_test))} checks"
+    reason = item.config.stash.get(NOT_JUDGED_KEY, {}).get(str(check_id))
+    if under_test and reason:
+        return f"cannot call the implementation under test: {reason}"
+    return "by this run's -m/-k/--deselect"
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    for item in items:
+        _ledger(item.config).deselect(item.nodeid, item_inputs(item.config, item), _deselected_why(item))
+
+
+class _ItemEnds:
+    """Files each phase report of an item that consumes an input in the run's ledger (registered per run)."""
+
+    def __init__(self, ledger: InputLedger):
+        self.ledger = ledger
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.skipped:
+            text = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            reason = f"xfail: {report.wasxfail}" if hasattr(report, "wasxfail") else text.removeprefix("Skipped: ")
+        else:
+            reason = report.longreprtext.strip().splitlines()[-1] if report.failed and report.longrepr else ""
+        self.ledger.report(report.nodeid, report.when, report.outcome, _first_line(reason))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    ledger = _ledger(session.config)
+    if not ledger.inputs:
+        return
+    for item in session.items:
+        ledger.expect(item.nodeid, item_inputs(session.config, item))
+    session.config.pluginmanager.register(_ItemEnds(ledger), name=f"fastpath-parity-inputs-{id(ledger)}")
+
+
+def idle_inputs(config: pytest.Config) -> list[str]:
+    """One line per given input that no check ran on (every item on it skipped, deselected or never collected).
+
+    A run that only lists or plans items (--collect-only, --setup-only, --setup-plan) is meant to run none. Under
+    torchrun the ranks exchange their lines on the launcher's board, so every rank fails alike.
+    """
+    option = config.option
+    if getattr(option, "collectonly", False) or getattr(option, "setuponly", False) or \
+            getattr(option, "setupplan", False):
+        return []
+    ledger = _ledger(config)
+    if not ledger.inputs:
+        return []
+    return list(_agreed(ledger.idle()).values())
+
+
+def _agreed(idle: dict[str, str]) -> dict[str, str]:
+    """The idle inputs of every rank (the lowest rank's line per input): one rank that ran nothing on an input
+    fails them all. Outside torchrun, or when the board cannot be read, this rank's own."""
+    if launch.joined() is None:
+        return idle
+    try:
+        statuses = launch.agree("ok", json.dumps(idle), phase="the session's idle inputs")
+    except Exception:  # noqa: BLE001 - a lost peer already failed the run; keep this rank's own verdict
+        return idle
+    merged: dict[str, str] = {}
+    for status, text, _ in statuses:
+        if status == "ok":
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                merged.update({k: v for k, v in json.loads(text).items() if k not in merged})
+    return {**merged, **{k: v for k, v in idle.items() if k not in merged}}
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     parity = session.config.stash.get(SESSION_KEY, None)
     if parity is None:
@@ -469,8 +592,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if problems:
         parity.conformance_problems = problems
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if reporting_rank() and (parity.verdicts or parity.kills or parity.unfinished or parity.pairs_unfinished):
+    # an input no check ran on judged nothing: exit 1 like a failed check, not 5 ("no tests collected"), which
+    # lanes often tolerate, and items were collected; a run already failing keeps its own status
+    idle = session.config.stash[IDLE_KEY] = idle_inputs(session.config)
+    if idle and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if reporting_rank() and (parity.verdicts or parity.kills or parity.unfinished or parity.pairs_unfinished or idle):
         parity.report_data = parity.report()
+        if idle:
+            parity.report_data["nothing_ran"] = idle
         for path in session.config.getoption("parity_report") or []:
             try:
                 parity.written.append(os.fspath(report.write(parity.report_data, path)))
@@ -643,12 +773,16 @@ def gpu_dtypes(request: pytest.FixtureRequest) -> list[torch.dtype]:
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     session = config.stash.get(SESSION_KEY, None)
-    if session is None or session.report_data is None:
+    idle = config.stash.get(IDLE_KEY, [])
+    if session is None or (session.report_data is None and not idle):
         return
     terminalreporter.section("fastpath-parity report")
-    terminalreporter.write_line(report.render_terminal(session.report_data))
+    if session.report_data is not None:
+        terminalreporter.write_line(report.render_terminal(session.report_data))
     for problem in session.conformance_problems:
         terminalreporter.write_line(f"FAILED {problem}", red=True)
+    for line in idle:
+        terminalreporter.write_line(f"FAILED {line}", red=True)
     for line in not_judged_lines(config.stash.get(NOT_JUDGED_KEY, {}), config.stash.get(OWN_TESTS_KEY, {})):
         terminalreporter.write_line(line, yellow=True)
     for written in session.written:
@@ -682,8 +816,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     joined = launch.joined()
     failed: list[tuple[int, str]] = []
     if joined is not None:
-        detail = rep.longreprtext.strip().splitlines()[-1][:400] if (rep.failed or rep.skipped) and rep.longrepr \
-            else ""
+        detail = _item_error(call, rep)
         statuses = launch.agree(rep.outcome, detail, phase=f"{item.nodeid} {call.when}")
         failed = [(rank, text) for rank, (status, text, _) in enumerate(statuses)
                   if status not in ("passed", "skipped")]
@@ -701,6 +834,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return rep
 
 
+def _item_error(call: pytest.CallInfo[None], rep: pytest.TestReport) -> str:
+    """What a rank tells the others of its item's failure or skip: the exception itself, not a traceback line."""
+    if not (rep.failed or rep.skipped) or not rep.longrepr:
+        return ""
+    if rep.failed and call.excinfo is not None:
+        return _first_line(f"{call.excinfo.typename}: {call.excinfo.value}")
+    return rep.longreprtext.strip().splitlines()[-1][:400]
+
+
 def _record_item(item: pytest.Item, call: pytest.CallInfo[None], rep: pytest.TestReport,
                  failed_ranks: list[tuple[int, str]]) -> None:
     """A parity item that failed or skipped without its check recording why: the report gets the item's reason."""
@@ -714,9 +856,11 @@ def _record_item(item: pytest.Item, call: pytest.CallInfo[None], rep: pytest.Tes
     if rep.skipped:
         text = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         outcome = Unfinished(label, "skipped", _first_line(text.removeprefix("Skipped: ")))
-    elif call.excinfo is not None and not failed_ranks:
+    elif call.excinfo is not None:  # this rank's own error (a world error names the rank that caused it)
         outcome = unfinished(label, call.excinfo.value)
-    else:  # failed on other ranks (torchrun): their lines
-        outcome = Unfinished(label, "failed", _first_line(rep.longreprtext), "failed on another rank",
-                             tuple(r for r, _ in failed_ranks))
+    else:  # passed here, failed on other ranks (torchrun): the first of their own errors
+        here = launch.joined()
+        others = [(r, text) for r, text in failed_ranks if here is None or r != here.rank] or failed_ranks
+        outcome = Unfinished(label, "failed", f"rank {others[0][0]}: {_first_line(others[0][1])}",
+                             "failed on another rank", tuple(r for r, _ in others))
     session.record_item(label, ablation_name, outcome, override=bool(failed_ranks) and not rep.skipped)

@@ -53,3 +53,21 @@ def signal_on(rank: int, signum: int) -> int:
     if dist.get_rank() == rank:
         os.kill(os.getpid(), signum)
     return dist.get_rank()
+
+
+def stuck_before_gather(rank: int) -> torch.Tensor:
+    """``rank`` never reaches the all-gather its peers wait in (alive, busy in Python); the others go in."""
+    from harness import progress
+
+    if dist.get_rank() == rank:
+        progress.note("a long sleep before the all-gather")
+        time.sleep(3600)
+    return all_gather_ranks(1.0)
+
+
+def stuck_after_first_gather(rank: int) -> torch.Tensor:
+    """Every rank meets at one all-gather; then ``rank`` never reaches the second."""
+    first = all_gather_ranks(1.0)
+    if dist.get_rank() == rank:
+        time.sleep(3600)
+    return first + all_gather_ranks(2.0)

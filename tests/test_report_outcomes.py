@@ -138,11 +138,20 @@ def test_a_world_failure_names_its_ranks_and_a_timeout_its_hung_ones():
                 RankOutcome(2, "ok")]
     got = plugin.unfinished("decode.x", WorldTaskError("task decode_task raised on ranks [0, 1] of 3", outcomes))
     assert got == Unfinished("decode.x", "failed", "task decode_task raised on ranks [0, 1] of 3: rank 1: raised: "
-                             "ValueError: bad latent at 0x<address> on port <port>", "WorldTaskError", (0, 1))
+                             "ValueError: bad latent at 0x<address> on port <port>", "WorldTaskError", (1,))
     hung = [RankOutcome(0, "ok"), RankOutcome(1, "hung", "no result within 2 s")]
     got = plugin.unfinished("decode.y", WorldTimeout("task t timed out after 2 s on ranks [1] of 2", hung))
     assert (got.error_type, got.ranks, got.status) == ("WorldTimeout", (1,), "failed")
     assert plugin.unfinished("decode.z", pytest.skip.Exception("no CUDA")).fields() == {"reason": "no CUDA"}
+
+
+def test_a_stuck_rank_is_the_one_a_failed_row_names_not_the_ranks_that_waited_for_it():
+    outcomes = [RankOutcome(0, "blocked", "waited in all_gather #1 for rank(s) [2]"),
+                RankOutcome(1, "blocked", "waited in all_gather #1 for rank(s) [2]"),
+                RankOutcome(2, "stuck", "did not reach all_gather #1 within 20 s (last seen in decoding)")]
+    got = plugin.unfinished("decode.gpu", WorldTaskError("task t: rank 2 did not reach all_gather #1", outcomes))
+    assert got.ranks == (2,)
+    assert got.reason.endswith("rank 2: stuck: did not reach all_gather #1 within 20 s (last seen in decoding)")
 
 
 def test_a_report_path_that_breaks_during_the_run_does_not_stop_the_others(outcomes):

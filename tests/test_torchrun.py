@@ -190,6 +190,7 @@ FAULT_BOUND_UNDER_TEST = 15.0  # silence 5 s, grace 2.5 s: the default 30 s boun
     ("raise_outside_protocol", None),
     ("sigstop", None),
     ("sigkill", 20.0),  # torchrun would SIGTERM the others within 0.1 s itself; here the suite must close them
+    ("stuck", None),  # alive and beating, never reaching the probe exchange: only its position gives it away
 ])
 def test_a_faulting_rank_makes_every_rank_raise_within_the_bound(fault, monitor_interval, tmp_path):
     """Four ranks decode the tiny VAE; rank 1 faults mid-decode. Every other rank raises naming it within the bound,
@@ -205,6 +206,14 @@ def test_a_faulting_rank_makes_every_rank_raise_within_the_bound(fault, monitor_
         assert "rank 1: died: the process was stopped (SIGSTOP)" in json.dumps(seen["ranks"]), detail
     elif fault == "sigkill":
         assert "rank 1: died: the process exited or was killed" in json.dumps(seen["ranks"]), detail
+    elif fault == "stuck":  # named by every rank, itself included, with the collective it never reached
+        within = f"within {FAULT_BOUND_UNDER_TEST - 2 * 2.5:g} s"
+        for rank, saw in seen["ranks"].items():
+            assert saw["error"].startswith(f"task faulty_decode_task: rank 1 did not reach all_gather #1 {within} "
+                                           "(last seen in computing its pieces [1] of 4, before the probe exchange)"), \
+                f"rank {rank}: {saw['error']}"
+            assert "rank 1: stuck: did not reach all_gather #1" in saw["outcomes"][1], f"rank {rank}: {saw}"
+        assert seen["ranks"][1]["raised_at"] - seen["ranks"][1]["fault_at"] <= FAULT_BOUND_UNDER_TEST, detail
     if fault in ("sigstop", "sigkill"):
         assert seen["returncode"] != 0, "torchrun reports the rank it lost"
     else:  # the faulting rank's own items expected the fault: every rank's session passes, and exits

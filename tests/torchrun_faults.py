@@ -8,7 +8,9 @@ test to judge. The faults:
 - raise_after_gather: the rank raises right after its payload collective returned (inside the protocol);
 - raise_outside_protocol: the rank raises instead of joining the assemble status exchange, leaving the
   others inside a collective;
-- sigstop / sigkill: the rank stops or kills itself in its first decoder call, before the probe exchange.
+- sigstop / sigkill: the rank stops or kills itself in its first decoder call, before the probe exchange;
+- stuck: the rank sleeps in its first decoder call (alive, its heartbeat beating, as in a deadlock or a stuck
+  data loader) and never reaches the probe exchange its peers wait in.
 """
 
 import json
@@ -47,6 +49,11 @@ def _fault_here():
         os.kill(os.getpid(), signal.SIGSTOP if FAULT == "sigstop" else signal.SIGKILL)
         raise AssertionError("unreachable: the rank was stopped or killed")
 
+    def sleep_forever(tile: torch.Tensor) -> torch.Tensor:
+        _note(fault_at=time.time())
+        time.sleep(600)
+        raise AssertionError("unreachable: the rank sleeps until the session ends")
+
     original_collect, original_confirm = exchange.collect, exchange.confirm
 
     def collect_then_raise(*args, **kwargs):
@@ -63,6 +70,7 @@ def _fault_here():
         return original_confirm(step, *args, **kwargs)
 
     return {"sigstop": ("decoder", stop_or_kill), "sigkill": ("decoder", stop_or_kill),
+            "stuck": ("decoder", sleep_forever),
             "raise_after_gather": ("collect", collect_then_raise),
             "raise_outside_protocol": ("confirm", leave_at_assemble)}[FAULT]
 
@@ -99,7 +107,7 @@ def test_a_fault_on_one_rank_makes_every_rank_raise_within_the_bound(world):
     _note(raised_at=time.time(), error=str(info.value).splitlines()[0],
           outcomes=[o.line() for o in info.value.outcomes])
     culprit = info.value.outcomes[FAULT_RANK]
-    assert culprit.status in ("raised", "died"), str(info.value)
+    assert culprit.status in ("raised", "died", "stuck"), str(info.value)
     assert f"rank {FAULT_RANK}" in str(info.value)
 
 

@@ -246,7 +246,8 @@ def judge_fault(size: int, fault_rank: int, bound_s: float, outcomes: Sequence[F
     ``outcomes`` is every rank's FaultOutcome, or None when the task itself did not come back from every rank
     (``world_outcomes``: the world's per-rank statuses, hung ranks among them)."""
     if outcomes is None:
-        stuck = {s: [o.rank for o in world_outcomes if o.status == s] for s in ("hung", "blocked", "died", "raised")}
+        stuck = {s: [o.rank for o in world_outcomes if o.status == s]
+                 for s in ("stuck", "hung", "blocked", "died", "raised")}
         words = "; ".join(f"{s} on ranks {ranks}" for s, ranks in stuck.items() if ranks) or "no answer"
         verdict = holds(False, f"every rank raises within {bound_s:g} s; no rank hangs or returns",
                         outcome=words, rank_outcomes=[o.line()[:240] for o in world_outcomes])

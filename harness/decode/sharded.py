@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness import progress
 from harness.decode import exchange, serve
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import ShardedDecodeError
@@ -156,6 +157,7 @@ def _across_group(compute: Callable[[int], torch.Tensor], num_units: int, length
     target = exchange.destination(dst, world_size)
     owned = plan_mod.owned_units(num_units, rank, world_size)
     slots = max(len(plan_mod.owned_units(num_units, r, world_size)) for r in range(world_size))
+    progress.note(f"computing its pieces {list(owned)} of {num_units}, before the probe exchange")
     pieces, failure = decode_pieces(compute, owned)
     probe = exchange.make_probe(pieces, failure is not None, device, latent_frames=length, units=num_units)
     probes = exchange.exchange_probes(probe, group)

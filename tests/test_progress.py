@@ -1,0 +1,50 @@
+"""Who is behind a collective: the pure rule the world's parent and every torchrun rank apply to positions."""
+
+import pytest
+
+from harness.progress import BEFORE_FIRST, Position, stragglers
+
+pytestmark = pytest.mark.cpu
+
+WORLD = (0, 1, 2, 3)
+
+
+def _waiting(group: tuple[int, ...], number: int, name: str = "all_gather") -> Position:
+    return Position({group: number}, (group, number, name), f"{name} #{number - 1}, which it left")
+
+
+def test_a_rank_that_entered_fewer_collectives_than_its_waiting_peers_is_behind():
+    positions = {0: _waiting(WORLD, 2), 1: _waiting(WORLD, 2), 2: Position({WORLD: 1}, None, "decoding its pieces"),
+                 3: _waiting(WORLD, 2)}
+    (found,) = stragglers(positions, set(), 4)
+    assert (found.rank, found.collective, found.last, found.waiting) == (2, "all_gather #2", "decoding its pieces",
+                                                                         (0, 1, 3))
+    assert found.text(20.0) == "rank 2 did not reach all_gather #2 within 20 s (last seen in decoding its pieces)"
+
+
+def test_nobody_is_behind_while_every_rank_is_inside_or_past_the_collective():
+    inside = {r: _waiting(WORLD, 1) for r in WORLD}
+    assert stragglers(inside, set(), 4) == []
+    past = {0: _waiting(WORLD, 2), 1: Position({WORLD: 2}, None, "all_gather #2, which it left"),
+            2: _waiting(WORLD, 2), 3: _waiting(WORLD, 2)}
+    assert stragglers(past, set(), 4) == []
+
+
+def test_a_rank_with_no_position_yet_is_behind_and_said_to_be_where_the_caller_says():
+    positions = {0: _waiting(WORLD, 1), 1: _waiting(WORLD, 1), 3: _waiting(WORLD, 1)}
+    assert stragglers(positions, set(), 4)[0].last == BEFORE_FIRST
+    assert stragglers(positions, set(), 4, unseen="an earlier step")[0].last == "an earlier step"
+
+
+def test_a_finished_rank_is_left_to_the_time_limit_and_a_subgroup_counts_only_its_members():
+    positions = {0: _waiting(WORLD, 1), 1: _waiting(WORLD, 1), 3: _waiting(WORLD, 1)}
+    assert stragglers(positions, {2}, 4) == []  # returned without the collective: a protocol break, not a straggler
+    pair = (0, 1)
+    sub = {0: _waiting(pair, 3, "broadcast"), 1: Position({pair: 2}, None, "x"), 2: Position(), 3: Position()}
+    (found,) = stragglers(sub, set(), 4)
+    assert (found.rank, found.collective) == (1, "broadcast #3 of the group [0, 1]")
+
+
+def test_positions_travel_as_json_and_back():
+    where = Position({WORLD: 3, (1, 2): 1}, ((1, 2), 1, "gather"), "somewhere")
+    assert Position.from_json(where.to_json()) == where
