@@ -13,7 +13,7 @@ from harness.compare import close
 
 pytestmark = pytest.mark.cpu
 
-FACT = "every token is the fp64 argmax of its logits"
+FACT = "every token is the fp64 argmax of its logits, and no row goes on past its EOS"
 
 
 def _runner_up_once(original):
@@ -44,7 +44,7 @@ def test_the_oracle_passes_greedy_rollouts() -> None:
 
 def test_a_fast_pick_off_the_argmax_fails_the_oracle_while_the_stock_one_is_right(monkeypatch) -> None:
     monkeypatch.setattr(loop, "_sample", _runner_up_once(loop._sample))
-    assert FACT in _oracle()
+    assert _oracle() == [f"{FACT} (fast row 0 step 1 is not the fp64 argmax of its logits)"]
 
 
 def test_a_stock_pick_off_the_argmax_fails_the_oracle_while_the_fast_one_is_right(monkeypatch) -> None:
@@ -57,4 +57,20 @@ def test_a_stock_pick_off_the_argmax_fails_the_oracle_while_the_fast_one_is_righ
         return loop.Rollout(tokens, rollout.logp, rollout.logits, rollout.lengths, rollout.real_pos, rollout.kv)
 
     monkeypatch.setattr(loop, "stock_rollout", shifted)
-    assert FACT in _oracle()
+    assert _oracle() == [f"{FACT} (stock row 0 step 1 is not the fp64 argmax of its logits)"]
+
+
+def test_a_row_read_past_its_eos_is_named_as_such_not_as_an_argmax_miss() -> None:
+    """A rollout that kept a row going one step past its EOS: the oracle says so, with the row and the step."""
+    rollout = loop.stock_rollout(ar_models.backend("fake"), EXTRA["rollout_vs_replay"].batch().prompts(), 4, ())
+    eos = int(rollout.tokens[0, 1])
+    _, _, wrong = comparisons._oracle_errors(rollout, (eos,))
+    ended = rollout.tokens[0].tolist().index(eos)
+    assert wrong[0] == f"row 0 went on {int(rollout.lengths[0]) - 1 - ended} step(s) past its EOS at step {ended}"
+
+
+def test_the_finished_rows_fact_names_each_row_that_stopped_elsewhere_and_both_lengths() -> None:
+    assert comparisons.stop_fact([3, 5], [3, 5]) == "every row stops where its B=1 run stopped at EOS"
+    assert comparisons.stop_fact([3, 5, 2], [3, 4, 6]) == (
+        "every row stops where its B=1 run stopped at EOS (row 1 emitted 5 tokens, its B=1 run 4; row 2 emitted 2 "
+        "tokens, its B=1 run 6)")
