@@ -28,6 +28,7 @@ __all__ = ["CHECKS", "Check", "CheckContext", "all_checks", "get", "register", "
 
 CHECK_ID = re.compile(r"^[a-z][a-z0-9_]*(\.[A-Za-z0-9_\-]+)+$")
 TIERS = frozenset({"cpu", "gpu"})
+READABLE = ("capture_dir",)  # the CheckContext inputs a check may declare it reads (register's ``reads``)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Check:
     where: str = ""  # "module:qualname" of the function that computes it (a partial names its function)
     policy: str = ""  # what it is judged under, declared at registration (--parity-list prints it)
     takes_ctx: bool = True  # the runner passes the CheckContext only to checks whose signature takes it
+    reads: tuple[str, ...] = ()  # the run inputs (CheckContext fields set from options) its verdict depends on
 
     @property
     def path(self) -> str:
@@ -95,14 +97,22 @@ def _describe_policy(policy: Policy | Callable[..., Policy] | str | None) -> str
 
 
 def register(check_id: str | CheckId, *, tier: str = "cpu", doc: str = "",
-             policy: Policy | Callable[..., Policy] | str | None = None) -> Callable[[CheckFn], CheckFn]:
+             policy: Policy | Callable[..., Policy] | str | None = None,
+             reads: tuple[str, ...] = ()) -> Callable[[CheckFn], CheckFn]:
     """Register ``fn(ctx) -> Verdict`` (or ``fn() -> Verdict``) under ``check_id`` with the policy it is judged
-    under; duplicate or malformed ids fail at import."""
+    under; duplicate or malformed ids fail at import.
+
+    ``reads`` names the ``CheckContext`` inputs the verdict depends on (``"capture_dir"``), so a run given that
+    input knows which checks judge it and fails when none of them ran.
+    """
     check_id = str(check_id)
     if not CHECK_ID.match(check_id):
         raise ValueError(f"check id {check_id!r} must read 'path.case.what' (lowercase path, dot-separated)")
     if tier not in TIERS:
         raise ValueError(f"check {check_id!r}: tier must be one of {sorted(TIERS)}, got {tier!r}")
+    unknown = sorted(set(reads) - set(READABLE))
+    if unknown:
+        raise ValueError(f"check {check_id!r}: reads {unknown}; a check reads any of {list(READABLE)}")
     described = _describe_policy(policy)
 
     def decorate(fn: CheckFn) -> CheckFn:
@@ -111,7 +121,7 @@ def register(check_id: str | CheckId, *, tier: str = "cpu", doc: str = "",
         where = f"{module}:{getattr(target, '__qualname__', getattr(target, '__name__', '?'))}"
         text = doc or next(iter((target.__doc__ or "").strip().splitlines()), "")
         CHECKS.register(check_id, Check(check_id, fn, tier, text, module, where, described,
-                                              takes_context(fn)), origin=where)
+                                        takes_context(fn), tuple(reads)), origin=where)
         return fn
 
     return decorate

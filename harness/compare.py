@@ -150,7 +150,10 @@ class Verdict:
             lines.append("metrics: " + ", ".join(f"{k}={_fmt(v)}" for k, v in shown.items()))
         lines.extend(self.notes)
         if self.margin is not None:
-            lines.append(f"margin (error / tolerance): {_fmt(self.margin)}")
+            # a margin within tolerance on a failed verdict reads like a pass: say what failed it
+            failed_on = self.violated_facts if not self.passed and self.margin <= 1 else []
+            lines.append(f"margin (error / tolerance): {_fmt(self.margin)}"
+                         + (f" (the numbers pass; fact failed: {'; '.join(failed_on)})" if failed_on else ""))
         return "\n".join(lines)
 
 

@@ -13,13 +13,15 @@ read as flat (growth 1), so the budget never drops below GROWTH_BUDGET x 1.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from harness.compare import Verdict, noise_floor
 
-__all__ = ["GROWTH_BUDGET", "GROWTH_K_MAX", "GROWTH_K_MIN", "MIN_GROWTH_STEPS", "growth_ratio", "judge_growth"]
+__all__ = ["GROWTH_BUDGET", "GROWTH_K_MAX", "GROWTH_K_MIN", "MIN_GROWTH_STEPS", "first_departure", "growth_ratio",
+           "judge_growth"]
 
 # The fast path's error may grow at most GROWTH_BUDGET x as fast as the stock path's own per-step floor grows;
 # a budget outside [GROWTH_K_MIN, GROWTH_K_MAX] x the floor's growth fails the check ("too loose"/"too tight").
@@ -41,6 +43,16 @@ def growth_ratio(curve: torch.Tensor) -> float:
 
 def _rounded(curve: torch.Tensor) -> list[float]:
     return [float(f"{float(point):.4g}") for point in curve]
+
+
+def first_departure(error: torch.Tensor, floor: torch.Tensor, budget: float) -> str:
+    """Where a growing error shows itself: the first step whose error exceeds ``budget`` x that step's floor."""
+    above = (~(error <= budget * floor)).nonzero().flatten().tolist()
+    if not above:
+        return f"no single step exceeds {budget:g} x its floor: the error grows across the steps"
+    step = above[0]
+    return (f"the error first exceeds {budget:g} x the stock floor at step {step} of {error.numel()} "
+            f"({float(error[step]):.2e} vs floor {float(floor[step]):.2e}; {len(above)} step(s) above it)")
 
 
 def judge_growth(error: torch.Tensor, floor: torch.Tensor, resolution: torch.Tensor, *,
@@ -70,6 +82,10 @@ def judge_growth(error: torch.Tensor, floor: torch.Tensor, resolution: torch.Ten
         f"values' fp32 resolution ({at_resolution} of {steps} floor points sit at it)"))
     verdict = policy.judge(torch.tensor([grows], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
                            what="error growth")
+    if not verdict.passed:  # a scalar has no "worst element": say at which step the error leaves its floor
+        verdict = dataclasses.replace(verdict, message=(
+            f"error growth {grows:.3g} exceeds {budget:g} x the stock floor's growth {read:.3g} = {policy.bound:.3g}"
+            f"; {first_departure(error, floor, budget)}"))
     verdict = verdict.with_metrics(error_curve=_rounded(error), floor_curve=_rounded(floor),
                                    error_growth=grows, floor_growth=floor_grows, floor_measured=floor_grows,
                                    floor_minimum=FLAT_GROWTH, floor_at_minimum=floor_grows < FLAT_GROWTH,

@@ -5,13 +5,15 @@ The JSON shape is a contract for CI tools::
     {"host": {...},                                   # where it ran: torch, CPU capability, MKL/oneDNN, threads
      "implementations": {path: "module:callable"},   # only in conformance mode (--impl)
      "remote_code": {"trusted": bool, "ran": [dir]},  # only when the run passed --trust-remote-code
-     "checks": [{"id", "path", "where", "status", "passed", "metrics", "policy", "margin",
+     "checks": [{"id", "path", "where", "status", "passed", "metrics", "policy", "margin", "violated",
                  "error": {"type", "message", "ranks"} | "reason": str}],   # error: failed with no verdict
      "ablations": [{"name", "path", "kill_mode", "status",
                     "kills": [{"check", "status", "killed", "mode", "declared", "margin", ...}]}],
      "summary": {"checks", "passed", "failed", "skipped", "ablations", "killed",
                  "pairs", "pairs_killed", "pairs_survived", "pairs_failed", "pairs_skipped"},
-     "not_judged": {check_id: reason}}               # only in conformance mode: checks that cannot call it
+     "not_judged": {check_id: reason},               # only in conformance mode: checks that cannot call it
+     "nothing_ran": [line]}                          # only when a given --checkpoint, --capture-dir or --impl
+                                                     # had no check run on it: one line each, naming why
 
 A check's status is passed, failed (its verdict failed; or it raised, timed out or failed before giving
 one: then ``error`` says how and on which ranks) or skipped (``reason``); a pair's is killed, survived
@@ -38,7 +40,7 @@ from harness.compare import Verdict
 from harness.host import summary as host_summary
 from harness.paths import path_of
 
-__all__ = ["SUFFIXES", "Unfinished", "build", "prepare", "render_markdown", "render_terminal", "write"]
+__all__ = ["SUFFIXES", "Unfinished", "build", "prepare", "render_markdown", "render_terminal", "shorten", "write"]
 
 SUFFIXES = (".md", ".json")
 
@@ -88,7 +90,8 @@ def _check_row(v: Verdict | Unfinished) -> dict[str, Any]:
         return {**row, "status": v.status, "passed": False, "metrics": {}, "policy": "", "margin": None,
                 "headline": None, "tolerance": None, **v.fields()}
     return {**row, "status": "passed" if v.passed else "failed", "passed": v.passed, "metrics": _plain(v.metrics),
-            "policy": v.policy, "margin": _plain(v.margin), "headline": v.headline, "tolerance": _plain(v.tolerance)}
+            "policy": v.policy, "margin": _plain(v.margin), "headline": v.headline, "tolerance": _plain(v.tolerance),
+            "violated": v.violated_facts}
 
 
 def _kill_row(r: KillResult | Unfinished, declared: str) -> dict[str, Any]:
@@ -165,6 +168,12 @@ def _num(value: Any) -> str:
     return str(value)
 
 
+def _facts_failed(check: dict[str, Any]) -> str:
+    """The conditions a failed check violated; "" when its numbers alone failed it (or it passed)."""
+    facts = (check.get("violated") or []) if check["status"] == "failed" else []
+    return f"fact failed: {'; '.join(facts)}" if facts else ""
+
+
 def _headline(check: dict[str, Any]) -> str:
     if "error" in check:
         ranks = check["error"]["ranks"]
@@ -172,6 +181,9 @@ def _headline(check: dict[str, Any]) -> str:
         return f"{check['error']['type']}{where}: {check['error']['message']}"
     if "reason" in check:
         return f"skipped: {check['reason']}"
+    facts = _facts_failed(check)
+    if facts:  # a failed fact leads, so the row never reads like a pass on its numbers
+        return facts
     name = check.get("headline")
     if not name:
         shown = [f"{k}={_num(v)}" for k, v in check["metrics"].items() if not isinstance(v, (list, dict))][:2]
@@ -189,15 +201,32 @@ def _smallest_margin(kills: list[dict[str, Any]]) -> str:
     return ", ".join(other) or "-"
 
 
-def _clip(text: str, width: int | None) -> str:
-    return text if width is None or len(text) <= width else text[: width - 3] + "..."
+def shorten(text: str, width: int | None) -> str:
+    """``text`` in at most ``width`` characters for a table cell: cut at a word boundary and ended with "...".
+
+    Only cells are shortened; the markdown and JSON reports keep every message whole.
+    """
+    if width is None or len(text) <= width:
+        return text
+    room = max(width - 3, 1)
+    cut = text[:room]
+    if text[room] != " " and " " in cut[room // 2:]:  # mid-word: back to the last space, unless it is far back
+        cut = cut[: cut.rindex(" ")]
+    return cut.rstrip(" ,;:(-") + "..."
+
+
+def _margin(check: dict[str, Any]) -> str:
+    """The margin column; a check failed by a fact whose numbers pass (margin <= 1, or none) says so instead."""
+    margin = check["margin"]
+    numbers_failed = margin in ("inf", "nan") or (isinstance(margin, (int, float)) and margin > 1)
+    return "fact failed" if _facts_failed(check) and not numbers_failed else _num(margin)
 
 
 def _rows(report: dict[str, Any], width: int | None = None) -> tuple[list[list[str]], list[list[str]]]:
     """Table rows; ``width`` clips the headline column (the terminal), markdown keeps it whole."""
     labels = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}
-    checks = [[labels[c["status"]], c["id"], _clip(_headline(c), width), _num(c["tolerance"]),
-               _num(c["margin"])] for c in report["checks"]]
+    checks = [[labels[c["status"]], c["id"], shorten(_headline(c), width), _num(c["tolerance"]), _margin(c)]
+              for c in report["checks"]]
     ablations = []
     for a in report["ablations"]:
         killed = sum(k["killed"] for k in a["kills"])
@@ -268,6 +297,8 @@ def render_markdown(report: dict[str, Any]) -> str:
               f"killed{pairs}", ""]
     if "host" in report:
         lines += [f"**host** {host_summary(report['host'])}", ""]
+    if report.get("nothing_ran"):
+        lines += ["## Inputs no check ran on (the run fails)", "", *(f"- {line}" for line in report["nothing_ran"]), ""]
     if checks:
         lines += ["## Parity checks", "", *md(["status", "check", "headline", "tolerance", "margin"], checks), ""]
     if ablations:

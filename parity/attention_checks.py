@@ -51,6 +51,7 @@ KERNEL_POLICY = ("noise_floor(max|d| and rel L2 each <= 4 x the reference's own 
                  "capture; bf16 inputs: row-scaled)")
 CONTRACT_POLICY = "fact: the suite's mask builder against the seed's formula and numbers"
 MASK_FREE = CheckId("attention", "", "mask_free", "detected")
+READS_CAPTURE = ("capture_dir",)  # checks on the seed phases' captures: --capture-dir's files when given
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def _capture_contract(phase: str, ctx: CheckContext) -> Verdict:
 
 for _phase in PHASES:
     register(capture_id(_phase), policy="fact: the capture file follows the contract; the builder reproduces its mask",
-             doc=f"{_phase} capture file: contract + builder reproduce it")(
+             doc=f"{_phase} capture file: contract + builder reproduce it", reads=READS_CAPTURE)(
         functools.partial(_capture_contract, _phase))
 
 
@@ -207,7 +208,7 @@ def _gqa_vs_sdpa(kernel: str, ctx: CheckContext) -> Verdict:
 for _kernel in FAST_KERNELS:
     for _phase in PHASES:
         register(KernelCase(_phase, _kernel).check_id, policy=KERNEL_POLICY,
-                 doc=f"{_kernel} vs masked SDPA at the seed {_phase} shapes")(
+                 doc=f"{_kernel} vs masked SDPA at the seed {_phase} shapes", reads=READS_CAPTURE)(
             functools.partial(_kernel_vs_sdpa, _phase, _kernel))
     register(KernelCase("gqa", _kernel).check_id, policy=KERNEL_POLICY,
              doc=f"{_kernel} with compressed KV heads vs expanded masked SDPA")(
@@ -215,7 +216,8 @@ for _kernel in FAST_KERNELS:
 
 for _phase, _kernel in OTHER_BLOCK_CASES:
     register(KernelCase(_phase, _kernel, OTHER_BLOCK).check_id, policy=KERNEL_POLICY,
-             doc=f"{_kernel} tiled at block {OTHER_BLOCK} vs masked SDPA at the seed {_phase} shapes")(
+             doc=f"{_kernel} tiled at block {OTHER_BLOCK} vs masked SDPA at the seed {_phase} shapes",
+             reads=READS_CAPTURE)(
         functools.partial(_kernel_at_block, _phase, _kernel, OTHER_BLOCK))
 
 
@@ -253,7 +255,8 @@ def _detection(phase: str, free: Verdict) -> Verdict:
                    margin, headline=f"{phase}_mask_free_margin", tolerance=MASK_FREE_MIN_MARGIN, message=message)
 
 
-@register(MASK_FREE, policy=f"{KERNEL_POLICY}; detect(mask_free error >= {MASK_FREE_MIN_MARGIN:g} x kernel bound)")
+@register(MASK_FREE, policy=f"{KERNEL_POLICY}; detect(mask_free error >= {MASK_FREE_MIN_MARGIN:g} x kernel bound)",
+          reads=READS_CAPTURE)
 def mask_free_detected(ctx: CheckContext) -> Verdict:
     """Masked SDPA on the layout reproduces the capture while is_causal only misses it by far, both phases."""
     verdicts = []

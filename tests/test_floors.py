@@ -134,6 +134,13 @@ def test_growth_judge(ulps):
     growing = judge_growth(resolution * torch.logspace(0, 3, 9, dtype=torch.float64), floor, resolution,
                            control="test")
     assert not growing.passed and growing.margin > 1
+    assert "worst element" not in growing.message and "the error first exceeds 2 x the stock floor at step " in \
+        growing.message, growing.message
+    late = torch.cat([resolution[:6], resolution[6:] * 1e4])  # flat, then a jump at step 6
+    jumped = judge_growth(late, floor, resolution, control="test")
+    shown = max(float(floor[6]), float(resolution[6]))  # both curves are floored at the resolution first
+    assert f"at step 6 of 9 ({float(late[6]):.2e} vs floor {shown:.2e}; 3 step(s) above it)" in \
+        jumped.message, jumped.message
     zero_everything = judge_growth(torch.zeros(9), torch.zeros(9), resolution, control="test")
     assert zero_everything.passed and zero_everything.metrics["error_growth"] == 1.0
 

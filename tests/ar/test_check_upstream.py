@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fixtures import ar_models, check_upstream, upstream_checkpoint
-from fixtures.ar_checkpoint import COMMON_FILE, PORTABLE_FILE, source_path
+from fixtures.ar_checkpoint import COMMON_FILE, PORTABLE_FILE, auto_map, source_path
 from fixtures.upstream_checkpoint import KINDS, UpstreamPackageError, package_generations, tiny_config
 from harness import compat
 
@@ -57,12 +57,40 @@ def test_the_pytest_run_patches_the_cpu_and_trusts_remote_code_only_when_offered
     monkeypatch.setattr(check_upstream, "pytest_offers", lambda option: offered and option == "--trust-remote-code")
     cpu = check_upstream.pytest_command([tmp_path / "gen2_moe"], "cpu", "fp32", tmp_path / "r.json",
                                         tmp_path / "r.xml", ["-x"])
-    assert cpu[1:6] == ["-m", "pytest", "-p", "fixtures.upstream_cpu", "-m"]
+    assert cpu[1:4] == ["-m", "pytest", "-m"] and "fixtures.upstream_cpu" not in cpu  # the gpu tier patches itself
     assert f"--checkpoint={tmp_path / 'gen2_moe'}" in cpu and cpu[-1] == "-x"
     assert ("--trust-remote-code" in cpu) == offered
     cuda = check_upstream.pytest_command([tmp_path / "gen2_moe"], "cuda", "bf16", tmp_path / "r.json",
                                          tmp_path / "r.xml", [])
     assert "fixtures.upstream_cpu" not in cuda and "--device=cuda" in cuda
+
+
+@pytest.mark.cpu
+def test_a_gpu_tier_dry_run_on_a_hunyuan_checkpoint_patches_the_cpu_by_itself(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's HunyuanImage-3 checkpoint dry-run with --device cpu (or auto without CUDA) gets fixtures.upstream_cpu
+    without naming it; other checkpoints, unreadable configs and CUDA runs do not."""
+    from gpu import conftest as gpu_conftest
+
+    hunyuan, other, broken = tmp_path / "h", tmp_path / "o", tmp_path / "b"
+    for path, text in ((hunyuan, json.dumps({"auto_map": auto_map(2)})), (other, json.dumps({"model_type": "x"})),
+                       (broken, "[garbage")):
+        path.mkdir()
+        (path / "config.json").write_text(text)
+    assert gpu_conftest.hunyuan_checkpoints([str(other), str(broken), str(hunyuan), str(tmp_path / "none")]) == [
+        str(hunyuan)]
+    installs: list[int] = []
+    monkeypatch.setattr(gpu_conftest.upstream_cpu, "install", lambda: installs.append(1))
+    options = {"device": "cpu", "checkpoint": [str(hunyuan)]}
+    config = type("Config", (), {"getoption": lambda self, name: options[name]})()
+    gpu_conftest.pytest_configure(config)
+    assert installs == [1]
+    options["checkpoint"] = [str(other)]
+    gpu_conftest.pytest_configure(config)
+    options.update(device="cuda", checkpoint=[str(hunyuan)])
+    gpu_conftest.pytest_configure(config)
+    assert installs == [1]
+    assert gpu_conftest.dry_run_on_cpu("auto") is not __import__("torch").cuda.is_available()
 
 
 @pytest.mark.cpu
@@ -140,3 +168,21 @@ def test_check_upstream_runs_on_a_code_directory(tmp_path: Path, generation: int
     assert (done.returncode == 0) == (generation == 1), done.stdout[-3000:]
     report = json.loads((tmp_path / "run" / "check-upstream.json").read_text())
     assert report["summary"]["checks"] == 4
+@pytest.mark.cpu
+def test_one_generation_at_a_time_asked_named_by_config_or_the_current_one(tmp_path: Path) -> None:
+    """A directory holding both generations (an Instruct checkout) judges one: the one asked for, else the one its
+    config.json's auto_map names, else generation 2; the other is reported as not run, saying how to run it."""
+    both = [1, 2]
+    assert check_upstream.choose_generations(tmp_path, both, 1) == (
+        [1], {2: "not run: --generation 1 was asked for; pass --generation 2 to judge generation 2"})
+    assert check_upstream.choose_generations(tmp_path, both, None) == (
+        [2], {1: "not run: it holds both and generation 2 is the current one; pass --generation 1 to judge "
+                 "generation 1"})
+    (tmp_path / "config.json").write_text(json.dumps({"auto_map": auto_map(1)}))
+    assert check_upstream.choose_generations(tmp_path, both, None) == (
+        [1], {2: "not run: its config.json's auto_map names generation 1; pass --generation 2 to judge generation 2"})
+    (tmp_path / "config.json").write_text("[not json")  # read as data: unreadable means "names nothing"
+    assert check_upstream.choose_generations(tmp_path, both, None)[0] == [2]
+    assert check_upstream.choose_generations(tmp_path, [1], None) == ([1], {})
+    with pytest.raises(ValueError, match=r"--generation 2, but the directory holds generation\(s\) \[1\] only"):
+        check_upstream.choose_generations(tmp_path, [1], 2)

@@ -24,7 +24,7 @@ from fixtures.upstream_contract import run_contract
 from harness import compat
 from harness.ar.backends import UpstreamBackend, remote_code_name
 from harness.ar.judge import kl_rows
-from harness.ar.routing import probe_routing
+from harness.ar.routing import RoutingProbe, probe_routing
 
 pytestmark = pytest.mark.cpu
 
@@ -299,13 +299,38 @@ def test_moe_routing(generation: int | str) -> None:
 @GENERATIONS
 def test_the_contract_runner_passes_on_the_fakes(generation: int | str) -> None:
     """fixtures.upstream_contract runs the rows above on a loaded model (scripts/check-upstream runs it on the real
-    code); on the fakes of the real generations every row passes. The portable fake departs where it must: its MoE
-    ignores the batch (row 13) and its cache takes the installed arity (row 3)."""
+    code); on the fakes of the real generations every row passes. The portable fake departs where it must: its cache
+    takes the installed arity (row 3). Row 13 states what any correct MoE has, so the portable fake (no single-token
+    path) passes it as generation 2 (which has one) does, and says which it is."""
     rows = run_contract(_backend(generation))
-    departs = {13, *(() if compat.lazy_init_arity() == 1 else (3,))} if generation == ar_models.PORTABLE else set()
+    departs = set() if generation != ar_models.PORTABLE or compat.lazy_init_arity() == 1 else {3}
     assert [r.number for r in rows] == list(range(1, 14))
     failed = {r.number: r.measured for r in rows if not r.passed}
     assert set(failed) == departs, failed
+    routing = rows[12].measured
+    single = generation == 2
+    assert routing.startswith("a token alone in a forward of one is weighted apart" if single else
+                              "a token alone is weighted as in a batch"), routing
+
+
+def test_the_routing_row_fails_a_row_whose_experts_move_with_the_batch_and_passes_either_lone_token_choice(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row 13 fails a model whose rows route with their neighbours without a capacity setting that says so, and only
+    that: a single-token path alone (generation 2's official file) or its absence (a fork, a fix) both pass."""
+    from fixtures import upstream_contract
+
+    backend = _backend(ar_models.PORTABLE)  # any model without a capacity setting: the probe's numbers are given
+    moved = RoutingProbe(1, "float32", 1e-3, lone_token=(0.0,), own_row=(0.5,))
+    monkeypatch.setattr(upstream_contract, "probe_routing", lambda model: moved)
+    with pytest.raises(AssertionError, match=r"moe_drop_tokens=False a row's experts should not depend on the other "
+                                             r"rows of its batch, and they do"):
+        upstream_contract.moe_routing(backend)
+    for lone in (0.0, 0.4):
+        kept = RoutingProbe(1, "float32", 1e-3, lone_token=(lone,), own_row=(0.0,))
+        monkeypatch.setattr(upstream_contract, "probe_routing", lambda model, kept=kept: kept)
+        recorded = upstream_contract.moe_routing(backend)
+        assert recorded.startswith("a token alone in a forward of one is weighted apart" if lone else
+                                   "a token alone is weighted as in a batch"), recorded
 
 
 # ------------------------------------------------------------------------------------- transformers 5.x refusal

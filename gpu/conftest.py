@@ -1,0 +1,42 @@
+"""The gpu tier's hooks: a HunyuanImage-3 checkpoint dry-run on a CPU gets, by itself, the patches its code needs.
+
+Both generations' remote code assumes a CUDA stack (a torchvision that imports, ``torch.cuda.set_device``, NVTX,
+a CUDA ``torch.empty``); ``fixtures.upstream_cpu`` patches those from outside. A user dry-running the gpu tier on
+their own checkpoint (``--device cpu``, or ``auto`` on a host without CUDA) should not need to know that module, so
+it is installed here whenever such a run names a checkpoint whose config.json points at HunyuanImage-3's code.
+The config is read as data; nothing from the checkpoint runs here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures import upstream_cpu
+from harness.ar.backends import remote_code_generation
+
+
+def hunyuan_checkpoints(paths: list[str] | None) -> list[str]:
+    """The checkpoints among ``paths`` whose config.json's auto_map names a HunyuanImage-3 generation (an unreadable
+    config names nothing here: the plugin refuses it with a usage error of its own)."""
+    found = []
+    for path in paths or ():
+        try:
+            config = json.loads((Path(path) / "config.json").read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        if isinstance(config, dict) and remote_code_generation(config) is not None:
+            found.append(path)
+    return found
+
+
+def dry_run_on_cpu(device: str) -> bool:
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if dry_run_on_cpu(config.getoption("device")) and hunyuan_checkpoints(config.getoption("checkpoint")):
+        upstream_cpu.install()
