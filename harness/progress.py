@@ -102,7 +102,9 @@ def stragglers(positions: Mapping[int, Position], finished: set[int] | frozenset
             if seen.entered.get(group, 0) < number:
                 waiting = tuple(sorted(r for r, p in positions.items()
                                        if p.inside is not None and p.inside[:2] == (group, number)))
-                found[rank] = Straggler(rank, describe(group, number, name, world_size), seen.last, waiting)
+                # a rank behind while inside another collective waits there (mismatched collective orders)
+                last = seen.last if seen.inside is None else f"{describe(*seen.inside, world_size)}, where it waits"
+                found[rank] = Straggler(rank, describe(group, number, name, world_size), last, waiting)
     return [found[r] for r in sorted(found)]
 
 

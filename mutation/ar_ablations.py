@@ -183,6 +183,28 @@ def _logit_drift(original):
     return drifting_step
 
 
+def _eos_checked_when_decoding_only(original):
+    """EOS tested in the decode branch only: a row whose prefill-sampled token is EOS goes on generating."""
+
+    def sample(state, row_logits):
+        finished_before = state.finished
+        original(state, row_logits)
+        if state.step_idx == 0:
+            state.finished = finished_before
+
+    return sample
+
+
+ablation(
+    "ar.first_token_eos_unchecked", "harness.ar.loop:_sample", _eos_checked_when_decoding_only, wraps=True,
+    kills=_ids(MODELS, ("first_token_eos",), ("finished_rows",)),
+    why=("the stop test lives in the decode branch only, so the token sampled from the prefill's logits is never "
+         "compared with the EOS ids: a row that should end at once keeps generating"),
+    kill_mode="fact",
+    fact="every row stops where its B=1 run stopped at EOS",
+)
+
+
 ablation(
     "ar.logit_drift_per_step", "harness.ar.loop:step", _logit_drift, wraps=True,
     kills=_ids(MODELS, ("growth",), ("logp",)),

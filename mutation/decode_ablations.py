@@ -330,6 +330,31 @@ ablation(
     fact="only the receiving ranks hold the output",
 )
 
+# ------------------------------------------------------------------ a group rank passed where the global rank is wanted
+
+
+def _group_rank_as_global(payload: torch.Tensor, received: list[torch.Tensor] | None, transport: str, dst: int,
+                          group: dist.ProcessGroup | None = None) -> list[torch.Tensor] | None:
+    """``dist.gather`` handed the group's rank as ``dst``: right on the world group, wrong in any subgroup."""
+    if transport == "all_gather":
+        assert received is not None
+        dist.all_gather(received, payload, group=group)
+        return received
+    dist.gather(payload, received, dst=dst, group=group)
+    return received
+
+
+ablation(
+    name="decode.gather_dst_group_rank",
+    seam="harness.decode.exchange:collect",
+    replacement=_group_rank_as_global,
+    kills=["decode.t22.w4.subgroups_gather_dst1.bitexact"],
+    why="torch.distributed.gather takes dst as a global rank; the group's rank is the same number only on the world "
+        "group, so in a subgroup the gather targets a rank outside it or the wrong member, and every rank raises",
+    raises=(WorldTaskError,),
+    kill_mode="raises",
+)
+
 # ------------------------------------------------------------------ encode clips concatenated without the rule
 
 

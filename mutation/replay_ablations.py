@@ -18,6 +18,7 @@ from harness.ablation import ablation
 from harness.checkid import CheckId
 from harness.replay import cfg, tiling
 from harness.replay.conditions import concat_payloads, payload_rows
+from harness.replay.denoiser import guidance_at
 
 FAKE = ("cfg1", "cfg2", "uncond_first")
 BOTH_CFGS = ("cfg1.log_probs", "cfg1.prev_sample_means", "cfg2.log_probs", "cfg2.prev_sample_means")
@@ -173,6 +174,37 @@ ablation(
     kill_mode="fact",
     modes={"replay.cfg2.step_varying_guidance": "tolerance"},
     fact="step-varying guidance -> None, no forward",
+)
+
+
+def _ends_only(guidance, steps):
+    """The guard reads only the first and last target's scale: a schedule varying in the middle slips through."""
+    return guidance_at(guidance, steps[0]) == guidance_at(guidance, steps[-1])
+
+
+ablation(
+    "replay.guidance_guard_ends_only", "harness.replay.guards:guidance_is_constant", _ends_only,
+    kills=[_guard("middle_varying_guidance"), *family_ids("guard.middle_varying_guidance")],
+    why="a guard comparing the first and last target's scale batches a schedule that differs at a middle target "
+        "with one scale",
+    kill_mode="fact",
+    fact="guidance varying at a middle target only -> None, no forward",
+)
+
+
+def _last_sigma_floored(sigmas, steps, batch):
+    """sigma_next floored at 1e-3 'to keep the log-prob finite': only the schedule's last step (sigma_next = 0)
+    changes."""
+    index = torch.tensor(list(steps), dtype=torch.long, device=sigmas.device).repeat_interleave(batch)
+    return sigmas[index], sigmas[index + 1].clamp(min=1e-3)
+
+
+ablation(
+    "replay.last_sigma_floored", "harness.replay.replay:step_sigma_vectors", _last_sigma_floored,
+    kills=["replay.cfg2.last_step_targeted"],
+    why="a floor on sigma_next moves only the final step (sigma 0 -> 1e-3): only a replay whose targets include "
+        "the schedule's last step sees it, and then in that step's column",
+    kill_mode="tolerance",
 )
 
 

@@ -32,6 +32,7 @@ from harness.compare import Verdict, close
 
 MODELS = ar_models.BACKENDS
 FINISHED_STOPS = {0: 1, 2: 3}  # row -> decode step whose reference token becomes an EOS id
+FIRST_TOKEN_STOPS = {1: 0}  # row 1's first token, the one sampled from the prefill's logits, becomes an EOS id
 # fp32 log_softmax against fp64: the rounding of a log-sum-exp and one subtraction, a few ulps of the largest logit
 ORACLE_ULPS = 16.0
 # 16 tokens (15 decode steps) on four unequal right-padded rows: enough steps for thirds of five
@@ -75,6 +76,23 @@ def _policies(model: str, case: ARCase) -> ar_policies.ARPolicies:
 def _finished_eos(model: str) -> tuple[int, ...]:
     eos, _ = eos_for_stops(_reference(model, EXTRA["finished_rows"]).tokens, FINISHED_STOPS)
     return eos
+
+
+@functools.cache
+def _first_token_eos(model: str) -> tuple[int, ...]:
+    eos, lengths = eos_for_stops(_reference(model, EXTRA["finished_rows"]).tokens, FIRST_TOKEN_STOPS)
+    if lengths[1] != 1 or max(lengths) == 1:
+        raise ValueError(f"ar first-token EOS on {model}: lengths {lengths}; row 1 must stop at its first token "
+                         "while another row goes on (pick another seed)")
+    return eos
+
+
+def _first_token_finished(model: str) -> Verdict:
+    """Row 1 emits EOS as its very first token (the prefill's pick): it stops there, the others go on."""
+    case = EXTRA["finished_rows"]
+    eos = _first_token_eos(model)
+    return comparisons.compare_finished_rows(ar_models.backend(model), case.batch(), case.max_new_tokens, eos,
+                                             _policies(model, case), _reference(model, case, eos=eos))
 
 
 def _case_check(model: str, case: ARCase, what: str) -> Verdict:
@@ -173,6 +191,9 @@ for _model in MODELS:
     register(CheckId("ar", _model, "", "finished_rows"), policy=FP32_POLICY,
              doc=f"rows past EOS stop sampling and writing KV, equal B=1 stopped at EOS, on {_model}")(
         functools.partial(_finished_rows, _model))
+    register(CheckId("ar", _model, "first_token_eos", "finished_rows"), policy=FP32_POLICY,
+             doc=f"a row whose first sampled token is EOS stops there while the others go on, on {_model}")(
+        functools.partial(_first_token_finished, _model))
     register(CheckId("ar", _model, "oracle", "greedy_logp"), policy=ORACLE_POLICY,
              doc=f"greedy picks and recorded log-probs of both rollouts equal an fp64 softmax, on {_model}")(
         functools.partial(_oracle, _model))

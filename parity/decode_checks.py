@@ -105,6 +105,9 @@ BEYOND = (
     DecodeCase(37, 4, shard=False, tag="flag_off", what="stock_call"),
     # the group handed in is not the world: evens and odds each decode their own video, group rank != global rank
     DecodeCase(37, 8, groups=((0, 2, 4, 6), (1, 3, 5, 7)), tag="subgroups"),
+    # gather-to-one inside subgroups: group rank 1 is global rank 2 in one group and 3 in the other, so a dst passed
+    # where torch.distributed wants the global rank lands outside the group or on the wrong member
+    DecodeCase(22, 4, groups=((0, 2), (1, 3)), transport="gather", dst=1, tag="subgroups_gather_dst1"),
 )
 # every installed VAE (harness.plugins.VAES, with a tiny model) gets the seed's matrix on its own tiny model
 INSTALLED = tuple(replace(case, family=name) for name in decode_models.installed_vaes() for case in MATRIX)

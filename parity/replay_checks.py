@@ -20,7 +20,14 @@ import math
 import torch
 
 from fakes.replay_conditions import HI3_FIELDS, SD3_FIELDS, labelled_conditions, read_labels
-from fixtures.replay_cases import BATCH, UNSORTED_TARGET, fake_problem, real_control, real_problem
+from fixtures.replay_cases import (
+    BATCH,
+    UNSORTED_TARGET,
+    fake_problem,
+    middle_varying_schedule,
+    real_control,
+    real_problem,
+)
 from fixtures.replay_families import QUANTITIES, family_names
 from fixtures.replay_models import tiny_model
 from harness import conformance
@@ -125,6 +132,15 @@ def unsorted_targets() -> Verdict:
     return verdict.merge(compare_replay(problem, exact(), "prev_sample_means"))
 
 
+@register("replay.cfg2.last_step_targeted", policy=exact())
+def last_step_targeted() -> Verdict:
+    """The schedule's final step (sigma_next = 0) sampled and replayed beside earlier steps: an off-by-one there
+    shows as that step's column, not as error growth."""
+    problem = fake_problem("last_step")
+    verdict = compare_replay(problem, exact(), "log_probs")
+    return verdict.merge(compare_replay(problem, exact(), "prev_sample_means"))
+
+
 @register("replay.cfg2.list_payloads", policy=exact())
 def list_payloads() -> Verdict:
     """Conditions carried only by list/tuple payloads (per-branch and branch-independent) tile like tensors."""
@@ -183,6 +199,21 @@ def guard_step_varying_guidance() -> Verdict:
     """Guidance that varies across target steps cannot fold into one forward: None."""
     return _declines(fake_problem("step_varying_guidance"),
                      "step-varying guidance -> None, no forward")
+
+
+def guard_middle_varying_guidance(family: str | None) -> Verdict:
+    """A schedule whose first and last targets share a scale and a middle target does not: a guard that compares
+    only the ends batches it with the wrong scale at that step."""
+    problem = fake_problem("cfg2") if family is None else real_problem(family, 2)
+    schedule = middle_varying_schedule(tuple(problem.target), steps=problem.segment.sigmas.numel() - 1)
+    return _declines(problem.with_(guidance=schedule), "guidance varying at a middle target only -> None, no forward")
+
+
+_register("replay.guard.middle_varying_guidance", guard_middle_varying_guidance, None, policy=GUARD_POLICY,
+          doc="a schedule that varies only at a middle target declines: None, no forward")
+for _family in FAMILIES:
+    _register(f"replay.{_family}.guard.middle_varying_guidance", guard_middle_varying_guidance, _family,
+              policy=GUARD_POLICY, doc=f"{_family}: a schedule that varies only at a middle target declines")
 
 
 # ------------------------------------------------------------------------------------------------- tiling

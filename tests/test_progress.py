@@ -45,6 +45,18 @@ def test_a_finished_rank_is_left_to_the_time_limit_and_a_subgroup_counts_only_it
     assert (found.rank, found.collective) == (1, "broadcast #3 of the group [0, 1]")
 
 
+def test_a_rank_behind_while_waiting_in_another_collective_is_said_to_wait_there():
+    """Mismatched collective orders: rank 1 waits in a broadcast of a pair while the world waits in an all-gather."""
+    pair = (0, 1)
+    positions = {0: _waiting(WORLD, 1), 1: Position({pair: 1}, (pair, 1, "broadcast"), "x"),
+                 2: _waiting(WORLD, 1), 3: _waiting(WORLD, 1)}
+    first, second = stragglers(positions, set(), 4)  # a deadlock: each of the pair waits where the other is not
+    assert (first.rank, first.collective, first.last) == (0, "broadcast #1 of the group [0, 1]",
+                                                          "all_gather #1, where it waits")
+    assert (second.rank, second.collective, second.last) == (1, "all_gather #1",
+                                                             "broadcast #1 of the group [0, 1], where it waits")
+
+
 def test_positions_travel_as_json_and_back():
     where = Position({WORLD: 3, (1, 2): 1}, ((1, 2), 1, "gather"), "somewhere")
     assert Position.from_json(where.to_json()) == where

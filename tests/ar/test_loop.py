@@ -388,7 +388,8 @@ def test_oracle_errors_count_tokens_off_the_fp64_argmax() -> None:
     logp = torch.tensor([[-0.4, -2.2, -0.9, 0.0]])
     rollout = loop.Rollout(tokens, logp, logits, torch.tensor([3]), torch.tensor([3]), ())
     recorded, oracle, wrong = comparisons._oracle_errors(rollout, ())
-    assert wrong == ["row 0 step 1 is not the fp64 argmax of its logits"] and recorded.dtype == torch.float64 and oracle.dtype == torch.float64
+    assert wrong == ["row 0 step 1 is not the fp64 argmax of its logits"]
+    assert recorded.dtype == torch.float64 and oracle.dtype == torch.float64
     assert torch.equal(recorded, logp[0, :3].double())
     want = torch.log_softmax(logits[0, :3].double(), dim=-1)[[0, 1, 2], [0, 2, 0]]
     torch.testing.assert_close(oracle, want, rtol=0.0, atol=1e-15)
