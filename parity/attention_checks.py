@@ -273,3 +273,17 @@ conformance.not_judged("attention.capture.*", "judges a capture file and the sui
 conformance.not_judged(str(MASK_FREE), "judges the suite's reference against the capture and "
                                                        "the is_causal-only negative control; no kernel under test "
                                                        "runs")
+
+# Under --impl attention=MODULE:CALLABLE the user's one kernel stands in for every kernel name, so each input would
+# be judged once per name: it is judged once, under the first name, and the other names' checks (and the other
+# block size, which the documented signature does not take) are deselected, saying which check judges that input.
+_JUDGED_AS = FAST_KERNELS[0]
+for _input in (*PHASES, "gqa", *seeds.INPUT_CASES):
+    for _kernel in FAST_KERNELS[1:]:
+        conformance.not_judged(str(KernelCase(_input, _kernel).check_id),
+                               f"the same input as {KernelCase(_input, _JUDGED_AS).check_id}: your one kernel "
+                               "stands in for every kernel name, so it is judged once per input")
+for _phase, _kernel in OTHER_BLOCK_CASES:
+    conformance.not_judged(str(KernelCase(_phase, _kernel, OTHER_BLOCK).check_id),
+                           f"the same input as {KernelCase(_phase, _JUDGED_AS).check_id}: your kernel takes no "
+                           "block size")

@@ -173,3 +173,20 @@ def test_row_scaled_bf16_bound_kills_the_span_end_off_by_one_a_whole_output_boun
         old = whole_output.judge(kernels.get_kernel("flex")(*low.heads_first(), layout,
                                                                               scale=low.scale), ref32)
     assert new.margin >= 10 and new.margin > 4 * old.margin, (new.margin, old.margin)
+
+
+def test_under_impl_a_users_kernel_is_judged_once_per_input_not_once_per_kernel_name():
+    """--impl attention puts one kernel behind every kernel name: each input's check under the first name is judged,
+    every other name's (and the other block size's) is deselected, naming the check that judges that input."""
+    from harness import checks, conformance
+    from parity import attention_checks
+
+    ids = [c.id for c in checks.all_checks() if c.id.startswith("attention.") and c.id.endswith(".vs_sdpa")]
+    judged = [i for i in ids if conformance.judged_by(i) is None]
+    first = attention_checks.FAST_KERNELS[0]
+    assert judged and all(f".{first}.vs_sdpa" in i for i in judged), judged
+    inputs = {i.split(".")[1] for i in ids}
+    assert {i.split(".")[1] for i in judged} == inputs and len(judged) == len(inputs)  # one check per input
+    assert conformance.judged_by("attention.prefill.flex.vs_sdpa").startswith(
+        f"the same input as attention.prefill.{first}.vs_sdpa: your one kernel stands in for every kernel name")
+    assert "takes no block size" in conformance.judged_by("attention.denoise.block_padded.block64.vs_sdpa")

@@ -211,3 +211,19 @@ def test_a_raise_right_after_the_payload_gather_reaches_every_rank_at_once(world
     assert "right after the payload gather" in next(o.error for o in outcomes if o.rank == rank)
     assert len(hashes) == 1, "the group decodes bit-exactly again afterwards"
     assert took < dist_mod.ERROR_GRACE_S, f"{took:.1f} s: some rank waited out the grace period instead"
+
+
+def test_a_follow_up_decode_that_is_not_bit_exact_says_so_not_that_the_group_broke():
+    """After a fault the same decode runs again: an implementation that is simply not bit-exact is named as such,
+    with the ranks whose output differs from stock, not as a fault-handling failure."""
+    from types import SimpleNamespace
+
+    follow_up_error = decode_checks.follow_up_error
+    exact_run = [SimpleNamespace(rank=r, output=object(), sha256="a", stock_sha256="a") for r in range(3)]
+    assert follow_up_error(exact_run) is None
+    off = [SimpleNamespace(rank=0, output=object(), sha256="a", stock_sha256="a"),
+           SimpleNamespace(rank=1, output=None, sha256="", stock_sha256=""),  # gather: receives nothing
+           SimpleNamespace(rank=2, output=object(), sha256="b", stock_sha256="")]
+    assert follow_up_error(off) == ("the decode without the fault is not bit-exact with the stock decode on ranks "
+                                    "[2] (the fast path's numbers, not its fault handling: see the decode bitexact "
+                                    "checks)")
