@@ -98,10 +98,13 @@ class Verdict:
         Below k_min the check would flag the stock path's own noise; above k_max it is "too loose" to
         catch a bug of the floor's size. Both the floor and the bound are recorded beside each other. A
         ``StockFloor`` brings its stated minimum (a measured floor may be exactly zero on some hosts) and
-        records which of the two applied, so "too loose" keeps its meaning at a zero floor.
+        records which of the two applied, so "too loose" keeps its meaning at a zero floor, and its stated
+        ceiling: a floor measured above it fails the verdict (the stock path depends on the batch composition).
         """
         if isinstance(floor, StockFloor):
             verdict = self.with_metrics(**floor.metrics())
+            if math.isfinite(floor.ceiling_ulps):  # a floor above its ceiling is a bug in the stock path, not noise
+                verdict = verdict.require(not floor.above_ceiling, floor.ceiling_fact())
             return verdict.require_bounded(tolerance, floor.value, k_min=k_min, k_max=k_max, what=what)
         low, high = k_min * floor, k_max * floor
         if tolerance > high:

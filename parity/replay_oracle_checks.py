@@ -28,11 +28,11 @@ from fixtures.replay_models import tiny_model
 from harness import growth
 from harness.checks import register
 from harness.compare import Close, Verdict, close, holds, max_abs_diff, noise_floor
-from harness.floors import StockFloor
+from harness.floors import StockFloor, reduction_ceiling_ulps
 from harness.growth import growth_ratio
 from harness.replay import denoiser, oracles
 from harness.replay.conditions import Conditions, payload_rows, slice_rows
-from harness.replay.controls import fast_shape_serial, measure_batch_shape_control
+from harness.replay.controls import fast_shape_serial, measure_batch_shape_control, replay_terms
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
 from harness.replay.families import get_family
 from harness.replay.judge import ReplayRun, judge_result, require_fast_path, run_batched, run_both
@@ -53,6 +53,7 @@ DRAW_SIGMAS = 4.0  # draws: the sample mean / variance within 4 standard errors 
 DRAW_ROWS = 16
 RATIO_FLOOR_MULTIPLE, RATIO_FLOOR_ULPS = 4.0, 4.0
 ORACLE_FLOOR_ULPS = 1.0  # the fp32-vs-fp64 control's minimum: one fp32 ulp of the quantity's scale
+FORMULA_STEPS = 16  # the SDE step's elementwise operations on one element (coefficients, mean, std, log-prob)
 GROWTH_STEPS = 10  # all T steps replayed at once
 GROWTH_BATCH = 2
 
@@ -135,7 +136,11 @@ def _bounded(what: str, actual: torch.Tensor, oracle: torch.Tensor, control: flo
              scale: float) -> Verdict:
     """error <= K x control; the control (the formula in fp32 vs fp64) has a minimum of one fp32 ulp of the
     quantity's scale (a formula evaluated exactly in fp32 has error 0), and K must lie in [K_MIN, K_MAX]."""
-    floor = StockFloor(control, scale, ORACLE_FLOOR_ULPS, source="the formula in fp32 vs fp64")
+    terms = max(FORMULA_STEPS, actual[0].numel())  # a row's log-prob is a mean over its latent elements
+    floor = StockFloor(control, scale, ORACLE_FLOOR_ULPS, source="the formula in fp32 vs fp64",
+                       ceiling_ulps=reduction_ceiling_ulps(terms),
+                       ceiling_reason=f"K = {terms}: the formula's elementwise steps and a row's mean over its "
+                                      "latent elements", control="dtype")
     policy = noise_floor(floor.value, k=K_ORACLE, reason=f"{what}: fp32 rounding; {floor.describe()}")
     verdict = policy.judge(actual.double(), oracle.double(), dims=("row",), what=what)
     verdict = verdict.require(floor.value > 0 and math.isfinite(floor.value),
@@ -349,8 +354,13 @@ def ratio_stock_floor(problem: ReplayProblem, floors: tuple[float, float, float]
     resolution). The measured floor may be exactly zero: replaying on a batch-invariant host is bitwise."""
     floor, rollout_floor, batch_shape_floor = floors
     recorded = problem.segment.recorded_log_probs(problem.target)
+    terms = replay_terms(problem)
+    ceiling = {"ceiling_ulps": max(reduction_ceiling_ulps(terms), RATIO_FLOOR_ULPS),
+               "ceiling_reason": f"K = {terms}: the denoiser's Linear/Conv fan-ins and the latent's elements"} \
+        if terms else {}
     return StockFloor(floor, max(1.0, float(recorded.abs().max())), RATIO_FLOOR_ULPS,
-                      source=f"serial replay vs rollout {rollout_floor:.2e}, batch shape {batch_shape_floor:.2e}")
+                      source=f"serial replay vs rollout {rollout_floor:.2e}, batch shape {batch_shape_floor:.2e}",
+                      **ceiling)
 
 
 def pi_old_vs_rollout(problem: ReplayProblem, floors: tuple[float, float, float]) -> Verdict:

@@ -17,8 +17,8 @@ from fixtures.replay_cases import fake_problem
 from harness.ar import judge
 from harness.ar import policies as ar_policies
 from harness.attention.policies import FloorControl, RowControl, RowScaledFloor, bounded, floor_policy, rel_l2_bound
-from harness.compare import holds
-from harness.floors import StockFloor, eps
+from harness.compare import UNSTAMPED, Verdict, holds
+from harness.floors import CEILING_C, StockFloor, eps, module_reduction_terms, reduction_ceiling_ulps
 from harness.growth import GROWTH_BUDGET, judge_growth
 from harness.replay.controls import BatchShapeControl
 from harness.replay.policies import RESOLUTION, LocalScaleBound, local_scale_policy
@@ -47,6 +47,34 @@ def test_a_stock_floor_is_its_measurement_or_its_minimum_whichever_is_larger():
     for bad in ({"ulps": 0.0}, {"ulps": math.inf}, {"measured": -1.0}, {"magnitude": -1.0}):
         with pytest.raises(ValueError):
             StockFloor(**{"measured": 0.0, "magnitude": 1.0, "ulps": 1.0, **bad})
+
+
+def test_a_floor_above_its_ceiling_fails_as_a_stock_path_that_depends_on_the_batch():
+    """The ceiling is stated from the arithmetic (CEILING_C x sqrt(K) ulps of the magnitude): a floor measured above
+    it is a bug's size, not rounding, and the verdict fails saying so instead of widening its bound."""
+    assert reduction_ceiling_ulps(64) == CEILING_C * 8.0
+    rounding = StockFloor(3 * EPS, 1.0, 1.0, ceiling_ulps=reduction_ceiling_ulps(64), ceiling_reason="K = 64: test")
+    assert not rounding.above_ceiling and rounding.metrics()["floor_ceiling"] == CEILING_C * 8.0 * EPS
+    ok = Verdict(UNSTAMPED, True, {}, "p", 0.1).require_bounded(4 * rounding.value, rounding, k_min=2, k_max=8)
+    assert ok.passed and "ok: the stock floor is rounding: measured" in "; ".join(ok.notes)
+    bug = StockFloor(0.0554, 1.0, 1.0, source="the adapter at S x B rows", ceiling_ulps=reduction_ceiling_ulps(64),
+                     ceiling_reason="K = 64: test")
+    failed = Verdict(UNSTAMPED, True, {}, "p", 0.1).require_bounded(4 * bug.value, bug, k_min=2, k_max=8)
+    assert not failed.passed
+    assert failed.violated_facts[0].startswith(
+        "the stock path itself depends on the batch composition (or on what shares its forward): its floor measured "
+        "5.540e-02 on the adapter at S x B rows is above the ceiling rounding allows")
+    assert StockFloor(math.nan, 1.0, 1.0, ceiling_ulps=2.0, ceiling_reason="x").above_ceiling
+    for bad in ({"ceiling_ulps": 0.5}, {"ceiling_ulps": 4.0, "ceiling_reason": ""}):
+        with pytest.raises(ValueError):
+            StockFloor(**{"measured": 0.0, "magnitude": 1.0, "ulps": 1.0, "ceiling_reason": "x", **bad})
+
+
+def test_module_reduction_terms_count_every_linear_and_conv_fan_in():
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Conv2d(3, 4, kernel_size=3), torch.nn.Linear(16, 2))
+    assert module_reduction_terms(net) == 8 + 3 * 9 + 16
+    assert module_reduction_terms(net, sequence=40) == 8 + 27 + 16 + 40
+    assert module_reduction_terms(torch.nn.ReLU()) == 1
 
 
 def test_require_bounded_keeps_too_loose_and_too_tight_meaningful_at_a_zero_floor():
@@ -112,6 +140,9 @@ def test_replay_oracle_bound(ulps):
     oracle = torch.tensor([2.0, -4.0, 0.5], dtype=torch.float64)
     scale = float(oracle.abs().max())
     verdict = _bounded("mean", oracle + EPS * scale, oracle, ulps * EPS * scale, scale)
+    if ulps > reduction_ceiling_ulps(16):  # above the formula's ceiling (K = 16 steps here) it is not rounding
+        assert verdict.violated_facts[0].startswith("the stock computation in float32 loses more than rounding")
+        return
     assert verdict.passed, verdict.describe()
     assert verdict.metrics["bound"] >= K_ORACLE * EPS * scale
     assert verdict.metrics["floor_at_minimum"] == (ulps < 1)

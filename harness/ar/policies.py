@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from harness.compare import Policy, close, exact, max_abs_diff
-from harness.floors import StockFloor
+from harness.floors import StockFloor, module_reduction_terms, reduction_ceiling_ulps
 
 __all__ = [
     "FLOOR_ULPS",
@@ -66,14 +66,20 @@ class StockPrefillFloor:
     kv_scale: float
     rows: int = 4
     length: int = 6
+    terms: int = 0  # reduction terms one log-prob accumulates (0: no ceiling stated)
 
     def stock_floor(self, quantity: str) -> StockFloor:
-        """The floor of ``"logp"`` or ``"kv"`` (slot 0 is KV) with its stated minimum."""
+        """The floor of ``"logp"`` or ``"kv"`` (slot 0 is KV) with its stated minimum and its ceiling."""
         source = f"{self.rows} unpadded {self.length}-token prompts prefilled together vs alone"
+        ceiling = reduction_ceiling_ulps(self.terms) if self.terms else math.inf
+        why = (f"K = {self.terms}: the model's Linear fan-ins, {self.length} keys and the vocabulary's log-sum-exp"
+               if self.terms else "")
         if quantity == "logp":
-            return StockFloor(self.logp, self.logp_scale, FLOOR_ULPS, source=source)
+            return StockFloor(self.logp, self.logp_scale, FLOOR_ULPS, source=source, ceiling_ulps=ceiling,
+                              ceiling_reason=why)
         if quantity in ("kv", "slot0"):
-            return StockFloor(self.kv, self.kv_scale, FLOOR_ULPS, source=source)
+            return StockFloor(self.kv, self.kv_scale, FLOOR_ULPS, source=source, ceiling_ulps=ceiling,
+                              ceiling_reason=why)
         raise ValueError(f"a stock floor is measured for 'logp' or 'kv', got {quantity!r}")
 
     def floor(self, quantity: str) -> float:
@@ -113,9 +119,12 @@ def stock_prefill_floor(backend: Any, seed: int = 0, rows: int = 4, length: int 
     alone_kv = torch.cat([a[1] for a in alone])
     batched_logp = torch.log_softmax(batched_logits.double(), -1)
     logp = max_abs_diff(torch.log_softmax(batched_logits, -1), torch.log_softmax(alone_logits, -1))
+    model = getattr(backend, "model", None)
+    terms = (module_reduction_terms(model, sequence=length) + backend.vocab_size
+             if isinstance(model, torch.nn.Module) else 0)
     return StockPrefillFloor(logp=logp, kv=max_abs_diff(batched_kv, alone_kv), backend=backend.name,
                              logp_scale=float(batched_logp.abs().max()), kv_scale=float(batched_kv.abs().max()),
-                             rows=rows, length=length)
+                             rows=rows, length=length, terms=terms)
 
 
 def fp32_tolerance(floor: StockPrefillFloor, quantity: str, k: float = TOLERANCE_K) -> float:

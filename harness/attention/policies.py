@@ -14,13 +14,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from harness.attention.capture import Capture
 from harness.attention.reference import attend_masked, expand_kv
 from harness.compare import UNSTAMPED, NoiseFloor, Policy, Verdict, locate, max_abs_diff, noise_floor, rel_l2
-from harness.floors import StockFloor
+from harness.floors import StockFloor, reduction_ceiling_ulps
 
 __all__ = [
     "BF16_K",
@@ -84,6 +85,7 @@ class FloorControl:
     rel_l2: float
     dtype: str
     scale: float = 0.0
+    terms: int = 0  # reduction terms one output accumulates (attention_terms); 0: no ceiling stated
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -92,19 +94,36 @@ class FloorControl:
     def max_abs_floor(self) -> StockFloor:
         """The max|d| floor, at least FLOOR_ULPS ulps of the output's magnitude."""
         return StockFloor(self.max_abs, self.scale, FLOOR_ULPS, self.torch_dtype,
-                          source=f"masked SDPA {self.dtype} vs fp64")
+                          source=f"masked SDPA {self.dtype} vs fp64", **_ceiling(self.terms))
 
     def rel_l2_floor(self) -> StockFloor:
         """The relative-L2 floor, at least FLOOR_ULPS ulps of a relative quantity (magnitude 1)."""
         return StockFloor(self.rel_l2, 1.0, FLOOR_ULPS, self.torch_dtype,
-                          source=f"masked SDPA {self.dtype} vs fp64, relative L2")
+                          source=f"masked SDPA {self.dtype} vs fp64, relative L2", **_ceiling(self.terms))
+
+
+ATTENTION_TERMS = "the head dim (q.k) plus twice the keys (the softmax's sum, the weighted sum of values)"
+
+
+def _ceiling(terms: int) -> dict[str, Any]:
+    """A StockFloor's ceiling arguments for an attention output of ``terms`` reduction terms (none when 0)."""
+    if not terms:
+        return {}
+    return {"ceiling_ulps": reduction_ceiling_ulps(terms), "ceiling_reason": f"K = {terms}: {ATTENTION_TERMS}",
+            "control": "dtype"}
+
+
+def attention_terms(capture: Capture) -> int:
+    """The rounded terms one attention output accumulates: D for a score, KV for the softmax's normaliser and KV for
+    the weighted sum of values (chained, so they add)."""
+    return int(capture.query.shape[-1]) + 2 * int(capture.key.shape[1])
 
 
 def floor_control(capture: Capture, reference: torch.Tensor | None = None) -> FloorControl:
     ref = reference_output(capture) if reference is None else reference
     truth = reference_output(capture, torch.float64)
     return FloorControl(max_abs_diff(ref, truth), rel_l2(ref, truth), str(ref.dtype),  # both compare in fp64
-                        float(truth.abs().max()))  # a Capture is never empty
+                        float(truth.abs().max()), attention_terms(capture))  # a Capture is never empty
 
 
 def floor_policy(control: FloorControl, k: float = FP32_K) -> NoiseFloor:
@@ -139,11 +158,13 @@ class RowControl:
     relative: float
     worst_row: str
     dtype: str
+    terms: int = 0  # reduction terms one output accumulates (attention_terms); 0: no ceiling stated
 
     def floor(self) -> StockFloor:
         """The relative floor, at least FLOOR_ULPS ulps of ``dtype`` (a relative quantity: magnitude 1)."""
         return StockFloor(self.relative, 1.0, FLOOR_ULPS, getattr(torch, self.dtype.removeprefix("torch.")),
-                          source=f"{self.dtype} masked SDPA vs fp64, worst row {self.worst_row}")
+                          source=f"{self.dtype} masked SDPA vs fp64, worst row {self.worst_row}",
+                          **_ceiling(self.terms))
 
     @property
     def relative_floor(self) -> float:
@@ -161,7 +182,7 @@ def row_control(capture: Capture, dtype: torch.dtype, truth: torch.Tensor | None
     ratio = error / scale.clamp_min(torch.finfo(torch.float64).tiny)
     at = int(ratio.reshape(-1).argmax())
     return RowControl(float(ratio.reshape(-1)[at]), locate(at, ratio.shape, ("batch", "head", "query row")),
-                      str(dtype))
+                      str(dtype), attention_terms(capture))
 
 
 @dataclass(frozen=True)

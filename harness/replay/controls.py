@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.floors import module_reduction_terms
 from harness.replay.conditions import Conditions, Payload, concat_payloads, payload_rows, slice_rows
 from harness.replay.denoiser import DenoiserAdapter, WrappedAdapter
 from harness.replay.problem import ReplayProblem
@@ -70,6 +71,7 @@ class BatchShapeControl:
     base: ReplayResult
     grown: ReplayResult
     factor: int
+    terms: int = 0  # reduction terms one replayed value accumulates (replay_terms); 0: no ceiling stated
 
     def deviation(self, what: str) -> torch.Tensor:
         """Elementwise |grown - base| of ``what`` (fp64)."""
@@ -92,7 +94,16 @@ def fast_shape_serial(problem: ReplayProblem, steps: int | None = None) -> Repla
     return replay_serial(*problem.with_(adapter=adapter).args())
 
 
+def replay_terms(problem: ReplayProblem) -> int:
+    """The rounded terms one replayed value accumulates: every Linear and Conv fan-in of the denoiser (its forward)
+    plus the latent's elements (the log-prob's mean over them)."""
+    module = getattr(problem.adapter, "module", None)
+    if not isinstance(module, torch.nn.Module):
+        return 0  # nothing to count the forward's reductions from: no ceiling is stated
+    return module_reduction_terms(module) + int(problem.segment.latents[0, 0].numel())
+
+
 def measure_batch_shape_control(problem: ReplayProblem, factor: int | None = None) -> BatchShapeControl:
     """Run the control; ``factor`` defaults to S, the batch growth the fast path brings."""
     base = replay_serial(*problem.args())
-    return BatchShapeControl(base, fast_shape_serial(problem, factor), factor or problem.steps)
+    return BatchShapeControl(base, fast_shape_serial(problem, factor), factor or problem.steps, replay_terms(problem))

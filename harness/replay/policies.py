@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.compare import UNSTAMPED, Policy, Verdict, exact, locate
-from harness.floors import StockFloor
+from harness.floors import StockFloor, eps, reduction_ceiling_ulps
 from harness.replay.controls import BatchShapeControl
 
 __all__ = [
@@ -78,6 +78,7 @@ class LocalScaleBound(Policy):
     resolution: float
     k: float
     dtype: str = "fp32"
+    terms: int = 0  # reduction terms one replayed value accumulates (controls.replay_terms); 0: no ceiling
 
     @property
     def effective_floor(self) -> float:
@@ -88,8 +89,14 @@ class LocalScaleBound(Policy):
     def stock_floor(self) -> StockFloor:
         """The relative floor with its minimum: ``resolution`` is RESOLUTION_ULPS fp32 ulps of a relative
         quantity (magnitude 1); the control may measure exactly zero on a batch-invariant host."""
+        # the model's rounding is its dtype's: the ceiling counts model-dtype ulps, written in fp32 ulps
+        model_ulp = eps({"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.dtype, torch.float32)) / FP32_EPS
+        ceiling = ({"ceiling_ulps": max(reduction_ceiling_ulps(self.terms) * model_ulp, self.resolution / FP32_EPS),
+                    "ceiling_reason": f"K = {self.terms}: the denoiser's Linear/Conv fan-ins and the latent's "
+                                      f"elements, in {self.dtype} ulps of the local magnitude"} if self.terms else {})
         return StockFloor(self.relative_floor, 1.0, self.resolution / FP32_EPS,
-                          source="stock serial at B rows vs at the fast path's shape, relative to the local magnitude")
+                          source="stock serial at B rows vs at the fast path's shape, relative to the local magnitude",
+                          **ceiling)
 
     @property
     def relative_bound(self) -> float:
@@ -148,4 +155,4 @@ def k_for(dtype: torch.dtype) -> float:
 def local_scale_policy(control: BatchShapeControl, what: str, dtype: torch.dtype) -> LocalScaleBound:
     """The policy for ``what`` when the model runs in ``dtype``, from a stock batch-shape control."""
     k = k_for(dtype)
-    return LocalScaleBound(what, relative_floor(control, what), RESOLUTION, k, MODEL_DTYPES[dtype])
+    return LocalScaleBound(what, relative_floor(control, what), RESOLUTION, k, MODEL_DTYPES[dtype], control.terms)
