@@ -36,11 +36,56 @@ def tiny_dir(tmp_path_factory):
     return tiny_checkpoints.write_all(tmp_path_factory.mktemp("checkpoints"))
 
 
+def unwritten_kinds(written: set[str]) -> tuple[set[str], set[str]]:
+    """Kinds the gpu tier reads on this stack but no tiny checkpoint covers: (the suite's own, installed packages'
+    that registered no writer). The first is a gap in the suite; the second is named, not failed."""
+    readable = {kind for kind, feeds in KINDS.items() if compat.path_unavailable(feeds) is None}
+    without_writer = set(tiny_checkpoints.plugin_writers()[1])
+    missing = readable - written
+    return missing - without_writer, missing & without_writer
+
+
 @pytest.mark.cpu
 def test_every_kind_is_written_and_detected(tiny_dir):
+    """Every kind the gpu tier reads has a tiny checkpoint here, the suite's from fixtures/checkpoints.py and an
+    installed package's from its CheckpointKind.tiny (or its replay family's tiny_model); a package kind with
+    neither is named, since a plugin registering a kind must not turn the gate red."""
     kinds = {detect(path).kind for path in tiny_dir.values()}
-    readable = {kind for kind, feeds in KINDS.items() if compat.path_unavailable(feeds) is None}
-    assert kinds == readable, f"tiny checkpoints cover {sorted(kinds)}, the gpu tier reads {sorted(readable)}"
+    gaps, named = unwritten_kinds(kinds)
+    assert not gaps, f"tiny checkpoints cover {sorted(kinds)}; the gpu tier also reads {sorted(gaps)}"
+    if named:
+        import warnings
+
+        warnings.warn(f"checkpoint kinds {sorted(named)} registered no tiny writer (CheckpointKind.tiny): the gpu "
+                      "tier's CPU dry run does not cover them", stacklevel=1)
+
+
+@pytest.mark.cpu
+def test_an_installed_kind_is_written_from_its_own_writer_or_named(tmp_path, monkeypatch):
+    """A package's kind with a writer is written and detected like the suite's; one without is named, not failed."""
+    from harness import plugins
+
+    def write(target):
+        tiny_checkpoints.KINDS["sd3_transformer"](target)  # any diffusers DiT the registry can detect
+
+    from fixtures.replay_models import tiny_model
+    from harness import checkpoints as checkpoints_mod
+    from harness.replay import families
+
+    with_writer = plugins.CheckpointKind("sd3_from_plugin", "replay", ("SD3Transformer2DModel",), "diffusers",
+                                         family="sd3", tiny=write)
+    from_family = plugins.CheckpointKind("family_tiny_model", "replay", ("SD3Transformer2DModel",), "diffusers",
+                                         family="with_tiny_model")
+    without = plugins.CheckpointKind("nothing_to_write", "replay", ("NoSuchModel",), "diffusers", family="sd3")
+    monkeypatch.setattr(checkpoints_mod, "registered_kinds", lambda: [with_writer, from_family, without])
+    real_get = families.get_family
+    monkeypatch.setattr(families, "get_family", lambda name: type("F", (), {"tiny_model": lambda: tiny_model("sd3")})
+                        if name == "with_tiny_model" else real_get(name))
+    found, missing = tiny_checkpoints.plugin_writers()
+    assert list(found) == ["sd3_from_plugin", "family_tiny_model"] and missing == ["nothing_to_write"]
+    written = tiny_checkpoints.write_all(tmp_path, ("sd3_from_plugin", "family_tiny_model"))
+    monkeypatch.undo()  # the stand-in kinds were never registered: detect with the real registry
+    assert {detect(path).kind for path in written.values()} == {"sd3_transformer"}
 
 
 @pytest.mark.launch

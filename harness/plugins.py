@@ -12,6 +12,7 @@ import functools
 import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from harness import registry
@@ -39,7 +40,9 @@ class CheckpointKind:
 
     ``class_names`` are matched against a diffusers config's ``_class_name`` (source "diffusers") or a
     transformers config's ``architectures`` (sources "transformers" and "remote_code"); ``family`` names the
-    entry of the fed path's registry that drives it (a replay family, an AR backend, a VAE).
+    entry of the fed path's registry that drives it (a replay family, an AR backend, a VAE). ``tiny`` writes a
+    tiny random-init checkpoint of this kind into a directory, so the gpu tier's CPU dry run and its kind test
+    cover it (a replay family's ``tiny_model`` serves when it is None).
     """
 
     name: str
@@ -47,6 +50,7 @@ class CheckpointKind:
     class_names: tuple[str, ...]
     source: str
     family: str = ""
+    tiny: Callable[[Path], None] | None = None
 
 
 class PluginError(RuntimeError):

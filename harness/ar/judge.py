@@ -158,6 +158,10 @@ _JUDGES: dict[str, tuple[Callable[[Rollout, Rollout, Policy], Verdict], str]] = 
 }
 
 
+_HEADLINES = {"tokens": "tokens_equal", "logp": "logp_max_abs", "prefill_kv": "prefill_kv_max_abs",
+              "slot0": "slot0_max_abs"}
+
+
 def compare_case(what: str, fast: Rollout, ref: Rollout, policies: ARPolicies) -> Verdict:
     """Judge one quantity (``tokens``, ``logp``, ``prefill_kv``, ``slot0``) of a case; attach the AR PR's row."""
     if what not in _JUDGES:
@@ -169,7 +173,9 @@ def compare_case(what: str, fast: Rollout, ref: Rollout, policies: ARPolicies) -
     row = seed001_metrics(fast, ref)
     summary = (f"tokens {'equal' if row['tokens_equal'] else 'DIFFER'}, logp {row['logp_max_abs']:.1e}, "
                f"prefill-KV {row['prefill_kv_max_abs']:.1e}, slot0 {row['slot0_max_abs']:.1e} (max|d|)")
-    verdict = dataclasses.replace(verdict, headline="seed001", metrics={**verdict.metrics, **row, "seed001": summary})
+    # the row's headline is the quantity this check compares; the other three stand beside it in ``quantities``
+    verdict = dataclasses.replace(verdict, headline=_HEADLINES[what],
+                                  metrics={**verdict.metrics, **row, "quantities": summary})
     floor = policies.floor
     if floor is not None and policy_name != "tokens":
         verdict = require_floor_bounds(verdict, verdict.tolerance or 0.0, floor, policy_name)
