@@ -12,6 +12,7 @@ from diffusers import SanaTransformer2DModel
 
 import harness.plugins
 from fixtures.replay_cases import real_problem
+from fixtures.replay_families import family_names
 from fixtures.replay_models import LATENT_SHAPE, tiny_flux, tiny_model
 from harness.plugins import CheckpointKind
 from harness.replay import cfg, discriminating, families
@@ -21,6 +22,7 @@ from harness.replay.families import COGVIEW4, FLUX, QWEN_IMAGE, SANA, SD3, famil
 from harness.replay.families.base import distinct_lengths, padded_prompts, uncond_first_conditions
 from harness.replay.families.cogview4 import CogView4Adapter
 from harness.replay.families.flux import FluxAdapter
+from harness.replay.spy import spy_forwards
 
 pytestmark = pytest.mark.cpu
 
@@ -156,7 +158,11 @@ def test_flux_guidance_reaches_the_model():
                            problem.adapter.forward(x, timestep, other))
 
 
-@pytest.mark.parametrize("family", [family.name for family in families.SHIPPED])
+# every registered family, shipped or installed: a plugin family gets these unit tests as it gets the catalogue
+REGISTERED = family_names()
+
+
+@pytest.mark.parametrize("family", REGISTERED)
 def test_a_missing_shared_field_is_refused_by_name_or_unused(family):
     """Dropping any shared field either leaves the velocity bit-for-bit as it was (the forward does not read it)
     or is refused with an error naming the field, never a bare KeyError from inside the model call."""
@@ -192,6 +198,25 @@ def test_a_latent_that_does_not_fit_the_patch_size_is_refused_before_the_model_r
     with pytest.raises(ValueError, match=rf"latents of shape \(3, 4, {height - 1}, {width}\) do not fit the model's "
                                          rf"patch size {patch}: the spatial dims \({height - 1}, {width}\) must"):
         problem.adapter.forward(x, timestep, broadcast_rows(problem.conditions))
+
+
+@pytest.mark.parametrize("family", REGISTERED)
+def test_every_registered_adapter_refuses_latents_one_short_or_keeps_their_shape(family):
+    """Latents one row (or one packed token) short of the family's latent shape are either refused with a
+    ValueError naming the short size, before the transformer runs, or (a patch that divides any size) denoised at
+    their own shape: never silently cropped."""
+    problem = real_problem(family, 1)
+    shape = list(problem.adapter.latent_shape)
+    shape[-2 if len(shape) >= 3 else 0] -= 1
+    x = torch.zeros(problem.conditions.batch, *shape)
+    timestep = problem.adapter.timestep(torch.full((x.shape[0],), 0.5))
+    with spy_forwards(problem.adapter.module) as spy:
+        outcome = _forward_or_refusal(problem.adapter, x, timestep, broadcast_rows(problem.conditions))
+    if isinstance(outcome, str):
+        assert str(shape[-2 if len(shape) >= 3 else 0]) in outcome, f"{family}: {outcome}"
+        assert spy.batch_sizes == [], f"{family}: the transformer ran before the refusal"
+    else:
+        assert tuple(outcome.shape) == tuple(x.shape), f"{family}: {tuple(x.shape)} came back {tuple(outcome.shape)}"
 
 
 def test_packed_latents_of_another_size_are_refused_by_qwen_image():
@@ -248,9 +273,9 @@ def test_rows_that_require_grad_or_are_strided_views_are_keyed_by_their_values()
     assert discriminating.first_repeat([learned[0], learned[1]]) == (0, 1)
 
 
-@pytest.mark.parametrize("family", [f.name for f in families.SHIPPED])
+@pytest.mark.parametrize("family", REGISTERED)
 @pytest.mark.parametrize("seed", [0, 102])
-def test_every_shipped_family_draws_discriminating_conditions(family, seed):
+def test_every_registered_family_draws_discriminating_conditions(family, seed):
     registered = get_family(family)
     adapter = registered.adapter(tiny_model(family))
     for batch in (1, 2, 3):
@@ -293,8 +318,9 @@ def test_rows_held_as_python_values_are_told_apart_by_value_and_tensors_inside_t
     assert discriminating.problems(nested) == []  # -0.0 is another row than 0.0: bytes, not ==
 
 
-@pytest.mark.parametrize("family", [SD3, FLUX, QWEN_IMAGE, COGVIEW4, SANA], ids=lambda f: f.name)
-def test_every_shipped_adapter_refuses_a_cfg_other_than_one_or_two_when_building_conditions(family):
+@pytest.mark.parametrize("name", REGISTERED)
+def test_every_registered_adapter_refuses_a_cfg_other_than_one_or_two_when_building_conditions(name):
+    family = get_family(name)
     adapter = family.adapter(tiny_model(family.name))
     prompts = adapter.example_prompts(2, 2, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="cfg must be 1 .* got 3"):
