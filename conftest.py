@@ -2,14 +2,24 @@
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
+from harness import host
+
 pytest_plugins = ["harness.plugin", "pytester"]
 
-# A fixed intra-op thread count: measured noise floors depend on the GEMM reduction split, so the
-# same command gives the same report on any machine (world ranks run one thread each).
-torch.set_num_threads(int(os.environ.get("PARITY_THREADS", "2")))
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A fixed intra-op thread count: measured noise floors depend on the GEMM reduction split, so the same
+    command gives the same report on any machine (world ranks run one thread each). Set before collection builds
+    any model; a malformed PARITY_THREADS is a usage error naming it."""
+    try:
+        torch.set_num_threads(host.threads_from_environment())
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
+
 
 # "ci" (the default) is derandomised, so the same command draws the same examples and writes the same report
 # on every run and host; "dev" explores (HYPOTHESIS_PROFILE=dev), for a session hunting new counterexamples.

@@ -10,7 +10,9 @@ error listing what is supported, never a silently skipped tier.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -206,7 +208,46 @@ def _read_config(path: Path) -> dict[str, Any]:
                               ("auto_map", "an object", lambda v: isinstance(v, dict))):
         if config.get(key) is not None and not ok(config[key]):  # null reads as absent, as transformers reads it
             raise CheckpointError(f"{where}: {key} must be {expected}, got a JSON {_json_type(config[key])}")
+    bad = _first_non_finite(config)
+    if bad is not None:  # Python's json reads NaN and Infinity, which no model config means
+        field_name, value = bad
+        raise CheckpointError(f"{where}: field {field_name} is {value}; a model config holds finite numbers")
     return config
+
+
+def _first_non_finite(value: Any, where: str = "") -> tuple[str, float] | None:
+    """The first NaN or infinite number in a parsed JSON value, with its field path ('a.b[2]'), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(where), value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, inner in items:
+        found = _first_non_finite(inner, f"{where}[{key}]" if isinstance(key, int) else
+                                  f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def null_fields(checkpoint: Checkpoint) -> list[str]:
+    """config.json fields that are null where the diffusers model being loaded takes a value (its constructor's
+    default is not None): diffusers hands config fields to the constructor as they are, so the loader would fail
+    deep inside the model's code, naming nothing. A transformers config is left to its config class, which reads
+    many nulls as "unset" by design (``sliding_window``, ``bos_token_id``), and remote code is never imported
+    to read its defaults."""
+    if checkpoint.source != "diffusers":
+        return []
+    import diffusers
+
+    cls = getattr(diffusers, checkpoint.class_name, None)
+    if cls is None:
+        return []
+    try:
+        parameters = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return []
+    return [name for name, value in checkpoint.config.items()
+            if value is None and name in parameters
+            and parameters[name].default not in (None, inspect.Parameter.empty)]
 
 
 def _json_type(value: Any) -> str:
@@ -328,6 +369,11 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device 
     modeling code loads only when ``trust_remote_code`` (default: the run's --trust-remote-code) allows it.
     """
     require_trust(checkpoint, trust_remote_code)
+    nulls = null_fields(checkpoint)
+    if nulls:
+        fields = f"field {nulls[0]!r} is" if len(nulls) == 1 else f"fields {', '.join(map(repr, nulls))} are"
+        raise CheckpointError(f"checkpoint {checkpoint.path}: config.json {fields} null where "
+                              f"{checkpoint.class_name} takes a value (its default is not null)")
     placement = device_maps.resolve(checkpoint.path, dtype, device, device_map)
     placing = placement.loader_kwargs() if placement is not None else {}
     try:

@@ -15,9 +15,11 @@ with its reason as "not judged", never reported as a pass.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import fnmatch
 import functools
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -25,8 +27,8 @@ from harness import carried
 from harness.paths import PATHS
 from harness.registry import Registry, load_ref, split_ref
 
-__all__ = ["PATHS", "SIGNATURES", "active", "add_calls", "applied", "call_counts", "calls", "clear", "judged_by",
-           "load_callable", "not_judged", "resolve", "specs", "use"]
+__all__ = ["PATHS", "SIGNATURES", "active", "add_calls", "applied", "call_counts", "calls", "check_signature", "clear",
+           "contract_call", "judged_by", "load_callable", "not_judged", "resolve", "specs", "use"]
 
 SIGNATURES = {
     "replay": "replay_batched(adapter, conditions, segment, strategy, target, guidance=None, config=None)",
@@ -72,11 +74,44 @@ def load_callable(spec: str) -> Callable[..., Any]:
     return target
 
 
+# keyword arguments of the contract that every call passes (the others only when they differ from the default:
+# decode's transport and dst go to the checks of gather-to-one, where an implementation without them fails)
+ALWAYS_PASSED = {"attention": ("scale",)}
+
+
+def contract_call(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The call every check makes on ``path``'s implementation, read from SIGNATURES (parsed, never run): the
+    arguments it passes by position, then the keywords every call passes (ALWAYS_PASSED)."""
+    tree = ast.parse(f"def {SIGNATURES[path]}: pass")
+    function = tree.body[0]
+    assert isinstance(function, ast.FunctionDef)
+    keywords = tuple(a.arg for a in function.args.kwonlyargs if a.arg in ALWAYS_PASSED.get(path, ()))
+    return tuple(a.arg for a in function.args.args), keywords
+
+
+def check_signature(path: str, spec: str, fn: Callable[..., Any]) -> None:
+    """``fn`` can take the call the catalogue makes on ``path``, or a ValueError naming the contract and the
+    mismatch: a wrong callable stops the run at configure time, not as a TypeError inside the first check."""
+    contract = SIGNATURES[path]
+    positional, keywords = contract_call(path)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise ValueError(f"implementation {spec!r}: its signature cannot be read, so it cannot be checked against "
+                         f"the {path} contract {contract}; wrap it in a Python function with that signature") from None
+    try:
+        signature.bind(*positional, **dict.fromkeys(keywords))
+    except TypeError as err:
+        raise ValueError(f"implementation {spec!r}{signature} cannot take the {path} contract's call {contract}: "
+                         f"{err}") from None
+
+
 def use(path: str, spec: str) -> None:
-    """Put ``spec`` under test for ``path`` (checked now, so a typo stops the run before any check)."""
+    """Put ``spec`` under test for ``path`` (checked now, so a typo or a callable of another signature stops the
+    run before any check)."""
     if path not in PATHS:
         raise ValueError(f"--impl {path}={spec}: unknown path {path!r}; expected one of {', '.join(PATHS)}")
-    load_callable(spec)
+    check_signature(path, spec, load_callable(spec))
     _SPECS[path] = spec
 
 

@@ -55,6 +55,26 @@ def _device() -> dict[str, Any]:
             "cuda": torch.version.cuda or "", "capability": ".".join(map(str, torch.cuda.get_device_capability(0)))}
 
 
+THREADS_ENV = "PARITY_THREADS"
+DEFAULT_THREADS = 2
+
+
+def threads_from_environment() -> int:
+    """The CPU tier's intra-op thread count, ``PARITY_THREADS`` (default 2): measured floors depend on the
+    reduction split, so it is fixed per run. Anything but a positive integer is a ValueError naming the variable."""
+    text = os.environ.get(THREADS_ENV, "").strip()
+    if not text:
+        return DEFAULT_THREADS
+    try:
+        threads = int(text)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ValueError(f"{THREADS_ENV}={os.environ[THREADS_ENV]!r}: expected a positive integer (the CPU tier's "
+                         f"intra-op threads; default {DEFAULT_THREADS})")
+    return threads
+
+
 def fingerprint() -> dict[str, Any]:
     """The host as JSON-ready data: library builds, the ISA each was told to use, CPU, threads, device."""
     model, flags = _cpu()

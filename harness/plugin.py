@@ -410,7 +410,9 @@ def validate_inputs(config: pytest.Config) -> list[checkpoints.Checkpoint]:
     capture = config.getoption("capture_dir")
     if capture is not None:
         if not Path(capture).is_dir():
-            raise pytest.UsageError(f"--capture-dir {capture}: no such directory")
+            from harness.attention.capture import not_a_file
+
+            raise pytest.UsageError(f"--capture-dir {not_a_file(Path(capture), 'a directory of capture files')}")
         _validate_captures(f"--capture-dir {capture}", Path(capture))
     if _writes_reports():
         for path in config.getoption("parity_report") or []:

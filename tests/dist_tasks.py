@@ -31,8 +31,9 @@ def pid() -> int:
     return os.getpid()
 
 
-def double(x: int) -> int:
-    """An implementation under test for the conformance counting test (importable in a spawned rank)."""
+def double(x: int, key: object = None, value: object = None, layout: object = None, *, scale: object = None) -> int:
+    """An implementation under test for the conformance counting test (importable in a spawned rank), shaped like
+    the attention contract it stands in for."""
     return 2 * x
 
 

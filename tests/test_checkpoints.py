@@ -2,11 +2,13 @@
 
 import json
 import os
+import re
 
 import pytest
+import torch
 
 from harness import checkpoints, plugins
-from harness.checkpoints import CheckpointError, detect
+from harness.checkpoints import CheckpointError, detect, load_model, null_fields
 from harness.plugins import CheckpointKind
 
 pytestmark = pytest.mark.cpu
@@ -182,3 +184,29 @@ def test_a_config_past_the_size_limit_is_refused_unread_and_one_at_it_is_read(tm
             detect(target)
         assert (f"is {size} bytes; a model config is a small JSON object (at most {limit} bytes read)"
                 in str(caught.value)) is refused, caught.value
+
+
+@pytest.mark.parametrize(("text", "field_name", "value"), [
+    ('{"_class_name": "SD3Transformer2DModel", "sample_size": NaN}', "'sample_size'", "nan"),
+    ('{"_class_name": "SD3Transformer2DModel", "scale": {"shift": [1.0, Infinity]}}', "'scale.shift[1]'", "inf"),
+])
+def test_a_config_number_that_is_not_finite_is_refused_naming_the_field(tmp_path, text, field_name, value):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=rf"config.json: field {re.escape(field_name)} is {value}; a model "
+                                              "config holds finite numbers"):
+        detect(tmp_path)
+
+
+def test_a_null_field_the_class_takes_a_value_for_is_refused_before_loading_naming_it(tmp_path):
+    """A null where the model's constructor has a non-null default fails inside the model code, naming nothing;
+    it is refused before any load, naming the field. A null the class accepts as its default is not."""
+    from fixtures import checkpoints as tiny_checkpoints
+
+    tiny_checkpoints.KINDS["sd3_transformer"](tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "patch_size": None, "qk_norm": None}))
+    found = detect(tmp_path)
+    assert null_fields(found) == ["patch_size"]  # qk_norm defaults to None: a null there is the default
+    with pytest.raises(CheckpointError, match=r"config.json field 'patch_size' is null where SD3Transformer2DModel "
+                                              r"takes a value"):
+        load_model(found, torch.float32, "cpu")

@@ -23,11 +23,11 @@ def stock(x):
 '''
 
 USER_IMPL = '''
-def right(x):
+def right(x, key=None, value=None, layout=None, *, scale=None):  # shaped like the attention contract
     return [v * 2 for v in x]
 
 
-def off_by_one(x):
+def off_by_one(x, key=None, value=None, layout=None, *, scale=None):
     return [v * 2 + 1 for v in x]
 
 
@@ -260,11 +260,37 @@ def test_calls_made_inside_spawned_ranks_are_counted_even_when_the_call_raises()
                                  "no attribute 'nope'"),
     ("attention=no_such_module:f", "module 'no_such_module' cannot be imported"),
     ("attention=user_impl:not_callable", "'not_callable' is not callable"),
+    ("replay=os:system", "implementation 'os:system'(command) cannot take the replay contract's call "
+                         "replay_batched(adapter, conditions, segment, strategy, target, guidance=None, config=None): "
+                         "too many positional arguments"),
+    ("attention=builtins:__import__", "cannot take the attention contract's call kernel(query, key, value, layout, *, "
+                                      "scale=None): got an unexpected keyword argument 'scale'"),
 ])
 def test_a_bad_spec_is_a_usage_error_naming_it(suite, given, message):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", given)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert message in result.stderr.str()
+
+
+@pytest.mark.cpu
+def test_the_contract_call_of_every_path_binds_only_a_callable_that_can_take_it():
+    from harness import conformance
+
+    assert conformance.contract_call("decode") == (("vae", "z", "group"), ())  # transport, dst: only when not default
+    assert conformance.contract_call("attention") == (("query", "key", "value", "layout"), ("scale",))
+
+    def kernel(q, k, v, layout, *, scale=None): ...
+    def flexible(*args, **kwargs): ...
+    def renamed_scale(q, k, v, layout, *, softmax_scale=None): ...
+    def decode_without_transport(vae, z, group): ...  # judged by the all-gather checks, failing the gather ones
+
+    conformance.check_signature("attention", "m:kernel", kernel)
+    conformance.check_signature("attention", "m:flexible", flexible)
+    conformance.check_signature("decode", "m:decode_without_transport", decode_without_transport)
+    with pytest.raises(ValueError, match="unexpected keyword argument 'scale'"):
+        conformance.check_signature("attention", "m:renamed_scale", renamed_scale)
+    with pytest.raises(ValueError, match="missing a required argument: 'extra'"):
+        conformance.check_signature("ar", "m:more", lambda backend, batch, steps, eos, extra: None)
 
 
 @pytest.mark.cpu

@@ -41,13 +41,13 @@ def test_entry_points_register_once_in_name_order_and_failures_name_the_plugin()
 
 def test_implementation_under_test_is_counted_and_bad_specs_are_named():
     try:
-        conformance.use("attention", "harness.compare:sha256")
+        conformance.use("attention", "tests.dist_tasks:double")  # shaped like the attention contract
         fn = conformance.resolve("attention", default=len)
-        assert fn is not len and conformance.active("attention") == "harness.compare:sha256"
-        import torch
-
-        fn(torch.zeros(2))
+        assert fn is not len and conformance.active("attention") == "tests.dist_tasks:double"
+        assert fn(2) == 4
         assert conformance.calls("attention") == 1
+        with pytest.raises(ValueError, match="cannot take the attention contract's call"):
+            conformance.use("attention", "harness.compare:sha256")
         assert conformance.resolve("decode", default=len) is len
         with pytest.raises(ValueError, match="unknown path 'video'"):
             conformance.use("video", "harness.compare:sha256")

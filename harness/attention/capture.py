@@ -15,6 +15,7 @@ file of a directory, headers and data, so a run stops on a bad file before any c
 from __future__ import annotations
 
 import io
+import os
 import re
 import zipfile
 import zlib
@@ -160,9 +161,25 @@ _READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, K
 _ZIP_STARTS = (b"PK\x03\x04", b"PK\x05\x06")
 
 
+def not_a_file(path: Path, expected: str) -> str:
+    """What ``path`` is, in words, when it is not the regular file (or directory) ``expected`` names."""
+    if path.is_symlink():
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:
+            return f"{path} is a symlink loop; expected {expected}"
+        except OSError:
+            return f"{path} is a symlink to {os.readlink(path)}, which does not exist; expected {expected}"
+    if path.is_dir():
+        return f"{path} is a directory; expected {expected}"
+    if path.exists():
+        return f"{path} is not a regular file (a device, a socket or a pipe); expected {expected}"
+    return f"{path} does not exist; expected {expected}"
+
+
 def _open_archive(path: Path) -> zipfile.ZipFile:
     if not path.is_file():
-        raise ValueError(f"capture file {path} does not exist")
+        raise ValueError(f"capture file {not_a_file(path, 'an npz archive')}")
     if not zipfile.is_zipfile(path):  # never handed to np.load, which would offer to unpickle it
         raise _unreadable(path, "not an npz archive (no zip directory: garbage, or truncated)")
     with path.open("rb") as fh:
@@ -258,6 +275,26 @@ def validate_file(path: str | Path) -> None:
         check_shapes(str(path), shapes)
         for info in archive.infolist():
             _check_data(path, archive, info)
+    check_values(path)
+
+
+def check_values(path: Path) -> None:
+    """Data that parses but cannot be attention: a NaN or infinite q/k/v, or a query row whose mask admits no key
+    (its softmax is 0/0). Named with the file, the array and the first bad position, before any check runs."""
+    with np.load(path, allow_pickle=False) as z:
+        for name in ("query", "key", "value"):
+            array = z[name]
+            bad = ~np.isfinite(array)
+            if bad.any():
+                at = tuple(int(i) for i in np.argwhere(bad)[0])
+                kind = "NaN" if np.isnan(array[at]) else "an infinite value"
+                raise ValueError(f"capture {path}: array {name!r} holds {kind} at (batch, seq, head, dim) = {at}; "
+                                 "a capture holds finite q, k and v")
+        empty = ~z["mask"].any(axis=-1)
+        if empty.any():
+            batch, _, row = (int(i) for i in np.argwhere(empty)[0])
+            raise ValueError(f"capture {path}: mask row {row} of batch {batch} admits no key (all False); every "
+                             "query must see at least one key")
 
 
 def _check_data(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> None:
@@ -316,7 +353,7 @@ def find_captures(directory: str | Path) -> list[Path]:
     """The ``call<N>_rank<R>.npz`` files of a capture directory, ordered by (call, rank)."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise ValueError(f"capture directory {directory} does not exist")
+        raise ValueError(f"capture directory {not_a_file(directory, 'a directory of capture files')}")
     found = [(int(m[1]), int(m[2]), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
     if not found:
         raise ValueError(f"capture directory {directory} holds no call<N>_rank<R>.npz files")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import pickle
 import re
 import struct
@@ -232,3 +233,45 @@ def test_validation_applies_the_shape_rules_to_a_file_s_headers(tmp_path):
     with pytest.raises(ValueError, match=rf"capture {re.escape(str(path))}: 3 query heads are not a multiple of 2 "
                                          "key/value heads"):
         capture_io.validate_file(path)
+
+
+@pytest.mark.parametrize(("array", "value", "kind"), [("key", math.nan, "NaN"),
+                                                      ("value", -math.inf, "an infinite value"),
+                                                      ("query", math.inf, "an infinite value")])
+def test_a_capture_holding_a_non_finite_value_is_refused_naming_the_array_and_its_first_position(
+        tmp_path, array, value, kind):
+    arrays = dict(zip(("query", "key", "value", "mask"), (t.numpy() for t in _tensors()), strict=True))
+    arrays[array][0, 2, 1, 3] = value
+    arrays[array][0, 4 if array != "query" else 2, 1, 3] = value
+    path = tmp_path / "call0_rank0.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(ValueError, match=rf"capture {re.escape(str(path))}: array '{array}' holds {kind} at "
+                                         r"\(batch, seq, head, dim\) = \(0, 2, 1, 3\)"):
+        capture_io.validate_file(path)
+
+
+def test_a_query_row_whose_mask_admits_no_key_is_refused_naming_the_row(tmp_path):
+    q, k, v, mask = (t.numpy() for t in _tensors(q_len=4))
+    mask[0, 0, 2] = False
+    path = tmp_path / "call0_rank0.npz"
+    np.savez(path, query=q, key=k, value=v, mask=mask)
+    with pytest.raises(ValueError, match=rf"capture {re.escape(str(path))}: mask row 2 of batch 0 admits no key "
+                                         r"\(all False\); every query must see at least one key"):
+        capture_io.validate_file(path)
+
+
+def test_a_capture_path_that_is_a_directory_or_a_symlink_loop_says_so(tmp_path):
+    (tmp_path / "call0_rank0.npz").mkdir()
+    with pytest.raises(ValueError, match=r"call0_rank0.npz is a directory; expected an npz archive"):
+        capture_io.validate_file(tmp_path / "call0_rank0.npz")
+    loop = tmp_path / "call1_rank0.npz"
+    loop.symlink_to(loop)
+    with pytest.raises(ValueError, match=r"call1_rank0.npz is a symlink loop; expected an npz archive"):
+        capture_io.validate_file(loop)
+    dangling = tmp_path / "call2_rank0.npz"
+    dangling.symlink_to(tmp_path / "gone.npz")
+    with pytest.raises(ValueError, match=r"call2_rank0.npz is a symlink to .*gone.npz, which does not exist"):
+        capture_io.validate_file(dangling)
+    with pytest.raises(ValueError, match=r"capture directory .*call1_rank0.npz is a symlink loop; expected a "
+                                         "directory of capture files"):
+        capture_io.find_captures(loop)
