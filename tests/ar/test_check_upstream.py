@@ -100,7 +100,10 @@ def test_the_summary_reads_verdicts_kills_and_the_named_routing_cause() -> None:
         {"id": "ar.gpu.batched_vs_b1[gen2_moe-fp32]", "passed": False, "margin": "inf", "headline": "max_abs",
          "metrics": {"logp_max_abs": 0.75, "moe_routing": routing}},
         {"id": "ar.gpu.batched_vs_b1[gen1_dense-bf16]", "passed": True, "margin": 0.1, "headline": "max_abs",
-         "metrics": {"kl_per_row": [1e-4, 6e-4], "moe_routing": "no MoE layer"}}],
+         "metrics": {"kl_per_row": [1e-4, 6e-4], "moe_routing": "no MoE layer"}},
+        {"id": "ar.gpu.batched_vs_b1[gen2_moe-bf16]", "passed": False, "margin": 0.125, "headline": "max_abs",
+         "violated": ["MoE routing ignores what shares a forward"],
+         "metrics": {"kl_per_row": [0.25], "moe_routing": routing}}],
         "ablations": [{"name": "ar.decode_mask_removed", "kills": [
             {"check": "ar.gpu.batched_vs_b1[gen1_dense-bf16]", "killed": True, "margin": 463.0, "mode": "tolerance"}]}]}
     rows = check_upstream.summarize(data)
@@ -109,6 +112,8 @@ def test_the_summary_reads_verdicts_kills_and_the_named_routing_cause() -> None:
     assert failed["headline"] == "logp|d| 7.50e-01" and failed["kills"] == []
     assert (passed["passed"], passed["headline"], passed["why"]) == (True, "KL 6.00e-04", "")
     assert passed["kills"] == [("ar.decode_mask_removed", True, 463.0, "tolerance")]
+    by_fact = rows[("gen2_moe", "bf16")]  # its numbers alone pass (margin 0.125): the row says a fact failed
+    assert (by_fact["passed"], by_fact["margin"], by_fact["why"]) == (False, "fact", routing)
 
 
 @pytest.mark.launch
