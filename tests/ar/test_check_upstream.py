@@ -191,3 +191,21 @@ def test_one_generation_at_a_time_asked_named_by_config_or_the_current_one(tmp_p
     assert check_upstream.choose_generations(tmp_path, [1], None) == ([1], {})
     with pytest.raises(ValueError, match=r"--generation 2, but the directory holds generation\(s\) \[1\] only"):
         check_upstream.choose_generations(tmp_path, [1], 2)
+
+
+@pytest.mark.launch
+@pytest.mark.skipif(compat.has_module("transformers.modeling_attn_mask_utils"),
+                    reason="transformers 4.x runs HunyuanImage-3: this is the 5.x lane's refusal")
+def test_a_gpu_run_on_transformers_5_given_a_hunyuan_image3_checkpoint_judges_nothing_and_exits_non_zero(tmp_path):
+    """Every item of a HunyuanImage-3 checkpoint skips on 5.x with the generation's reason; a lane that judged
+    nothing must not read green."""
+    from fixtures import checkpoints as tiny_checkpoints
+
+    path = tiny_checkpoints.write_all(tmp_path, ("hunyuan_image3_gen2",))["hunyuan_image3_gen2"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "--device",
+                           "cpu", f"--checkpoint={path}", "--trust-remote-code", "gpu/test_gpu.py"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert f"--checkpoint={path}: no check ran on it" in done.stdout
+    assert "HunyuanImage-3 generation 2 (modeling_hunyuan_image_3.py) imports transformers.modeling_attn_mask_utils" \
+        in done.stdout
