@@ -26,12 +26,17 @@ from __future__ import annotations
 import torch
 from diffusers import PixArtTransformer2DModel
 
-from harness.plugins import CheckpointKind
-from harness.replay import cfg as cfg_combines
-from harness.replay.conditions import Conditions
-from harness.replay.denoiser import UNCOND_FIRST
-from harness.replay.families import ModelAdapter, PipelineSpec, ReplayFamily
-from harness.replay.families.base import padded_prompts, uncond_first_conditions
+from harness.replay.toolkit import (
+    STANDARD,
+    UNCOND_FIRST,
+    CheckpointKind,
+    Conditions,
+    ModelAdapter,
+    PipelineSpec,
+    ReplayFamily,
+    padded_prompts,
+    uncond_first_conditions,
+)
 
 __all__ = ["CHECKPOINT_KIND", "FAMILY", "PIPELINE", "PixArtAdapter", "tiny_pixart"]
 
@@ -51,7 +56,7 @@ class PixArtAdapter(ModelAdapter):
     """PixArt's calling convention: caption embeddings and their padding mask per row, uncond-first CFG."""
 
     cfg_layout = UNCOND_FIRST
-    cfg_combine = cfg_combines.STANDARD
+    cfg_combine = STANDARD
     channel_dim = 1
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
