@@ -845,6 +845,14 @@ def _item_error(call: pytest.CallInfo[None], rep: pytest.TestReport) -> str:
     return rep.longreprtext.strip().splitlines()[-1][:400]
 
 
+def failed_elsewhere(label: str, failed_ranks: list[tuple[int, str]], here: int | None) -> Unfinished:
+    """An item that passed on this rank and failed on others: the first other rank's own error, and only the
+    ranks where it failed (not this one)."""
+    others = [(r, text) for r, text in failed_ranks if r != here] or failed_ranks
+    return Unfinished(label, "failed", f"rank {others[0][0]}: {_first_line(others[0][1])}", "failed on another rank",
+                      tuple(r for r, _ in others))
+
+
 def _record_item(item: pytest.Item, call: pytest.CallInfo[None], rep: pytest.TestReport,
                  failed_ranks: list[tuple[int, str]]) -> None:
     """A parity item that failed or skipped without its check recording why: the report gets the item's reason."""
@@ -862,7 +870,5 @@ def _record_item(item: pytest.Item, call: pytest.CallInfo[None], rep: pytest.Tes
         outcome = unfinished(label, call.excinfo.value)
     else:  # passed here, failed on other ranks (torchrun): the first of their own errors
         here = launch.joined()
-        others = [(r, text) for r, text in failed_ranks if here is None or r != here.rank] or failed_ranks
-        outcome = Unfinished(label, "failed", f"rank {others[0][0]}: {_first_line(others[0][1])}",
-                             "failed on another rank", tuple(r for r, _ in others))
+        outcome = failed_elsewhere(label, failed_ranks, None if here is None else here.rank)
     session.record_item(label, ablation_name, outcome, override=bool(failed_ranks) and not rep.skipped)

@@ -154,6 +154,14 @@ def test_a_stuck_rank_is_the_one_a_failed_row_names_not_the_ranks_that_waited_fo
     assert got.reason.endswith("rank 2: stuck: did not reach all_gather #1 within 20 s (last seen in decoding)")
 
 
+def test_an_item_that_passed_here_and_failed_elsewhere_shows_the_failing_rank_s_own_error():
+    failed = [(0, "WorldTaskError: task t: rank 2 did not reach all_gather #1 within 20 s"),
+              (2, "WorldTaskError: task t: rank 2 did not reach all_gather #1 within 20 s")]
+    got = plugin.failed_elsewhere("decode.gpu.bitexact", failed, here=0)
+    assert got == Unfinished("decode.gpu.bitexact", "failed", "rank 2: WorldTaskError: task t: rank 2 did not reach "
+                             "all_gather #1 within 20 s", "failed on another rank", (2,))
+
+
 def test_a_report_path_that_breaks_during_the_run_does_not_stop_the_others(outcomes):
     """Checked at configure, a path can still go away before the end: the others are written, the table printed."""
     outcomes.makepyfile(test_breaks='''
