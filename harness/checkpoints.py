@@ -14,6 +14,8 @@ import inspect
 import json
 import math
 import os
+import types
+import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -29,8 +31,8 @@ from harness.paths import PATHS
 from harness.plugins import CheckpointKind
 
 __all__ = ["KINDS", "SHIPPED_KINDS", "SOURCES", "TRUST_FLAG", "Checkpoint", "CheckpointError", "detect",
-           "kind_for_family", "load_model", "register", "registered_kinds", "remote_code_ran", "require_trust",
-           "supported", "trust_remote_code", "trusted"]
+           "kind_for_family", "load_model", "not_a_file", "null_fields", "refuse_null_fields", "register",
+           "registered_kinds", "remote_code_ran", "require_trust", "supported", "trust_remote_code", "trusted"]
 
 CAPTURE_GLOB = "call*_rank*.npz"
 FEEDS = PATHS  # a checkpoint feeds one of the paths
@@ -229,13 +231,14 @@ def _first_non_finite(value: Any, where: str = "") -> tuple[str, float] | None:
 
 
 def null_fields(checkpoint: Checkpoint) -> list[str]:
-    """config.json fields that are null where the diffusers model being loaded takes a value (its constructor's
-    default is not None): diffusers hands config fields to the constructor as they are, so the loader would fail
-    deep inside the model's code, naming nothing. A transformers config is left to its config class, which reads
-    many nulls as "unset" by design (``sliding_window``, ``bos_token_id``), and remote code is never imported
-    to read its defaults."""
-    if checkpoint.source != "diffusers":
-        return []
+    """config.json fields that are null where the diffusers model being loaded takes a value: diffusers hands
+    config fields to the constructor as they are, so the loader would fail deep inside the model's code, naming
+    nothing. A null is the model's own when its parameter defaults to None or is annotated to admit None
+    (``out_channels: int | None = 16`` reads null as "same as in_channels"). A transformers config is left to its
+    config class, which reads many nulls as "unset" by design even where its default is a value (Mistral's
+    ``sliding_window``), and remote code is never imported to read its defaults."""
+    if checkpoint.source != "diffusers" or None not in checkpoint.config.values():
+        return []  # diffusers is imported only for a config that holds a null
     import diffusers
 
     cls = getattr(diffusers, checkpoint.class_name, None)
@@ -246,8 +249,38 @@ def null_fields(checkpoint: Checkpoint) -> list[str]:
     except (TypeError, ValueError):
         return []
     return [name for name, value in checkpoint.config.items()
-            if value is None and name in parameters
-            and parameters[name].default not in (None, inspect.Parameter.empty)]
+            if value is None and name in parameters and _takes_a_value(parameters[name])]
+
+
+def _takes_a_value(parameter: inspect.Parameter) -> bool:
+    """Whether a constructor parameter cannot be None: its default is a value (or it has none) and its annotation,
+    when it has one, does not admit None. An unannotated parameter without a default says nothing either way."""
+    empty = inspect.Parameter.empty
+    if parameter.default is None or (parameter.default is empty and parameter.annotation is empty):
+        return False
+    return not _admits_none(parameter.annotation)
+
+
+def _admits_none(annotation: Any) -> bool:
+    if annotation is inspect.Parameter.empty:
+        return False
+    if isinstance(annotation, str):  # a module with postponed annotations: read the text, never evaluate it
+        return "None" in annotation or "Optional" in annotation or annotation in ("Any", "typing.Any")
+    if annotation is Any or annotation is None or annotation is type(None):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # Optional[X], X | None
+        return any(_admits_none(arg) for arg in typing.get_args(annotation))
+    return False
+
+
+def refuse_null_fields(checkpoint: Checkpoint) -> None:
+    """A CheckpointError naming the config.json fields ``null_fields`` finds, before anything loads."""
+    nulls = null_fields(checkpoint)
+    if nulls:
+        fields = f"field {nulls[0]!r} is" if len(nulls) == 1 else f"fields {', '.join(map(repr, nulls))} are"
+        admits = "its parameter does" if len(nulls) == 1 else "those parameters do"
+        raise CheckpointError(f"checkpoint {checkpoint.path}: config.json {fields} null where "
+                              f"{checkpoint.class_name} takes a value ({admits} not default to or admit None)")
 
 
 def _json_type(value: Any) -> str:
@@ -283,6 +316,8 @@ def _match(kind: CheckpointKind, names: list[str]) -> str | None:
 def detect(path: str | Path) -> Checkpoint:
     """Read a checkpoint's kind from its files against the registered kinds; nothing is loaded."""
     root = Path(path)
+    if root.is_symlink() and not root.exists():
+        raise CheckpointError(f"checkpoint {not_a_file(root, 'a model directory')}")
     if not root.exists():
         raise CheckpointError(f"checkpoint {root}: no such file or directory")
     if not root.is_dir():
@@ -317,7 +352,28 @@ def detect(path: str | Path) -> Checkpoint:
     if kind.source == "remote_code" and not config.get("auto_map"):
         raise CheckpointError(f"checkpoint {root}: {class_name} needs its remote code, but config.json has "
                               "no auto_map pointing at the modeling files in the directory")
-    return Checkpoint(root, kind.name, class_name, config, remote_code=remote, spec=kind)
+    found = Checkpoint(root, kind.name, class_name, config, remote_code=remote, spec=kind)
+    refuse_null_fields(found)
+    return found
+
+
+def not_a_file(path: Path, expected: str) -> str:
+    """What ``path`` is, in words, when it is not the regular file (or directory) ``expected`` names: a symlink
+    loop or a dangling link reads "does not exist" to ``Path.exists``, which names nothing a user can fix."""
+    if path.is_symlink():
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:
+            return f"{path} is a symlink loop; expected {expected}"
+        except OSError:
+            return f"{path} is a symlink to {os.readlink(path)}, which does not exist; expected {expected}"
+    if path.is_dir():
+        return f"{path} is a directory; expected {expected}"
+    if path.is_file():
+        return f"{path} is a file; expected {expected}"
+    if path.exists():
+        return f"{path} is not a regular file (a device, a socket or a pipe); expected {expected}"
+    return f"{path} does not exist; expected {expected}"
 
 
 _TRUSTED: list[bool] = [False]  # the run's --trust-remote-code (harness.plugin sets it; off by default)
@@ -369,11 +425,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device 
     modeling code loads only when ``trust_remote_code`` (default: the run's --trust-remote-code) allows it.
     """
     require_trust(checkpoint, trust_remote_code)
-    nulls = null_fields(checkpoint)
-    if nulls:
-        fields = f"field {nulls[0]!r} is" if len(nulls) == 1 else f"fields {', '.join(map(repr, nulls))} are"
-        raise CheckpointError(f"checkpoint {checkpoint.path}: config.json {fields} null where "
-                              f"{checkpoint.class_name} takes a value (its default is not null)")
+    refuse_null_fields(checkpoint)  # detect refused these already; a Checkpoint built by hand meets it here
     placement = device_maps.resolve(checkpoint.path, dtype, device, device_map)
     placing = placement.loader_kwargs() if placement is not None else {}
     try:

@@ -91,14 +91,21 @@ def contract_call(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def check_signature(path: str, spec: str, fn: Callable[..., Any]) -> None:
     """``fn`` can take the call the catalogue makes on ``path``, or a ValueError naming the contract and the
-    mismatch: a wrong callable stops the run at configure time, not as a TypeError inside the first check."""
+    mismatch: a wrong callable stops the run at configure time, not as a TypeError inside the first check.
+
+    A callable whose signature Python cannot read (a C builtin such as ``max``, an extension function) is refused
+    too: every contract passes the suite's own objects (an adapter, a backend, a process group, a layout), which
+    no such function knows, so it is never a right implementation as it stands, and a Python wrapper with the
+    contract's signature costs one line.
+    """
     contract = SIGNATURES[path]
     positional, keywords = contract_call(path)
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        raise ValueError(f"implementation {spec!r}: its signature cannot be read, so it cannot be checked against "
-                         f"the {path} contract {contract}; wrap it in a Python function with that signature") from None
+        raise ValueError(f"implementation {spec!r}: its signature cannot be read (a builtin or extension "
+                         f"function?), so it cannot be checked against the {path} contract {contract}; wrap it in a "
+                         "Python function with that signature") from None
     try:
         signature.bind(*positional, **dict.fromkeys(keywords))
     except TypeError as err:

@@ -197,16 +197,46 @@ def test_a_config_number_that_is_not_finite_is_refused_naming_the_field(tmp_path
         detect(tmp_path)
 
 
-def test_a_null_field_the_class_takes_a_value_for_is_refused_before_loading_naming_it(tmp_path):
-    """A null where the model's constructor has a non-null default fails inside the model code, naming nothing;
-    it is refused before any load, naming the field. A null the class accepts as its default is not."""
+def _tiny_with(tmp_path, kind, **fields):
     from fixtures import checkpoints as tiny_checkpoints
 
-    tiny_checkpoints.KINDS["sd3_transformer"](tmp_path)
+    tiny_checkpoints.KINDS[kind](tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "patch_size": None, "qk_norm": None}))
-    found = detect(tmp_path)
-    assert null_fields(found) == ["patch_size"]  # qk_norm defaults to None: a null there is the default
-    with pytest.raises(CheckpointError, match=r"config.json field 'patch_size' is null where SD3Transformer2DModel "
-                                              r"takes a value"):
-        load_model(found, torch.float32, "cpu")
+    (tmp_path / "config.json").write_text(json.dumps({**config, **fields}))
+    return tmp_path
+
+
+def test_a_null_field_the_class_takes_a_value_for_is_refused_when_read_naming_it(tmp_path):
+    """A null where the model's constructor takes a value fails inside the model code, naming nothing; it is
+    refused when the checkpoint is read (so --checkpoint stops the run at configure time), naming the field."""
+    directory = _tiny_with(tmp_path, "sd3_transformer", patch_size=None, qk_norm=None)
+    with pytest.raises(CheckpointError, match=rf"checkpoint {re.escape(str(directory))}: config.json field "
+                                              r"'patch_size' is null where SD3Transformer2DModel takes a value "
+                                              r"\(its parameter does not default to or admit None\)"):
+        detect(directory)  # qk_norm defaults to None: a null there is the default, so only patch_size is named
+    by_hand = checkpoints.Checkpoint(directory, "sd3_transformer", "SD3Transformer2DModel",
+                                     json.loads((directory / "config.json").read_text()),
+                                     spec=checkpoints.kind_for_family("replay", "sd3"))
+    assert null_fields(by_hand) == ["patch_size"]
+    with pytest.raises(CheckpointError, match=r"field 'patch_size' is null"):
+        load_model(by_hand, torch.float32, "cpu")  # a Checkpoint not built by detect meets the rule at load
+
+
+def test_a_null_the_model_admits_is_read_and_loaded(tmp_path):
+    """Sana's ``out_channels: int | None = 32``: the default is a value, but the annotation admits None, which the
+    model reads as "same as in_channels". A legitimate null is never refused."""
+    found = detect(_tiny_with(tmp_path, "sana_transformer", out_channels=None))
+    assert null_fields(found) == []
+    model = load_model(found, torch.float32, "cpu")
+    assert model.config.out_channels is None
+
+
+def test_a_checkpoint_path_that_is_a_symlink_loop_or_dangles_says_so(tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(CheckpointError, match=r"checkpoint .*loop is a symlink loop; expected a model directory"):
+        detect(loop)
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "gone")
+    with pytest.raises(CheckpointError, match=r"dangling is a symlink to .*gone, which does not exist"):
+        detect(dangling)

@@ -265,6 +265,9 @@ def test_calls_made_inside_spawned_ranks_are_counted_even_when_the_call_raises()
                          "too many positional arguments"),
     ("attention=builtins:__import__", "cannot take the attention contract's call kernel(query, key, value, layout, *, "
                                       "scale=None): got an unexpected keyword argument 'scale'"),
+    ("attention=builtins:max", "implementation 'builtins:max': its signature cannot be read (a builtin or extension "
+                               "function?), so it cannot be checked against the attention contract kernel(query, key, "
+                               "value, layout, *, scale=None); wrap it in a Python function with that signature"),
 ])
 def test_a_bad_spec_is_a_usage_error_naming_it(suite, given, message):
     result = suite.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", given)

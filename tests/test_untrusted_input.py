@@ -185,6 +185,9 @@ def test_detect_reads_any_config_json_as_data(raw, tmp_path):
     (b"[1, 2]", "config.json holds a JSON array, expected a JSON object"),
     (b"null", "config.json holds a JSON null, expected a JSON object"),
     (b"\x89PNG\r\n\x1a\n\x00", "config.json is not UTF-8 text"),
+    (b'{"_class_name": "SD3Transformer2DModel", "sample_size": NaN}', "config.json: field 'sample_size' is nan"),
+    (b'{"_class_name": "SD3Transformer2DModel", "patch_size": null}',
+     "config.json field 'patch_size' is null where SD3Transformer2DModel takes a value"),
     (b'{"architectures": 3}', "architectures must be a list of strings, got a JSON number"),
     (b'{"_class_name": ["X"]}', "_class_name must be a string, got a JSON array"),
     (None, "config.json is not a regular file"),
@@ -288,6 +291,31 @@ def test_a_bad_capture_is_a_usage_error_naming_the_file_without_pickle_advice(co
     assert "allow_pickle" not in result.stderr.str()
 
 
+def _planted(name: str, at: tuple[int, ...], value: object) -> bytes:
+    arrays = _capture_arrays(PREFILL)
+    arrays[name][at] = value
+    return _npz_bytes(**arrays)
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    (_planted("key", (0, 3, 0, 2), np.nan), "array 'key' holds NaN at (batch, seq, head, dim) = (0, 3, 0, 2)"),
+    (_planted("query", (0, 1, 0, 0), -np.inf), "array 'query' holds an infinite value at (batch, seq, head, dim) = "
+                                               "(0, 1, 0, 0)"),
+    (_planted("mask", (0, 0, 0), False), "mask row 0 of batch 0 admits no key (all False); every query must see "
+                                         "at least one key"),
+])
+def test_a_capture_that_parses_but_is_not_attention_stops_the_run_naming_file_array_and_position(
+        content, expected, pytester):
+    """NaN, inf or a query row that sees no key would fail deep inside a check (a NaN noise floor, a span before
+    row 0); the run refuses it at configure time instead, naming the file, the array and the first bad position."""
+    directory = _capture_dir(pytester.path, content)
+    pytester.makepyfile(test_never="def test_never():\n    raise AssertionError('ran')\n")
+    result = pytester.runpytest("-p", "harness.plugin", f"--capture-dir={directory}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    assert f"--capture-dir {directory}: capture {directory / 'call0_rank0.npz'}: {expected}" in result.stderr.str()
+    assert "ran" not in result.stdout.str()
+
+
 def test_a_corrupted_capture_member_fails_its_crc_before_any_check(tmp_path):
     data = bytearray(VALID)
     at = VALID.index(b"\x93NUMPY", VALID.index(b"query.npy")) + 130  # past the 128-byte npy header: query's data
@@ -326,10 +354,13 @@ def test_a_capture_directory_without_both_phases_is_refused(tmp_path):
     ([], {"PARITY_START_METHOD": "forkserver"}, "PARITY_START_METHOD='forkserver': expected one of spawn, fork"),
     (["--fault-bound=0"], {}, "--fault-bound='0': expected a number of seconds >= 3"),
     ([], {"PARITY_FAULT_BOUND_S": "soon"}, "PARITY_FAULT_BOUND_S='soon'"),
+    (["--capture-dir={tmp}/file"], {}, "--capture-dir {tmp}/file is a file; expected a directory of capture files"),
+    (["--capture-dir={tmp}/loop"], {}, "--capture-dir {tmp}/loop is a symlink loop; expected a directory"),
 ])
 def test_malformed_options_are_usage_errors_before_any_check(args, env, expected, pytester, monkeypatch):
     (pytester.path / "file").write_text("a file where a directory is expected")
     (pytester.path / "folder.json").mkdir()
+    (pytester.path / "loop").symlink_to(pytester.path / "loop")
     pytester.makepyfile(test_never="def test_never():\n    raise AssertionError('ran')\n")
     for name, value in env.items():
         monkeypatch.setenv(name, value)

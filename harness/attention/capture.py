@@ -15,7 +15,6 @@ file of a directory, headers and data, so a run stops on a bad file before any c
 from __future__ import annotations
 
 import io
-import os
 import re
 import zipfile
 import zlib
@@ -27,7 +26,7 @@ import torch
 
 from harness.attention.contract import formula_mask
 from harness.attention.layout import SEED_HEAD_DIM, SEED_HEADS, SEED_SCALE, AttentionLayout
-from harness.checkpoints import CAPTURE_GLOB, SHIPPED_KINDS
+from harness.checkpoints import CAPTURE_GLOB, SHIPPED_KINDS, not_a_file
 
 __all__ = [
     "CAPTURE_ARRAYS",
@@ -39,6 +38,7 @@ __all__ = [
     "check_shapes",
     "find_captures",
     "load_capture",
+    "not_a_file",
     "peek_shapes",
     "phase_capture_path",
     "save_capture",
@@ -161,22 +161,6 @@ _READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, K
 _ZIP_STARTS = (b"PK\x03\x04", b"PK\x05\x06")
 
 
-def not_a_file(path: Path, expected: str) -> str:
-    """What ``path`` is, in words, when it is not the regular file (or directory) ``expected`` names."""
-    if path.is_symlink():
-        try:
-            path.resolve(strict=True)
-        except RuntimeError:
-            return f"{path} is a symlink loop; expected {expected}"
-        except OSError:
-            return f"{path} is a symlink to {os.readlink(path)}, which does not exist; expected {expected}"
-    if path.is_dir():
-        return f"{path} is a directory; expected {expected}"
-    if path.exists():
-        return f"{path} is not a regular file (a device, a socket or a pipe); expected {expected}"
-    return f"{path} does not exist; expected {expected}"
-
-
 def _open_archive(path: Path) -> zipfile.ZipFile:
     if not path.is_file():
         raise ValueError(f"capture file {not_a_file(path, 'an npz archive')}")
@@ -284,15 +268,15 @@ def check_values(path: Path) -> None:
     with np.load(path, allow_pickle=False) as z:
         for name in ("query", "key", "value"):
             array = z[name]
-            bad = ~np.isfinite(array)
-            if bad.any():
-                at = tuple(int(i) for i in np.argwhere(bad)[0])
+            finite = np.isfinite(array)
+            if not finite.all():  # the first bad position is looked for only in a bad array
+                at = tuple(int(i) for i in np.argwhere(~finite)[0])
                 kind = "NaN" if np.isnan(array[at]) else "an infinite value"
                 raise ValueError(f"capture {path}: array {name!r} holds {kind} at (batch, seq, head, dim) = {at}; "
                                  "a capture holds finite q, k and v")
-        empty = ~z["mask"].any(axis=-1)
-        if empty.any():
-            batch, _, row = (int(i) for i in np.argwhere(empty)[0])
+        admits = z["mask"].any(axis=-1)
+        if not admits.all():
+            batch, _, row = (int(i) for i in np.argwhere(~admits)[0])
             raise ValueError(f"capture {path}: mask row {row} of batch {batch} admits no key (all False); every "
                              "query must see at least one key")
 

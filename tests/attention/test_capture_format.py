@@ -275,3 +275,7 @@ def test_a_capture_path_that_is_a_directory_or_a_symlink_loop_says_so(tmp_path):
     with pytest.raises(ValueError, match=r"capture directory .*call1_rank0.npz is a symlink loop; expected a "
                                          "directory of capture files"):
         capture_io.find_captures(loop)
+    (tmp_path / "call3_rank0.npz").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"capture directory .*call3_rank0.npz is a file; expected a directory of "
+                                         "capture files"):
+        capture_io.find_captures(tmp_path / "call3_rank0.npz")
