@@ -5,11 +5,14 @@ Each zoo module holds one right implementation of its path (``CORRECT``, the cal
 signature) and realistic buggy ones (``BUGS``: name -> (flaws, what the bug is)). The right one must pass
 with every check of its path either judged (and passed) or declared not judged; every buggy one must fail,
 naming the checks it fails; one that never works (``FAILS_EVERYWHERE``) must fail every check it is judged
-by. Prints the table (implementation -> verdict -> failing checks) and exits 1 when
-any implementation does not do what it should.
+by. With ``--corpus`` the publicly reported bugs of ``examples/conformance/corpus/<path>.py`` join them: each
+must fail, and fail at least the checks its report declares. Implementations that carry the same flaws (a
+report re-created exactly as a zoo bug) share one run. Prints the table (implementation -> verdict -> failing
+checks) and exits 1 when any implementation does not do what it should.
 
     python examples/conformance/zoo.py                        # every path
     python examples/conformance/zoo.py --path decode --markdown reports/zoo-decode.md
+    python examples/conformance/zoo.py --path ar --corpus     # the zoo and the reported bugs of one path
     python examples/conformance/zoo.py --only ar:ignores_eos  # one implementation
 
 Run from the repository root, with ``examples/conformance`` importable (``examples/run-examples`` sets it).
@@ -18,6 +21,7 @@ Run from the repository root, with ``examples/conformance`` importable (``exampl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -28,6 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PATHS = {"replay": "replay_batched", "ar": "fast_rollout", "decode": "sharded_decode", "attention": "attend"}
 FAILED_ITEM = re.compile(r"^FAILED \S*::test_parity_check\[([^\]]+)\]")
@@ -39,10 +44,18 @@ class Entry:
     name: str
     expected: str  # "pass", "fail" (naming its checks) or "fail all" (every judged check)
     bug: str
+    module: str = ""  # the module holding the callable; "" = zoo_<path>
+    checks: tuple[str, ...] = ()  # checks the run must fail (a corpus report's declared ones)
+    flaws: Any = None  # the Flaws value it carries: entries with equal flaws share one run
 
     @property
     def spec(self) -> str:
-        return f"zoo_{self.path}:{self.name}"
+        return f"{self.module or f'zoo_{self.path}'}:{self.name}"
+
+    @property
+    def run_key(self) -> tuple[str, Any]:
+        """Entries with the same key behave identically, so one conformance run judges them all."""
+        return (self.path, self.flaws if self.flaws is not None else self.spec)
 
 
 @dataclass
@@ -54,6 +67,13 @@ class Outcome:
     not_judged: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # checks of the path neither judged nor declared not judged
     seconds: float = 0.0
+    output: str = ""  # the run's output tail, shown when the outcome is unexpected
+    shared_with: str = ""  # the implementation whose run judged this one too
+
+    @property
+    def unmet(self) -> list[str]:
+        """Checks the entry declares that the run did not fail."""
+        return [c for c in self.entry.checks if c not in self.failing]
 
     @property
     def verdict(self) -> str:
@@ -66,17 +86,21 @@ class Outcome:
     @property
     def as_expected(self) -> bool:
         if self.entry.expected == "fail":
-            return self.verdict in ("FAIL", "FAIL ALL")
+            return self.verdict in ("FAIL", "FAIL ALL") and not self.unmet
         return self.verdict == self.entry.expected.upper()
 
 
-def entries(paths: list[str]) -> list[Entry]:
+def entries(paths: list[str], corpus: bool = False) -> list[Entry]:
     found = []
     for path in paths:
         module = importlib.import_module(f"zoo_{path}")
-        found.append(Entry(path, PATHS[path], "pass", "right (independent of the suite's own)"))
-        found += [Entry(path, name, "fail", why) for name, (_, why) in module.BUGS.items()]
+        found.append(Entry(path, PATHS[path], "pass", "right (independent of the suite's own)", flaws=module.CORRECT))
+        found += [Entry(path, name, "fail", why, flaws=flaws) for name, (flaws, why) in module.BUGS.items()]
         found += [Entry(path, name, "fail all", why) for name, why in getattr(module, "FAILS_EVERYWHERE", {}).items()]
+        if corpus:
+            reports = importlib.import_module(f"corpus.{path}").REPORTS
+            found += [Entry(path, name, "fail", report.summary, module=f"corpus.{path}", checks=report.checks,
+                            flaws=report.flaws) for name, report in reports.items()]
     return found
 
 
@@ -89,6 +113,7 @@ def catalogue(path: str) -> list[str]:
 
 
 def judge(entry: Entry, tests: list[str], extra: list[str]) -> Outcome:
+    """One conformance run of ``entry``'s implementation over its path's catalogue."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         command = [sys.executable, "-m", "pytest", "-m", "cpu", "-q", "-rf", "-p", "no:cacheprovider",
@@ -101,10 +126,9 @@ def judge(entry: Entry, tests: list[str], extra: list[str]) -> Outcome:
     failing |= {m.group(1) for line in done.stdout.splitlines() if (m := FAILED_ITEM.match(line))}
     judged = sorted({c["id"] for c in data["checks"]} | failing)
     not_judged = sorted(data.get("not_judged", {}))
-    outcome = Outcome(entry, done.returncode, judged, sorted(failing), not_judged, seconds=seconds)
+    outcome = Outcome(entry, done.returncode, judged, sorted(failing), not_judged, seconds=seconds,
+                      output=f"{done.stdout[-6000:]}\n{done.stderr[-3000:]}")
     outcome.missing = sorted(set(catalogue(entry.path)) - set(judged) - set(not_judged))
-    if not outcome.as_expected:
-        print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", file=sys.stderr)
     return outcome
 
 
@@ -116,6 +140,10 @@ def table(outcomes: list[Outcome]) -> str:
         failing = f"{len(o.failing)}: {shown}" if o.failing else "none"
         if o.missing:
             failing += f"; not run: {', '.join(o.missing[:5])}"
+        if o.unmet:
+            failing += f"; declared but not failed: {', '.join(o.unmet)}"
+        if o.shared_with:
+            failing += f" (the run of `{o.shared_with}`)"
         lines.append(f"| `{o.entry.spec}` ({o.entry.bug}) | {o.entry.expected} | {o.verdict} | "
                      f"{len(o.judged)} (+{len(o.not_judged)} not judged) | {failing} |")
     return "\n".join(lines)
@@ -125,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--path", action="append", choices=sorted(PATHS), help="only these paths (repeatable)")
     parser.add_argument("--only", action="append", metavar="PATH:NAME", help="only these implementations")
+    parser.add_argument("--corpus", action="store_true",
+                        help="also the publicly reported bugs of examples/conformance/corpus/<path>.py")
     parser.add_argument("--tests", nargs="*", default=["parity/test_parity.py"],
                         help="what each run collects (default: the check catalogue, parity/test_parity.py)")
     parser.add_argument("--markdown", help="write the table here too")
@@ -133,16 +163,26 @@ def main(argv: list[str] | None = None) -> int:
     sys.path[:0] = [str(Path(__file__).resolve().parent), os.getcwd()]  # the zoo modules; the suite's checkout
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
                                                              os.environ.get("PYTHONPATH")]))
-    todo = entries(args.path or list(PATHS))
+    todo = entries(args.path or list(PATHS), corpus=args.corpus)
     if args.only:
         todo = [e for e in todo if f"{e.path}:{e.name}" in args.only]
-    outcomes = []
+    outcomes: list[Outcome] = []
+    runs: dict[tuple[str, Any], Outcome] = {}
     for entry in todo:
-        outcome = judge(entry, args.tests, extra)
+        first = runs.get(entry.run_key)
+        if first is None:
+            outcome = runs[entry.run_key] = judge(entry, args.tests, extra)
+        else:
+            outcome = dataclasses.replace(first, entry=entry, shared_with=first.entry.spec)
         outcomes.append(outcome)
         mark = "ok" if outcome.as_expected else "UNEXPECTED"
+        took = f"the run of {outcome.shared_with}" if outcome.shared_with else f"{outcome.seconds:.0f} s"
         print(f"zoo: {entry.spec}: {outcome.verdict} ({len(outcome.failing)} failing of {len(outcome.judged)} "
-              f"judged, {outcome.seconds:.0f} s) [{mark}]", flush=True)
+              f"judged, {took}) [{mark}]", flush=True)
+        if outcome.unmet:
+            print(f"zoo: {entry.spec}: declared checks not failed: {', '.join(outcome.unmet)}", file=sys.stderr)
+        if not outcome.as_expected:
+            print(outcome.output, file=sys.stderr)
     text = table(outcomes)
     print(text)
     if args.markdown:
@@ -153,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps([{"implementation": o.entry.spec, "expected": o.entry.expected,
                                                 "verdict": o.verdict, "bug": o.entry.bug, "failing": o.failing,
                                                 "judged": o.judged, "not_judged": o.not_judged,
-                                                "missing": o.missing} for o in outcomes], indent=1) + "\n")
+                                                "missing": o.missing, "declared": list(o.entry.checks),
+                                                "unmet": o.unmet, "shared_with": o.shared_with,
+                                                "seconds": round(o.seconds, 1)} for o in outcomes],
+                                              indent=1) + "\n")
     wrong = [o.entry.spec for o in outcomes if not o.as_expected]
     if wrong:
         print(f"zoo: UNEXPECTED outcomes: {', '.join(wrong)}", file=sys.stderr)

@@ -30,7 +30,9 @@ __all__ = ["BUGS", "CORRECT", "fast_rollout", "finished_rows_keep_sampling", "fi
 
 @dataclass(frozen=True)
 class Flaws:
-    """Which bug the loop carries (all False: the right one)."""
+    """Which bug the loop carries (all False: the right one).
+
+    The fields no ``BUGS`` entry sets re-create publicly reported bugs (``corpus/ar.py``)."""
 
     ignore_eos: bool = False  # rows keep sampling after their EOS
     write_after_eos: bool = False  # finished rows stop sampling but their KV slot is still written
@@ -38,6 +40,8 @@ class Flaws:
     append_tokens: bool = False  # the next input token appended at the buffer's tail (rows fed their own pads)
     no_decode_mask: bool = False  # decode steps run unmasked ("full attention of 1 x seqlen")
     lengths_from_pads: bool = False  # no real_pos: each row's length taken from its first pad id
+    shared_positions: bool = False  # decode positions from the shared cache slot, not each row's own length
+    pads_visible: bool = False  # the padding is lost: every prompt column counts as a real key
 
 
 def _real_pos(batch: Any, flaws: Flaws) -> torch.Tensor:
@@ -65,6 +69,26 @@ def _put_back(cache: Any, rows: torch.Tensor, slots: torch.Tensor, kept: list[tu
         v[rows, :, slots[rows]] = v_old
 
 
+def _causal(width: int, device: torch.device) -> torch.Tensor:
+    """A plain causal prefill mask over every column, pads included."""
+    return torch.ones(width, width, dtype=torch.bool, device=device).tril()
+
+
+def _decode(backend: Any, state: Any, mask: torch.Tensor | None, flaws: Flaws) -> torch.Tensor:
+    """One decode forward; with ``shared_positions`` every row is placed at the shared cache slot (width + step,
+    what a batch-wide cache_position counter holds) rather than its own ``real_pos + step``. The transformers
+    backend derives decode RoPE positions from ``state.real_pos``; upstream's layout ties positions to its own
+    per-row write indices, so there the flaw has no effect."""
+    if not flaws.shared_positions:
+        return backend.decode(state, mask)
+    own = state.real_pos
+    state.real_pos = torch.full_like(own, state.batch.width)
+    try:
+        return backend.decode(state, mask)
+    finally:
+        state.real_pos = own
+
+
 def _rollout(backend: Any, batch: Any, max_new_tokens: int, eos: Sequence[int], flaws: Flaws) -> Rollout:
     real_pos = _real_pos(batch, flaws)
     rows, width = batch.batch_size, batch.width
@@ -79,7 +103,7 @@ def _rollout(backend: Any, batch: Any, max_new_tokens: int, eos: Sequence[int], 
             if step == 0:
                 keys = backend.prefill_key_length(state)
                 mask = torch.zeros(rows, 1, width, keys, dtype=torch.bool, device=device)
-                mask[..., :width] = batch.attention_mask
+                mask[..., :width] = _causal(width, device) if flaws.pads_visible else batch.attention_mask
                 logits = backend.prefill(state, mask)
                 column = torch.full_like(real_pos, width - 1) if flaws.tail_logits else real_pos - 1
                 picked = logits[everyone, column.to(device)].float()
@@ -89,11 +113,13 @@ def _rollout(backend: Any, batch: Any, max_new_tokens: int, eos: Sequence[int], 
                 generated = state.generated + writes.long()
                 keys = backend.decode_key_length(state)
                 valid = backend.key_valid(state, generated, keys)
+                if flaws.pads_visible:  # the prefill wrote every prompt column, pads included
+                    valid = valid | (torch.arange(keys, device=device) < width)[None]
                 mask = None if flaws.no_decode_mask else valid[:, None, None, :]
                 frozen = ~writes
                 slots = backend.decode_write_slots(state)
                 kept = _kept(cache, frozen, slots) if bool(frozen.any()) else None
-                logits = backend.decode(state, mask)
+                logits = _decode(backend, state, mask, flaws)
                 if kept is not None:
                     _put_back(cache, frozen, slots, kept)
                 state.generated = generated

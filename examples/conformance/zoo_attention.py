@@ -28,7 +28,9 @@ BLOCK = 128
 
 @dataclass(frozen=True)
 class Flaws:
-    """Which bug the kernel carries (all False: the right one)."""
+    """Which bug the kernel carries (all False: the right one).
+
+    The fields no ``BUGS`` entry sets re-create publicly reported bugs (``corpus/attention.py``)."""
 
     causal_only: bool = False  # is_causal alone: no image block
     tiled_gqa: bool = False  # key/value heads repeated as a tile (h % Hkv), not interleaved (h // group)
@@ -37,6 +39,9 @@ class Flaws:
     fp32_output: bool = False  # computes in fp32 for accuracy and returns fp32 for low-precision inputs
     last_image_only: bool = False  # only the generated image is bidirectional
     specials_in_span: bool = False  # the special rows see the image span too
+    images_one_block: bool = False  # every image token sees every other image's tokens, later images included
+    pad_tail_unmasked: bool = False  # KV padded up to the block when not aligned, the pad keys left unmasked
+    scale_none_zero: bool = False  # scale=None read as 0 (a "use the default" sentinel applied literally)
 
 
 def structured_mask(layout, device, flaws: Flaws = Flaws()) -> torch.Tensor:
@@ -49,6 +54,9 @@ def structured_mask(layout, device, flaws: Flaws = Flaws()) -> torch.Tensor:
     spans = layout.spans[-1:] if flaws.last_image_only else layout.spans
     for start, end in spans:
         mask = mask | ((q_pos >= start) & (q_pos < end) & (kv_pos >= start) & (kv_pos < end))
+    if flaws.images_one_block:
+        q_image, kv_image = _in_spans(q_pos, layout.spans), _in_spans(kv_pos, layout.spans)
+        mask = mask | (q_image & kv_image)
     lo, hi = layout.special_positions
     if not flaws.specials_in_span:
         mask = torch.where((q_pos >= lo) & (q_pos < hi), kv_pos <= q_pos, mask)
@@ -58,6 +66,14 @@ def structured_mask(layout, device, flaws: Flaws = Flaws()) -> torch.Tensor:
     return mask
 
 
+def _in_spans(pos: torch.Tensor, spans) -> torch.Tensor:
+    """True where a position lies in any of ``spans``."""
+    inside = torch.zeros_like(pos, dtype=torch.bool)
+    for start, end in spans:
+        inside = inside | ((pos >= start) & (pos < end))
+    return inside
+
+
 def _expand(tensor: torch.Tensor, heads: int, flaws: Flaws) -> torch.Tensor:
     group = heads // tensor.shape[1]
     return tensor.repeat(1, group, 1, 1) if flaws.tiled_gqa else tensor.repeat_interleave(group, dim=1)
@@ -65,13 +81,18 @@ def _expand(tensor: torch.Tensor, heads: int, flaws: Flaws) -> torch.Tensor:
 
 def _attend(query, key, value, layout, scale, flaws: Flaws) -> torch.Tensor:
     heads, dim = query.shape[1], query.shape[-1]
-    scale = (1.0 if flaws.scale_none_one else 1.0 / math.sqrt(dim)) if scale is None else scale
+    if scale is None:
+        scale = 1.0 if flaws.scale_none_one else 0.0 if flaws.scale_none_zero else 1.0 / math.sqrt(dim)
     key, value = _expand(key, heads, flaws), _expand(value, heads, flaws)
     mask = structured_mask(layout, query.device, flaws)
     if flaws.pad_when_aligned:
         pad = BLOCK - layout.kv_len % BLOCK  # a whole block when already aligned
         key, value = F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
         mask = F.pad(mask, (0, pad), value=layout.kv_len % BLOCK == 0)  # pad masked only when it was needed
+    if flaws.pad_tail_unmasked and layout.kv_len % BLOCK:
+        pad = BLOCK - layout.kv_len % BLOCK  # zero keys up to the block, every one of them visible
+        key, value = F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
+        mask = F.pad(mask, (0, pad), value=True)
     if flaws.fp32_output:  # the upcast for accuracy is fine; forgetting to cast back doubles every consumer's memory
         return F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask, scale=scale)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)

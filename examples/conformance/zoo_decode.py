@@ -29,7 +29,9 @@ __all__ = ["BUGS", "CORRECT", "FAILS_EVERYWHERE", "always_raises", "drops_clips_
 
 @dataclass(frozen=True)
 class Flaws:
-    """Which bug the implementation carries (all False: the right one)."""
+    """Which bug the implementation carries (all False: the right one).
+
+    The fields no ``BUGS`` entry sets re-create publicly reported bugs (``corpus/decode.py``)."""
 
     global_group: bool = False  # rank and collectives of the default group, not the one handed in
     no_status: bool = False  # a rank whose decoder raises leaves at once: the others wait in the gather
@@ -39,6 +41,9 @@ class Flaws:
     always_all_gather: bool = False  # transport="gather" ignored: every rank returns the video
     concat_clips: bool = False  # its own post-loop: clips concatenated, no cross-fade
     one_clip_per_rank: bool = False  # assumes clips <= ranks: rank r decodes clip r only
+    group_rank_dst: bool = False  # transport="gather": the group rank handed to gather_object as its global dst
+    empty_share_raises: bool = False  # clips dealt round robin; a rank dealt none raises before any collective
+    output_rank_only: bool = False  # only group rank 0 assembles; under all_gather the others get an empty tensor
 
 
 class ShardFailed(RuntimeError):
@@ -77,6 +82,11 @@ def _mine(count: int, rank: int, world: int, flaws: Flaws) -> range:
         return range(count)
     if flaws.one_clip_per_rank:
         return range(rank, rank + 1) if rank < count else range(0)
+    if flaws.empty_share_raises:
+        dealt = range(rank, count, world)
+        if not dealt:
+            raise ValueError(f"rank {rank}: no clips dealt to this rank ({count} clips over {world} ranks)")
+        return dealt
     per = -(-count // world)
     return range(min(rank * per, count), min((rank + 1) * per, count))
 
@@ -116,11 +126,13 @@ def _decode_call(vae: Any, z: torch.Tensor, group: Any, transport: str, dst: int
     _agree(statuses, rank, failure, flaws)
     mine_by_rank: list[Any] = [None] * world
     receiving = flaws.always_all_gather or transport == "all_gather" or rank == dst
+    if flaws.output_rank_only:
+        receiving = rank == (0 if transport == "all_gather" else dst)
     payload = {"rank": rank, "clips": list(mine), "decoded": [c.cpu() for c in clips]}
     if flaws.always_all_gather or transport == "all_gather":
         dist.all_gather_object(mine_by_rank, payload, group=group)
     else:
-        target = dst if group is None else dist.get_global_rank(group, dst)
+        target = dst if group is None or flaws.group_rank_dst else dist.get_global_rank(group, dst)
         dist.gather_object(payload, mine_by_rank if rank == dst else None, dst=target, group=group)
     video, failure = None, None
     if receiving:

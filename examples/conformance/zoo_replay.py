@@ -33,7 +33,9 @@ __all__ = ["BUGS", "CORRECT", "guidance_at_step_zero", "log_probs_not_transposed
 
 @dataclass(frozen=True)
 class Flaws:
-    """Which bug the replay carries (all False: the right one)."""
+    """Which bug the replay carries (all False: the right one).
+
+    The fields no ``BUGS`` entry sets re-create publicly reported bugs (``corpus/replay.py``)."""
 
     step_major: bool = False  # conditions tiled [cond, uncond] x S: the midpoint split mixes branches
     guidance_step0: bool = False  # the scale read at step 0, not at the targets
@@ -41,6 +43,11 @@ class Flaws:
     sorted_targets: bool = False  # targets replayed (and returned) in sorted order
     no_guards: bool = False  # batches whatever it is given
     first_sigma: bool = False  # every row stepped with the first target's sigma
+    pooled_branches_swapped: bool = False  # the pooled fields' CFG branches in the other order than every other field
+    pooled_rows_interleaved: bool = False  # pooled fields copied row by row (r0 r0 r1 r1), the others block by block
+    guidance_embed_x1000: bool = False  # the embedded guidance scaled by 1000 before a model that scales it itself
+    timestep_x1000: bool = False  # sigma scaled to 0-1000 before a timestep hook that scales it again
+    sigma_rounded_bf16: bool = False  # sigma rounded to bf16 before the timestep hook (rollout kept it fp32)
 
 
 def _scale(guidance: Any, step: int) -> float:
@@ -71,6 +78,13 @@ def _targets(segment: Any, target: Sequence[int]) -> tuple[int, ...]:
     return steps
 
 
+def _copies(group: Any, repeats: int, interleaved: bool) -> list[Any]:
+    """``repeats`` copies of one branch group: whole blocks (the right order), or each row repeated in place."""
+    if interleaved and isinstance(group, torch.Tensor):
+        return [group.repeat_interleave(repeats, dim=0)]
+    return [group] * repeats
+
+
 def _tiled(conditions: Conditions, repeats: int, flaws: Flaws) -> Conditions:
     """Every row field to cfg x S x B rows: branch groups outside, the S copies inside (or backwards)."""
     batch, branches = conditions.batch, conditions.cfg_factor
@@ -78,11 +92,40 @@ def _tiled(conditions: Conditions, repeats: int, flaws: Flaws) -> Conditions:
     for name, value in conditions.rows.items():
         per_branch = payload_rows(value) == batch * branches
         groups = [slice_rows(value, b * batch, (b + 1) * batch) if per_branch else value for b in range(branches)]
+        interleaved = "pooled" in name and flaws.pooled_rows_interleaved
         ordered = ([g for _ in range(repeats) for g in groups] if flaws.step_major
-                   else [g for g in groups for _ in range(repeats)])
+                   else [c for g in groups for c in _copies(g, repeats, interleaved)])
         rows[name] = concat_payloads(ordered)
     negative = None if conditions.negative is None else _tiled(conditions.negative, repeats, flaws)
     return dataclasses.replace(conditions, batch=batch * repeats, rows=rows, negative=negative, fused_uncond=None)
+
+
+def _pooled_swapped(conditions: Conditions) -> Conditions:
+    """The pooled fields' two CFG branches exchanged, every other field left in place: fused rows swap halves,
+    uncond-first conditions swap their pooled fields with the negative's."""
+    pooled = [name for name in conditions.rows if "pooled" in name]
+    if conditions.negative is not None:
+        rows = {**conditions.rows, **{n: conditions.negative.rows[n] for n in pooled}}
+        negative = {**conditions.negative.rows, **{n: conditions.rows[n] for n in pooled}}
+        return dataclasses.replace(conditions, rows=rows,
+                                   negative=dataclasses.replace(conditions.negative, rows=negative))
+    if conditions.cfg_factor != 2:
+        return conditions
+    half = conditions.batch
+    rows = dict(conditions.rows)
+    for name in pooled:
+        if payload_rows(rows[name]) == 2 * half:
+            rows[name] = concat_payloads([slice_rows(rows[name], half, 2 * half), slice_rows(rows[name], 0, half)])
+    return dataclasses.replace(conditions, rows=rows)
+
+
+def _scaled_guidance(conditions: Conditions) -> Conditions:
+    """The shared embedded-guidance field times 1000 (on the negative branch too)."""
+    shared = dict(conditions.shared)
+    if "guidance" in shared:
+        shared["guidance"] = shared["guidance"] * 1000.0
+    negative = None if conditions.negative is None else _scaled_guidance(conditions.negative)
+    return dataclasses.replace(conditions, shared=shared, negative=negative)
 
 
 def _replay(adapter: Any, conditions: Conditions, segment: Any, strategy: Any, target: Sequence[int],
@@ -104,7 +147,14 @@ def _replay(adapter: Any, conditions: Conditions, segment: Any, strategy: Any, t
     sigma, sigma_next = segment.sigmas[at], segment.sigmas[at + 1]
     scale = _scale(guidance, 0 if flaws.guidance_step0 else steps[0])
     tiled = conditions if count == 1 else _tiled(conditions, count, flaws)
-    velocity = predict_velocity(adapter, x, sigma, tiled, scale)
+    if flaws.pooled_branches_swapped:
+        tiled = _pooled_swapped(tiled)
+    if flaws.guidance_embed_x1000:
+        tiled = _scaled_guidance(tiled)
+    model_sigma = sigma * 1000.0 if flaws.timestep_x1000 else sigma
+    if flaws.sigma_rounded_bf16:
+        model_sigma = model_sigma.to(torch.bfloat16).to(sigma.dtype)
+    velocity = predict_velocity(adapter, x, model_sigma, tiled, scale)
     out = sde_step(strategy, x, velocity, sigma, sigma_next, segment.sigma_max, trajectory_dtype=segment.dtype,
                    prev=prev)
     if flaws.no_transpose:

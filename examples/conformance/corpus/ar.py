@@ -1,0 +1,107 @@
+"""Reported batched-generation bugs re-created in ``fast_rollout(backend, batch, max_new_tokens, eos)``
+(``--impl ar=corpus.ar:NAME``).
+
+Each callable is ``zoo_ar``'s right rollout with the one flaw its report describes (``REPORTS``). The suite's
+batches are right-padded (each row's pads after its prompt), so a report about left padding is re-created as
+the same mistake in that layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import zoo_ar
+from zoo_ar import CORRECT
+
+from corpus import Report
+
+__all__ = ["REPORTS", "mistral_inference_finished_rows_keep_sampling", "mlx_vlm_batch_padding_lost",
+           "transformers_gpt2_next_token_from_pad_column", "transformers_static_cache_decode_sees_pads",
+           "unsloth_positions_from_shared_cache_position"]
+
+REPORTS = {
+    "unsloth_positions_from_shared_cache_position": Report(
+        url="https://github.com/unslothai/unsloth/issues/3699",
+        project="unsloth",
+        version="main as of 2025-12 (FastLanguageModel inference path; fixed by PR #4100)",
+        mechanism=(
+            "Unsloth's prepare-inputs hook for generation set position_ids to cache_position, one counter shared "
+            "by the whole batch. With left-padded rows of different lengths each row needs its own positions "
+            "(its count of real tokens so far); the shared counter gave every padded row positions shifted by its "
+            "padding, so RoPE rotated its queries and keys by the wrong angles and the shorter prompts produced "
+            "garbage while the longest, unpadded one stayed right."),
+        recreation=("Decode steps take every row's RoPE position from the shared cache slot (width + step, what a "
+                    "batch-wide cache_position holds) instead of the row's own real_pos + step. Through the "
+                    "transformers backend, whose decode positions this controls; the upstream layout ties "
+                    "positions to per-row write slots, so there it has no effect."),
+        checks=("ar.qwen3.unequal_real_pos.tokens", "ar.qwen3.length_skew.logp", "ar.hunyuan_moe.concat.logp",
+                "ar.qwen3.padded_b1.equals_unpadded"),
+        flaws=replace(CORRECT, shared_positions=True)),
+    "mistral_inference_finished_rows_keep_sampling": Report(
+        url="https://github.com/mistralai/mistral-inference/pull/270",
+        project="mistral-inference",
+        version="main as of 2026-03 (generate with eos_id)",
+        mechanism=(
+            "The batched generate loop only stopped once every row had produced EOS. Until then a row that had "
+            "already finished kept sampling, its new tokens and their log-probabilities were appended to its "
+            "output, and those tokens were fed back to the model, so early-finishing rows came back with junk after "
+            "their EOS and log-probs that no longer matched the text."),
+        recreation=("Rows keep sampling, recording log-probs and writing KV after their EOS. Identical to the zoo's "
+                    "finished_rows_keep_sampling, so the two share one conformance run."),
+        checks=("ar.fake.finished_rows", "ar.qwen3.first_token_eos.finished_rows", "ar.fake.b1.tokens"),
+        flaws=replace(CORRECT, ignore_eos=True)),
+    "transformers_gpt2_next_token_from_pad_column": Report(
+        url="https://github.com/huggingface/transformers/issues/3167",
+        project="transformers",
+        version="not stated in the report (GPT2LMHeadModel, filed 2020-03-07)",
+        mechanism=(
+            "A right-padded batch was run through GPT-2 with an attention mask and the next token of every row was "
+            "read from the logits of the last column. For a shorter row that column is a pad, whose logits say "
+            "nothing about the prompt, so its next token differed from the unbatched run even though the mask hid "
+            "the pads; the row has to be read at its own last real token."),
+        recreation=("The first token is read from the prefill logits at the last column of the padded buffer, not "
+                    "at each row's real_pos - 1. Identical to the zoo's first_logits_at_the_padded_tail, so the two "
+                    "share one conformance run."),
+        checks=("ar.qwen3.unequal_real_pos.tokens", "ar.fake.unequal_real_pos.tokens",
+                "ar.fake.padded_b1.equals_unpadded"),
+        flaws=replace(CORRECT, tail_logits=True)),
+    "transformers_static_cache_decode_sees_pads": Report(
+        url="https://github.com/huggingface/transformers/issues/30670",
+        project="transformers",
+        version="4.41.0.dev0 (the static kv-cache example of the LLM inference guide)",
+        mechanism=(
+            "The documented static-cache decoding loop called the model one token at a time with the cache position "
+            "but without the batch's attention mask. The model then masked only by cache position, which hides "
+            "the slots not yet written but not the padding written at prefill, so every padded row attended to its "
+            "pad keys and the same prompt generated differently depending on what it was batched with."),
+        recreation=("Decode masks admit every prompt column written at prefill, pads included (and the prefill "
+                    "mask is plain causal), while unwritten cache slots stay masked."),
+        checks=("ar.qwen3.unequal_real_pos.tokens", "ar.fake.nan_unused_slots", "ar.hunyuan_moe.length_skew.logp"),
+        flaws=replace(CORRECT, pads_visible=True)),
+    "mlx_vlm_batch_padding_lost": Report(
+        url="https://github.com/Blaizzy/mlx-vlm/pull/1543",
+        project="mlx-vlm",
+        version="main as of 2026-07 (batch_generate, text-only prompts)",
+        mechanism=(
+            "batch_generate padded text-only prompts to one length in the tokenizer and passed the equal-length "
+            "rows on; the batch generator derived each row's padding from the row lengths, found none, and built "
+            "no key-padding mask. The tokenizer's own attention mask was dropped, so the more-padded rows attended "
+            "to their pads and decoded wrongly or came back empty."),
+        recreation=("The padding is lost: every prompt column is a key for every decode step, pads included (the "
+                    "prefill mask plain causal). The same flaw as the transformers static-cache report, so the two "
+                    "share one conformance run."),
+        checks=("ar.qwen3.unequal_real_pos.tokens", "ar.fake.nan_unused_slots", "ar.fake.all_padded.tokens"),
+        flaws=replace(CORRECT, pads_visible=True)),
+}
+
+
+def _rollout(name: str):
+    report = REPORTS[name]
+    return zoo_ar._implementation(report.flaws, f"{report.url}: {report.recreation}")
+
+
+unsloth_positions_from_shared_cache_position = _rollout("unsloth_positions_from_shared_cache_position")
+mistral_inference_finished_rows_keep_sampling = _rollout("mistral_inference_finished_rows_keep_sampling")
+transformers_gpt2_next_token_from_pad_column = _rollout("transformers_gpt2_next_token_from_pad_column")
+transformers_static_cache_decode_sees_pads = _rollout("transformers_static_cache_decode_sees_pads")
+mlx_vlm_batch_padding_lost = _rollout("mlx_vlm_batch_padding_lost")
