@@ -437,10 +437,14 @@ def agree(status: str, error: str = "", trace: str = "", *, phase: str = "an ite
 
 
 def _straggler_status(board: _Board, step: int, phase: str, rank: int) -> tuple[str, str, str] | None:
-    """This rank's outcome when some rank never reached the collective it waits in (or when it is that rank)."""
+    """This rank's outcome when some rank never reached the collective it waits in (or when it is that rank), or
+    when every other rank of its group returned without entering it."""
     found = board.stragglers(step)
     if not found:
-        return None
+        positions = board.positions(step)
+        alone = [a for a in progress.abandoned(positions, set(board.read(step)), board.launch.world_size)
+                 if a.rank == rank]
+        return ("blocked", alone[0].cause(stuck_s()), "") if alone else None
     mine = next((s for s in found if s.rank == rank), None)
     if mine is not None:
         return ("stuck", mine.cause(stuck_s()), "")

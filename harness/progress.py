@@ -23,7 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["COLLECTIVES", "Position", "Straggler", "begin", "end", "install", "note", "position", "stragglers"]
+__all__ = ["COLLECTIVES", "Abandoned", "Position", "Straggler", "abandoned", "begin", "end", "install", "note",
+           "position", "stragglers"]
 
 # every collective every rank of a group must enter (point-to-point send/recv are not: only a pair takes part)
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
@@ -106,6 +107,36 @@ def stragglers(positions: Mapping[int, Position], finished: set[int] | frozenset
                 last = seen.last if seen.inside is None else f"{describe(*seen.inside, world_size)}, where it waits"
                 found[rank] = Straggler(rank, describe(group, number, name, world_size), last, waiting)
     return [found[r] for r in sorted(found)]
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """A rank waiting in a collective that every other rank of its group returned without entering."""
+
+    rank: int
+    collective: str
+    returned: tuple[int, ...]
+
+    def cause(self, within_s: float) -> str:
+        return (f"waited {within_s:g} s alone in {self.collective}: ranks {list(self.returned)} returned without "
+                "entering it")
+
+
+def abandoned(positions: Mapping[int, Position], finished: set[int] | frozenset[int], world_size: int
+              ) -> list[Abandoned]:
+    """Ranks inside a collective whose group's other ranks have all returned from the task, having entered fewer
+    collectives on that group: they left the protocol, and the waiting rank can never finish."""
+    found = []
+    for rank in sorted(positions):
+        inside = positions[rank].inside
+        if inside is None or rank in finished:
+            continue
+        group, number, name = inside
+        others = [r for r in group if r != rank]
+        if others and all(r in finished and positions.get(r, Position()).entered.get(group, 0) < number
+                          for r in others):
+            found.append(Abandoned(rank, describe(group, number, name, world_size), tuple(others)))
+    return found
 
 
 # ----------------------------------------------------------------------------------------------- the tracker

@@ -72,3 +72,10 @@ def stuck_after_first_gather(rank: int) -> torch.Tensor:
     if dist.get_rank() == rank:
         time.sleep(3600)
     return first + all_gather_ranks(2.0)
+
+
+def alone_in_gather(rank: int) -> int:
+    """``rank`` enters an all-gather that every other rank returns without entering."""
+    if dist.get_rank() == rank:
+        all_gather_ranks(1.0)
+    return dist.get_rank()

@@ -101,6 +101,19 @@ def test_a_live_rank_that_never_reaches_its_peers_collective_is_named_within_the
     assert not world.alive and _alive(pids) == [], f"rank processes left behind: {_alive(pids)}"
 
 
+def test_a_rank_left_alone_in_a_collective_its_peers_returned_without_is_named_within_the_bound(short_bound):
+    world = World(4).start()
+    pids = world.run(dist_tasks.pid)
+    began = time.monotonic()
+    with pytest.raises(WorldTaskError) as info:
+        world.run(dist_tasks.alone_in_gather, 2, timeout_s=120.0)
+    assert time.monotonic() - began < short_bound
+    assert str(info.value).startswith("task alone_in_gather: rank 2 waited 2 s alone in all_gather #1: ranks "
+                                      "[0, 1, 3] returned without entering it"), str(info.value)
+    assert [o.status for o in info.value.outcomes] == ["ok", "ok", "blocked", "ok"]
+    assert not world.alive and _alive(pids) == []
+
+
 def test_pool_reuses_and_restarts_worlds():
     pool = WorldPool()
     try:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.progress import BEFORE_FIRST, Position, stragglers
+from harness.progress import BEFORE_FIRST, Position, abandoned, stragglers
 
 pytestmark = pytest.mark.cpu
 
@@ -60,3 +60,13 @@ def test_a_rank_behind_while_waiting_in_another_collective_is_said_to_wait_there
 def test_positions_travel_as_json_and_back():
     where = Position({WORLD: 3, (1, 2): 1}, ((1, 2), 1, "gather"), "somewhere")
     assert Position.from_json(where.to_json()) == where
+
+
+def test_a_rank_whose_group_returned_without_its_collective_waits_there_alone():
+    positions = {0: Position({WORLD: 1}, None, "x"), 2: _waiting(WORLD, 2)}
+    (found,) = abandoned(positions, {0, 1, 3}, 4)
+    assert (found.rank, found.collective, found.returned) == (2, "all_gather #2", (0, 1, 3))
+    assert found.cause(20.0) == "waited 20 s alone in all_gather #2: ranks [0, 1, 3] returned without entering it"
+    assert abandoned(positions, {0, 1}, 4) == []  # rank 3 may still come
+    reached = {0: Position({WORLD: 2}, None, "x"), 2: _waiting(WORLD, 2)}
+    assert abandoned(reached, {0, 1, 3}, 4) == []  # rank 0 entered it: a transport matter, not a protocol break
