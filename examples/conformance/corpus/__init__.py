@@ -12,6 +12,7 @@ carried over and what the signature changes. Entries whose flaw equals a zoo bug
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,10 @@ class Report:
     recreation: str  # how the flaw is expressed inside the path's signature
     checks: tuple[str, ...]  # check ids the conformance run must fail
     flaws: Any  # the zoo Flaws value the implementation carries
+
+    def recreate(self, build: Callable[[Any, str], Callable[..., Any]]) -> Callable[..., Any]:
+        """The zoo's right implementation with this report's flaw: ``build(flaws, doc)`` is the path's zoo builder."""
+        return build(self.flaws, f"{self.url}: {self.recreation}")
 
     @property
     def summary(self) -> str:

@@ -95,13 +95,9 @@ REPORTS = {
 }
 
 
-def _rollout(name: str):
-    report = REPORTS[name]
-    return zoo_ar._implementation(report.flaws, f"{report.url}: {report.recreation}")
-
-
-unsloth_positions_from_shared_cache_position = _rollout("unsloth_positions_from_shared_cache_position")
-mistral_inference_finished_rows_keep_sampling = _rollout("mistral_inference_finished_rows_keep_sampling")
-transformers_gpt2_next_token_from_pad_column = _rollout("transformers_gpt2_next_token_from_pad_column")
-transformers_static_cache_decode_sees_pads = _rollout("transformers_static_cache_decode_sees_pads")
-mlx_vlm_batch_padding_lost = _rollout("mlx_vlm_batch_padding_lost")
+_MADE = {name: report.recreate(zoo_ar._implementation) for name, report in REPORTS.items()}
+unsloth_positions_from_shared_cache_position = _MADE["unsloth_positions_from_shared_cache_position"]
+mistral_inference_finished_rows_keep_sampling = _MADE["mistral_inference_finished_rows_keep_sampling"]
+transformers_gpt2_next_token_from_pad_column = _MADE["transformers_gpt2_next_token_from_pad_column"]
+transformers_static_cache_decode_sees_pads = _MADE["transformers_static_cache_decode_sees_pads"]
+mlx_vlm_batch_padding_lost = _MADE["mlx_vlm_batch_padding_lost"]

@@ -104,14 +104,10 @@ REPORTS = {
 }
 
 
-def _kernel(name: str):
-    report = REPORTS[name]
-    return zoo_attention._kernel(report.flaws, f"{report.url}: {report.recreation}")
-
-
-onnx_attention_gqa_heads_tiled = _kernel("onnx_attention_gqa_heads_tiled")
-axlearn_gqa_heads_tiled = _kernel("axlearn_gqa_heads_tiled")
-transformers_gemma3_images_see_later_images = _kernel("transformers_gemma3_images_see_later_images")
-transformers_gemma3_bidirectional_mask_dropped = _kernel("transformers_gemma3_bidirectional_mask_dropped")
-pytorch_flex_paged_kv_tail_unmasked = _kernel("pytorch_flex_paged_kv_tail_unmasked")
-skainet_default_scale_applied_as_zero = _kernel("skainet_default_scale_applied_as_zero")
+_MADE = {name: report.recreate(zoo_attention._kernel) for name, report in REPORTS.items()}
+onnx_attention_gqa_heads_tiled = _MADE["onnx_attention_gqa_heads_tiled"]
+axlearn_gqa_heads_tiled = _MADE["axlearn_gqa_heads_tiled"]
+transformers_gemma3_images_see_later_images = _MADE["transformers_gemma3_images_see_later_images"]
+transformers_gemma3_bidirectional_mask_dropped = _MADE["transformers_gemma3_bidirectional_mask_dropped"]
+pytorch_flex_paged_kv_tail_unmasked = _MADE["pytorch_flex_paged_kv_tail_unmasked"]
+skainet_default_scale_applied_as_zero = _MADE["skainet_default_scale_applied_as_zero"]

@@ -72,12 +72,8 @@ REPORTS = {
 }
 
 
-def _decode(name: str):
-    report = REPORTS[name]
-    return zoo_decode._implementation(report.flaws, f"{report.url}: {report.recreation}")
-
-
-pytorch_dcp_group_rank_as_gather_dst = _decode("pytorch_dcp_group_rank_as_gather_dst")
-vllm_tp_gather_group_rank_as_dst = _decode("vllm_tp_gather_group_rank_as_dst")
-vllm_omni_h3_rank_without_tiles_raises = _decode("vllm_omni_h3_rank_without_tiles_raises")
-vllm_omni_cosmos3_output_rank_only = _decode("vllm_omni_cosmos3_output_rank_only")
+_MADE = {name: report.recreate(zoo_decode._implementation) for name, report in REPORTS.items()}
+pytorch_dcp_group_rank_as_gather_dst = _MADE["pytorch_dcp_group_rank_as_gather_dst"]
+vllm_tp_gather_group_rank_as_dst = _MADE["vllm_tp_gather_group_rank_as_dst"]
+vllm_omni_h3_rank_without_tiles_raises = _MADE["vllm_omni_h3_rank_without_tiles_raises"]
+vllm_omni_cosmos3_output_rank_only = _MADE["vllm_omni_cosmos3_output_rank_only"]

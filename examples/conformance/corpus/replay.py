@@ -90,13 +90,9 @@ REPORTS = {
 }
 
 
-def _replay(name: str):
-    report = REPORTS[name]
-    return zoo_replay._implementation(report.flaws, f"{report.url}: {report.recreation}")
-
-
-onetrainer_pooled_cfg_branches_swapped = _replay("onetrainer_pooled_cfg_branches_swapped")
-diffusers_sd3_pooled_embeds_rows_misaligned = _replay("diffusers_sd3_pooled_embeds_rows_misaligned")
-sglang_flux_guidance_scaled_twice = _replay("sglang_flux_guidance_scaled_twice")
-step1x_edit_timestep_scaled_twice = _replay("step1x_edit_timestep_scaled_twice")
-unirl_sigma_rounded_to_bf16 = _replay("unirl_sigma_rounded_to_bf16")
+_MADE = {name: report.recreate(zoo_replay._implementation) for name, report in REPORTS.items()}
+onetrainer_pooled_cfg_branches_swapped = _MADE["onetrainer_pooled_cfg_branches_swapped"]
+diffusers_sd3_pooled_embeds_rows_misaligned = _MADE["diffusers_sd3_pooled_embeds_rows_misaligned"]
+sglang_flux_guidance_scaled_twice = _MADE["sglang_flux_guidance_scaled_twice"]
+step1x_edit_timestep_scaled_twice = _MADE["step1x_edit_timestep_scaled_twice"]
+unirl_sigma_rounded_to_bf16 = _MADE["unirl_sigma_rounded_to_bf16"]
