@@ -10,6 +10,7 @@ would not see it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from harness.paths import path_of
 from harness.registry import Registry, import_ref, load_ref, split_ref
 
 __all__ = ["ABLATIONS", "KILL_MODES", "Ablation", "KillResult", "ablation", "active", "all_ablations", "applied",
-           "drop_inherited", "get", "run_under", "validate_claims"]
+           "drop_inherited", "fresh_caches", "get", "run_under", "validate_claims"]
 
 # How an ablation must be caught. "tolerance": the ablated verdict fails with a number over its tolerance
 # (margin > 1); "fact": it fails on a violated required fact (a spy) naming ``fact``; "raises": one of the
@@ -52,6 +53,7 @@ class Ablation:
     raises: tuple[type[BaseException], ...] = ()
     hang_timeout_s: float | None = None
     origin: str = field(default="", compare=False)
+    stock: bool = False  # the seam is code the stock path runs: stock results cached before it are recomputed
 
     @property
     def path(self) -> str:
@@ -69,15 +71,16 @@ class Ablation:
         owner, attr = self.resolve()
         original = getattr(owner, attr)
         patched = self.replacement(original) if self.wraps else self.replacement
-        setattr(owner, attr, patched)
-        patch = _Patch(self, owner, attr, original)
-        _ACTIVE.append(patch)
-        try:
-            yield
-        finally:
-            if patch in _ACTIVE:  # a forked child may have dropped it already
-                _ACTIVE.remove(patch)
-                setattr(owner, attr, original)
+        with fresh_caches() if self.stock else contextlib.nullcontext():
+            setattr(owner, attr, patched)
+            patch = _Patch(self, owner, attr, original)
+            _ACTIVE.append(patch)
+            try:
+                yield
+            finally:
+                if patch in _ACTIVE:  # a forked child may have dropped it already
+                    _ACTIVE.remove(patch)
+                    setattr(owner, attr, original)
 
 
 @dataclass(eq=False)
@@ -88,6 +91,37 @@ class _Patch:
     owner: Any
     attr: str
     original: Any
+
+
+# the packages whose module-level caches hold stock results (references, floors, controls, loaded models)
+CACHED_RESULT_PACKAGES = ("parity.", "fixtures.", "gpu.", "examples.")
+
+
+@contextlib.contextmanager
+def fresh_caches() -> Iterator[int]:
+    """Every module-level ``functools`` cache of the catalogue's packages swapped for an empty one of the same
+    function for the block, and the originals (with the results they hold) put back after: a stock result is
+    computed again under an ablation of code the stock path runs, and what it computes there never outlives it.
+    Yields how many caches were swapped."""
+    fresh: dict[int, Any] = {}
+    swapped: list[tuple[Any, str, Any]] = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(CACHED_RESULT_PACKAGES):
+            continue
+        for attr, value in list(vars(module).items()):
+            if not (callable(getattr(value, "cache_clear", None)) and hasattr(value, "cache_parameters")
+                    and hasattr(value, "__wrapped__")):
+                continue
+            if id(value) not in fresh:
+                maxsize = value.cache_parameters()["maxsize"]
+                fresh[id(value)] = functools.lru_cache(maxsize=maxsize)(value.__wrapped__)
+            swapped.append((module, attr, value))
+            setattr(module, attr, fresh[id(value)])
+    try:
+        yield len(fresh)
+    finally:
+        for module, attr, value in swapped:
+            setattr(module, attr, value)
 
 
 def drop_inherited() -> list[str]:
@@ -121,12 +155,13 @@ _LOADER = "harness.catalogue:load"  # what a fresh (spawned) rank calls to rebui
 def ablation(name: str, seam: str, replacement: Callable[..., Any], *, kills: Sequence[str], why: str,
              kill_mode: str, modes: Mapping[str, str] | None = None, fact: str | Mapping[str, str] | None = None,
              wraps: bool = False, raises: Sequence[type[BaseException]] = (),
-             hang_timeout_s: float | None = None) -> Ablation:
+             hang_timeout_s: float | None = None, stock: bool = False) -> Ablation:
     """Register an ablation; its claimed check ids are validated when the catalogue loads (validate_claims).
 
     Every claim in ``kills`` is caught in ``kill_mode`` unless ``modes`` declares another mode for it
     (every mode is declared, none inferred). ``fact`` is the text the violated spy fact must contain, or
-    a mapping check id -> text where the claims violate different facts.
+    a mapping check id -> text where the claims violate different facts. ``stock`` declares a seam the stock
+    path runs (a model's own layer, a family adapter): cached stock results are recomputed under it.
     """
     if "." not in name or not name.islower():
         raise ValueError(f"ablation name {name!r} must read 'path.bug' in lowercase")
@@ -154,7 +189,7 @@ def ablation(name: str, seam: str, replacement: Callable[..., Any], *, kills: Se
     overrides = {c: m for c, m in claims.items() if m != kill_mode}
     facts = dict(fact) if isinstance(fact, Mapping) else ({c: fact for c in claims} if fact else {})
     item = Ablation(name, seam, replacement, tuple(claims), why, kill_mode, overrides, facts, wraps, tuple(raises),
-                    hang_timeout_s, origin)
+                    hang_timeout_s, origin, stock)
     return ABLATIONS.register(name, item, origin=origin)
 
 

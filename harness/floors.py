@@ -24,13 +24,15 @@ by rounding in practice, while every bug this suite has met moves a value by ord
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["CEILING_C", "StockFloor", "eps", "module_reduction_terms", "reduction_ceiling_ulps"]
+__all__ = ["CEILING_C", "StockFloor", "declare", "eps", "module_reduction_terms", "reduction_ceiling_ulps",
+           "stated_for"]
 
 # standard deviations of a K-step rounding random walk, on each of the two sides compared (module docstring)
 CEILING_C = 8.0
@@ -152,3 +154,21 @@ class StockFloor:
             if math.isfinite(self.ceiling_ulps) else {}
         return {"floor_measured": float(self.measured), "floor_minimum": float(self.minimum),
                 "floor_minimum_ulps": float(self.ulps), "floor_at_minimum": self.at_minimum, **stated}
+
+
+# check-id pattern -> the floor its policy stands on, stated before anything runs (--parity-list prints it)
+_STATED: dict[str, str] = {}
+
+
+def declare(pattern: str, minimum: str, ceiling: str) -> None:
+    """State the floor of the checks whose ids match ``pattern``: its minimum and its ceiling, in words a
+    reviewer can check against the arithmetic (the measured values land in the report)."""
+    if not minimum.strip() or not ceiling.strip():
+        raise ValueError(f"a floor declared for {pattern!r} states both its minimum and its ceiling")
+    _STATED[pattern] = f"minimum {minimum}; ceiling {ceiling}"
+
+
+def stated_for(check_id: str) -> str:
+    """The declared floor of ``check_id`` (the most specific matching pattern, the longest), or ""."""
+    matches = [p for p in _STATED if fnmatch.fnmatchcase(check_id, p)]
+    return _STATED[max(matches, key=len)] if matches else ""

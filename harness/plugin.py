@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from harness import ablation as ablation_mod
-from harness import catalogue, checkpoints, checks, compat, conformance, host, launch, report
+from harness import catalogue, checkpoints, checks, compat, conformance, floors, host, launch, report
 from harness import device_map as device_maps
 from harness.ablation import KillResult
 from harness.checks import CheckContext
@@ -347,6 +347,9 @@ def parity_list(pattern: str = "*") -> list[str]:
             fields.append(f"args={bound}")
         if policy:
             fields.append(f"policy={policy}")
+        stated = floors.stated_for(check.id)
+        if stated:
+            fields.append(f"floor={stated}")
         fields.append("killers=" + (", ".join(sorted(killers.get(check.id, []))) or "none"))
         fields.append(conformance_mark(check))
         lines.append("  ".join(fields))

@@ -215,3 +215,45 @@ ablation(
          "consistently, so the fp64 oracle sees nothing either."),
     kill_mode="tolerance",
 )
+
+
+# ------------------------------------------------------------------- bugs in the stock path the controls share
+# A model whose own forward computes another function at another batch: the stock prefill floor (the same prompts
+# batched vs alone) measures the bug, not rounding, and lies above the ceiling the arithmetic allows.
+
+_QWEN3_NORM = "transformers.models.qwen3.modeling_qwen3:Qwen3RMSNorm.forward"
+
+
+def _single_row_path(original):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """A "fast single-row kernel" at B=1 that scales by the mean |x| instead of the root mean square."""
+        if hidden_states.shape[0] != 1:
+            return original(self, hidden_states)
+        x = hidden_states.float()
+        return self.weight * (x / (x.abs().mean(-1, keepdim=True) + self.variance_epsilon)).to(hidden_states.dtype)
+    return forward
+
+
+def _batch_statistic(original):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The mean square taken over every row of the forward, not each token's own (a batch statistic)."""
+        x = hidden_states.float()
+        variance = x.pow(2).mean(dim=(0, -1), keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon)).to(hidden_states.dtype)
+    return forward
+
+
+_STOCK_BUG_CLAIMS = _ids(("qwen3",), _BATCHED, ("logp",))
+
+ablation(
+    "ar.norm_single_row_path", _QWEN3_NORM, _single_row_path, wraps=True, kills=_STOCK_BUG_CLAIMS,
+    why="the model's norm takes another path at one row (as upstream's single-token expert path): stock B=1 and "
+        "stock batched compute different functions, outside any MoE the routing probe looks at",
+    kill_mode="fact", fact="the stock path itself depends on the batch composition", stock=True,
+)
+ablation(
+    "ar.norm_batch_statistic", _QWEN3_NORM, _batch_statistic, wraps=True, kills=_STOCK_BUG_CLAIMS,
+    why="the model's norm reads a statistic over the whole batch, so each row's output depends on what shares its "
+        "forward (pad rows included)",
+    kill_mode="fact", fact="the stock path itself depends on the batch composition", stock=True,
+)

@@ -392,3 +392,38 @@ ablation(
     kill_mode="fact",
     fact="every row field made to repeat a row",
 )
+
+
+# ------------------------------------------------------------------- bugs in the stock path the controls share
+
+
+def _period(rows: torch.Tensor) -> int:
+    """The fewest leading rows whose repeats make up ``rows`` (the B samples of a branch tiled over S steps)."""
+    count = int(rows.shape[0])
+    return next(p for p in range(1, count + 1)
+                if count % p == 0 and torch.equal(rows, rows[:p].repeat(count // p, *([1] * (rows.dim() - 1)))))
+
+
+def _pooled_repeated(original):
+    def forward(self, hidden: torch.Tensor, timestep: torch.Tensor, conditions):
+        """SD3's pooled projections kept as one serial forward's rows, ``[uncond_B; cond_B]``, and filled to the
+        forward's row count with ``repeat``: right at cfg x B rows, interleaved wrong once S steps are stacked."""
+        pooled = conditions.rows["pooled_projections"]
+        half = int(hidden.shape[0]) // 2
+        batch = _period(pooled[:half])
+        block = torch.cat([pooled[:batch], pooled[half:half + batch]])
+        repeated = block.repeat(int(hidden.shape[0]) // block.shape[0], 1)
+        return original(self, hidden, timestep,
+                        dataclasses.replace(conditions, rows={**conditions.rows, "pooled_projections": repeated}))
+    return forward
+
+
+ablation(
+    "replay.sd3_pooled_repeated", "harness.replay.families.sd3:SD3Adapter.forward", _pooled_repeated, wraps=True,
+    kills=[f"replay.sd3.cfg2.{what}" for what in ("log_probs", "prev_sample_means")],
+    why="the family adapter keeps a per-row field as one serial forward's block and expands it with repeat: right "
+        "at the serial shape only, in code stock and fast share. The batch-shape control runs that adapter at the "
+        "fast path's shape and measures the bug as its floor (the numbers pass at margin 0.25); the floor lies "
+        "orders above the ceiling rounding allows",
+    kill_mode="fact", fact="the stock path itself depends on the batch composition", stock=True,
+)

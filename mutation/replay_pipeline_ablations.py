@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fixtures.replay_families import family_names
+from fixtures.replay_families import family_ids, family_names
 from harness.ablation import ablation
 from harness.checkid import CheckId
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
@@ -43,4 +43,20 @@ ablation(
     why="the CFG order is declared backwards (cond-first rows read as uncond-first, or the reverse): the combine "
         "guides away from the prompt in stock and batched replay alike, the combine check included",
     kill_mode="tolerance",
+)
+
+
+def _sign_flipped(original):
+    def model_velocity(adapter, prediction: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        return -original(adapter, prediction, x, sigma)
+    return model_velocity
+
+
+ablation(
+    "replay.velocity_sign_flipped", "harness.replay.denoiser:model_velocity", _sign_flipped, wraps=True,
+    kills=[*ORACLE, *family_ids("cfg2.pipeline_combine")],
+    why="the velocity handed to the scheduler has the wrong sign (a pipeline's negation of the model output left "
+        "out of the family, or added where the pipeline has none): stock and batched alike step the wrong way",
+    kill_mode="fact",
+    fact="not a sign flip",
 )

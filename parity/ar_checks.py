@@ -23,12 +23,14 @@ import torch
 
 from fixtures import ar_models
 from fixtures.ar_cases import CASES, EXTRA, ARCase, eos_for_one_stop, eos_for_stops, stopped_at_eos
+from harness import floors
 from harness.ar import comparisons, judge, loop
 from harness.ar import policies as ar_policies
 from harness.ar.spy import ARForwardSpy
 from harness.checkid import CheckId
 from harness.checks import register
 from harness.compare import Verdict, close
+from harness.floors import module_reduction_terms
 
 MODELS = ar_models.BACKENDS
 FINISHED_STOPS = {0: 1, 2: 3}  # row -> decode step whose reference token becomes an EOS id
@@ -160,7 +162,8 @@ def _growth(model: str) -> Verdict:
     fast_rollout = comparisons.fast_rollout()
     with ARForwardSpy(backend.model) as spy:
         fast = fast_rollout(backend, batch, case.max_new_tokens, eos)
-    verdict = judge.judge_growth(fast, reference, control)
+    terms = module_reduction_terms(backend.model, sequence=batch.width + case.max_new_tokens) + backend.vocab_size
+    verdict = judge.judge_growth(fast, reference, control, terms=terms)
     return judge.require_path(verdict, spy, batch.batch_size)
 
 
@@ -209,3 +212,10 @@ for _case in (ARCase("missing_b1", (9,), decode_steps=2, seed=31), ARCase("missi
              policy="fact: init_state raises ValueError naming real_pos",
              doc=f"init_state raises ValueError naming real_pos when it is missing at B={_case.batch_size}")(
         functools.partial(_missing_real_pos, _case))
+
+_AR_CEILING = ("8 sqrt(K) fp32 ulps of the same magnitude, K = the model's Linear fan-ins plus the keys plus the "
+               "vocabulary's log-sum-exp")
+floors.declare("ar.*", "1 fp32 ulp of the compared values' magnitude (max |log-prob|, max |KV|)", _AR_CEILING)
+floors.declare("ar.*.growth.logp", "1 fp32 ulp of each step's mean |log-prob|", _AR_CEILING)
+floors.declare("ar.gpu.*", "fp32: 1 fp32 ulp of max |log-prob|; bf16: 1 bf16 ulp of max |log-prob| (dtype control)",
+               "8 sqrt(K) ulps of the dtype, K = the model's Linear fan-ins plus the keys plus the vocabulary")

@@ -23,7 +23,7 @@ import functools
 from dataclasses import dataclass
 
 from fixtures import attention_captures as seeds
-from harness import conformance
+from harness import conformance, floors
 from harness.attention import capture as capture_io
 from harness.attention import contract, judge, kernels, masks
 from harness.attention.layout import PHASES
@@ -287,3 +287,7 @@ for _phase, _kernel in OTHER_BLOCK_CASES:
     conformance.not_judged(str(KernelCase(_phase, _kernel, OTHER_BLOCK).check_id),
                            f"the same input as {KernelCase(_phase, _JUDGED_AS).check_id}: your kernel takes no "
                            "block size")
+
+floors.declare("attention.*", "1 ulp of the compared dtype at the output's magnitude (max|d|), or of 1 (rel L2)",
+               "8 sqrt(K) ulps, K = the head dim plus twice the keys (q.k, the softmax's sum, the weighted sum of "
+               "values); the control is the reference's own fp32-vs-fp64 error")

@@ -30,14 +30,14 @@ from fixtures.replay_cases import (
 )
 from fixtures.replay_families import QUANTITIES, family_names
 from fixtures.replay_models import tiny_model
-from harness import conformance
+from harness import conformance, floors
 from harness.checks import register
 from harness.compare import Verdict, exact, holds, raises
-from harness.replay import cfg as cfg_combines
-from harness.replay import denoiser, discriminating, tiling
+from harness.replay import denoiser, discriminating, pipeline_oracle, tiling
 from harness.replay.conditions import Conditions, broadcast_rows, payload_rows, slice_rows
-from harness.replay.denoiser import concat_branches, predict_velocity
+from harness.replay.denoiser import WrappedAdapter, concat_branches, predict_velocity
 from harness.replay.families import get_family
+from harness.replay.families.base import ModelAdapter
 from harness.replay.guards import ReplayConfig
 from harness.replay.judge import (
     compare_replay,
@@ -48,7 +48,7 @@ from harness.replay.judge import (
     run_both,
     run_serial,
 )
-from harness.replay.policies import LocalScaleBound, local_scale_policy
+from harness.replay.policies import RESOLUTION_ULPS, LocalScaleBound, local_scale_policy
 from harness.replay.problem import ReplayProblem
 from harness.replay.replay import replay
 from harness.replay.sde import MultistepSDE
@@ -354,48 +354,48 @@ for _family in FAMILIES:
 # ------------------------------------------------------------------------ the family's CFG combine
 
 
-def _branches(problem: ReplayProblem, x: torch.Tensor, sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cond, uncond) velocities from one forward over both branches, split as the layout says."""
-    adapter, conditions = problem.adapter, problem.conditions
-    fused = concat_branches(conditions.negative, conditions) if conditions.negative is not None else conditions
-    timestep = adapter.timestep(torch.full((2 * x.shape[0],), sigma))
-    out = adapter.forward(torch.cat([x, x]), timestep, broadcast_rows(fused))
-    return denoiser.split_branches(denoiser.declared_layout(adapter), out, x.shape[0])
+class _RecordedBranches(WrappedAdapter):
+    """The family's adapter whose one forward returns the branch outputs its pipeline's transformer gave, laid out
+    in the adapter's rows: ``predict_velocity`` then applies the family's own split, combine and velocity."""
 
+    def __init__(self, inner: ModelAdapter, rows: torch.Tensor):
+        super().__init__(inner)
+        self.rows = rows
+        self.calls: list[int] = []
 
-def _pipeline_combine(kind: str, cond: torch.Tensor, uncond: torch.Tensor, scale: float,
-                      channel_dim: int) -> torch.Tensor:
-    """The diffusers pipelines' own expressions for each combine: the plain ``uncond + g (cond - uncond)``
-    (SD3, Flux, CogView4, Sana, PixArt pipelines) and QwenImagePipeline's true CFG, rescaled to the cond
-    norm over the channel dim (the last dim of its packed latents)."""
-    combined = uncond + scale * (cond - uncond)
-    if kind == cfg_combines.STANDARD:
-        return combined
-    if kind != cfg_combines.TRUE_CFG_NORM_RESCALE:
-        raise ValueError(f"no pipeline expression for the CFG combine {kind!r}")
-    return combined * (torch.norm(cond, dim=channel_dim, keepdim=True)
-                       / torch.norm(combined, dim=channel_dim, keepdim=True))
+    def forward(self, hidden: torch.Tensor, timestep: torch.Tensor, conditions: Conditions) -> torch.Tensor:
+        self.calls.append(int(hidden.shape[0]))
+        return self.rows
 
 
 def pipeline_combine(family: str) -> Verdict:
-    """predict_velocity with the family's combine equals the pipeline expression its combine names,
-    bitwise, on the two branches of one forward."""
-    problem = real_problem(family, 2)
-    x = problem.segment.latent_at(problem.target[0]).float()
-    scale = float(problem.guidance)
-    cond, uncond = _branches(problem, x, 0.6)
-    adapter = problem.adapter
-    expected = _pipeline_combine(adapter.cfg_combine, cond, uncond, scale, adapter.channel_dim)
-    with spy_forwards(problem.adapter.module) as spy:
-        got = predict_velocity(problem.adapter, x, 0.6, problem.conditions, scale)
-    verdict = exact().judge(got, expected, dims=("row",), what=f"{family} CFG-combined velocity")
-    return verdict.require(spy.batch_sizes == [2 * BATCH], f"one forward of both CFG branches ({2 * BATCH} rows)",
-                           forwards=spy.batch_sizes)
+    """predict_velocity, given the branch outputs the family's own diffusers pipeline computed, hands the
+    scheduler what that pipeline handed it (its combine and any post-processing), at every recorded step."""
+    from parity.replay_pipeline_checks import oracle_record
+
+    adapter, record = oracle_record(family)
+    conditions = adapter.conditions_from_prompts(record.prompts, 2)
+    order = pipeline_oracle.adapter_order(denoiser.declared_layout(adapter), conditions.batch)
+    verdicts = []
+    for i, step in enumerate(record.steps):
+        aligned = pipeline_oracle.align(step, record.prompts, get_family(family).pipeline.prompt_arg, order)
+        recorded = _RecordedBranches(adapter, pipeline_oracle.to_replay(adapter, aligned.output))
+        x = adapter.from_pipeline_latents(step.latents)
+        got = predict_velocity(recorded, x, step.sigma.expand(conditions.batch), conditions, record.guidance)
+        expected = adapter.from_pipeline_latents(step.model_output)
+        verdict = pipeline_oracle.judge_combine(f"step {i} velocity from the pipeline's branch outputs", got, expected,
+                                                f"the family's {adapter.cfg_combine} combine and "
+                                                f"{adapter.velocity_transform} velocity vs {family}'s pipeline")
+        verdicts.append(verdict.require(recorded.calls == [2 * conditions.batch],
+                                        f"step {i}: one forward of both CFG branches ({2 * conditions.batch} rows)",
+                                        forwards=recorded.calls))
+    return functools.reduce(Verdict.merge, verdicts)
 
 
 for _family in FAMILIES:
-    _register(f"replay.{_family}.cfg2.pipeline_combine", pipeline_combine, _family, policy=exact(),
-              doc=f"tiny {_family}: the family's CFG combine is its pipeline's, bitwise")
+    _register(f"replay.{_family}.cfg2.pipeline_combine", pipeline_combine, _family,
+              policy=pipeline_oracle.COMBINE_POLICY,
+              doc=f"tiny {_family}: the family's CFG combine and velocity transform are its diffusers pipeline's")
 
 
 def adapter_refuses_rows(family: str) -> Verdict:
@@ -495,3 +495,11 @@ for _pattern, _reason in {
                        "oracle; no batched replay runs",
 }.items():
     conformance.not_judged(_pattern, _reason)
+
+_REPLAY_FLOOR = (f"{RESOLUTION_ULPS:g} fp32 ulps of the local magnitude (the SDE math's resolution)",
+                 "8 sqrt(K) ulps of the model's dtype, K = the denoiser's Linear/Conv fan-ins plus the latent's "
+                 "elements (the batch-shape control is stock code at the fast path's shape)")
+for _pattern in ("replay.*.log_probs", "replay.*.prev_sample_means", "replay.*.growth*"):
+    floors.declare(_pattern, *_REPLAY_FLOOR)
+floors.declare("replay.*.cfg2.pipeline_combine", "4 fp32 ulps of the local magnitude",
+               "8 ulps (K = 1: the same elementwise combine on the pipeline's own branch outputs, no model runs)")

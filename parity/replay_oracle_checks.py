@@ -29,6 +29,7 @@ from harness import growth
 from harness.checks import register
 from harness.compare import Close, Verdict, close, holds, max_abs_diff, noise_floor
 from harness.floors import StockFloor, reduction_ceiling_ulps
+from harness.floors import declare as declare_floor
 from harness.growth import growth_ratio
 from harness.replay import denoiser, oracles
 from harness.replay.conditions import Conditions, payload_rows, slice_rows
@@ -465,9 +466,32 @@ def error_growth(family: str) -> Verdict:
     verdict = growth.judge_growth(curve, floor, torch.tensor(resolution_curve(family), dtype=torch.float64),
                                   control=f"stock serial at B rows vs serial with every forward at the fast path's "
                                           f"{problem.batched_rows}-row shape, mean |d| of the means per step")
+    stock = growth_stock_floor(family)
+    verdict = verdict.with_metrics(**stock.metrics()).require(not stock.above_ceiling, stock.ceiling_fact())
     return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)
+
+
+@functools.cache
+def growth_stock_floor(family: str = "sd3") -> StockFloor:
+    """The growth control's worst element (stock serial at B rows vs at the fast path's shape) under its ceiling:
+    the control runs the family's adapter at the fast path's shape, so a stock path that depends on what shares
+    its forward would otherwise widen the very curve the batched error is judged against."""
+    problem = growth_problem(family)
+    base = replay_serial(*problem.args())
+    grown = fast_shape_serial(problem)
+    terms = max(1, replay_terms(problem))
+    return StockFloor(max_abs_diff(grown.prev_sample_means, base.prev_sample_means),
+                      float(base.prev_sample_means.abs().max()), 1.0,
+                      source="stock serial at B rows vs at the fast path's shape, every step",
+                      ceiling_ulps=reduction_ceiling_ulps(terms),
+                      ceiling_reason=f"K = {terms}: the denoiser's Linear/Conv fan-ins and the latent's elements")
 
 
 for _family in family_names():
     _register(f"replay.{_family}.growth.prev_sample_means", error_growth, _family, policy=GROWTH_POLICY,
               doc=f"tiny {_family} over all T steps: batched-mean error grows no faster than the stock floor")
+
+declare_floor("replay.oracle.*", f"{ORACLE_FLOOR_ULPS:g} fp32 ulp of the quantity's scale (fp32 vs fp64)",
+              "8 sqrt(K) fp32 ulps, K = the formula's elementwise steps or a row's mean over its latent elements")
+declare_floor("replay.*pi_old_vs_rollout", f"{RATIO_FLOOR_ULPS:g} fp32 ulps of the ratio's or log-probs' magnitude",
+              "8 sqrt(K) fp32 ulps, K = the denoiser's Linear/Conv fan-ins plus the latent's elements")

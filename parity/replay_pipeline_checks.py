@@ -17,7 +17,7 @@ import torch
 from fixtures.replay_cases import BATCH, GUIDANCE
 from fixtures.replay_families import family_names
 from fixtures.replay_models import tiny_model
-from harness import conformance
+from harness import conformance, floors
 from harness.checks import register
 from harness.compare import Verdict
 from harness.replay import discriminating, pipeline_oracle
@@ -55,3 +55,6 @@ for _family in FAMILIES:
         functools.partial(pipeline_oracle_check, _family))
 conformance.not_judged("replay.oracle.pipeline.*", "holds the family's adapter to its diffusers pipeline (model inputs "
                                                    "and output); no batched replay runs")
+floors.declare("replay.oracle.pipeline.*", "4 fp32 ulps of the local magnitude",
+               "8 sqrt(K) fp32 ulps, K = the transformer's Linear/Conv fan-ins plus the tokens it attends over (the "
+               "control regroups the pipeline's own rows, nothing else)")

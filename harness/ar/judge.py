@@ -10,14 +10,18 @@ never below one fp32 eps of the values' magnitude), and a verdict fails when its
 [K_MIN, K_MAX] x that floor (``require_floor_bounds``). bf16 is judged by the KL rule of ``judge_bf16`` (its
 section below says why). ``judge_growth`` judges the per-step error curve over all decode steps against the
 growth of a stock per-step floor curve (``batch_shape_control_logp``): a bug that starts below the worst-element
-tolerance and compounds step by step is not judged like noise.
+tolerance and compounds step by step is not judged like noise. That control runs stock code at the batch's
+shape, so it is held under the ceiling rounding allows (harness.floors): a stock path whose output depends on
+what shares its batch fails there instead of widening the curve it is judged against.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,14 +31,17 @@ from harness.ar.loop import Rollout
 from harness.ar.policies import FP32_EPS, K_MAX, K_MIN, ARPolicies, StockPrefillFloor, model_device
 from harness.ar.spy import ARForwardSpy
 from harness.compare import Policy, Verdict, max_abs_diff, noise_floor
+from harness.floors import StockFloor, reduction_ceiling_ulps
 from harness.growth import GROWTH_BUDGET, growth_ratio
 
 __all__ = [
     "GROWTH_BUDGET",
+    "DtypeControl",
     "batch_shape_control_logp",
     "comparable_kl",
     "compare_case",
     "divergences",
+    "dtype_control",
     "flips",
     "format_seed001",
     "growth_ratio",
@@ -45,12 +52,12 @@ __all__ = [
     "judge_slot0",
     "judge_tokens",
     "kl_rows",
-    "padding_control",
     "require_floor_bounds",
     "require_path",
     "resolution_curve",
     "seed001_metrics",
     "step_curve",
+    "upcast",
 ]
 
 
@@ -232,12 +239,27 @@ def batch_shape_control_logp(backend: Any, prompts: list[torch.Tensor], referenc
     return out
 
 
+def growth_control_floor(control_logp: torch.Tensor, reference: Rollout, terms: int) -> StockFloor:
+    """The growth control's worst |d log-prob| against B=1 over every emitted step, with its ceiling: ``terms``
+    reduction terms per log-prob (the model's Linear fan-ins, the keys, the vocabulary's log-sum-exp)."""
+    emitted = torch.arange(reference.logp.shape[1])[None] < reference.lengths.reshape(-1, 1).cpu()
+    diff = (control_logp.double().cpu() - reference.logp.double().cpu()).abs()
+    measured = float(torch.where(emitted, diff, 0.0).max()) if bool(emitted.any()) else 0.0
+    magnitude = float(torch.where(emitted, reference.logp.double().abs().cpu(), 0.0).max()) if bool(
+        emitted.any()) else 0.0
+    return StockFloor(measured, magnitude, 1.0, source="stock right-padded at the batch's row count and width vs "
+                                                        "stock B=1, every emitted step",
+                      ceiling_ulps=reduction_ceiling_ulps(max(terms, 1)),
+                      ceiling_reason=f"K = {terms}: the model's Linear fan-ins, the keys and the vocabulary")
+
+
 def judge_growth(fast: Rollout, reference: Rollout, control_logp: torch.Tensor,
-                 budget: float = GROWTH_BUDGET) -> Verdict:
+                 budget: float = GROWTH_BUDGET, terms: int = 0) -> Verdict:
     """Per-step error of the batched log-probs vs B=1 (mean |d| over the rows that emitted the step, fp64)
     against the stock floor curve ``control_logp`` (``batch_shape_control_logp``: each prompt at the batch's
     shape through stock code), judged by ``harness.growth.judge_growth``: both curves floored at the
-    log-probs' fp32 resolution, the error's growth at most ``budget`` x the floor's."""
+    log-probs' fp32 resolution, the error's growth at most ``budget`` x the floor's. With ``terms`` (the reduction
+    terms one log-prob accumulates) the control is held under its ceiling (``growth_control_floor``)."""
     if fast.logp.shape != reference.logp.shape or control_logp.shape != reference.logp.shape:
         raise ValueError(f"log-prob shapes differ: fast {tuple(fast.logp.shape)}, reference "
                          f"{tuple(reference.logp.shape)}, control {tuple(control_logp.shape)}")
@@ -247,6 +269,9 @@ def judge_growth(fast: Rollout, reference: Rollout, control_logp: torch.Tensor,
         control="stock B=1 unpadded vs stock right-padded at the batch's row count and width in its cache, "
                 "mean |d logp| per step", budget=budget)
     verdict = verdict.with_metrics(logp_max_abs=max_abs_diff(fast.logp, reference.logp))
+    if terms:
+        floor = growth_control_floor(control_logp, reference, terms)
+        verdict = verdict.with_metrics(**floor.metrics()).require(not floor.above_ceiling, floor.ceiling_fact())
     tokens_equal = bool(torch.equal(fast.tokens, reference.tokens))
     return verdict.require(tokens_equal, "batched tokens equal B=1 on every step (every step's context shared)",
                            common_prefix=_common_prefix(fast.tokens, reference.tokens))
@@ -254,19 +279,21 @@ def judge_growth(fast: Rollout, reference: Rollout, control_logp: torch.Tensor,
 
 # --------------------------------------------------------------------------------------------- bf16
 
-# The bf16 judge of batched AR: what padding legitimately changes, measured on stock code only.
+# The bf16 judge of batched AR: how far bf16 rounding alone moves this model, measured on stock code only.
 #
-# In bf16 a row's logits move when its prompt is right-padded and its keys sit in a longer (masked) key axis:
-# SDPA's reductions run over a different length. A control that batches identical unpadded copies through the fast
-# path cannot see that rounding (and runs the code under test), so the bound would collapse to its floor. The
-# control here is stock code on the same row twice: B=1 on the unpadded prompt (``stock_generate``) against the
-# same prompt right-padded under its mask in a cache of the batch's length, at the batch's row count
-# (``stock_padded``, teacher-forced on the first run's tokens). Rule:
+# In bf16 a row's logits move when its prompt is right-padded, its keys sit in a longer (masked) key axis and its
+# GEMMs run at another row count: reductions run in another order. How far two orderings of the same bf16
+# computation may drift apart is bounded by how far each drifts from the exact result, and that is what the control
+# measures: the same stock B=1 computation (unpadded, teacher-forced on the B=1 run's tokens) in bf16 and in fp32
+# on the same weights upcast exactly (``dtype_control``). It varies the dtype and nothing else: no row shares its
+# forward, no batch shape, no padding, so a stock path whose output depends on the batch composition (a B=1-only
+# expert path, a batch statistic) cannot widen it. Rule:
 #
 # - per row, KL(B=1 || batched) over every step whose context both runs share (the common token prefix and the
-#   first divergent step) must be at most ``k`` x the largest padded-control KL over the rows, plus ``floor``;
+#   first divergent step) must be at most ``k`` x the largest dtype-control KL over the rows, plus ``floor``;
 # - a row may diverge only where the B=1 top-1/top-2 log-prob margin at the divergent step is below
-#   ``flip_margin`` (a near-tie: rounding may pick either token).
+#   ``flip_margin`` (a near-tie: rounding may pick either token);
+# - the control's worst |d log-prob| lies under its ceiling for ``terms`` reduction terms in bf16 (harness.floors).
 
 
 def kl_rows(reference_logits: torch.Tensor, candidate_logits: torch.Tensor) -> torch.Tensor:
@@ -301,35 +328,72 @@ def flips(reference: Rollout, prefix: list[int]) -> tuple[list[bool], list[float
     return flipped, margins
 
 
+@contextlib.contextmanager
+def upcast(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> Iterator[None]:
+    """``model``'s floating parameters and buffers held in ``dtype`` for the block, in place, and put back
+    bitwise after (a bf16 or fp16 value is exact in fp32). Needs the model's memory again in ``dtype``."""
+    saved = []
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            saved.append((tensor, tensor.data))
+            tensor.data = tensor.data.to(dtype)
+    try:
+        yield
+    finally:
+        for tensor, data in saved:
+            tensor.data = data
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeControl:
+    """Per row, the largest KL(fp32 || low precision) of stock B=1 over its steps, and the worst |d log-prob| as a
+    floor with its ceiling."""
+
+    kl: torch.Tensor
+    floor: StockFloor
+
+
 @torch.no_grad()
-def padding_control(backend: Any, prompts: list[torch.Tensor], reference: Rollout, width: int,
-                    max_cache_len: int) -> torch.Tensor:
-    """Per row, max over steps of KL(stock B=1 unpadded || stock right-padded to ``width`` in a cache of
-    ``max_cache_len``, at the batch's row count and the row's own position), teacher-forced on the unpadded
-    run's tokens (same contexts, every step comparable). The control runs the batch's GEMM shapes: in bf16 a
-    kernel picked for another row count rounds differently, and that rounding is legitimate."""
-    out = []
-    for row, prompt in enumerate(prompts):
-        count = int(reference.lengths[row])
-        tokens = reference.tokens[row, :count].to(prompt.device)
-        padded = backend.stock_padded(prompt, tokens, width, max_cache_len, rows=len(prompts), row=row)
-        out.append(kl_rows(reference.logits[row, :count], padded).max())
-    return torch.stack(out)
+def dtype_control(backend: Any, prompts: list[torch.Tensor], reference: Rollout, terms: int) -> DtypeControl:
+    """Stock B=1 on each unpadded prompt, teacher-forced on the reference's tokens, in the model's dtype and in
+    fp32 on the same weights (``upcast``): per row the largest KL(fp32 || model dtype) over its steps, and the
+    worst |d log-prob| against its ceiling for ``terms`` reduction terms in the model's dtype."""
+    dtype = next(backend.model.parameters()).dtype
+    runs: dict[str, list[torch.Tensor]] = {"low": [], "high": []}
+    for which in ("low", "high"):
+        with upcast(backend.model) if which == "high" else contextlib.nullcontext():
+            for row, prompt in enumerate(prompts):
+                count = int(reference.lengths[row])
+                tokens = reference.tokens[row, :count].to(prompt.device)
+                length = int(prompt.numel())
+                runs[which].append(backend.stock_padded(prompt, tokens, length, length + count).cpu())
+    kl = torch.stack([kl_rows(high, low).max() for high, low in zip(runs["high"], runs["low"], strict=True)])
+    high = [torch.log_softmax(h.double(), -1) for h in runs["high"]]
+    low = [torch.log_softmax(lo.double(), -1) for lo in runs["low"]]
+    measured = max(float((h - lo).abs().max()) for h, lo in zip(high, low, strict=True))
+    magnitude = max(float(h.abs().max()) for h in high)
+    floor = StockFloor(measured, magnitude, 1.0, dtype=dtype, control="dtype",
+                       source=f"stock B=1 unpadded in {str(dtype).removeprefix('torch.')} vs fp32, every step",
+                       ceiling_ulps=reduction_ceiling_ulps(max(terms, 1)),
+                       ceiling_reason=f"K = {terms}: the model's Linear fan-ins, the keys and the vocabulary")
+    return DtypeControl(kl, floor)
 
 
-def judge_bf16(fast: Rollout, reference: Rollout, control: torch.Tensor, *, k: float,
+def judge_bf16(fast: Rollout, reference: Rollout, control: DtypeControl, *, k: float,
                floor: float, flip_margin: float, dtype: torch.dtype) -> Verdict:
-    """The bf16 rule (module docstring) as one verdict; per-row KL, controls, prefixes and margins in metrics."""
+    """The bf16 rule (the section above) as one verdict; per-row KL, controls, prefixes and margins in metrics."""
     kl, prefix = comparable_kl(reference, fast)
-    bound_control = float(control.max())
+    bound_control = float(control.kl.max())
     policy = noise_floor(bound_control, k=k, floor=floor,
-                         reason=f"{dtype} KL(B=1 || batched) over each row's shared-context steps vs stock B=1 "
-                                "unpadded against stock B=1 right-padded in a cache of the batch's length")
+                         reason=f"{dtype} KL(B=1 || batched) over each row's shared-context steps vs the dtype "
+                                f"control, KL(fp32 || {dtype}) of the same stock B=1 computation")
     verdict = policy.judge(kl, torch.zeros_like(kl), dims=("row",), what="KL(B=1 || batched)")
     flipped, margins = flips(reference, prefix)
     bad = [row for row, (f, m) in enumerate(zip(flipped, margins, strict=True)) if f and m >= flip_margin]
+    verdict = verdict.with_metrics(**control.floor.metrics()).require(not control.floor.above_ceiling,
+                                                                      control.floor.ceiling_fact())
     return verdict.require(not bad, f"rows diverge only where the B=1 top-1/top-2 margin < {flip_margin}",
                            kl_per_row=[float(f"{float(v):.6g}") for v in kl],
-                           padding_control_per_row=[float(f"{float(v):.6g}") for v in control],
+                           dtype_control_per_row=[float(f"{float(v):.6g}") for v in control.kl],
                            common_prefix=prefix, diverged=flipped,
                            margin_at_divergence=[round(m, 4) for m in margins], unexplained_flips=bad)

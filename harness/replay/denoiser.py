@@ -29,6 +29,7 @@ __all__ = [
     "declared_layout",
     "guidance_at",
     "model_timestep",
+    "model_velocity",
     "predict_velocity",
     "split_branches",
 ]
@@ -49,12 +50,15 @@ class DenoiserAdapter:
     ``forward(hidden [N, *latent], timestep [N], conditions) -> velocity [N, *latent]`` as exactly one
     transformer call over the N rows; every row field they receive has N rows (check it with
     ``harness.replay.conditions.require_rows``). ``cfg_combine`` names the family's CFG combine and
-    ``channel_dim`` the latent dim a norm-rescaling combine reduces over.
+    ``channel_dim`` the latent dim a norm-rescaling combine reduces over. ``velocity`` is what the family's
+    pipeline does to the (combined) model output before its scheduler steps on it: a negation (Lumina2,
+    HiDream), a scale, a prediction-type conversion; ``velocity_transform`` names it for reports.
     """
 
     cfg_layout: str = FUSED_COND_FIRST
     cfg_combine: str = cfg.STANDARD
     channel_dim: int = 1
+    velocity_transform: str = "identity"
     module: torch.nn.Module
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
@@ -69,6 +73,11 @@ class DenoiserAdapter:
         """The family's CFG combine of the two branches' velocities at scale ``guidance_scale``."""
         return cfg.combine(self.cfg_combine, cond, uncond, guidance_scale, channel_dim=self.channel_dim)
 
+    def velocity(self, prediction: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """The scheduler's velocity from the (combined) model ``prediction`` at latents ``x`` and per-row
+        ``sigma``, as the family's pipeline computes it after its combine: by default the prediction itself."""
+        return prediction
+
 
 class WrappedAdapter(DenoiserAdapter):
     """Another adapter behind a changed ``forward`` (a batch-shape control, a device move): its layout,
@@ -79,6 +88,7 @@ class WrappedAdapter(DenoiserAdapter):
         self.cfg_layout = inner.cfg_layout
         self.cfg_combine = inner.cfg_combine
         self.channel_dim = inner.channel_dim
+        self.velocity_transform = inner.velocity_transform
         self.module = inner.module
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
@@ -86,6 +96,9 @@ class WrappedAdapter(DenoiserAdapter):
 
     def combine(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
         return self.inner.combine(cond, uncond, guidance_scale)
+
+    def velocity(self, prediction: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        return self.inner.velocity(prediction, x, sigma)
 
 
 def guidance_at(guidance: Guidance | None, step: int) -> float | None:
@@ -124,6 +137,13 @@ def model_timestep(adapter: DenoiserAdapter, sigma: torch.Tensor) -> torch.Tenso
     return adapter.timestep(sigma)
 
 
+def model_velocity(adapter: DenoiserAdapter, prediction: torch.Tensor, x: torch.Tensor,
+                   sigma: torch.Tensor) -> torch.Tensor:
+    """The velocity the scheduler steps on: the adapter's ``velocity`` of the combined model output (its
+    pipeline's post-processing, applied after the combine as the pipeline applies it)."""
+    return adapter.velocity(prediction, x, sigma)
+
+
 def declared_layout(adapter: DenoiserAdapter) -> str:
     """The CFG layout the adapter declares: which half of a two-branch forward's rows is the cond branch."""
     return adapter.cfg_layout
@@ -142,18 +162,20 @@ def predict_velocity(adapter: DenoiserAdapter, x: torch.Tensor, sigma: torch.Ten
 
     uncond-first: the forward sees ``[uncond; cond]``; fused cond-first: ``[cond; uncond]`` as the
     conditions arrive. Either way it is one forward over row fields broadcast to its row count,
-    split at its midpoint, and the family's combine gets both halves and ``guidance_scale``.
+    split at its midpoint, and the family's combine gets both halves and ``guidance_scale``; the family's
+    ``velocity`` transform of the result is what the scheduler steps on.
     """
     rows = x.shape[0]
     if rows != conditions.batch:
         raise ValueError(f"latents have {rows} rows but the conditions are for batch {conditions.batch}")
     _check_layout(adapter, conditions)
-    timestep = model_timestep(adapter, as_rows(sigma, rows))
+    sigmas = as_rows(sigma, rows)
+    timestep = model_timestep(adapter, sigmas)
     if not conditions.guided:
-        return adapter.forward(x, timestep, broadcast_rows(conditions))
+        return model_velocity(adapter, adapter.forward(x, timestep, broadcast_rows(conditions)), x, sigmas)
     if guidance_scale is None:
         raise ValueError(UNGUIDED_CFG)
     fused = concat_branches(conditions.negative, conditions) if conditions.negative is not None else conditions
     out = adapter.forward(torch.cat([x, x]), torch.cat([timestep, timestep]), broadcast_rows(fused))
     cond, uncond = split_branches(declared_layout(adapter), out, rows)
-    return adapter.combine(cond, uncond, guidance_scale)
+    return model_velocity(adapter, adapter.combine(cond, uncond, guidance_scale), x, sigmas)

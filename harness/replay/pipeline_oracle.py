@@ -13,12 +13,18 @@ adapter's denoiser (``predict_velocity``) at the same latents and sigma and hold
   latents bitwise; the timestep within TIMESTEP_ULPS fp32 ulps of the pipeline's (the pipeline derives
   t and sigma from each other through a few fp32 roundings; a wrong unit is off by orders of magnitude);
   shared arguments (ids, image shapes) equal;
-- outputs: each branch's transformer output, and the combined velocity, within K_OUTPUT x a floor
-  measured on stock inputs only: the transformer run on the pipeline's own inputs in one forward of the
-  adapter's rows and positions, at the pipeline's timestep and at that timestep moved by its tolerance;
-  every bound is at least RESOLUTION (4 fp32 ulps) of the local magnitude (per row);
-- the family's combine applied to the pipeline's own branch outputs equals the pipeline's combined
-  prediction (only the arithmetic's rounding, RESOLUTION, may differ).
+- outputs: each branch's transformer output, and the velocity (the family's combine and ``velocity``
+  transform), within K_OUTPUT x a floor plus the effect of the timestep's allowed difference. The floor is
+  the transformer on the pipeline's own inputs and timestep in one forward of the adapter's rows and
+  positions: it differs from the pipeline's calls only in how the rows are grouped, so it is rounding, held
+  under its ceiling (harness.floors: K = the transformer's Linear/Conv fan-ins and the tokens attended
+  over); at least RESOLUTION (4 fp32 ulps) of the local magnitude (per row). The timestep allowance is the
+  same forward at the adapter's own timestep against it: exactly what the allowed timestep difference does,
+  zero when the two timesteps agree bitwise;
+- the family's combine and velocity transform applied to the pipeline's own branch outputs equal the
+  pipeline's combined prediction (only the arithmetic's rounding, RESOLUTION, may differ). A velocity that
+  is the exact negation of the pipeline's (relative error 2) is named a sign flip: the pipeline
+  post-processes the model output and the family's ``velocity`` does not say so.
 """
 
 from __future__ import annotations
@@ -33,11 +39,13 @@ from typing import Any
 import torch
 
 from harness.compare import Verdict, close, holds, noise_floor
+from harness.floors import StockFloor, module_reduction_terms, reduction_ceiling_ulps
 from harness.replay import denoiser
 from harness.replay.denoiser import UNCOND_FIRST
 from harness.replay.families.base import ModelAdapter, Prompts, ReplayFamily
 
 __all__ = [
+    "COMBINE_POLICY",
     "K_OUTPUT",
     "ORACLE_STEPS",
     "RESOLUTION",
@@ -46,9 +54,11 @@ __all__ = [
     "OracleError",
     "PipelineRecord",
     "PipelineStep",
+    "judge_combine",
     "judge_family",
     "record_forwards",
     "run_pipeline",
+    "sign_flipped",
 ]
 
 ORACLE_STEPS = 2
@@ -265,18 +275,57 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor
     return torch.where(scale > 0, diff / scale, torch.where(diff > 0, torch.inf, 0.0))
 
 
-def _within(what: str, actual: torch.Tensor, expected: torch.Tensor, floor: float,
+def sign_flipped(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """True when ``actual`` is ``-expected`` to within RESOLUTION of each row's magnitude, ``expected`` not zero:
+    a relative error of exactly 2, the signature of a sign the pipeline applies and the family does not."""
+    a, e = actual.detach().double(), expected.detach().double()
+    if a.shape != e.shape or not bool((e != 0).any()):
+        return False
+    return bool((relative_error(-a, e) <= 2 * RESOLUTION).all())
+
+
+SIGN_FLIP = ("is the exact negation of the pipeline's (relative error 2): a sign flip. The pipeline post-processes "
+             "the model output (e.g. noise_pred = -noise_pred) and the family's ModelAdapter.velocity does not; "
+             "declare the pipeline's transform there")
+
+
+def _within(what: str, actual: torch.Tensor, expected: torch.Tensor, floor: StockFloor, allowance: float,
             reason: str) -> Verdict:
-    """Relative error within K_OUTPUT x max(floor, RESOLUTION), the bound held within [K_MIN, K_MAX] x it."""
-    effective = max(floor, RESOLUTION)
-    policy = noise_floor(effective, k=K_OUTPUT, reason=f"{reason}: floor {floor:.2e}, at least {RESOLUTION:.2e} "
-                                                       "(4 fp32 ulps) of the local magnitude")
+    """Relative error within K_OUTPUT x the floor (never below RESOLUTION) plus ``allowance``, the bound held
+    within [K_MIN, K_MAX] x the floor and the floor under its ceiling. A sign flip is named first."""
+    flipped = sign_flipped(actual, expected)
+    lead = holds(not flipped, f"{what}: not a sign flip of the pipeline's",
+                 **({"sign_flip": f"{what} {SIGN_FLIP}"} if flipped else {}))
+    policy = noise_floor(floor.value, k=K_OUTPUT, floor=allowance,
+                         reason=f"{reason}: {floor.describe()}; plus {allowance:.2e}, what the timestep's allowed "
+                                "difference does to it")
     rel = relative_error(actual, expected)
     verdict = policy.judge(rel, torch.zeros_like(rel), dims=("row",), what=f"{what} (relative)")
-    return verdict.require_bounded(policy.bound, effective, k_min=K_MIN, k_max=K_MAX, what=f"{what} bound")
+    verdict = verdict.require_bounded(K_OUTPUT * floor.value, floor, k_min=K_MIN, k_max=K_MAX, what=f"{what} bound")
+    return lead.merge(verdict) if flipped else verdict
 
 
-def _to_replay(adapter: ModelAdapter, transformer_out: torch.Tensor) -> torch.Tensor:
+COMBINE_POLICY = (f"relative error <= {K_OUTPUT:g} x {RESOLUTION / FP32_EPS:g} fp32 ulps of the local magnitude (the "
+                  "same elementwise arithmetic on the same branch outputs); a relative error of exactly 2 is named "
+                  "a sign flip")
+
+
+def judge_combine(what: str, actual: torch.Tensor, expected: torch.Tensor, reason: str) -> Verdict:
+    """The family's combine and velocity of branch outputs the pipeline computed, against what the pipeline handed
+    its scheduler: no model runs, so only RESOLUTION of rounding (and never a sign) may differ."""
+    return _within(what, actual, expected, _rounding_floor(0.0, 1, "the pipeline's own branch outputs: no model "
+                                                                    "runs"), 0.0, reason)
+
+
+def _rounding_floor(measured: float, terms: int, source: str) -> StockFloor:
+    """A relative floor (magnitude 1) of RESOLUTION's ulps, its ceiling a reduction of ``terms`` terms."""
+    return StockFloor(measured, 1.0, RESOLUTION / FP32_EPS, source=source,
+                      ceiling_ulps=max(reduction_ceiling_ulps(terms), RESOLUTION / FP32_EPS),
+                      ceiling_reason=f"K = {terms}: the transformer's Linear/Conv fan-ins and the tokens it attends "
+                                     "over")
+
+
+def to_replay(adapter: ModelAdapter, transformer_out: torch.Tensor) -> torch.Tensor:
     """Transformer outputs in replay's layout; a learned-sigma head's second half of the channels is cut, as the
     pipelines cut it."""
     out = adapter.from_pipeline_latents(transformer_out)
@@ -286,26 +335,44 @@ def _to_replay(adapter: ModelAdapter, transformer_out: torch.Tensor) -> torch.Te
     return out
 
 
-def _combined(adapter: ModelAdapter, out: torch.Tensor, order: list[tuple[str, int]], guidance: float) -> torch.Tensor:
-    """The family's combine of the cond and uncond rows of ``out`` (rows in ``order``), in replay layout."""
+def _combined(adapter: ModelAdapter, out: torch.Tensor, order: list[tuple[str, int]], guidance: float,
+              x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """The family's combine of the cond and uncond rows of ``out`` (rows in ``order``), then its velocity
+    transform at latents ``x`` and per-row ``sigma``: what the scheduler steps on, in replay layout."""
     branch = {key: i for i, key in enumerate(order)}
     batch = len(order) // 2
     cond = out[[branch[("cond", b)] for b in range(batch)]]
     uncond = out[[branch[("uncond", b)] for b in range(batch)]]
-    return adapter.combine(_to_replay(adapter, cond), _to_replay(adapter, uncond), guidance)
+    combined = adapter.combine(to_replay(adapter, cond), to_replay(adapter, uncond), guidance)
+    return denoiser.model_velocity(adapter, combined, x, sigma)
 
 
-def _control_outputs(adapter: ModelAdapter, aligned: AlignedStep, timestep_arg: str) -> list[torch.Tensor]:
-    """The transformer on the pipeline's own inputs, in one forward of the adapter's rows and positions, at the
-    pipeline's timestep and at it moved by its tolerance both ways (stock inputs only)."""
-    outputs = []
-    t = aligned.rows[timestep_arg]
-    for move in (0.0, 1.0, -1.0):
-        moved = (t.double() * (1.0 + move * TIMESTEP_ULPS * FP32_EPS)).to(torch.float32) if move else t
-        with torch.no_grad(), record_forwards(adapter.module) as calls:
-            adapter.module(**{**aligned.shared, **aligned.rows, timestep_arg: moved})
-        outputs.append(calls[0].output)
-    return outputs
+def _forward_output(adapter: ModelAdapter, arguments: Mapping[str, Any]) -> torch.Tensor:
+    with torch.no_grad(), record_forwards(adapter.module) as calls:
+        adapter.module(**arguments)
+    return calls[0].output
+
+
+def _control_outputs(adapter: ModelAdapter, aligned: AlignedStep, timestep_arg: str,
+                     timestep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transformer on the pipeline's own inputs in one forward of the adapter's rows and positions: at the
+    pipeline's timestep (the floor: only the grouping of rows differs from the pipeline's calls) and at the
+    adapter's ``timestep`` (against the first, what the timestep's allowed difference does)."""
+    inputs = {**aligned.shared, **aligned.rows}
+    at_pipeline = _forward_output(adapter, inputs)
+    same = torch.equal(torch.as_tensor(timestep).expand_as(aligned.rows[timestep_arg]).to(
+        aligned.rows[timestep_arg].dtype), aligned.rows[timestep_arg])
+    at_adapter = at_pipeline if same else _forward_output(adapter, {**inputs, timestep_arg: timestep})
+    return at_pipeline, at_adapter
+
+
+def _tokens(aligned: AlignedStep, prompt_arg: str, adapter: ModelAdapter) -> int:
+    """The tokens one attention may reduce over: the prompt's plus the latent grid's positions (an upper count:
+    a patchified grid has fewer, which only raises the ceiling)."""
+    prompt = aligned.rows[prompt_arg]
+    text = int(prompt.shape[1]) if isinstance(prompt, torch.Tensor) and prompt.dim() > 2 else 0
+    height, width = adapter.latent_size
+    return text + height * width
 
 
 def judge_step(family: ReplayFamily, adapter: ModelAdapter, step: PipelineStep, prompts: Prompts,
@@ -343,24 +410,33 @@ def judge_step(family: ReplayFamily, adapter: ModelAdapter, step: PipelineStep, 
                               cfg_order_backwards=backwards)
     verdict = verdict.require(not mismatched, f"{label}: every other transformer input equals the pipeline's, "
                                               "row by row", **{f"input_{k}": v for k, v in mismatched.items()})
-    controls = _control_outputs(adapter, aligned, spec.timestep_arg)
-    branch_floor = max(float(relative_error(c, aligned.output).max()) for c in controls)
-    verdict = verdict.merge(_within(f"{label} branch outputs", mine.output, aligned.output, branch_floor,
-                                    "each branch's transformer output vs the pipeline's; floor = the transformer on "
-                                    "the pipeline's inputs at the adapter's batch shape, timestep moved by its "
-                                    "tolerance"))
+    at_pipeline, at_adapter = _control_outputs(adapter, aligned, spec.timestep_arg,
+                                               torch.as_tensor(mine.arguments[spec.timestep_arg]))
+    terms = module_reduction_terms(adapter.module, sequence=_tokens(aligned, spec.prompt_arg, adapter))
+    sigmas = step.sigma.expand(batch)
+    branch_floor = _rounding_floor(float(relative_error(at_pipeline, aligned.output).max()), terms,
+                                   "the transformer on the pipeline's inputs, rows grouped as the adapter's forward")
+    branch_allowance = float(relative_error(at_adapter, at_pipeline).max())
     reference = adapter.from_pipeline_latents(step.model_output)
-    own = _combined(adapter, aligned.output, order, guidance)
-    verdict = verdict.merge(_within(f"{label} combine", own, reference, 0.0,
-                                    f"the family's {adapter.cfg_combine} combine of the pipeline's own branch outputs "
-                                    "vs its combined prediction"))
-    combined_floor = max(float(relative_error(_combined(adapter, c, order, guidance), reference).max())
-                         for c in controls)
-    verdict = verdict.merge(_within(f"{label} velocity", velocity, reference, combined_floor,
-                                    "the denoiser's CFG-combined velocity vs the pipeline's combined prediction; "
-                                    "floor = the combine of the control outputs"))
-    return verdict.with_metrics(**{f"{label}_timestep_pipeline": scale, f"{label}_branch_floor": branch_floor,
-                                   f"{label}_velocity_floor": combined_floor})
+    own = _combined(adapter, aligned.output, order, guidance, x, sigmas)
+    combined_floor = _rounding_floor(
+        float(relative_error(_combined(adapter, at_pipeline, order, guidance, x, sigmas), reference).max()),
+        terms + adapter.latent_shape[0], "the family's combine and velocity of those control outputs")
+    combined_allowance = float(relative_error(_combined(adapter, at_adapter, order, guidance, x, sigmas),
+                                              _combined(adapter, at_pipeline, order, guidance, x, sigmas)).max())
+    # the combine first: a sign or combine mismatch there explains a velocity that fails after it
+    verdict = verdict.merge(judge_combine(f"{label} combine", own, reference,
+                                    f"the family's {adapter.cfg_combine} combine and {adapter.velocity_transform} "
+                                    "velocity of the pipeline's own branch outputs vs its combined prediction"))
+    verdict = verdict.merge(_within(f"{label} branch outputs", mine.output, aligned.output, branch_floor,
+                                    branch_allowance, "each branch's transformer output vs the pipeline's"))
+    verdict = verdict.merge(_within(f"{label} velocity", velocity, reference, combined_floor, combined_allowance,
+                                    "the denoiser's velocity vs the pipeline's combined prediction"))
+    return verdict.with_metrics(**{f"{label}_timestep_pipeline": scale,
+                                   f"{label}_branch_floor": branch_floor.measured,
+                                   f"{label}_branch_floor_ceiling": branch_floor.ceiling,
+                                   f"{label}_timestep_allowance": combined_allowance,
+                                   f"{label}_velocity_floor": combined_floor.measured})
 
 
 def _input_mismatches(mine: Forward, aligned: AlignedStep, timestep_arg: str,

@@ -19,8 +19,9 @@ from fixtures import ar_models
 from fixtures.ar_cases import prompt_ids
 from harness.ar.backends import TransformersBackend, UpstreamBackend
 from harness.ar.batch import right_padded_batch
-from harness.ar.judge import comparable_kl, flips, judge_bf16, kl_rows, padding_control
+from harness.ar.judge import DtypeControl, comparable_kl, dtype_control, flips, judge_bf16, kl_rows, upcast
 from harness.ar.loop import Rollout, fast_rollout, stock_rollout
+from harness.floors import StockFloor
 
 pytestmark = pytest.mark.cpu
 
@@ -102,7 +103,7 @@ def _judged_pair(margin_row2: float) -> tuple[Rollout, Rollout]:
 @pytest.mark.parametrize(("flip_margin", "bad"), [(2.0, []), (1.5, [2])])
 def test_judge_bf16_reports_every_row_and_flags_wide_margin_flips(flip_margin: float, bad: list[int]) -> None:
     reference, fast = _judged_pair(margin_row2=1.5)  # log-softmax gap of [1.5, 0] is exactly 1.5 in float64
-    control = torch.tensor([0.01, 0.03, 0.02], dtype=torch.float64)
+    control = _control(torch.tensor([0.01, 0.03, 0.02], dtype=torch.float64))
     verdict = judge_bf16(fast, reference, control, k=8.0, floor=1e-3, flip_margin=flip_margin,
                          dtype=torch.bfloat16)
     kl = _kl64(reference.logits, fast.logits)
@@ -110,7 +111,7 @@ def test_judge_bf16_reports_every_row_and_flags_wide_margin_flips(flip_margin: f
     m = verdict.metrics
     assert m["kl_per_row"] == pytest.approx(expected_kl, rel=1e-5)
     assert (m["control"], m["bound"]) == (0.03, pytest.approx(8.0 * 0.03 + 1e-3, rel=1e-12))
-    assert m["padding_control_per_row"] == [0.01, 0.03, 0.02]
+    assert m["dtype_control_per_row"] == [0.01, 0.03, 0.02]
     assert (m["common_prefix"], m["diverged"], m["unexplained_flips"]) == ([3, 1, 0], [False, True, True], bad)
     assert math.isnan(m["margin_at_divergence"][0]) and m["margin_at_divergence"][1:] == [0.1235, 1.5]
     assert verdict.passed == (not bad)
@@ -118,31 +119,56 @@ def test_judge_bf16_reports_every_row_and_flags_wide_margin_flips(flip_margin: f
     assert verdict.violated_facts == ([fact] if bad else [])
 
 
-def test_judge_bf16_fails_a_kl_over_k_times_the_padding_control() -> None:
+def _control(kl: torch.Tensor, measured: float = 0.01) -> DtypeControl:
+    """A dtype control with a bf16 floor of ``measured`` at magnitude 10 under a ceiling of 80 bf16 ulps (6.25)."""
+    return DtypeControl(kl, StockFloor(measured, 10.0, 1.0, dtype=torch.bfloat16, control="dtype",
+                                       ceiling_ulps=80.0, ceiling_reason="K = 100: test"))
+
+
+def test_judge_bf16_fails_a_kl_over_k_times_the_dtype_control() -> None:
     reference, fast = _judged_pair(margin_row2=0.5)
     kl = _kl64(reference.logits, fast.logits)
     worst = max(float(kl[0].max()), float(kl[1, :2].max()), float(kl[2, :1].max()))
-    control = torch.full((3,), worst / 4, dtype=torch.float64)  # the worst row at 4x the control
+    control = _control(torch.full((3,), worst / 4, dtype=torch.float64))  # the worst row at 4x the control
     verdict = judge_bf16(fast, reference, control, k=2.0, floor=0.0, flip_margin=1.0,
                          dtype=torch.bfloat16)
     assert not verdict.passed and verdict.margin == pytest.approx(2.0, rel=1e-9)
     assert "KL(B=1 || batched)" in verdict.message and verdict.violated_facts == []
 
 
-def test_padding_control_is_stock_b1_against_stock_padded_on_the_same_tokens() -> None:
+def test_a_dtype_control_above_its_ceiling_fails_naming_the_stock_computation() -> None:
+    reference, fast = _judged_pair(margin_row2=0.5)
+    control = _control(torch.full((3,), 10.0, dtype=torch.float64), measured=7.0)  # 7.0 > 6.25: not rounding
+    verdict = judge_bf16(fast, reference, control, k=8.0, floor=1e-3, flip_margin=9.0, dtype=torch.bfloat16)
+    assert not verdict.passed
+    assert any("the stock computation in bfloat16 loses more than rounding" in f for f in verdict.violated_facts)
+
+
+def test_upcast_holds_the_weights_in_fp32_and_puts_them_back_bitwise() -> None:
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    with upcast(model):
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        out = model(torch.ones(1, 4))
+    assert out.dtype == torch.float32
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_dtype_control_is_stock_b1_in_bf16_against_the_same_weights_in_fp32() -> None:
     backend = bf16_backend("fake")
     prompts = prompt_ids([6, 9], seed=31)
     reference = stock_rollout(backend, prompts, 3)
-    control = padding_control(backend, prompts, reference, width=16, max_cache_len=19)
-    assert control.dtype == torch.float64 and control.shape == (2,)
+    control = dtype_control(backend, prompts, reference, terms=1000)
+    assert control.kl.dtype == torch.float64 and control.kl.shape == (2,)
+    assert next(backend.model.parameters()).dtype == torch.bfloat16  # put back
     with torch.no_grad():
-        for row, prompt in enumerate(prompts):
-            padded = backend.stock_padded(prompt, reference.tokens[row], 16, 19, rows=len(prompts), row=row)
-            assert padded.shape == (3, ar_models.VOCAB) and padded.dtype == torch.float32
-            torch.testing.assert_close(control[row], _kl64(reference.logits[row], padded).max(), rtol=1e-9, atol=0.0)
-    # bf16 padding may or may not move the logits on this host's SDPA kernels: the control is whatever it
-    # measured (finite, >= 0), and judge_bf16's additive floor keeps a zero control meaningful
-    assert bool(torch.isfinite(control).all()) and bool((control >= 0).all())
+        low = backend.stock_padded(prompts[0], reference.tokens[0], 6, 9)
+        with upcast(backend.model):
+            high = backend.stock_padded(prompts[0], reference.tokens[0], 6, 9)
+    torch.testing.assert_close(control.kl[0], _kl64(high, low).max(), rtol=1e-9, atol=0.0)
+    # bf16 rounding moves a tiny random model's log-probs: measurable, finite, and rounding (under the ceiling)
+    assert float(control.kl.max()) > 0 and bool(torch.isfinite(control.kl).all())
+    assert control.floor.control == "dtype" and not control.floor.above_ceiling, control.floor.describe()
 
 
 @pytest.mark.parametrize("name", ["fake", "qwen3"])

@@ -270,8 +270,29 @@ def test_recorded_forwards_keep_each_output_as_it_was_and_stop_with_the_block():
 def test_an_output_may_be_off_by_4_resolutions_of_4_fp32_ulps_where_the_floor_is_lower(ulps, passed):
     expected = torch.tensor([[1.0, -0.5], [0.25, 0.125]], dtype=torch.float64)
     actual = expected + ulps * pipeline_oracle.FP32_EPS * expected.abs().amax(dim=1, keepdim=True)
-    verdict = pipeline_oracle._within("output", actual, expected, 0.0, "a floor below the resolution")
+    verdict = pipeline_oracle.judge_combine("output", actual, expected, "a floor below the resolution")
     assert verdict.passed is passed, verdict.describe()
+
+
+def test_an_exact_negation_is_named_a_sign_flip_before_its_numbers():
+    expected = torch.tensor([[1.0, -0.5], [0.25, 0.125]], dtype=torch.float64)
+    verdict = pipeline_oracle.judge_combine("velocity", -expected, expected, "negated")
+    assert not verdict.passed and verdict.metrics["max_abs"] == 2.0
+    assert verdict.message.startswith("expected: velocity: not a sign flip"), verdict.message
+    assert "relative error 2" in verdict.message
+    assert not pipeline_oracle.sign_flipped(-2 * expected, expected)  # a scale, not a sign
+    assert not pipeline_oracle.sign_flipped(torch.zeros(2, 2), torch.zeros(2, 2))  # nothing to flip
+
+
+def test_a_floor_above_its_ceiling_fails_the_output_even_within_k_times_it():
+    """A control that differs from the pipeline by more than rounding is not a floor: the verdict fails on it."""
+    expected = torch.tensor([[1.0, -0.5]], dtype=torch.float64)
+    actual = expected * (1 + 1e-3)
+    floor = pipeline_oracle._rounding_floor(1e-3, 100, "a control that shares a bug")
+    verdict = pipeline_oracle._within("output", actual, expected, floor, 0.0, "bug-sized floor")
+    assert verdict.margin is not None and verdict.margin <= 1.0  # the numbers alone would pass
+    assert not verdict.passed
+    assert any("the stock path itself depends on the batch composition" in f for f in verdict.violated_facts)
 
 
 class TwoForwardSana(SanaAdapter):

@@ -76,3 +76,24 @@ def test_the_correct_adapter_measures_rounding_far_below_its_ceiling():
         policy = local_scale_policy(control, what, torch.float32)
         assert not policy.stock_floor.above_ceiling, policy.stock_floor.describe()
         assert compare_replay(problem, policy, what).passed
+
+
+def test_the_repeat_bug_fails_with_a_users_replay_in_conformance_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The catalogue's ablation of the same bug (replay.sd3_pooled_repeated) under ``--impl replay=...``: the
+    user's batched replay is judged against the suite's stock path, whose control shares the bug and fails on its
+    ceiling, not within a widened bound."""
+    from pathlib import Path
+
+    from harness import ablation, catalogue, checks, conformance
+    from harness.checks import CheckContext
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples" / "conformance"))
+    catalogue.load()
+    check_id = "replay.sd3.cfg2.log_probs"
+    with conformance.applied({"replay": "zoo_replay:replay_batched"}):
+        before = conformance.calls("replay")
+        with ablation.get("replay.sd3_pooled_repeated").apply():
+            verdict = checks.run_check(check_id, CheckContext())
+        assert conformance.calls("replay") > before, "the user's implementation was never called"
+    assert not verdict.passed and verdict.margin is not None and verdict.margin <= 1.0, verdict.describe()
+    assert any("the stock path itself depends on the batch composition" in f for f in verdict.violated_facts)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from parity_plugin_example import lumina2, pixart
 from parity_plugin_example.kernels import row_chunked
-from parity_plugin_example.pixart import CHECKPOINT_KIND, FAMILY
 
 __all__ = ["register"]
 
@@ -17,7 +17,9 @@ ORIGIN = "parity-plugin-example"
 
 
 def register(plugins: ModuleType) -> None:
-    """Add the PixArt replay family, its checkpoint kind and the row-chunked kernel (idempotent)."""
-    plugins.REPLAY_FAMILIES.register(FAMILY.name, FAMILY, origin=ORIGIN)
-    plugins.CHECKPOINT_KINDS.register(CHECKPOINT_KIND.name, CHECKPOINT_KIND, origin=ORIGIN)
+    """Add the PixArt and Lumina2 replay families, their checkpoint kinds and the row-chunked kernel
+    (idempotent)."""
+    for family in (pixart.FAMILY, lumina2.FAMILY):
+        plugins.REPLAY_FAMILIES.register(family.name, family, origin=ORIGIN)
+        plugins.CHECKPOINT_KINDS.register(family.checkpoint_kind.name, family.checkpoint_kind, origin=ORIGIN)
     plugins.ATTENTION_KERNELS.register("row_chunked_example", row_chunked, origin=ORIGIN)
