@@ -131,10 +131,13 @@ class Verdict:
         mine, theirs = self.margin, other.margin
         use_other = theirs is not None and (mine is None or theirs > mine)
         lead = other if use_other else self
+        metrics = {**self.metrics, **other.metrics}
+        if lead.headline and lead.headline in lead.metrics:  # the headline stays the leading verdict's own number
+            metrics[lead.headline] = lead.metrics[lead.headline]
         return Verdict(
             check_id=self.check_id,
             passed=self.passed and other.passed,
-            metrics={**self.metrics, **other.metrics},
+            metrics=metrics,
             policy=self.policy if self.policy == other.policy else f"{self.policy}; {other.policy}",
             margin=lead.margin,
             headline=lead.headline,

@@ -95,3 +95,16 @@ def test_holds_and_raises_report_what_was_observed():
     assert any_text.passed and any_text.policy == "fact: raises ValueError"
     wrong = raises(raise_key_error, ValueError)
     assert not wrong.passed and wrong.metrics == {"raised": "KeyError", "error": "'" + "x" * 299}
+
+
+def test_a_merged_verdict_heads_with_its_leading_part_s_own_number() -> None:
+    """Parts that measure the same metric name must not lend the failing one a passing part's number."""
+    import torch
+
+    from harness.compare import close
+
+    failing = close(atol=1e-3, rtol=0.0).judge(torch.tensor([1.0]), torch.tensor([0.0]), what="failing")
+    passing = close(atol=1e-3, rtol=0.0).judge(torch.tensor([0.0]), torch.tensor([0.0]), what="passing")
+    merged = failing.merge(passing)
+    assert not merged.passed and merged.headline == "max_abs" and merged.headline_value == 1.0
+    assert passing.merge(failing).headline_value == 1.0

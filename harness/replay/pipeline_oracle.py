@@ -275,13 +275,16 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor
     return torch.where(scale > 0, diff / scale, torch.where(diff > 0, torch.inf, 0.0))
 
 
+SIGN_FLIP_ROOM = 1e-3  # how far from the exact negation a sign flip may sit: rounding plus a step's floor
+
+
 def sign_flipped(actual: torch.Tensor, expected: torch.Tensor) -> bool:
-    """True when ``actual`` is ``-expected`` to within RESOLUTION of each row's magnitude, ``expected`` not zero:
-    a relative error of exactly 2, the signature of a sign the pipeline applies and the family does not."""
+    """True when ``actual`` is ``-expected`` to within SIGN_FLIP_ROOM of each row's magnitude, ``expected`` not
+    zero: a relative error of 2, the signature of a sign the pipeline applies and the family does not."""
     a, e = actual.detach().double(), expected.detach().double()
     if a.shape != e.shape or not bool((e != 0).any()):
         return False
-    return bool((relative_error(-a, e) <= 2 * RESOLUTION).all())
+    return bool((relative_error(-a, e) <= SIGN_FLIP_ROOM).all())
 
 
 SIGN_FLIP = ("is the exact negation of the pipeline's (relative error 2): a sign flip. The pipeline post-processes "
@@ -301,8 +304,10 @@ def _within(what: str, actual: torch.Tensor, expected: torch.Tensor, floor: Stoc
                                 "difference does to it")
     rel = relative_error(actual, expected)
     verdict = policy.judge(rel, torch.zeros_like(rel), dims=("row",), what=f"{what} (relative)")
-    verdict = verdict.require_bounded(K_OUTPUT * floor.value, floor, k_min=K_MIN, k_max=K_MAX, what=f"{what} bound")
-    return lead.merge(verdict) if flipped else verdict
+    if flipped:  # a floor measured against a negated reference is the sign, not rounding: the flip is the cause
+        return lead.merge(verdict.require_bounded(K_OUTPUT * floor.value, floor.value, k_min=K_MIN, k_max=K_MAX,
+                                                  what=f"{what} bound"))
+    return verdict.require_bounded(K_OUTPUT * floor.value, floor, k_min=K_MIN, k_max=K_MAX, what=f"{what} bound")
 
 
 COMBINE_POLICY = (f"relative error <= {K_OUTPUT:g} x {RESOLUTION / FP32_EPS:g} fp32 ulps of the local magnitude (the "
