@@ -10,6 +10,7 @@ The pipeline's run touches no seam an ablation patches, so it is recorded once p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -45,8 +46,11 @@ POLICY = (f"model inputs: close(atol={pipeline_oracle.TIMESTEP_ULPS:g} fp32 ulps
 
 
 def pipeline_oracle_check(family: str) -> Verdict:
+    """The family's adapter against its pipeline; the verdict states the short policy and keeps each part's own
+    (every step's inputs, branch outputs, combine and velocity: thousands of characters) among its notes."""
     adapter, record = oracle_record(family)
-    return pipeline_oracle.judge_family(get_family(family), adapter, record)
+    verdict = pipeline_oracle.judge_family(get_family(family), adapter, record)
+    return dataclasses.replace(verdict, policy=POLICY, notes=(*verdict.notes, f"each part's policy: {verdict.policy}"))
 
 
 for _family in FAMILIES:
