@@ -22,13 +22,16 @@ over fails on the CPU as it would on the real code. Shared here, as both upstrea
 
 The model output is transformers' ``CausalLMOutputWithPast`` with the cache under the field name of the installed
 major (``past_key_values`` on 4.x, ``cache`` on 5.x), which is what upstream's kwargs update looks up.
-Only ``mode="gen_text"`` exists; image spans, VAE and ViT are out of scope. The module imports only torch,
-transformers, the standard library and ``harness.compat`` (installed with the project).
+``mode="gen_image"`` (a config with ``vae``) is ``image_forward`` over the parts of ``hunyuan_image_gen``: latents
+and timestep tokens scattered into the sequence, the caller's 4-D mask handed to SDPA, the prediction read from the
+image tokens; the 2-D RoPE places image tokens on a grid. The VAE and ViT are out of scope. The module imports only
+torch, transformers, the standard library and ``harness.compat`` (installed with the project).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -40,8 +43,17 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from harness import compat
 
+from .hunyuan_image_gen import (
+    build_2d_rope_positions,
+    image_parts,
+    scatter_image_tokens,
+    scatter_timestep_tokens,
+)
+from .hunyuan_image_pipeline import FlowMatchDiscreteScheduler, HunyuanImage3Text2ImagePipeline
+
 __all__ = [
     "IMAGE_SLICE_FIELDS",
+    "CausalMMOutputWithPast",
     "HunyuanImage3Config",
     "HunyuanImage3PreTrainedModel",
     "HunyuanMoE",
@@ -49,9 +61,12 @@ __all__ = [
     "HunyuanTextModel",
     "build_batch_2d_rope",
     "carry_cache_and_positions",
+    "carry_image_positions",
     "causal_generation_mask",
     "layer_value",
     "masked_attention",
+    "require_inputs",
+    "rope_table",
     "text_rope_table",
 ]
 
@@ -85,6 +100,12 @@ class HunyuanImage3Config(compat.config_base()):
     cond_token_attn_type: str = "full"
     initializer_range: float = 0.02
     attention_kernel: str = "sdpa"
+    # mode="gen_image" (``vae`` set): latents of vae["latent_channels"] channels, patch_size x patch_size latent
+    # pixels per token, vae_downsample_factor pixels per latent pixel (what upstream's pipeline sizes images by)
+    vae: Any = None
+    patch_size: int = 1
+    patch_embed_hidden_dim: int = 16
+    vae_downsample_factor: Any = (16, 16)
 
 
 class HunyuanStaticCacheBase(StaticCache):
@@ -140,14 +161,28 @@ def text_rope_table(seq_len: int, head_dim: int, base: float,
     return torch.cos(angles), torch.sin(angles)
 
 
+def rope_table(seq_len: int, head_dim: int, base: float, image_infos: list | None,
+               device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin) [seq_len, head_dim]`` of upstream's 2-D RoPE for one row whose images sit at ``image_infos``
+    (``[(slice, (h, w)), ...]``): pair ``2k`` rotates by the token's y, pair ``2k + 1`` by its x
+    (``build_2d_rope_positions``). A text-only row is ``text_rope_table``."""
+    if not image_infos:
+        return text_rope_table(seq_len, head_dim, base, device)
+    if head_dim % 4:
+        raise ValueError(f"head_dim must be divisible by 4 for the 2-D RoPE, got {head_dim}")
+    theta = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    positions = build_2d_rope_positions(seq_len, image_infos).to(device)  # [seq_len, 2] (y, x)
+    angles = (positions[:, None, :] * theta.reshape(1, head_dim // 4, 2)).reshape(seq_len, head_dim // 2)
+    angles = angles.repeat(1, 2)
+    return torch.cos(angles), torch.sin(angles)
+
+
 def build_batch_2d_rope(seq_len: int, n_elem: int, image_infos: list | None = None,
                         device: torch.device | None = None, base: float = 10000) -> tuple[torch.Tensor, torch.Tensor]:
-    """Upstream's batched builder: one table per entry of ``image_infos`` (``None`` -> one table), stacked to
-    ``[len, seq_len, n_elem]``. Text-only rows only: an image span raises."""
+    """Upstream's batched builder: one table per entry of ``image_infos`` (``None`` -> one text-only table), stacked
+    to ``[len, seq_len, n_elem]``."""
     infos = [None] if image_infos is None else list(image_infos)
-    if any(info for info in infos):
-        raise NotImplementedError("the fake implements text-only rows; image spans need upstream's 2-D RoPE")
-    tables = [text_rope_table(seq_len, n_elem, base, device) for _ in infos]
+    tables = [rope_table(seq_len, n_elem, base, info, device) for info in infos]
     return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
 
 
@@ -162,6 +197,14 @@ def causal_generation_mask(inputs_tensor: torch.Tensor, row_slices: list[list[sl
         for span in row_slices[row]:
             mask[row, span, span] = True
     return mask[:, None]
+
+
+def require_inputs(condition: bool, target: str, **inputs: Any) -> None:
+    """Upstream's input checks: when ``condition`` holds, every named input must be given; the first missing one is
+    an AssertionError naming it and ``target`` (the situation that needs it)."""
+    if condition:
+        for name, value in inputs.items():
+            assert value is not None, f"gen_image input `{name}` is missing: it is required {target}"
 
 
 def layer_value(value: Any, layer_idx: int) -> Any:
@@ -341,20 +384,36 @@ class HunyuanImage3PreTrainedModel(PreTrainedModel):
             compat.init_ones_(module.weight)
 
 
+@dataclass
+class CausalMMOutputWithPast(CausalLMOutputWithPast):
+    """Upstream's output: the causal LM's, plus the image prediction of ``mode="gen_image"``."""
+
+    diffusion_prediction: torch.Tensor | None = None
+
+
 class HunyuanTextModel(HunyuanImage3PreTrainedModel):
     """The text path both generations share; each generation's ``forward`` resolves its RoPE, then calls
-    ``text_forward``, and its ``moe_class`` routes."""
+    ``text_forward`` (or, for ``mode="gen_image"``, ``image_forward``), and its ``moe_class`` routes. The image
+    parts exist when the config names a ``vae``."""
 
     moe_class: ClassVar[type[HunyuanMoE]] = HunyuanMoE
+    # how this generation's sampling loop names the timesteps, and whether it keeps feeding input_ids after the
+    # first step (generation 1 re-reads them at position_ids; generation 2 passes None)
+    gen_image_timestep_arg: ClassVar[str] = "timesteps"
+    gen_image_keeps_input_ids: ClassVar[bool] = False
 
     def __init__(self, config: HunyuanImage3Config) -> None:
         super().__init__(config)
         self.config = config
+        self._pipeline: Any = None
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_id)
         self.layers = nn.ModuleList(HunyuanImage3DecoderLayer(config, i, self.moe_class)
                                     for i in range(config.num_hidden_layers))
         self.ln_f = HunyuanRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "vae", None):
+            for name, module in image_parts(config).items():
+                setattr(self, name, module)
         self.post_init()
 
     @property
@@ -364,6 +423,17 @@ class HunyuanTextModel(HunyuanImage3PreTrainedModel):
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    @property
+    def pipeline(self) -> Any:
+        """Upstream's sampling loop around this model, built once, its schedule shifted by the generation config's
+        ``flow_shift`` (which upstream reads from the checkpoint's generation config: no default)."""
+        if self._pipeline is None:
+            scheduler = FlowMatchDiscreteScheduler(shift=self.generation_config.flow_shift, reverse=True,
+                                                   solver="euler")
+            self._pipeline = HunyuanImage3Text2ImagePipeline(self, scheduler, self.gen_image_timestep_arg,
+                                                             self.gen_image_keeps_input_ids)
+        return self._pipeline
 
     def text_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                      position_ids: torch.Tensor, past_key_values: HunyuanStaticCacheBase | None,
@@ -376,22 +446,85 @@ class HunyuanTextModel(HunyuanImage3PreTrainedModel):
         logits = self.lm_head(self.ln_f(hidden)).float()
         return CausalLMOutputWithPast(logits=logits, **{compat.cache_kwarg_name(): past_key_values})
 
+    def image_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                      position_ids: torch.Tensor | None, past_key_values: HunyuanStaticCacheBase | None,
+                      cos: torch.Tensor, sin: torch.Tensor, *, images: Any, image_mask: torch.Tensor | None,
+                      timesteps: Any, timesteps_index: Any, first_step: bool | None, cond_vae_images: Any = None,
+                      cond_vae_image_mask: torch.Tensor | None = None, cond_timesteps: Any = None,
+                      cond_timesteps_index: Any = None, num_special_tokens: int = 1) -> CausalMMOutputWithPast:
+        """One ``mode="gen_image"`` forward, as upstream computes it.
+
+        First step: the whole sequence, ``input_ids`` embedded with the latents' tokens written at ``image_mask``,
+        the timestep token at ``timesteps_index`` and the conditional images' tokens and timesteps likewise; the
+        prediction reads the ``image_mask`` positions. A later step: ``[timestep token, image tokens]`` only, over
+        the prefix the cache holds from the first step; the prediction reads what follows the special tokens. The
+        caller's 4-D ``attention_mask`` reaches SDPA unchanged."""
+        if not getattr(self.config, "vae", None):
+            raise ValueError("this fake has no image parts: its config names no vae (mode='gen_image' needs one)")
+        if first_step:
+            hidden = scatter_image_tokens(self, self.wte(input_ids), timesteps, images, image_mask)
+            if cond_vae_images is not None:
+                hidden = scatter_image_tokens(self, hidden, cond_timesteps, cond_vae_images, cond_vae_image_mask)
+            hidden = scatter_timestep_tokens(self, hidden, timesteps, timesteps_index)
+            if cond_vae_images is not None:
+                hidden = scatter_timestep_tokens(self, hidden, cond_timesteps, cond_timesteps_index)
+        else:
+            tokens, _, _ = self.patch_embed(images, self.time_embed(timesteps))
+            special = self.timestep_emb(timesteps).reshape(images.shape[0], -1, self.config.hidden_size)
+            hidden = torch.cat([special, tokens], dim=1)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask, position_ids, past_key_values, cos, sin)
+        patch = int(self.config.patch_size)
+        token_h, token_w = images.shape[-2] // patch, images.shape[-1] // patch
+        if first_step:
+            image_out = hidden.masked_select(image_mask.unsqueeze(-1).bool()).reshape(
+                -1, token_h * token_w, hidden.shape[-1])
+        else:
+            image_out = hidden[:, num_special_tokens:]
+        prediction = self.final_layer(image_out, self.time_embed_2(timesteps), token_h, token_w)
+        return CausalMMOutputWithPast(logits=None, diffusion_prediction=prediction,
+                                      **{compat.cache_kwarg_name(): past_key_values})
+
 
 def carry_cache_and_positions(outputs: Any, model_kwargs: dict[str, Any], updated: dict[str, Any],
-                              device: torch.device) -> dict[str, Any]:
+                              device: torch.device, timestep_index_key: str = "gen_timestep_scatter_index",
+                              ) -> dict[str, Any]:
     """What both generations' ``_update_model_kwargs_for_generation`` carry to the next step, as upstream does:
     the cache under the first ``ALL_CACHE_NAMES`` name the outputs hold (``use_cache`` is dropped), then the
-    positions: each row's first pad index after the prefill, +1 after a decode step (the mask is dropped:
-    "full attention of 1 x seqlen")."""
-    if model_kwargs["mode"] != "gen_text":
-        raise NotImplementedError(f"the fake's kwargs update implements mode='gen_text' only, got "
-                                  f"{model_kwargs['mode']!r}")
+    positions. ``gen_text``: each row's first pad index after the prefill, +1 after a decode step (the mask is
+    dropped: "full attention of 1 x seqlen"). ``gen_image`` (``carry_image_positions``): after the first step, the
+    timestep token's position then the image positions, with those rows of the mask; unchanged after."""
     for name in ALL_CACHE_NAMES:
         if name in outputs:
             updated["past_key_values" if name in ("past_buckets_states", "mems") else name] = getattr(outputs, name)
             break
+    if model_kwargs["mode"] == "gen_image":
+        return carry_image_positions(model_kwargs, updated, timestep_index_key)
     if "tokenizer_output" in model_kwargs:
         updated["position_ids"] = model_kwargs["tokenizer_output"].real_pos.to(device)
     else:
         updated["position_ids"] = model_kwargs["position_ids"] + 1
+    return updated
+
+
+def carry_image_positions(model_kwargs: dict[str, Any], updated: dict[str, Any],
+                          timestep_index_key: str) -> dict[str, Any]:
+    """``gen_image``'s later steps re-query only the timestep token (its position: the last entry of
+    ``timestep_index_key``) and the image tokens, over the prefix the cache holds: those positions become
+    ``position_ids`` (also the cache's write slots) and the full mask's rows at them the step's mask."""
+    if "tokenizer_output" in model_kwargs:  # right after the first step
+        image_mask = model_kwargs["image_mask"]
+        bsz, seq_len = image_mask.shape
+        index = torch.arange(seq_len, device=image_mask.device).unsqueeze(0).repeat(bsz, 1)
+        image_positions = index.masked_select(image_mask.bool()).reshape(bsz, -1)
+        timestep_positions = index[torch.arange(bsz), model_kwargs[timestep_index_key][:, -1]].unsqueeze(-1)
+        positions = torch.cat([timestep_positions, image_positions], dim=1)
+        updated["position_ids"] = positions
+        updated["attention_mask"] = torch.stack([torch.index_select(mask_i, 1, rows)
+                                                 for mask_i, rows in zip(model_kwargs["attention_mask"], positions,
+                                                                         strict=True)])
+    else:
+        updated["position_ids"] = model_kwargs["position_ids"]
+        updated["attention_mask"] = model_kwargs["attention_mask"]
+    updated["gen_timestep_scatter_index"] = model_kwargs["gen_timestep_scatter_index"]
     return updated

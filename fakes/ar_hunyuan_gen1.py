@@ -18,6 +18,9 @@ What sets this generation apart (each row of docs/ar-contract.md, checked agains
   probabilities at k = 1), and with ``moe_drop_tokens`` every expert keeps at most
   ``int(max(k, k * tokens // experts) * capacity_factor)`` choices, first choices before second ones, earlier
   tokens first: a token's routing then depends on every other token of its forward. Without it, nothing drops.
+- ``mode="gen_image"`` takes ``timestep`` and ``gen_timestep_scatter_index`` (``fixtures.gen_image_contract``); a row of
+  conditional images is one ``[n, C, H, W]`` tensor: upstream's per-row list-of-images path fails (it appends to a
+  tuple), and so does this fake's.
 """
 
 from __future__ import annotations
@@ -36,7 +39,12 @@ from .ar_hunyuan_common import (
     build_batch_2d_rope,
     carry_cache_and_positions,
     causal_generation_mask,
+    require_inputs,
 )
+
+# transformers 4.x copies only the modules a checkpoint's modeling file imports itself: its helpers' too
+from .hunyuan_image_gen import timestep_embedding
+from .hunyuan_image_pipeline import HunyuanImage3Text2ImagePipeline  # noqa: F401
 
 __all__ = [
     "HunyuanImage3Config",
@@ -45,6 +53,7 @@ __all__ = [
     "TopKGatingMoE",
     "build_batch_2d_rope",
     "real_batched_index_select",
+    "timestep_embedding",
 ]
 
 
@@ -78,18 +87,46 @@ class TopKGatingMoE(HunyuanMoE):
         return (priority < capacity).reshape(k, tokens).t()
 
 
+#: what ``prepare_inputs_for_generation`` passes on for ``mode="gen_image"`` (None when absent), as upstream's does
+GEN_IMAGE_INPUTS = ("images", "image_mask", "timestep", "gen_timestep_scatter_index", "cond_vae_images",
+                    "cond_timestep", "cond_vae_image_mask", "cond_timestep_scatter_index")
+
+
 class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
     """Generation 1's text path: RoPE passed in as ``custom_pos_emb``."""
 
     moe_class = TopKGatingMoE
+    gen_image_timestep_arg = "timestep"
+    gen_image_keeps_input_ids = True
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values: HunyuanStaticCache | None = None,
                 use_cache: bool | None = None, custom_pos_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-                mode: str = "gen_text", **kwargs: Any):
+                mode: str = "gen_text", first_step: bool | None = None, images: Any = None,
+                image_mask: torch.Tensor | None = None, timestep: Any = None,
+                gen_timestep_scatter_index: torch.Tensor | None = None, cond_vae_images: Any = None,
+                cond_timestep: Any = None, cond_vae_image_mask: torch.Tensor | None = None,
+                cond_timestep_scatter_index: torch.Tensor | None = None, **kwargs: Any):
+        require_inputs(mode == "gen_image", "in `gen_image` mode", images=images, timestep=timestep,
+                       gen_timestep_scatter_index=gen_timestep_scatter_index)
+        require_inputs(mode == "gen_image" and bool(first_step), "in `gen_image` mode at the first step",
+                       image_mask=image_mask)
+        require_inputs(cond_vae_images is not None, "`cond_vae_images` is provided", cond_timestep=cond_timestep,
+                       cond_vae_image_mask=cond_vae_image_mask, cond_timestep_scatter_index=cond_timestep_scatter_index)
         cos, sin = custom_pos_emb  # upstream's get_pos_emb: no default
         cos = real_batched_index_select(cos, dim=1, idx=position_ids)
         sin = real_batched_index_select(sin, dim=1, idx=position_ids)
+        for given in (images, cond_vae_images):
+            if isinstance(given, list) and any(isinstance(row, list) for row in given):
+                # upstream's per-row list-of-images path starts its token list as a tuple and fails appending
+                raise AttributeError("generation 1 embeds a row's images only as one [n, C, H, W] tensor: its "
+                                     "per-row list-of-images path appends to a tuple")
+        if mode == "gen_image":
+            return self.image_forward(input_ids, attention_mask, position_ids, past_key_values, cos, sin,
+                                      images=images, image_mask=image_mask, timesteps=timestep,
+                                      timesteps_index=gen_timestep_scatter_index, first_step=first_step,
+                                      cond_vae_images=cond_vae_images, cond_vae_image_mask=cond_vae_image_mask,
+                                      cond_timesteps=cond_timestep, cond_timesteps_index=cond_timestep_scatter_index)
         return self.text_forward(input_ids, attention_mask, position_ids, past_key_values, cos, sin, mode)
 
     def _prepare_attention_mask_for_generation(self, inputs_tensor: torch.Tensor, generation_config: Any,
@@ -112,6 +149,7 @@ class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
             "use_cache": kwargs.get("use_cache"),
             "custom_pos_emb": kwargs["custom_pos_emb"],
             "mode": kwargs["mode"],
+            **{name: kwargs.get(name) for name in GEN_IMAGE_INPUTS},
         }
 
     def _update_model_kwargs_for_generation(self, outputs: Any, model_kwargs: dict[str, Any],

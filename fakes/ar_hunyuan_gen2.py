@@ -20,13 +20,17 @@ from typing import Any
 import torch
 import transformers.modeling_attn_mask_utils  # noqa: F401  (as upstream's siglip2.py: 4.x only)
 
-from .ar_hunyuan_common import HunyuanImage3Config, HunyuanMoE
+from .ar_hunyuan_common import HunyuanImage3Config, HunyuanMoE, build_batch_2d_rope
 from .ar_hunyuan_portable import CachedRoPE
 from .ar_hunyuan_portable import HunyuanImage3ForCausalMM as PortableCausalMM
 from .ar_hunyuan_portable import HunyuanStaticCache as PortableStaticCache
 
+# transformers 4.x copies only the modules a checkpoint's modeling file imports itself: its helpers' too
+from .hunyuan_image_gen import timestep_embedding
+from .hunyuan_image_pipeline import HunyuanImage3Text2ImagePipeline  # noqa: F401
+
 __all__ = ["CachedRoPE", "HunyuanImage3Config", "HunyuanImage3ForCausalMM", "HunyuanStaticCache",
-           "SingleTokenMoE"]
+           "SingleTokenMoE", "build_batch_2d_rope", "timestep_embedding"]
 
 class HunyuanStaticCache(PortableStaticCache):
     """Generation 2's cache: lazy init with the key only (transformers 4.x's ``StaticLayer`` arity)."""

@@ -39,10 +39,15 @@ from .ar_hunyuan_common import (
     build_batch_2d_rope,
     carry_cache_and_positions,
     causal_generation_mask,
+    require_inputs,
 )
 
+# transformers 4.x copies only the modules a checkpoint's modeling file imports itself: its helpers' too
+from .hunyuan_image_gen import timestep_embedding
+from .hunyuan_image_pipeline import HunyuanImage3Text2ImagePipeline  # noqa: F401
+
 __all__ = ["CachedRoPE", "FullAttentionSlices", "HunyuanImage3Config", "HunyuanImage3ForCausalMM",
-           "HunyuanStaticCache"]
+           "HunyuanStaticCache", "build_batch_2d_rope", "timestep_embedding"]
 
 
 class HunyuanStaticCache(HunyuanStaticCacheBase):
@@ -98,6 +103,11 @@ class FullAttentionSlices:
         return slices + output.gen_image_slices[batch_idx] if with_gen else slices
 
 
+#: what ``prepare_inputs_for_generation`` passes on for ``mode="gen_image"`` (None when absent), as upstream's does
+GEN_IMAGE_INPUTS = ("images", "image_mask", "timesteps", "timesteps_index", "cond_vae_images", "cond_vae_image_mask",
+                    "cond_timesteps", "cond_timesteps_index", "gen_timestep_scatter_index")
+
+
 class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
     """Generation 2's text path: RoPE from ``rope_image_info``."""
 
@@ -108,14 +118,34 @@ class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
         self.num_image_tokens = None  # set by upstream's generate for gen_image only
         self.num_special_tokens = None
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values: HunyuanStaticCache | None = None,
-                rope_image_info: list | None = None, mode: str = "gen_text", **kwargs: Any):
+                rope_image_info: list | None = None, mode: str = "gen_text", images: Any = None,
+                image_mask: torch.Tensor | None = None, timesteps: Any = None, timesteps_index: Any = None,
+                cond_vae_images: Any = None, cond_vae_image_mask: torch.Tensor | None = None,
+                cond_timesteps: Any = None, cond_timesteps_index: Any = None, first_step: bool | None = None,
+                use_cache: bool | None = None, gen_timestep_scatter_index: torch.Tensor | None = None,
+                **kwargs: Any):
+        require_inputs(mode == "gen_image", "in `gen_image` mode", images=images, timesteps=timesteps)
+        require_inputs(mode == "gen_image" and bool(first_step), "in `gen_image` mode at the first step",
+                       image_mask=image_mask, timesteps_index=timesteps_index)
+        require_inputs(cond_vae_images is not None, "`cond_vae_images` is provided", cond_timesteps=cond_timesteps,
+                       cond_vae_image_mask=cond_vae_image_mask, cond_timesteps_index=cond_timesteps_index)
+        if input_ids is None and images is None:
+            raise ValueError("either input_ids or images must be given")
         seq_len = self.config.max_position_embeddings  # inference: the whole table, as upstream
         if position_ids is None:
             raise ValueError("position_ids are required (they are also the KV write index)")
-        cos, sin = self.cached_rope(seq_len, input_ids.device, rope_image_info, position_ids)
+        device = input_ids.device if input_ids is not None else images.device
+        cos, sin = self.cached_rope(seq_len, device, rope_image_info, position_ids)
         self.post_token_len  # noqa: B018  (upstream passes it on; only its generate assigns it)
+        if mode == "gen_image":
+            return self.image_forward(input_ids, attention_mask, position_ids, past_key_values, cos, sin,
+                                      images=images, image_mask=image_mask, timesteps=timesteps,
+                                      timesteps_index=timesteps_index, first_step=first_step,
+                                      cond_vae_images=cond_vae_images, cond_vae_image_mask=cond_vae_image_mask,
+                                      cond_timesteps=cond_timesteps, cond_timesteps_index=cond_timesteps_index,
+                                      num_special_tokens=self.num_special_tokens)
         return self.text_forward(input_ids, attention_mask, position_ids, past_key_values, cos, sin, mode)
 
     def _prepare_attention_mask_for_generation(self, inputs_tensor: torch.Tensor, generation_config: Any,
@@ -125,12 +155,13 @@ class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
                   for i in range(inputs_tensor.shape[0])]
         return causal_generation_mask(inputs_tensor, slices, device=inputs_tensor.device)
 
-    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values=None, attention_mask=None,
-                                      inputs_embeds=None, tokenizer_output=None, batch_gen_image_info=None,
-                                      batch_cond_images=None, generator=None, **kwargs: Any) -> dict[str, Any]:
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor | None, past_key_values=None,
+                                      attention_mask=None, inputs_embeds=None, tokenizer_output=None,
+                                      batch_gen_image_info=None, batch_cond_images=None, generator=None,
+                                      **kwargs: Any) -> dict[str, Any]:
         position_ids = kwargs.get("position_ids")
         assert position_ids is not None, "position_ids must be provided in kwargs."
-        if input_ids.shape[1] != position_ids.shape[1]:  # decode steps re-read the input at position_ids
+        if input_ids is not None and input_ids.shape[1] != position_ids.shape[1]:  # decode steps re-read the input
             input_ids = torch.gather(input_ids, dim=1, index=position_ids)
         return {
             "input_ids": input_ids,
@@ -139,10 +170,11 @@ class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
             "past_key_values": past_key_values,
             "rope_image_info": kwargs["rope_image_info"],
             "mode": kwargs["mode"],
+            **{name: kwargs.get(name) for name in GEN_IMAGE_INPUTS},
         }
 
     def _update_model_kwargs_for_generation(self, outputs: Any, model_kwargs: dict[str, Any],
                                             is_encoder_decoder: bool = False,
                                             num_new_tokens: int = 1) -> dict[str, Any]:
         kept = {"mode": model_kwargs["mode"], "rope_image_info": model_kwargs["rope_image_info"]}
-        return carry_cache_and_positions(outputs, model_kwargs, kept, self.device)
+        return carry_cache_and_positions(outputs, model_kwargs, kept, self.device, "timesteps_index")

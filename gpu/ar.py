@@ -1,4 +1,5 @@
-"""GPU tier of ar: a real causal LM, batched right-padded decoding vs each prompt alone at B=1.
+"""GPU tier of ar: a real causal LM, batched decoding in both layouts (right-padded, ``ar.gpu.batched_vs_b1``, and
+left-padded, ``ar.gpu.left.batched_vs_b1``: the same prompts, judges and controls) vs each prompt alone at B=1.
 
 fp32: tokens identical and log-probs within TOLERANCE_K x the stock floor measured on this checkpoint
 (harness.ar.policies.stock_prefill_floor: the same prompts prefilled batched vs alone with stock code, floored
@@ -31,6 +32,7 @@ import pytest
 import torch
 
 from harness import checkpoints, compat, conformance, plugins
+from harness.ar import left_padded
 from harness.ar import plugins as ar_plugins
 from harness.ar.backends import remote_code_name
 from harness.ar.batch import ARBatch, right_padded_batch
@@ -39,6 +41,7 @@ from harness.ar.judge import (
     judge_bf16,
     judge_logp,
     judge_tokens,
+    layout_mismatch,
     require_floor_bounds,
     require_path,
     seed001_metrics,
@@ -53,7 +56,8 @@ from harness.checks import CheckContext
 from harness.compare import Verdict, exact
 from harness.floors import module_reduction_terms
 
-__all__ = ["CHECK_ID", "KIND_KILLS", "POLICY", "PROMPT_LENGTHS", "ar_check", "checkpoint_backend", "checkpoint_routing"]
+__all__ = ["CHECK_ID", "KIND_KILLS", "LEFT_CHECK_ID", "POLICY", "PROMPT_LENGTHS", "ar_check", "checkpoint_backend",
+           "checkpoint_routing", "left_ar_check"]
 
 PROMPT_LENGTHS = (13, 37, 64, 51)  # the AR issue's repro shape: unequal real_pos, one unpadded row
 NEW_TOKENS = 8
@@ -61,8 +65,9 @@ BF16_KL_K = 8.0  # the AR PR saw mixed-length KL up to ~4.1 x its no-padding con
 BF16_KL_FLOOR = 1e-3  # nats: below this a KL is rounding whatever the control says
 FLIP_MARGIN = 1.0  # a top-1 flip is benign only where B=1's top-1/top-2 log-prob gap is below this (seed: 0.31)
 CHECK_ID = str(CheckId("ar", "gpu", "", "batched_vs_b1"))
+LEFT_CHECK_ID = str(CheckId("ar", "gpu", "left", "batched_vs_b1"))
 POLICY = (f"fp32: tokens exact, log-probs close within {TOLERANCE_K:g} x the stock prefill floor; bf16: per-row "
-          f"KL <= {BF16_KL_K:g} x KL(fp32 || bf16) of stock B=1 + {BF16_KL_FLOOR:g}")
+          f"KL <= {BF16_KL_K:g} x that row's KL(fp32 || bf16) of stock B=1 + {BF16_KL_FLOOR:g}")
 
 #: checkpoint kind -> check id -> the ablations that must also kill that check on checkpoints of the kind
 #: (each caught in the mode the ablation declares; module docstring)
@@ -108,19 +113,37 @@ def _on(batch: ARBatch, device: torch.device) -> ARBatch:
                                real_pos=None if batch.real_pos is None else batch.real_pos.to(device))
 
 
-def _runs(backend: Any, prompts: list[torch.Tensor], device: torch.device) -> tuple[Rollout, Rollout, ARForwardSpy]:
-    batch = _on(right_padded_batch(prompts, backend.pad_id), device)
-    with torch.no_grad(), ARForwardSpy(backend.model) as spy:
-        fast = conformance.resolve("ar", fast_rollout)(backend, batch, NEW_TOKENS)
+def _batch(backend: Any, prompts: list[torch.Tensor], device: torch.device, side: str) -> Any:
+    """The prompts batched in the layout ``side`` on ``device``."""
+    if side == "left":
+        batch = left_padded.left_padded_batch(prompts, backend.pad_id)
+        return dataclasses.replace(batch, input_ids=batch.input_ids.to(device),
+                                   attention_mask=batch.attention_mask.to(device))
+    return _on(right_padded_batch(prompts, backend.pad_id), device)
+
+
+def _runs(backend: Any, prompts: list[torch.Tensor], device: torch.device,
+          side: str = "right") -> tuple[Rollout, Rollout, ARForwardSpy]:
+    batch = _batch(backend, prompts, device, side)
+    default = left_padded.fast_left_rollout if side == "left" else fast_rollout
+    with torch.no_grad(), ARForwardSpy(backend.model, pad_id=backend.pad_id) as spy:
+        try:
+            fast = conformance.resolve("ar", default)(backend, batch, NEW_TOKENS, ())
+        except Exception as err:
+            mismatch = layout_mismatch(spy, side)
+            if mismatch:
+                raise RuntimeError(mismatch) from err
+            raise
     reference = stock_rollout(backend, [p.to(device) for p in prompts], NEW_TOKENS)
     return fast, reference, spy
 
 
-def ar_check(ctx: CheckContext) -> Verdict:
-    """Batched vs B=1 on the real model: fp32 tokens + log-probs, bf16 KL against a no-padding control."""
+def ar_check(ctx: CheckContext, side: str = "right") -> Verdict:
+    """Batched (in the layout ``side``) vs B=1 on the real model: fp32 tokens + log-probs, bf16 KL against a
+    no-padding control."""
     backend = checkpoint_backend(str(ctx.checkpoint), ctx.dtype, str(ctx.device))
     prompts = _prompts(backend, PROMPT_LENGTHS, seed=0)
-    fast, reference, spy = _runs(backend, prompts, ctx.device)
+    fast, reference, spy = _runs(backend, prompts, ctx.device, side)
     if ctx.dtype == torch.float32:
         floor = stock_prefill_floor(backend, rows=len(prompts), length=max(PROMPT_LENGTHS))  # the batch's shape
         policies = fp32_policies(floor)
@@ -138,4 +161,9 @@ def ar_check(ctx: CheckContext) -> Verdict:
     routing = checkpoint_routing(str(ctx.checkpoint), ctx.dtype, str(ctx.device))
     verdict = verdict.require(routing.independent, f"MoE routing ignores what shares a forward ({routing.describe()})",
                               moe_layers=routing.layers, moe_routing=routing.describe())
-    return require_path(verdict, spy, len(prompts))
+    return require_path(verdict, spy, len(prompts), padding_side=side)
+
+
+def left_ar_check(ctx: CheckContext) -> Verdict:
+    """``ar_check`` on the prompts left-padded (``harness.ar.left_padded``)."""
+    return ar_check(ctx, "left")

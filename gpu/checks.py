@@ -14,10 +14,20 @@ from harness.checkid import CheckId
 from harness.checks import register
 from harness.compare import exact
 
-__all__ = ["KIND_KILLS", "kind_kills"]
+__all__ = ["KIND_ALSO_FEEDS", "KIND_KILLS", "also_feeds", "kind_kills"]
 
 #: checkpoint kind -> check id -> ablations that kill the check on that kind beyond the check's own claimants
 KIND_KILLS: dict[str, dict[str, tuple[str, ...]]] = {**ar.KIND_KILLS}
+#: checkpoint kind -> the other paths its checkpoints feed: a HunyuanImage-3 checkpoint is an ar model whose image
+#: forward replay drives too (when its config names the image forward's latent channels)
+KIND_ALSO_FEEDS: dict[str, tuple[str, ...]] = {"hunyuan_image3": replay.ALSO_FEEDS}
+
+
+def also_feeds(checkpoint) -> tuple[str, ...]:
+    """The paths a checkpoint feeds beyond its kind's own: those ``KIND_ALSO_FEEDS`` lists for its kind, each when
+    the checkpoint has what that path drives (``replay.drives``: read from config.json, nothing imported)."""
+    return tuple(path for path in KIND_ALSO_FEEDS.get(checkpoint.kind, ())
+                 if path != "replay" or replay.drives(checkpoint))
 
 
 def kind_kills(kind: str, check_id: str) -> tuple[str, ...]:
@@ -36,6 +46,8 @@ for _what in replay.GPU_CHECKS:
 
 register(ar.CHECK_ID, tier="gpu", doc="batched right-padded AR vs B=1 on the real causal LM", policy=ar.POLICY)(
     ar.ar_check)
+register(ar.LEFT_CHECK_ID, tier="gpu", doc="batched left-padded AR vs B=1 on the real causal LM", policy=ar.POLICY)(
+    ar.left_ar_check)
 
 for _phase in attention.PHASES:
     for _kernel in attention.KERNELS:

@@ -1,7 +1,11 @@
-"""GPU tier of replay: a real diffusers DiT, batched-step replay vs the serial loop, fp32 and bf16.
+"""GPU tier of replay: a real diffusers DiT or HunyuanImage-3's image forward, batched-step replay vs the serial loop,
+fp32 and bf16.
 
 The checkpoint's model class picks its replay family through the registries (harness.plugins:
-CHECKPOINT_KINDS -> REPLAY_FAMILIES), so an installed family's checkpoint runs here unchanged.
+CHECKPOINT_KINDS -> REPLAY_FAMILIES), so an installed family's checkpoint runs here unchanged. A HunyuanImage-3
+checkpoint (an ar kind) feeds replay too when its config names the image forward's latent channels (``drives``):
+its family drives the causal MM model's ``forward(mode="gen_image")``, loaded through ``--device-map`` like the ar
+check's.
 Its example conditions discriminate (every row field differs across rows and CFG branches, or the family
 refuses them, harness.replay.discriminating), so a mask or branch bug cannot hide behind equal rows.
 Both dtypes are judged by a local-scale bound built from the STOCK batch-shape control (serial
@@ -28,10 +32,19 @@ from harness.replay.judge import compare_replay, compare_replay_determinism
 from harness.replay.policies import LocalScaleBound, local_scale_policy
 from harness.replay.problem import ReplayProblem, make_problem
 
-__all__ = ["GPU_CHECKS", "DeviceAdapter", "checkpoint_problem", "replay_check", "replay_policy"]
+__all__ = ["ALSO_FEEDS", "GPU_CHECKS", "DeviceAdapter", "checkpoint_problem", "drives", "replay_check",
+           "replay_policy"]
 
 BATCH = 2
 GPU_CHECKS = ("log_probs", "prev_sample_means", "replay_determinism")
+ALSO_FEEDS = ("replay",)
+
+
+def drives(checkpoint: checkpoints.Checkpoint) -> bool:
+    """Whether replay can drive a checkpoint of another path's kind: a HunyuanImage-3 model whose config.json (read
+    as data) names its image forward's latent channels, ``vae["latent_channels"]``."""
+    vae = checkpoint.config.get("vae")
+    return isinstance(vae, dict) and isinstance(vae.get("latent_channels"), int)
 
 
 def _to(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -65,7 +78,14 @@ class DeviceAdapter(WrappedAdapter):
 
 @functools.cache
 def _model(path: str, dtype: torch.dtype, device: str) -> Any:
-    return checkpoints.load_model(checkpoints.detect(path), dtype, device)
+    """The loaded model: an ar checkpoint's (HunyuanImage-3) is the one the ar check loaded, so an 80B model is held
+    once, and refused alike (skipped, naming its generation, where the installed transformers cannot import it)."""
+    checkpoint = checkpoints.detect(path)
+    if checkpoint.feeds == "ar":
+        from gpu import ar
+
+        return ar.checkpoint_backend(path, dtype, device).model
+    return checkpoints.load_model(checkpoint, dtype, device)
 
 
 @functools.cache

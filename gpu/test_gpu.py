@@ -25,8 +25,10 @@ def _cases(config) -> list[ParityItem]:
     given = config.stash[SESSION_KEY].checkpoints
     dtypes = parse_dtypes(config.getoption("dtype"))
     cases = []
+    from gpu.checks import also_feeds  # registered by catalogue.load() above
+
     for check in checks.all_checks("gpu"):
-        matching = [c for c in given if c.feeds == check.path]
+        matching = [c for c in given if c.feeds == check.path or check.path in also_feeds(c)]
         if not given:  # nothing to run on: one item per check, skipped by the plugin with a reason
             cases.append(ParityItem(check.id))
         for checkpoint in matching:

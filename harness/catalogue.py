@@ -21,6 +21,7 @@ CHECK_MODULES: tuple[str, ...] = (
     "parity.replay_oracle_checks",
     "parity.replay_pipeline_checks",
     "parity.ar_checks",
+    "parity.ar_left_padded_checks",
     "parity.decode_checks",
     "parity.attention_checks",
     "gpu.checks",
@@ -30,6 +31,7 @@ ABLATION_MODULES: tuple[str, ...] = (
     "mutation.replay_oracle_ablations",
     "mutation.replay_pipeline_ablations",
     "mutation.ar_ablations",
+    "mutation.ar_left_padded_ablations",
     "mutation.decode_ablations",
     "mutation.attention_ablations",
 )

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from harness import device_map as device_maps
-from harness import plugins
+from harness import plugins, progress_lines
 from harness.paths import PATHS
 from harness.plugins import CheckpointKind
 
@@ -428,28 +428,30 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device 
     refuse_null_fields(checkpoint)  # detect refused these already; a Checkpoint built by hand meets it here
     placement = device_maps.resolve(checkpoint.path, dtype, device, device_map)
     placing = placement.loader_kwargs() if placement is not None else {}
-    try:
-        if checkpoint.source == "diffusers":
-            import diffusers
+    with progress_lines.loading(str(checkpoint.path), str(dtype), f"{checkpoint.name} ({checkpoint.class_name}, "
+                                f"{str(dtype).removeprefix('torch.')}) on {device}"):
+        try:
+            if checkpoint.source == "diffusers":
+                import diffusers
 
-            cls = getattr(diffusers, checkpoint.class_name)
-            model = cls.from_pretrained(checkpoint.path, torch_dtype=dtype, local_files_only=True, **placing)
-        elif checkpoint.source in ("transformers", "remote_code"):
-            from transformers import AutoModelForCausalLM
+                cls = getattr(diffusers, checkpoint.class_name)
+                model = cls.from_pretrained(checkpoint.path, torch_dtype=dtype, local_files_only=True, **placing)
+            elif checkpoint.source in ("transformers", "remote_code"):
+                from transformers import AutoModelForCausalLM
 
-            if checkpoint.remote_code:  # recorded before the import: code that ran in a failed load still ran
-                _REMOTE_CODE_RAN.append(str(checkpoint.path))
-            model = AutoModelForCausalLM.from_pretrained(
-                checkpoint.path, dtype=dtype, local_files_only=True, trust_remote_code=checkpoint.remote_code,
-                **placing)
-        else:
-            raise CheckpointError(f"checkpoint {checkpoint.path}: a {checkpoint.kind} holds no model to load")
-    except CheckpointError:
-        raise
-    except Exception as err:  # any loader failure becomes one clear error naming the path
-        mapped = f" with device map {placement.text!r}" if placement is not None else ""
-        raise CheckpointError(f"checkpoint {checkpoint.path}: could not load {checkpoint.class_name}{mapped} "
-                              f"({type(err).__name__}: {err})") from err
+                if checkpoint.remote_code:  # recorded before the import: code that ran in a failed load still ran
+                    _REMOTE_CODE_RAN.append(str(checkpoint.path))
+                model = AutoModelForCausalLM.from_pretrained(
+                    checkpoint.path, dtype=dtype, local_files_only=True, trust_remote_code=checkpoint.remote_code,
+                    **placing)
+            else:
+                raise CheckpointError(f"checkpoint {checkpoint.path}: a {checkpoint.kind} holds no model to load")
+        except CheckpointError:
+            raise
+        except Exception as err:  # any loader failure becomes one clear error naming the path
+            mapped = f" with device map {placement.text!r}" if placement is not None else ""
+            raise CheckpointError(f"checkpoint {checkpoint.path}: could not load {checkpoint.class_name}{mapped} "
+                                  f"({type(err).__name__}: {err})") from err
     if placement is not None:
         device_maps.record(str(checkpoint.path), placement, model)
         return model.eval()  # accelerate placed (and hooked) it: moving it again would undo the split

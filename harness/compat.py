@@ -19,6 +19,7 @@ Differences bridged:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 from collections.abc import Callable
@@ -46,6 +47,7 @@ __all__ = [
     "path_unavailable",
     "remote_code_kwargs",
     "removed_module_reason",
+    "takes_write_slots",
     "write_slot_kwargs",
 ]
 
@@ -77,6 +79,17 @@ def forward_cache_kwarg(forward: Callable[..., Any]) -> str:
     raise TypeError(f"{getattr(forward, '__qualname__', forward)!r} takes neither past_key_values nor cache")
 
 
+@functools.lru_cache(maxsize=64)
+def _takes_cache_position(function: Callable[..., Any]) -> bool:
+    return "cache_position" in inspect.signature(function).parameters
+
+
+def takes_write_slots(forward: Callable[..., Any]) -> bool:
+    """Whether ``forward`` takes the static-cache write slots (``cache_position``; see ``write_slot_kwargs``).
+    Read once per function: a decode loop asks at every step, and a signature costs more than a tiny forward's op."""
+    return _takes_cache_position(getattr(forward, "__func__", forward))
+
+
 def write_slot_kwargs(forward: Callable[..., Any], slots: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """The kwargs that tell a stock model which static-cache slots this forward writes.
 
@@ -84,7 +97,7 @@ def write_slot_kwargs(forward: Callable[..., Any], slots: torch.Tensor | None) -
     row 0's non-zero keys: a zero key (a pad token's) makes them write over earlier slots. 5.x models take no
     ``cache_position`` (the cache tracks its own write offset), so nothing is passed there.
     """
-    if slots is None or "cache_position" not in inspect.signature(forward).parameters:
+    if slots is None or not takes_write_slots(forward):
         return {}
     return {"cache_position": slots}
 

@@ -11,6 +11,11 @@ A check that cannot call a user's implementation at all (a stock-only case, a ch
 clip plan or mask builder, an option only the suite's implementation has) is declared here with
 ``not_judged(pattern, reason)`` next to its registration: under ``--impl`` it is deselected and listed
 with its reason as "not judged", never reported as a pass.
+
+A path whose implementations come in layouts (``LAYOUTS``: ar batches are right- or left-padded) reads the
+layout off the callable (``padding_side = "left"``; without the attribute, the path's default), and each of its
+catalogues declares the layout it judges with ``judges_layout(pattern, path, layout)``: under ``--impl`` the
+checks of the other layout are not judged, with that reason.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from harness import carried
 from harness.paths import PATHS
 from harness.registry import Registry, load_ref, split_ref
 
-__all__ = ["PATHS", "SIGNATURES", "active", "add_calls", "applied", "call_counts", "calls", "check_signature", "clear",
-           "contract_call", "judged_by", "load_callable", "not_judged", "resolve", "specs", "use"]
+__all__ = ["LAYOUTS", "PATHS", "SIGNATURES", "active", "add_calls", "applied", "call_counts", "calls",
+           "check_signature", "clear", "contract_call", "declared_layout", "judged_by", "judges_layout", "layout_scope",
+           "load_callable", "not_judged", "resolve", "specs", "use"]
 
 SIGNATURES = {
     "replay": "replay_batched(adapter, conditions, segment, strategy, target, guidance=None, config=None)",
@@ -56,14 +62,68 @@ def not_judged(pattern: str, reason: str) -> None:
     NOT_JUDGED.register(pattern, reason)
 
 
-def judged_by(check_id: str) -> str | None:
-    """None when a conformance run judges ``check_id`` with the implementation under test, else the reason
-    it cannot: its own declaration, else the most specific (longest) declared pattern that matches it."""
-    declared = dict(NOT_JUDGED.items())
+# path -> (the attribute a callable declares its layout by, the layout without it, every layout of the path)
+LAYOUTS: dict[str, tuple[str, str, tuple[str, ...]]] = {"ar": ("padding_side", "right", ("right", "left"))}
+# check id or fnmatch pattern -> (path, the layout its checks judge)
+LAYOUT_CHECKS: Registry[tuple[str, str]] = Registry("layout declaration", list_known=False)
+
+
+def declared_layout(path: str, fn: Callable[..., Any]) -> str | None:
+    """The layout ``fn`` declares for ``path`` (its attribute, else the path's default); None for a path without
+    layouts. A value that is not one of the path's layouts is a ValueError naming the attribute."""
+    if path not in LAYOUTS:
+        return None
+    attribute, default, layouts = LAYOUTS[path]
+    value = getattr(fn, attribute, default)
+    if value not in layouts:
+        raise ValueError(f"{attribute} = {value!r} on {getattr(fn, '__qualname__', fn)!r}: a {path} implementation "
+                         f"declares one of {', '.join(map(repr, layouts))} (default {default!r})")
+    return value
+
+
+def judges_layout(pattern: str, path: str, layout: str) -> None:
+    """Declare that the checks matching ``pattern`` judge only the implementations of ``path`` that declare
+    ``layout``; the most specific (longest) matching pattern decides."""
+    if path not in LAYOUTS or layout not in LAYOUTS[path][2]:
+        raise ValueError(f"judges_layout({pattern!r}): {path!r} has no layout {layout!r}")
+    if pattern in LAYOUT_CHECKS:
+        if LAYOUT_CHECKS.get(pattern) != (path, layout):
+            raise ValueError(f"judges_layout({pattern!r}) declared twice: {LAYOUT_CHECKS.get(pattern)} and "
+                             f"{(path, layout)}")
+        return
+    LAYOUT_CHECKS.register(pattern, (path, layout))
+
+
+def _most_specific(check_id: str, declared: dict[str, Any]) -> Any:
     if check_id in declared:
         return declared[check_id]
     matching = [pattern for pattern in declared if fnmatch.fnmatchcase(check_id, pattern)]
     return declared[max(matching, key=len)] if matching else None
+
+
+def layout_scope(check_id: str) -> tuple[str, str] | None:
+    """(path, layout) of the implementations ``check_id`` judges, when its catalogue declared one."""
+    return _most_specific(check_id, dict(LAYOUT_CHECKS.items()))
+
+
+def judged_by(check_id: str) -> str | None:
+    """None when a conformance run judges ``check_id`` with the implementation under test, else the reason
+    it cannot: its own declaration, else the most specific (longest) declared pattern that matches it; else, when
+    the check judges one layout and the implementation under test declares another, that."""
+    reason = _most_specific(check_id, dict(NOT_JUDGED.items()))
+    if reason is not None:
+        return reason
+    scope = layout_scope(check_id)
+    spec = _SPECS.get(scope[0]) if scope is not None else None
+    if scope is None or spec is None:
+        return None
+    path, layout = scope
+    declared = declared_layout(path, load_callable(spec))
+    if declared == layout:
+        return None
+    attribute = LAYOUTS[path][0]
+    return (f"judges {path} implementations declaring {attribute} = {layout!r}; {spec} declares {attribute} = "
+            f"{declared!r}")
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
@@ -118,7 +178,9 @@ def use(path: str, spec: str) -> None:
     run before any check)."""
     if path not in PATHS:
         raise ValueError(f"--impl {path}={spec}: unknown path {path!r}; expected one of {', '.join(PATHS)}")
-    check_signature(path, spec, load_callable(spec))
+    fn = load_callable(spec)
+    check_signature(path, spec, fn)
+    declared_layout(path, fn)
     _SPECS[path] = spec
 
 

@@ -39,14 +39,14 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from harness import progress
+from harness import progress, progress_lines
 
 __all__ = ["ENV", "FAULT_BOUND_ENV", "Launch", "PeerLost", "agree", "fault_bound", "gather", "grace_s", "join",
            "joined", "launched", "leave", "lost", "mark_lost", "process_state", "run_task", "set_fault_bound",
@@ -358,15 +358,48 @@ def join(device_type: str, pg_timeout_s: float = 300.0) -> Launch:
     else:
         torch.set_num_threads(1)  # the node's ranks share its cores
     timeout = datetime.timedelta(seconds=pg_timeout_s)
+    stores = _board_stores(launch, datetime.timedelta(seconds=max(silence_s(), 1.0)))
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        with _arrivals(stores[0], launch, backend):
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
     elif dist.get_backend() != backend:
         raise ValueError(f"the default group is {dist.get_backend()}, a {device_type} world needs {backend}")
-    board = _Board(*_board_stores(launch, datetime.timedelta(seconds=max(silence_s(), 1.0))), launch)
+    board = _Board(*stores, launch)
     # results only: it is used once every rank reported success, and under the same watch as the board
     side = dist.new_group(backend="gloo", timeout=timeout)
     _JOINED = _Joined(launch, backend, side, board)
     return launch
+
+
+ARRIVALS_EVERY_S = 5.0  # how often rank 0 says how many ranks reached the rendezvous while it waits
+WAITING_AFTER_S = 10.0  # a wait on peers' outcomes longer than this is said on stderr (rank 0), then every as long
+
+
+@contextlib.contextmanager
+def _arrivals(store: Any, launch: Launch, backend: str) -> Iterator[None]:
+    """Around the rendezvous: every rank counts itself in on the launcher's store, and rank 0 says how many of the
+    world have arrived while it waits (a node that comes late, or never, is seen as a count that stops short)."""
+    store.add("arrived", 1)
+    if launch.rank != 0:
+        yield
+        return
+    meter = progress_lines.Meter(f"torchrun launch: joining the {backend} group", launch.world_size,
+                                 "ranks arrived", every_s=ARRIVALS_EVERY_S)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(ARRIVALS_EVERY_S):
+            with contextlib.suppress(Exception):  # the store going away ends the rendezvous, which reports it
+                meter.update(int(store.add("arrived", 0)), force=True)
+
+    watcher = threading.Thread(target=watch, name="parity-arrivals", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(timeout=2 * ARRIVALS_EVERY_S)
+    meter.update(launch.world_size, "every rank joined", force=True)
 
 
 def _joined() -> _Joined:
@@ -407,11 +440,15 @@ def _note_gone(board: _Board, lost: dict[int, str], phase: str) -> None:
 def _wait_for_peers(board: _Board, step: int, phase: str, deadline: float) -> list[tuple[str, str, str]]:
     """Every rank's outcome of ``step`` in rank order; a silent peer is "died", a late one "hung" at ``deadline``."""
     world = board.launch.world_size
+    began = time.monotonic()
+    meter = progress_lines.Meter(f"torchrun launch: {phase}", world, "ranks reported", every_s=WAITING_AFTER_S)
     while True:
         posted = board.read(step)
         waiting = [r for r in range(world) if r not in posted and r not in board.gone]
         if not waiting:
             break
+        if board.launch.rank == 0 and time.monotonic() - began >= WAITING_AFTER_S:
+            meter.update(world - len(waiting), f"waiting on rank(s) {waiting}")
         _note_gone(board, {r: why for r, why in board.lost_peers().items() if r in waiting}, phase)
         if time.monotonic() >= deadline:
             for rank in waiting:

@@ -21,7 +21,19 @@ import pytest
 import torch
 
 from harness import ablation as ablation_mod
-from harness import catalogue, checkpoints, checks, compat, conformance, floors, host, launch, report
+from harness import (
+    bench,
+    catalogue,
+    checkpoints,
+    checks,
+    compat,
+    conformance,
+    floors,
+    host,
+    launch,
+    progress_lines,
+    report,
+)
 from harness import device_map as device_maps
 from harness.ablation import KillResult
 from harness.checks import CheckContext
@@ -38,6 +50,7 @@ MARKERS = {
     "gpu": "GPU tier: real checkpoints (needs CUDA and --checkpoint)",
     "bench": "pytest-benchmark measurements of a fast path against its stock path",
     "launch": "the launchers on the CPU: spawned ranks, torchrun, the gpu tier's dry run (scripts/test-all runs them)",
+    "browser": "the HTML report rendered in headless Chromium (scripts/test-all runs it; skipped without it)",
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SESSION_KEY = pytest.StashKey["ParitySession"]()
@@ -45,12 +58,13 @@ IMPLS_KEY = pytest.StashKey[dict[str, str]]()
 NOT_JUDGED_KEY = pytest.StashKey[dict[str, str]]()  # conformance mode: deselected check id -> why it cannot judge
 OWN_TESTS_KEY = pytest.StashKey[dict[str, int]]()  # conformance mode: path -> its deselected non-check tests
 PARITY_ITEM_KEY = pytest.StashKey[ParityItem]()  # what a generated item runs (harness.items)
+PROGRESS_KEY = pytest.StashKey[Any]()  # the progress writer and load plan before this run (a nested run restores)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fastpath-parity")
     group.addoption("--parity-report", action="append", default=None, metavar="PATH",
-                    help="write the parity report to PATH (.md or .json); repeatable")
+                    help="write the parity report to PATH (.md, .json or .html); repeatable")
     group.addoption("--checkpoint", action="append", default=None, metavar="PATH",
                     help="a real checkpoint directory for the gpu tier; repeatable")
     group.addoption("--dtype", default="fp32,bf16", metavar="LIST",
@@ -116,6 +130,7 @@ class ParitySession:
         self.written: list[str] = []
         self.write_errors: list[str] = []
         self.exitstatus: int = 0
+        self.benchmarks = bench.BenchLog()  # what the run's bench items measured
 
     def context(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 checkpoint: str | None = None) -> CheckContext:
@@ -198,7 +213,8 @@ class ParitySession:
         remote = ({"trusted": True, "ran": checkpoints.remote_code_ran()}
                   if self.config.getoption("trust_remote_code") else None)
         data = report.build([rows[k] for k in sorted(rows, key=rank)], kills, implementations=conformance.specs(),
-                            remote_code=remote, host=host.fingerprint())
+                            remote_code=remote, host=host.fingerprint(),
+                            benchmarks=self.benchmarks.to_json() if self.benchmarks else None)
         not_judged = self.config.stash.get(NOT_JUDGED_KEY, {})
         if not_judged:  # conformance mode: the checks deselected because they cannot call the user's code
             data["not_judged"] = dict(sorted(not_judged.items()))
@@ -363,7 +379,13 @@ def conformance_mark(check: checks.Check) -> str:
     if check.tier != "cpu":
         return "impl=no (gpu tier; a conformance run is -m cpu)"
     reason = conformance.judged_by(check.id)
-    return "impl=judged" if reason is None else f"impl=not judged ({reason})"
+    if reason is not None:
+        return f"impl=not judged ({reason})"
+    scope = conformance.layout_scope(check.id)  # a check of one layout judges the implementations declaring it
+    if scope is None:
+        return "impl=judged"
+    attribute = conformance.LAYOUTS[scope[0]][0]
+    return f"impl=judged ({attribute} = {scope[1]!r} implementations)"
 
 
 def _bound_arguments(fn: Any) -> str:
@@ -387,7 +409,28 @@ def pytest_configure(config: pytest.Config) -> None:
     session = ParitySession(config)
     session.checkpoints = detected
     config.stash[SESSION_KEY] = session
+    config.stash[PROGRESS_KEY] = progress_lines.saved()
+    progress_lines.set_writer(_past_capture(config))
+    # the gpu tier's model loads, one per checkpoint holding a model and dtype: each says which it is, on stderr
+    progress_lines.plan_loads([(str(c.path), str(dtype)) for c in detected if c.source in LOADABLE
+                               for dtype in parse_dtypes(config.getoption("dtype"))])
     _configure_placement(config)
+
+
+LOADABLE = ("diffusers", "transformers", "remote_code")  # checkpoint sources load_model builds a model from
+
+
+def _past_capture(config: pytest.Config) -> Any:
+    """A progress-line writer that steps past pytest's output capture, which would hold the line until the item
+    ends; only for the moment of the write (a model load or a rendezvous blocks the item meanwhile)."""
+
+    def write(line: str) -> None:
+        capture = config.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+    return write
 
 
 def validate_inputs(config: pytest.Config) -> list[checkpoints.Checkpoint]:
@@ -602,7 +645,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     idle = session.config.stash[IDLE_KEY] = idle_inputs(session.config)
     if idle and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if reporting_rank() and (parity.verdicts or parity.kills or parity.unfinished or parity.pairs_unfinished or idle):
+    if reporting_rank() and (parity.verdicts or parity.kills or parity.unfinished or parity.pairs_unfinished or idle
+                             or parity.benchmarks):
         parity.report_data = parity.report()
         if idle:
             parity.report_data["nothing_ran"] = idle
@@ -626,6 +670,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         conformance.clear()
     checkpoints.trust_remote_code(False)
     launch.set_fault_bound(None)
+    progress_lines.restore(config.stash.get(PROGRESS_KEY, ([], {}, [])))
     given_up = launch.lost()
     _release_placement()
     if given_up:
@@ -772,6 +817,12 @@ def parity_ctx(parity_session: ParitySession) -> CheckContext:
 
 
 @pytest.fixture(scope="session")
+def bench_log(parity_session: ParitySession) -> bench.BenchLog:
+    """Where bench items record what they measured: the run's tables and the report's ``benchmarks``."""
+    return parity_session.benchmarks
+
+
+@pytest.fixture(scope="session")
 def gpu_dtypes(request: pytest.FixtureRequest) -> list[torch.dtype]:
     return parse_dtypes(request.config.getoption("dtype"))
 
@@ -779,10 +830,18 @@ def gpu_dtypes(request: pytest.FixtureRequest) -> list[torch.dtype]:
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     session = config.stash.get(SESSION_KEY, None)
     idle = config.stash.get(IDLE_KEY, [])
+    if session is not None and session.benchmarks and reporting_rank():
+        terminalreporter.section("fastpath-parity benchmarks")
+        for line in session.benchmarks.lines():
+            terminalreporter.write_line(line)
     if session is None or (session.report_data is None and not idle):
         return
+    judged = session.report_data is not None and bool(session.report_data["checks"] or session.report_data["ablations"]
+                                                      or not session.benchmarks)  # a bench-only run judged nothing
+    if not (judged or idle or session.written or session.write_errors):
+        return
     terminalreporter.section("fastpath-parity report")
-    if session.report_data is not None:
+    if judged:
         terminalreporter.write_line(report.render_terminal(session.report_data))
     for problem in session.conformance_problems:
         terminalreporter.write_line(f"FAILED {problem}", red=True)

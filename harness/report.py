@@ -1,4 +1,4 @@
-"""Verdicts and kill results -> one report: a terminal table, markdown, or JSON.
+"""Verdicts and kill results -> one report: a terminal table, markdown, JSON, or HTML with pictures.
 
 The JSON shape is a contract for CI tools::
 
@@ -12,8 +12,10 @@ The JSON shape is a contract for CI tools::
      "summary": {"checks", "passed", "failed", "skipped", "ablations", "killed",
                  "pairs", "pairs_killed", "pairs_survived", "pairs_failed", "pairs_skipped"},
      "not_judged": {check_id: reason},               # only in conformance mode: checks that cannot call it
-     "nothing_ran": [line]}                          # only when a given --checkpoint, --capture-dir or --impl
+     "nothing_ran": [line],                          # only when a given --checkpoint, --capture-dir or --impl
                                                      # had no check run on it: one line each, naming why
+     "benchmarks": {table: {"path", "title", "rows": [{"case", "fast_s", "stock_s", "raw_s", "raw_stock_s",
+                    "ideal", "ratios", "extra"}]}}}  # only when bench items ran (harness.bench); timings
 
 A check's status is passed, failed (its verdict failed; or it raised, timed out or failed before giving
 one: then ``error`` says how and on which ranks) or skipped (``reason``); a pair's is killed, survived
@@ -34,15 +36,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import ablation, checks
+from harness import ablation, checks, report_pictures
 from harness.ablation import KillResult
 from harness.compare import Verdict
 from harness.host import summary as host_summary
 from harness.paths import path_of
 
-__all__ = ["SUFFIXES", "Unfinished", "build", "prepare", "render_markdown", "render_terminal", "shorten", "write"]
+__all__ = ["SUFFIXES", "Unfinished", "build", "prepare", "render_html", "render_markdown", "render_terminal", "shorten",
+           "write"]
 
-SUFFIXES = (".md", ".json")
+SUFFIXES = (".md", ".json", ".html")
+SUFFIX_TEXT = ".md, .json or .html"
 
 
 @dataclass(frozen=True)
@@ -114,10 +118,12 @@ def _ablation_status(kills: list[dict[str, Any]]) -> str:
 
 def build(verdicts: Iterable[Verdict | Unfinished], kills: Iterable[KillResult | Unfinished],
           implementations: Mapping[str, str] | None = None,
-          remote_code: Mapping[str, Any] | None = None, host: Mapping[str, Any] | None = None) -> dict[str, Any]:
+          remote_code: Mapping[str, Any] | None = None, host: Mapping[str, Any] | None = None,
+          benchmarks: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The report; ``implementations`` names the implementation under test per path (conformance mode),
     ``remote_code`` what the run allowed and loaded of checkpoints' own code (--trust-remote-code), ``host``
-    where the run happened (``harness.host.fingerprint``)."""
+    where the run happened (``harness.host.fingerprint``), ``benchmarks`` what its bench items measured
+    (``harness.bench.BenchLog.to_json``)."""
     rows = [_check_row(v) for v in verdicts]
     grouped: dict[str, list[KillResult | Unfinished]] = {}
     for k in kills:
@@ -153,6 +159,8 @@ def build(verdicts: Iterable[Verdict | Unfinished], kills: Iterable[KillResult |
         built = {"implementations": dict(sorted(implementations.items())), **built}
     if host is not None:
         built = {"host": _plain(dict(host)), **built}
+    if benchmarks:
+        built["benchmarks"] = _plain(dict(benchmarks))
     return built
 
 
@@ -299,6 +307,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [f"**host** {host_summary(report['host'])}", ""]
     if report.get("nothing_ran"):
         lines += ["## Inputs no check ran on (the run fails)", "", *(f"- {line}" for line in report["nothing_ran"]), ""]
+    pictures = report_pictures.markdown_section(report)
+    if pictures:
+        lines += [pictures, ""]
     if checks:
         lines += ["## Parity checks", "", *md(["status", "check", "headline", "tolerance", "margin"], checks), ""]
     if ablations:
@@ -327,6 +338,19 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def render_html(report: dict[str, Any]) -> str:
+    """One standalone page: the summary, every picture (text when matplotlib is missing), the two tables."""
+    checks, ablations = _rows(report)
+    lines = [f"implementation under test for {path}: {spec}" for path, spec in _under_test(report)]
+    lines += [_summary_line(report["summary"]), *report.get("nothing_ran", [])]
+    if "host" in report:
+        lines.append(f"host: {host_summary(report['host'])}")
+    tables = [("Parity checks", ["status", "check", "headline", "tolerance", "margin"], checks),
+              ("Ablations", ["status", "ablation", "kill mode", "killed", "smallest kill margin"], ablations)]
+    return report_pictures.html_document("Parity report", lines, report_pictures.svgs(report),
+                                         report_pictures.text_section(report), tables)
+
+
 def prepare(path: str | Path) -> Path:
     """Make sure the report can be written at ``path``, now, before any check runs: ValueError naming why not.
 
@@ -335,9 +359,9 @@ def prepare(path: str | Path) -> Path:
     """
     target = Path(path)
     if target.suffix not in SUFFIXES:
-        raise ValueError(f"--parity-report {path}: the file must end in .md or .json")
+        raise ValueError(f"--parity-report {path}: the file must end in {SUFFIX_TEXT}")
     if target.is_dir():
-        raise ValueError(f"--parity-report {path}: is a directory; expected a file path ending in .md or .json")
+        raise ValueError(f"--parity-report {path}: is a directory; expected a file path ending in {SUFFIX_TEXT}")
     existed = target.exists()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -353,13 +377,15 @@ def prepare(path: str | Path) -> Path:
 
 
 def write(report: dict[str, Any], path: str | Path) -> Path:
-    """Write ``.md`` or ``.json`` by suffix; anything else is a usage mistake."""
+    """Write ``.md``, ``.json`` or ``.html`` by suffix; anything else is a usage mistake."""
     target = Path(path)
     if target.suffix not in SUFFIXES:
-        raise ValueError(f"--parity-report {path!r}: the file must end in .md or .json")
+        raise ValueError(f"--parity-report {path!r}: the file must end in {SUFFIX_TEXT}")
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.suffix == ".json":
         target.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    elif target.suffix == ".html":
+        target.write_text(render_html(report))
     else:
         target.write_text(render_markdown(report))
     return target

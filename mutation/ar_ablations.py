@@ -130,9 +130,10 @@ ablation(
 
 ablation(
     "ar.finished_rows_keep_writing", "harness.ar.loop:should_write_kv", _keep_writing,
-    kills=_ids(MODELS, ("",), ("finished_rows",)),
+    kills=_ids(MODELS, ("", "left"), ("finished_rows",)),
     why=("the AR issue's unfinished item: a row past EOS keeps writing KV. Its own mask hides the slots, so tokens "
-         "survive; the cache footprint check sees the writes."),
+         "survive; the cache footprint check sees the writes. The left-padded loop freezes finished rows through "
+         "the same function."),
     kill_mode="fact",
     fact="finished rows wrote no KV after their EOS (cache",
 )
@@ -153,10 +154,10 @@ def _logp_sign_flipped(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tens
 
 ablation(
     "ar.logp_sign_flipped", "harness.ar.loop:token_logprob", _logp_sign_flipped,
-    kills=_ids(MODELS, ("oracle",), ("greedy_logp",)),
-    why=("the recorded log-prob with its sign flipped, in the one function stock and fast both record through: "
-         "the fast-vs-stock logp checks see the same wrong number on both sides; only the fp64 oracle sees it "
-         "(rollout_vs_replay, whose replay computes its own log-probs, sees it too)."),
+    kills=_ids(MODELS, ("oracle", "left.oracle"), ("greedy_logp",)),
+    why=("the recorded log-prob with its sign flipped, in the one function stock and fast (of both layouts) record "
+         "through: the fast-vs-stock logp checks see the same wrong number on both sides; only the fp64 oracle sees "
+         "it (rollout_vs_replay, whose replay computes its own log-probs, sees it too)."),
     kill_mode="tolerance",
 )
 

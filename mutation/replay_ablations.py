@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from fixtures.replay_families import family_ids
+from fixtures.replay_families import ROPE_FIELDS, family_ids
 from harness.ablation import ablation
 from harness.checkid import CheckId
 from harness.replay import cfg, tiling
@@ -77,19 +77,22 @@ ablation(
 
 def _rope_verbatim(original):
     def tile_field(name, value, repeats, batch, cfg_factor):
-        if name == "rope_cache":
+        if name in ROPE_FIELDS:
             return value
         return original(name, value, repeats, batch, cfg_factor)
     return tile_field
 
 
+_ROPE_FAMILIES = family_ids("cfg2.log_probs", rope=True)
 ablation(
     "replay.rope_cache_verbatim", "harness.replay.tiling:tile_field", _rope_verbatim, wraps=True,
-    kills=["replay.tiling.rope_cache", "replay.tiling.batch_size", "replay.cfg2.log_probs"],
-    why="the per-sample rope_cache is treated like the old shared (cos, sin) table and passed through verbatim",
+    kills=["replay.tiling.rope_cache", "replay.tiling.batch_size", "replay.cfg2.log_probs", *_ROPE_FAMILIES],
+    why="the per-sample RoPE (rope_cache, or a family's per-row RoPE field) is treated like the old shared (cos, "
+        "sin) table and passed through verbatim",
     kill_mode="fact",
     # the harness broadcasts row fields and refuses a count that fits neither B nor the forward: fail closed
-    modes={"replay.tiling.batch_size": "raises", "replay.cfg2.log_probs": "raises"},
+    modes={"replay.tiling.batch_size": "raises", "replay.cfg2.log_probs": "raises",
+           **dict.fromkeys(_ROPE_FAMILIES, "raises")},
     raises=(ValueError,),
     fact="rope_cache tiled to",
 )
@@ -105,7 +108,8 @@ def _lists_untiled(original):
 
 ablation(
     "replay.list_payload_untiled", "harness.replay.tiling:tile_field", _lists_untiled, wraps=True,
-    kills=["replay.cfg2.list_payloads", "replay.tiling.batch_size", "replay.cfg2.log_probs"],
+    kills=["replay.cfg2.list_payloads", "replay.tiling.batch_size", "replay.cfg2.log_probs",
+           *family_ids("cfg2.log_probs", lists=True)],
     why="list/tuple payloads (it2i conditional images) are left untiled; only tensors are tiled",
     # an untiled field reaches the harness's row broadcast with B or 2B rows for an S*B batch: a ValueError
     kill_mode="raises",

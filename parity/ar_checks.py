@@ -23,10 +23,9 @@ import torch
 
 from fixtures import ar_models
 from fixtures.ar_cases import CASES, EXTRA, ARCase, eos_for_one_stop, eos_for_stops, stopped_at_eos
-from harness import floors
+from harness import conformance, floors
 from harness.ar import comparisons, judge, loop
 from harness.ar import policies as ar_policies
-from harness.ar.spy import ARForwardSpy
 from harness.checkid import CheckId
 from harness.checks import register
 from harness.compare import Verdict, close
@@ -156,15 +155,16 @@ def _growth_control(model: str) -> torch.Tensor:
                                              batch.width, batch.width + case.max_new_tokens)
 
 
+def _growth_terms(model: str, width: int) -> int:
+    """The reduction terms one log-prob of the growth case accumulates (the control's ceiling)."""
+    backend = ar_models.backend(model)
+    return module_reduction_terms(backend.model, sequence=width + GROWTH_CASE.max_new_tokens) + backend.vocab_size
+
+
 def _growth(model: str) -> Verdict:
-    case, backend = GROWTH_CASE, ar_models.backend(model)
-    batch, eos, reference, control = case.batch(), _eos(model, case), _stopped(model, case), _growth_control(model)
-    fast_rollout = comparisons.fast_rollout()
-    with ARForwardSpy(backend.model) as spy:
-        fast = fast_rollout(backend, batch, case.max_new_tokens, eos)
-    terms = module_reduction_terms(backend.model, sequence=batch.width + case.max_new_tokens) + backend.vocab_size
-    verdict = judge.judge_growth(fast, reference, control, terms=terms)
-    return judge.require_path(verdict, spy, batch.batch_size)
+    case, batch = GROWTH_CASE, GROWTH_CASE.batch()
+    return comparisons.compare_growth(ar_models.backend(model), batch, case.max_new_tokens, _eos(model, case),
+                                      _stopped(model, case), _growth_control(model), _growth_terms(model, batch.width))
 
 
 def _missing_real_pos(case: ARCase) -> Verdict:
@@ -212,6 +212,9 @@ for _case in (ARCase("missing_b1", (9,), decode_steps=2, seed=31), ARCase("missi
              policy="fact: init_state raises ValueError naming real_pos",
              doc=f"init_state raises ValueError naming real_pos when it is missing at B={_case.batch_size}")(
         functools.partial(_missing_real_pos, _case))
+
+# the right-padded layout's checks (every ar check the left-padded catalogue does not claim more specifically)
+conformance.judges_layout("ar.*", "ar", "right")
 
 _AR_CEILING = ("8 sqrt(K) fp32 ulps of the same magnitude, K = the model's Linear fan-ins plus the keys plus the "
                "vocabulary's log-sum-exp")

@@ -153,7 +153,8 @@ def _capture_contract(phase: str, ctx: CheckContext) -> Verdict:
     loaded = capture_io.load_capture(path)
     report = contract.verify_mask(loaded.mask)
     try:
-        layout = contract.layout_for(report.q_len, report.kv_len, report.detected_span)
+        # the earlier image spans too (a capture of an image-conditioned prompt holds several)
+        layout = contract.layout_for(report.q_len, report.kv_len, report.detected_span, report.detected_images)
     except ValueError as err:  # the mask left the structured family: a failed check, not a crash
         return holds(False, f"{path.name} follows the structured layout", error=str(err))
     verdict = judge.formula_verdict(report).merge(judge.builder_verdict(loaded.mask, layout))

@@ -378,7 +378,7 @@ def pipeline_combine(family: str) -> Verdict:
     order = pipeline_oracle.adapter_order(denoiser.declared_layout(adapter), conditions.batch)
     verdicts = []
     for i, step in enumerate(record.steps):
-        aligned = pipeline_oracle.align(step, record.prompts, get_family(family).pipeline.prompt_arg, order)
+        aligned = pipeline_oracle.align_family(get_family(family), step, record.prompts, order)
         recorded = _RecordedBranches(adapter, pipeline_oracle.to_replay(adapter, aligned.output))
         x = adapter.from_pipeline_latents(step.latents)
         got = predict_velocity(recorded, x, step.sigma.expand(conditions.batch), conditions, record.guidance)

@@ -6,7 +6,7 @@ from harness.dist import World
 
 
 @pytest.mark.bench
-def test_eight_rank_cpu_world_startup(benchmark):
+def test_eight_rank_cpu_world_spin_up(benchmark):
     def start_and_close():
         world = World(8).start()
         startup = world.startup_s

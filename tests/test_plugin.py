@@ -258,4 +258,4 @@ def test_bad_dtype_and_report_suffix_are_usage_errors(demo):
     result.stderr.fnmatch_lines(["*--dtype 'fp8'*"])
     result = demo.runpytest("-p", "harness.plugin", "--parity-report=out/report.txt")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*must end in .md or .json*"])
+    result.stderr.fnmatch_lines(["*must end in .md, .json or .html*"])

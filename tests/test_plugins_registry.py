@@ -74,7 +74,8 @@ def test_a_source_checkout_without_entry_points_still_knows_the_shipped_families
     assert families.get_family("sana") is families.SANA
     fresh = plugins.Registry("replay family", "")
     monkeypatch.setattr(plugins, "REPLAY_FAMILIES", fresh)
-    assert [f.name for f in families.registered_families()] == sorted(f.name for f in families.SHIPPED)
+    assert [f.name for f in families.registered_families()] == sorted(
+        f.name for f in (*families.SHIPPED, *families.REMOTE_CODE))
     monkeypatch.setattr(plugins, "REPLAY_FAMILIES", plugins.Registry("replay family", ""))
     monkeypatch.setattr(plugins, "CHECKPOINT_KINDS", plugins.Registry("checkpoint kind", ""))
     assert families.family_for_class("FluxTransformer2DModel") is families.FLUX

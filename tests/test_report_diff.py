@@ -71,3 +71,26 @@ def test_main_names_an_unreadable_report(tmp_path, capsys):
     assert report_diff.main([str(good), str(bad)]) == 2
     assert f"{bad}: not a parity report" in capsys.readouterr().err
     assert report_diff.main([str(good), str(good)]) == 0
+
+
+def test_markdown_for_a_pull_request_names_the_flipped_verdicts_the_moves_and_pictures_both(tmp_path):
+    from tests.report_samples import flipped, sample
+
+    base, head, out = tmp_path / "main.json", tmp_path / "pr.json", tmp_path / "changes" / "summary.md"
+    base.write_text(json.dumps(sample()))
+    head.write_text(json.dumps(flipped()))
+    assert report_diff.main([str(base), str(head), "--md", str(out), "--html", str(tmp_path / "changes.html")]) == 1
+    markdown = out.read_text()
+    changed = markdown.split("## Verdicts that changed (2)", 1)[1].split("## Largest margin moves", 1)[0]
+    assert "| check ar.fake.unequal_real_pos.logp | PASS | FAIL |" in changed
+    assert "| ablation replay.sigma_scalar -> replay.cfg2.log_probs | killed (tolerance) | NOT killed (tolerance) |" \
+        in changed
+    moves = markdown.split("## Largest margin moves", 1)[1].split("## Margins of both", 1)[0]
+    assert "| check replay.sd3.growth.prev_sample_means | 0.5 | 0.05 | 1.00 |" in moves
+    assert "bars base (4), line head (4)" in markdown and markdown.count("```mermaid") == 4
+    assert "<summary>base, as text</summary>" in markdown and "<summary>head, as text</summary>" in markdown
+    page = (tmp_path / "changes.html").read_text()
+    assert "2 verdicts changed" in page and "ar.fake.unequal_real_pos.logp" in page
+    same = tmp_path / "same.md"
+    assert report_diff.main([str(base), str(base), "--md", str(same)]) == 0
+    assert "## Verdicts that changed: none" in same.read_text() and "No margin moved." in same.read_text()

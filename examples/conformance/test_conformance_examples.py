@@ -7,10 +7,15 @@ Run from the repository root (``fixtures`` is the suite's checkout, not installe
 
 import pytest
 import torch
+import zoo_ar
 import zoo_attention
 import zoo_replay
 
+from fixtures import ar_models
+from fixtures.ar_cases import CASES
 from fixtures.replay_cases import fake_problem
+from harness import conformance
+from harness.ar.left_padded import fast_left_rollout, left_padded_batch
 from harness.attention.layout import AttentionLayout
 from harness.attention.reference import masked_sdpa
 from harness.compare import close, exact
@@ -56,6 +61,30 @@ def test_replay_is_the_suite_replay_and_the_swapped_nesting_is_not_under_cfg(nam
         assert same != fused_cfg, f"{name}: the swapped nesting {'survived' if same else 'differed'}"
 
 
+@pytest.mark.parametrize("model", ["fake", "qwen3"])
+def test_the_left_padded_rollout_is_the_suites_and_each_left_bug_is_not(model):
+    """The zoo's left-padded rollout, written apart from harness.ar.left_padded, runs the very same forwards; each
+    left-padded bug changes the log-probs; the layout each declares is the one a conformance run reads."""
+    case = next(c for c in CASES if c.name == "unequal_real_pos")
+    backend = ar_models.backend(model)
+    batch = left_padded_batch(case.prompts(), ar_models.PAD_ID)
+    expected = fast_left_rollout(backend, batch, case.max_new_tokens, (7,))
+    right = zoo_ar.fast_left_rollout(backend, batch, case.max_new_tokens, (7,))
+    for what in ("tokens", "logp", "lengths"):
+        verdict = exact().judge(getattr(right, what), getattr(expected, what))
+        assert verdict.passed, verdict.describe()
+    assert conformance.declared_layout("ar", zoo_ar.fast_left_rollout) == "left"
+    assert conformance.declared_layout("ar", zoo_ar.left_padding_undeclared) == "right"
+    assert conformance.declared_layout("ar", zoo_ar.right_padding_declared_left) == "left"
+    # the fake's positions are its per-row write slots: decode there goes on from each row's own slot regardless
+    bugs = [name for name in zoo_ar.BUGS if name.startswith("left_") and name != "left_padding_undeclared"
+            and not (model == "fake" and name == "left_positions_from_shared_cache_position")]
+    for name in bugs:
+        wrong = getattr(zoo_ar, name)(backend, batch, case.max_new_tokens, (7,))
+        differs = wrong.logp.shape != expected.logp.shape or (wrong.logp - expected.logp).abs().max() > 1e-3
+        assert differs, f"{name} gives the right log-probs on {model}"
+
+
 def test_every_zoo_module_names_a_right_implementation_and_at_least_five_bugs():
     import zoo
     import zoo_ar
@@ -66,3 +95,4 @@ def test_every_zoo_module_names_a_right_implementation_and_at_least_five_bugs():
         assert len(module.BUGS) >= 5, f"{path}: {len(module.BUGS)} bugs"
         assert all(callable(getattr(module, name)) for name in module.BUGS), path
         assert all(flaws != module.CORRECT for flaws, _ in module.BUGS.values()), path
+        assert all(callable(getattr(module, name)) for name in getattr(module, "MORE_CORRECT", {})), path

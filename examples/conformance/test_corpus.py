@@ -21,6 +21,7 @@ from corpus import PATHS, Report
 
 from fixtures import ar_cases, ar_models, decode_models, decode_tasks, replay_cases
 from harness import conformance
+from harness.ar.left_padded import left_padded_batch
 from harness.attention.layout import AttentionLayout
 
 pytestmark = pytest.mark.cpu
@@ -157,9 +158,14 @@ def _ar_eos(backend: str) -> tuple[int, ...]:
 
 
 def _ar_probe(backend: str, spec: str) -> tuple[torch.Tensor, ...]:
+    """The probe case in the layout the implementation declares (a left-padded one gets the same prompts
+    left-padded), read back layout-free: the same numbers a right one gives, when it is right."""
     case = next(c for c in ar_cases.CASES if c.name == "unequal_real_pos")
-    out = conformance.load_callable(spec)(ar_models.backend(backend), case.batch(), case.max_new_tokens,
-                                          _ar_eos(backend))
+    rollout = conformance.load_callable(spec)
+    batch = case.batch()
+    if conformance.declared_layout("ar", rollout) == "left":
+        batch = left_padded_batch(case.prompts(), ar_models.PAD_ID)
+    out = rollout(ar_models.backend(backend), batch, case.max_new_tokens, _ar_eos(backend))
     return out.tokens, out.logp, out.lengths, *out.kv
 
 

@@ -2,7 +2,8 @@
 own, by ``pytest -m cpu --impl PATH=zoo_<path>:NAME``, one run each.
 
 Each zoo module holds one right implementation of its path (``CORRECT``, the callable named like the path's
-signature) and realistic buggy ones (``BUGS``: name -> (flaws, what the bug is)). The right one must pass
+signature), right ones of its other layouts (``MORE_CORRECT``: name -> (flaws, what it is); ar's left-padded
+rollout) and realistic buggy ones (``BUGS``: name -> (flaws, what the bug is)). The right ones must pass
 with every check of its path either judged (and passed) or declared not judged; every buggy one must fail,
 naming the checks it fails; one that never works (``FAILS_EVERYWHERE``) must fail every check it is judged
 by. With ``--corpus`` the publicly reported bugs of ``examples/conformance/corpus/<path>.py`` join them: each
@@ -95,6 +96,8 @@ def entries(paths: list[str], corpus: bool = False) -> list[Entry]:
     for path in paths:
         module = importlib.import_module(f"zoo_{path}")
         found.append(Entry(path, PATHS[path], "pass", "right (independent of the suite's own)", flaws=module.CORRECT))
+        found += [Entry(path, name, "pass", why, flaws=flaws)
+                  for name, (flaws, why) in getattr(module, "MORE_CORRECT", {}).items()]
         found += [Entry(path, name, "fail", why, flaws=flaws) for name, (flaws, why) in module.BUGS.items()]
         found += [Entry(path, name, "fail all", why) for name, why in getattr(module, "FAILS_EVERYWHERE", {}).items()]
         if corpus:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,15 @@ def _stack_kv(cache: Any, row: int, slots: torch.Tensor) -> torch.Tensor:
 def _check_row(rows: int, row: int) -> None:
     if rows < 1 or not 0 <= row < rows:
         raise ValueError(f"a stock control batch needs rows >= 1 and 0 <= row < rows, got rows={rows}, row={row}")
+
+
+def _per_rollout(state: ARState, name: str, build: Callable[[], torch.Tensor], length: int) -> torch.Tensor:
+    """A tensor a decode step needs, built once per rollout (kept in ``state.extra``) and rebuilt only when the
+    length it was built for changes: each small op per step shows next to a tiny model's forward."""
+    cached = state.extra.get(name)
+    if cached is None or cached.shape[-1] != length:
+        cached = state.extra[name] = build()
+    return cached
 
 
 def _stops(eos: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -219,8 +229,12 @@ class UpstreamBackend:
         return self._forward(state, mask)
 
     def key_valid(self, state: ARState, generated: torch.Tensor, key_length: int) -> torch.Tensor:
-        slots = torch.arange(key_length, device=generated.device)[None]
-        return slots < (state.real_pos + generated)[:, None]
+        """Row i's slots ``[0, real_pos_i + generated_i)``: a slot's offset past its row's prompt, below the count."""
+        def offsets() -> torch.Tensor:
+            slots = torch.arange(key_length, device=generated.device)
+            return slots[None] - state.real_pos.to(generated.device)[:, None]
+
+        return _per_rollout(state, "key_offsets", offsets, key_length) < generated[:, None]
 
     def token_columns(self, state: ARState) -> torch.Tensor:
         return state.real_pos + state.step_idx
@@ -317,6 +331,7 @@ class TransformersBackend:
         self.kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self._cache_kw = compat.forward_cache_kwarg(model.forward)
+        self._writes_slots = compat.takes_write_slots(model.forward)
 
     def new_cache(self, batch_size: int, max_cache_len: int, dynamic: bool) -> Any:
         from transformers import DynamicCache, StaticCache
@@ -327,7 +342,9 @@ class TransformersBackend:
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
              cache: Any, slots: torch.Tensor | None = None) -> torch.Tensor:
-        kwargs = {self._cache_kw: cache, **compat.write_slot_kwargs(self.model.forward, slots)}
+        kwargs = {self._cache_kw: cache}
+        if slots is not None:
+            kwargs.update(compat.write_slot_kwargs(self.model.forward, slots))
         return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=cache is not None,
                           **kwargs).logits
 
@@ -353,22 +370,32 @@ class TransformersBackend:
     def decode(self, state: ARState, mask: torch.Tensor | None) -> torch.Tensor:
         column = state.batch.width + state.step_idx - 1
         ids = state.input_ids[:, column: column + 1]
-        positions = (state.real_pos + state.step_idx - 1)[:, None]
-        slots = torch.tensor([column], device=ids.device)
+        steps = state.max_new_tokens
+        positions = _per_rollout(state, "rope_positions",
+                                 lambda: state.real_pos[:, None] + torch.arange(steps, device=ids.device),
+                                 steps)[:, state.step_idx - 1: state.step_idx]
+        slots = torch.tensor([column], device=ids.device) if self._writes_slots else None
         return self._run(ids, mask, positions, state.cache, slots)
 
     def key_valid(self, state: ARState, generated: torch.Tensor, key_length: int) -> torch.Tensor:
-        slots = torch.arange(key_length, device=generated.device)[None]
-        width = state.batch.width
-        prompt = slots < state.real_pos[:, None]
-        own = (slots >= width) & (slots < width + generated[:, None])
-        return prompt | own
+        """Each row's prompt keys, then its own generated tokens' shared slots ``[Lmax, Lmax + generated_i)``: one
+        comparison of the counts with each slot's rank (prompt keys rank below any count, holes above all)."""
+        def ranks() -> torch.Tensor:
+            slots = torch.arange(key_length, device=generated.device)[None]
+            width = state.batch.width
+            prompt = slots < state.real_pos.to(generated.device)[:, None]
+            hole = (slots < width) & ~prompt
+            never = torch.iinfo(torch.long).max
+            return torch.where(prompt, -1, torch.where(hole, never, slots - width))
+
+        return _per_rollout(state, "key_ranks", ranks, key_length) < generated[:, None]
 
     def token_columns(self, state: ARState) -> torch.Tensor:
         return torch.full_like(state.real_pos, state.batch.width + state.step_idx)
 
     def logical_slots(self, real_pos: int, width: int, generated: int) -> torch.Tensor:
-        return torch.cat([torch.arange(real_pos), width + torch.arange(generated)])  # CPU index, moved by callers
+        """The prompt's slots then the generated tokens' (a CPU index, moved by callers), built from one list."""
+        return torch.tensor([*range(real_pos), *range(width, width + generated)], dtype=torch.long)
 
     def stock_generate(self, prompt: torch.Tensor, max_new_tokens: int, eos: tuple[int, ...]) -> StockRun:
         """The model alone at B=1 on the unpadded prompt: its default DynamicCache, no mask, no position_ids

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import StaticCache
 
 __all__ = [
     "cache_is_dynamic",
@@ -30,8 +31,6 @@ def cache_is_dynamic(batch_size: int) -> bool:
 
 def is_dynamic(cache: Any) -> bool:
     """True for upstream's ``dynamic=True`` cache and for any cache without preallocated slots."""
-    from transformers import StaticCache
-
     if hasattr(cache, "dynamic"):
         return bool(cache.dynamic)
     return not isinstance(cache, StaticCache)

@@ -1,7 +1,10 @@
 """The comparisons behind every ar check, model-agnostic so the GPU tier reuses them with real weights.
 
 Each function runs the batched path under a forward spy, compares it with the stock reference it is given
-(B=1 runs of the same prompts) under the given policies, and ANDs in the facts proving the path that ran.
+(B=1 runs of the same prompts) under the given policies, and ANDs in the facts proving the path that ran. The
+batch's type names its layout (a right-padded ``ARBatch`` or a ``LeftPaddedBatch``): each layout has its own
+default rollout and slot layout, one set of judges, and a verdict that requires the model's prefill rows to have
+been padded on that side (``judge.require_layout``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Any
 import torch
 
 from harness import conformance
-from harness.ar import judge, loop, probes
+from harness.ar import judge, left_padded, loop, probes
 from harness.ar import policies as ar_policies
 from harness.ar.batch import ARBatch
 from harness.ar.replay import teacher_forced_logp
@@ -25,58 +28,97 @@ __all__ = [
     "check_missing_real_pos",
     "compare_batched",
     "compare_finished_rows",
+    "compare_growth",
     "compare_nan_unused_slots",
     "compare_padded_b1",
     "compare_rollout_vs_replay",
 ]
 
 
+# a batch of either layout: right-padded (the default) or left-padded
+Batch = ARBatch | left_padded.LeftPaddedBatch
+
 # what compare_batched judges of one case: the sampled tokens, their log-probs, the prefill KV, the first slot
 CASE_QUANTITIES = ("tokens", "logp", "prefill_kv", "slot0")
 
 
-def fast_rollout() -> Any:
-    """The rollout under test: the suite's ``fast_rollout`` or a user's, via ``--impl ar=...``."""
-    return conformance.resolve("ar", loop.fast_rollout)
+def fast_rollout(padding_side: str = "right") -> Any:
+    """The rollout under test: the suite's rollout of that layout (``loop.fast_rollout``, or
+    ``left_padded.fast_left_rollout``) or a user's, via ``--impl ar=...``."""
+    default = left_padded.fast_left_rollout if padding_side == "left" else loop.fast_rollout
+    return conformance.resolve("ar", default)
 
 
-def _fast(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()):
+def _side(batch: Batch) -> str:
+    return left_padded.padding_side(batch)
+
+
+def probe_backend(backend: Any, batch: Batch) -> Any:
+    """What the cache probes read the batch's slot layout from: the backend itself, or its left-padded layout."""
+    return left_padded.layout_for(backend) if _side(batch) == "left" else backend
+
+
+def _on(backend: Any, rollout_fn: Any) -> Any:
+    """``rollout_fn`` called with ``backend`` whatever backend view a probe hands it: the probes read the layout's
+    slots through ``probe_backend``, the implementation under test gets the backend itself."""
+    def rollout(_view: Any, batch: Batch, max_new_tokens: int, eos: Sequence[int]) -> loop.Rollout:
+        return rollout_fn(backend, batch, max_new_tokens, eos)
+
+    return rollout
+
+
+class LayoutMismatch(RuntimeError):
+    """The implementation raised after handing the model rows padded on the other side than it is judged by."""
+
+
+def _fast(backend: Any, batch: Batch, max_new_tokens: int, eos: Sequence[int] = ()):
     """The implementation under test under the forward spy: a user's callable that never runs the model's
-    forwards at the batch fails the path facts."""
-    rollout_fn = fast_rollout()
-    with ARForwardSpy(backend.model) as spy:
-        rollout = rollout_fn(backend, batch, max_new_tokens, tuple(eos))
+    forwards at the batch fails the path facts; one that raised after a prefill on rows padded on the other side
+    raises naming that layout mismatch (its own error chained)."""
+    rollout_fn = fast_rollout(_side(batch))
+    with ARForwardSpy(backend.model, pad_id=backend.pad_id) as spy:
+        try:
+            rollout = rollout_fn(backend, batch, max_new_tokens, tuple(eos))
+        except Exception as err:
+            mismatch = judge.layout_mismatch(spy, _side(batch))
+            if mismatch:
+                raise LayoutMismatch(mismatch) from err
+            raise
     return rollout, spy
 
 
-def compare_batched(what: str, backend: Any, batch: ARBatch, max_new_tokens: int,
+def _require_path(verdict: Verdict, spy: ARForwardSpy, batch: Batch) -> Verdict:
+    return judge.require_path(verdict, spy, batch.batch_size, padding_side=_side(batch))
+
+
+def compare_batched(what: str, backend: Any, batch: Batch, max_new_tokens: int,
                     policies: ar_policies.ARPolicies, reference: loop.Rollout, eos: Sequence[int] = ()) -> Verdict:
     """One quantity (tokens / logp / prefill_kv / slot0) of the batched rollout vs per-row B=1 runs (the
     reference stopped at ``eos`` like the rollout)."""
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
     verdict = judge.compare_case(what, fast, reference, policies)
-    return judge.require_path(verdict, spy, batch.batch_size)
+    return _require_path(verdict, spy, batch)
 
 
-def compare_padded_b1(backend: Any, batch: ARBatch, max_new_tokens: int,
+def compare_padded_b1(backend: Any, batch: Batch, max_new_tokens: int,
                       policies: ar_policies.ARPolicies, reference: loop.Rollout, eos: Sequence[int] = ()) -> Verdict:
-    """A right-padded B=1 prompt through the fast path equals the unpadded prompt's stock run."""
+    """A padded B=1 prompt through the fast path equals the unpadded prompt's stock run."""
     if batch.batch_size != 1 or batch.real_pos is None or int(batch.real_pos[0, 0]) >= batch.width:
-        raise ValueError("compare_padded_b1 needs one right-padded row (real_pos < width)")
+        raise ValueError("compare_padded_b1 needs one padded row (real_pos < width)")
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
     verdict = judge.compare_case("tokens", fast, reference, policies)
     for what in ("logp", "prefill_kv"):
         verdict = verdict.merge(judge.compare_case(what, fast, reference, policies))
-    return judge.require_path(verdict, spy, 1)
+    return _require_path(verdict, spy, batch)
 
 
-def compare_rollout_vs_replay(backend: Any, batch: ARBatch, max_new_tokens: int,
+def compare_rollout_vs_replay(backend: Any, batch: Batch, max_new_tokens: int,
                               policy: Policy, eos: Sequence[int] = ()) -> Verdict:
     """The batched rollout's recorded log-probs equal a teacher-forced, unpadded replay of its own tokens."""
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
     replayed = teacher_forced_logp(backend, batch.prompts(), fast)
     verdict = policy.judge(fast.logp, replayed, dims=("row", "step"), what="rollout vs replay log_probs")
-    return judge.require_path(verdict, spy, batch.batch_size)
+    return _require_path(verdict, spy, batch)
 
 
 def stop_fact(lengths: Sequence[int], ref_lengths: Sequence[int]) -> str:
@@ -86,10 +128,11 @@ def stop_fact(lengths: Sequence[int], ref_lengths: Sequence[int]) -> str:
     return "every row stops where its B=1 run stopped at EOS" + (f" ({'; '.join(wrong)})" if wrong else "")
 
 
-def compare_finished_rows(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int],
+def compare_finished_rows(backend: Any, batch: Batch, max_new_tokens: int, eos: Sequence[int],
                           policies: ar_policies.ARPolicies, reference: loop.Rollout) -> Verdict:
     """Rows that emit EOS stop sampling and stop writing KV; each equals its B=1 run stopped at EOS."""
-    run = probes.footprint_rollout(backend, batch, max_new_tokens, tuple(eos), rollout=fast_rollout())
+    run = probes.footprint_rollout(probe_backend(backend, batch), batch, max_new_tokens, tuple(eos),
+                                   rollout=_on(backend, fast_rollout(_side(batch))))
     fast = run.rollout
     verdict = judge.compare_case("tokens", fast, reference, policies)
     verdict = verdict.merge(judge.compare_case("logp", fast, reference, policies))
@@ -102,14 +145,15 @@ def compare_finished_rows(backend: Any, batch: ARBatch, max_new_tokens: int, eos
                               "finished rows wrote no KV after their EOS (cache footprint checked)",
                               stray_writes={str(k): v for k, v in run.stray_writes.items()},
                               stray_slots=sum(len(v) for v in run.stray_writes.values()))
-    return judge.require_path(verdict, run.spy, batch.batch_size)
+    return _require_path(verdict, run.spy, batch)
 
 
-def compare_nan_unused_slots(backend: Any, batch: ARBatch, max_new_tokens: int,
+def compare_nan_unused_slots(backend: Any, batch: Batch, max_new_tokens: int,
                              policies: ar_policies.ARPolicies, reference: loop.Rollout,
                              eos: Sequence[int] = ()) -> Verdict:
     """NaN in every unused or dead cache slot; every logit stays finite and the tokens stay right."""
-    run = probes.nan_probe_rollout(backend, batch, max_new_tokens, tuple(eos), rollout=fast_rollout())
+    run = probes.nan_probe_rollout(probe_backend(backend, batch), batch, max_new_tokens, tuple(eos),
+                                   rollout=_on(backend, fast_rollout(_side(batch))))
     verdict = judge.compare_case("tokens", run.rollout, reference, policies)
     verdict = verdict.require(run.static and run.poisoned_slots > 0,
                               "NaN planted in every unused slot before the run and every dead slot after prefill",
@@ -118,7 +162,7 @@ def compare_nan_unused_slots(backend: Any, batch: ARBatch, max_new_tokens: int,
                               nonfinite_logits=run.nonfinite_logits)
     finite_kv = all(bool(torch.isfinite(kv).all()) for kv in run.rollout.kv)
     verdict = verdict.require(finite_kv, "every valid KV slot finite")
-    return judge.require_path(verdict, run.spy, batch.batch_size)
+    return _require_path(verdict, run.spy, batch)
 
 
 def check_missing_real_pos(backend: Any, batch: ARBatch, max_new_tokens: int,
@@ -151,7 +195,7 @@ def _oracle_errors(rollout: loop.Rollout, eos: Sequence[int]) -> tuple[torch.Ten
     return torch.cat(recorded), torch.cat(oracle), wrong
 
 
-def check_greedy_logp_oracle(backend: Any, batch: ARBatch, max_new_tokens: int,
+def check_greedy_logp_oracle(backend: Any, batch: Batch, max_new_tokens: int,
                              policy: Policy, eos: Sequence[int] = ()) -> Verdict:
     """Both rollouts' greedy picks and recorded log-probs against an fp64 softmax of their own logits.
 
@@ -168,4 +212,13 @@ def check_greedy_logp_oracle(backend: Any, batch: ARBatch, max_new_tokens: int,
     fact = "every token is the fp64 argmax of its logits, and no row goes on past its EOS"
     verdict = verdict.require(not wrong, f"{fact} ({shown})" if wrong else fact,
                               fast_steps_wrong=len(fast_wrong), stock_steps_wrong=len(stock_wrong))
-    return judge.require_path(verdict, spy, batch.batch_size)
+    return _require_path(verdict, spy, batch)
+
+
+def compare_growth(backend: Any, batch: Batch, max_new_tokens: int, eos: Sequence[int], reference: loop.Rollout,
+                   control_logp: torch.Tensor, terms: int) -> Verdict:
+    """The per-step log-prob error curve of the batched rollout against the growth of the stock floor curve
+    ``control_logp`` (``judge.judge_growth``, the control held under its ceiling for ``terms`` reduction terms)."""
+    fast, spy = _fast(backend, batch, max_new_tokens, eos)
+    verdict = judge.judge_growth(fast, reference, control_logp, terms=terms)
+    return _require_path(verdict, spy, batch)

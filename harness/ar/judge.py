@@ -36,6 +36,7 @@ from harness.growth import GROWTH_BUDGET, growth_ratio
 
 __all__ = [
     "GROWTH_BUDGET",
+    "PADDING_SIDES",
     "DtypeControl",
     "batch_shape_control_logp",
     "comparable_kl",
@@ -52,7 +53,9 @@ __all__ = [
     "judge_slot0",
     "judge_tokens",
     "kl_rows",
+    "layout_mismatch",
     "require_floor_bounds",
+    "require_layout",
     "require_path",
     "resolution_curve",
     "seed001_metrics",
@@ -189,8 +192,45 @@ def compare_case(what: str, fast: Rollout, ref: Rollout, policies: ARPolicies) -
     return verdict
 
 
-def require_path(verdict: Verdict, spy: ARForwardSpy, batch_size: int) -> Verdict:
-    """Prove the path that ran: every forward at the full batch, static cache at B > 1, dynamic at B == 1."""
+PADDING_SIDES = ("right", "left")
+
+
+def layout_mismatch(spy: ARForwardSpy, padding_side: str) -> str:
+    """What the model's prefill forward received, when its rows were not padded on ``padding_side`` (the layout the
+    checks judge): a sentence naming both layouts and the rows; "" when they were (or nothing was padded)."""
+    pads = spy.prefill_pads
+    wrong = [row for row, side in enumerate(pads) if side not in ("none", padding_side)]
+    if not wrong:
+        return ""
+    other = next(side for side in PADDING_SIDES if side != padding_side)
+    where = {"left": "pads first", "right": "pads last", "inside": "pads inside the row"}
+    found = ", ".join(f"row {row}: {where[pads[row]]}" for row in wrong)
+    declare = (f"declare padding_side = {other!r} on the implementation (docs/extending.md)"
+               if all(pads[row] == other for row in wrong) else "pad every row on one side")
+    return (f"layout mismatch: these checks judge padding_side={padding_side!r} implementations, but the model's "
+            f"prefill forward received rows padded otherwise ({found}); {declare}")
+
+
+def require_layout(verdict: Verdict, spy: ARForwardSpy, padding_side: str) -> Verdict:
+    """The prefill rows reached the model padded on ``padding_side`` (the spy read them, given the pad id). A
+    mismatch replaces the verdict's message with the one sentence naming it and leads its violated facts: a
+    left-padding implementation judged as right-padded (or the reverse) diverges everywhere, and that wall of
+    divergences says nothing of the cause."""
+    if not any(side != "none" for side in spy.prefill_pads):
+        return verdict
+    mismatch = layout_mismatch(spy, padding_side)
+    fact = f"the prefill rows reached the model {padding_side}-padded (padding_side={padding_side!r})"
+    verdict = verdict.require(not mismatch, fact, prefill_padding=list(spy.prefill_pads))
+    if not mismatch:
+        return verdict
+    return dataclasses.replace(verdict, message=mismatch, notes=(verdict.notes[-1], *verdict.notes[:-1]))
+
+
+def require_path(verdict: Verdict, spy: ARForwardSpy, batch_size: int, padding_side: str | None = None) -> Verdict:
+    """Prove the path that ran: every forward at the full batch, static cache at B > 1, dynamic at B == 1; with
+    ``padding_side``, the prefill rows padded on that side (``require_layout``)."""
+    if padding_side is not None:
+        verdict = require_layout(verdict, spy, padding_side)
     sizes = spy.batch_sizes
     verdict = verdict.require(bool(sizes) and all(s == batch_size for s in sizes),
                               f"every forward ran at batch size {batch_size}", forward_batch_sizes=sizes,
@@ -290,7 +330,9 @@ def judge_growth(fast: Rollout, reference: Rollout, control_logp: torch.Tensor,
 # expert path, a batch statistic) cannot widen it. Rule:
 #
 # - per row, KL(B=1 || batched) over every step whose context both runs share (the common token prefix and the
-#   first divergent step) must be at most ``k`` x the largest dtype-control KL over the rows, plus ``floor``;
+#   first divergent step) must be at most ``k`` x that row's own dtype-control KL, plus ``floor``. Per row, not
+#   against the rows' largest: a row whose bf16 run routes one token to another expert than fp32 does (a near tie
+#   in a MoE router) has a control far above rounding, and would otherwise lend that bound to every row;
 # - a row may diverge only where the B=1 top-1/top-2 log-prob margin at the divergent step is below
 #   ``flip_margin`` (a near-tie: rounding may pick either token);
 # - the control's worst |d log-prob| lies under its ceiling for ``terms`` reduction terms in bf16 (harness.floors).
@@ -383,11 +425,16 @@ def judge_bf16(fast: Rollout, reference: Rollout, control: DtypeControl, *, k: f
                floor: float, flip_margin: float, dtype: torch.dtype) -> Verdict:
     """The bf16 rule (the section above) as one verdict; per-row KL, controls, prefixes and margins in metrics."""
     kl, prefix = comparable_kl(reference, fast)
-    bound_control = float(control.kl.max())
-    policy = noise_floor(bound_control, k=k, floor=floor,
-                         reason=f"{dtype} KL(B=1 || batched) over each row's shared-context steps vs the dtype "
-                                f"control, KL(fp32 || {dtype}) of the same stock B=1 computation")
-    verdict = policy.judge(kl, torch.zeros_like(kl), dims=("row",), what="KL(B=1 || batched)")
+    row_control = control.kl.to(kl)
+    bounds = k * row_control + floor
+    ratios = torch.where(bounds > 0, kl / bounds.clamp_min(torch.finfo(kl.dtype).tiny),
+                         torch.where(kl > 0, torch.inf, 0.0))
+    worst = int(torch.argmax(ratios))  # the row nearest its own bound: every row passes when it does
+    policy = noise_floor(float(row_control[worst]), k=k, floor=floor,
+                         reason=f"per row, {dtype} KL(B=1 || batched) over its shared-context steps vs that row's "
+                                f"dtype control, KL(fp32 || {dtype}) of the same stock B=1 computation")
+    verdict = policy.judge(kl[worst:worst + 1], torch.zeros_like(kl[worst:worst + 1]), dims=("row",),
+                           what=f"KL(B=1 || batched) of row {worst}")
     flipped, margins = flips(reference, prefix)
     bad = [row for row, (f, m) in enumerate(zip(flipped, margins, strict=True)) if f and m >= flip_margin]
     verdict = verdict.with_metrics(**control.floor.metrics()).require(not control.floor.above_ceiling,
@@ -395,5 +442,6 @@ def judge_bf16(fast: Rollout, reference: Rollout, control: DtypeControl, *, k: f
     return verdict.require(not bad, f"rows diverge only where the B=1 top-1/top-2 margin < {flip_margin}",
                            kl_per_row=[float(f"{float(v):.6g}") for v in kl],
                            dtype_control_per_row=[float(f"{float(v):.6g}") for v in control.kl],
+                           bound_per_row=[float(f"{float(v):.6g}") for v in bounds], worst_row=worst,
                            common_prefix=prefix, diverged=flipped,
                            margin_at_divergence=[round(m, 4) for m in margins], unexplained_flips=bad)

@@ -3,6 +3,11 @@
 ``fast_rollout`` decodes B prompts in one batch; ``stock_rollout`` decodes each prompt alone at B=1 with the
 backend's stock generation. Both return a ``Rollout`` so a check reads ``compare(fast(x), stock(x))``.
 
+The batched loop keeps per-step work to what the next step needs (the sampled token, its logits, the masks and
+the token buffer): a tiny model's forward costs tens of microseconds, so every small op per step shows in the
+rollout's time next to the model's own forwards. The recorded log-probs are computed once over every step in
+``collect``, through the same ``token_logprob`` the stock loop uses.
+
 Seams (module-level, replaced from outside by the ablations): ``real_positions``, ``place_token``,
 ``first_logits_column``, ``should_write_kv``; plus ``harness.ar.cache.cache_is_dynamic``,
 ``harness.ar.masks.decode_mask`` and ``harness.ar.batch.pad_positions``. Sampling is greedy (top_k = 1); the
@@ -26,10 +31,12 @@ __all__ = [
     "Rollout",
     "collect",
     "fast_rollout",
+    "finished_rows",
     "first_logits_column",
     "init_state",
     "place_token",
     "real_positions",
+    "recorded_logp",
     "should_write_kv",
     "step",
     "stock_rollout",
@@ -52,9 +59,9 @@ def real_positions(batch: ARBatch) -> torch.Tensor:
     real_pos = torch.as_tensor(batch.real_pos).reshape(-1).long()
     if real_pos.numel() != batch.batch_size:
         raise ValueError(f"real_pos has {real_pos.numel()} entries for a batch of {batch.batch_size} rows")
-    if bool((real_pos < 1).any()) or bool((real_pos > batch.width).any()):
-        raise ValueError(f"real_pos must lie in [1, {batch.width}] (1 <= unpadded length <= width), "
-                         f"got {real_pos.tolist()}")
+    lengths = real_pos.tolist()  # one read, checked on the host
+    if not all(1 <= length <= batch.width for length in lengths):
+        raise ValueError(f"real_pos must lie in [1, {batch.width}] (1 <= unpadded length <= width), got {lengths}")
     return real_pos
 
 
@@ -64,8 +71,8 @@ def place_token(input_ids: torch.Tensor, tokens: torch.Tensor, columns: torch.Te
     Upstream re-reads the next input with ``input_ids.gather(1, position_ids)``; appending at the tail would
     feed every shorter row its own pad token.
     """
-    grown = torch.cat([input_ids, torch.zeros_like(input_ids[:, :1])], dim=1)
-    return grown.scatter(1, columns[:, None], tokens[:, None])
+    grown = torch.nn.functional.pad(input_ids, (0, 1))
+    return grown.scatter_(1, columns[:, None], tokens[:, None])
 
 
 def first_logits_column(real_pos: torch.Tensor, width: int) -> torch.Tensor:
@@ -94,7 +101,7 @@ class ARState:
     eos: tuple[int, ...]
     input_ids: torch.Tensor  # token buffer, column == cache slot of that token's KV
     tokens: torch.Tensor  # [B, N] long, pad after a row finished
-    logp: torch.Tensor  # [B, N] float32, 0 after a row finished
+    logp: torch.Tensor  # [B, N] float32, 0 after a row finished; filled by ``collect`` from ``logits``
     logits: torch.Tensor  # [B, N, V] float32, the row logits each token was sampled from
     lengths: torch.Tensor  # [B] tokens emitted so far (EOS included)
     generated: torch.Tensor  # [B] generated tokens whose KV the row holds
@@ -104,7 +111,21 @@ class ARState:
 
     @property
     def done(self) -> bool:
-        return self.step_idx >= self.max_new_tokens or bool(self.finished.all())
+        return self.step_idx >= self.max_new_tokens or finished_rows(self)[1]
+
+
+def finished_rows(state: ARState) -> tuple[bool, bool]:
+    """(some row finished, every row finished), read once per ``finished`` tensor and version: the loop asks at
+    every step, and ``finished`` only changes when a row emits a stop id (or someone writes to it)."""
+    finished = state.finished
+    if finished.is_inference():  # no version counter to tell an in-place write
+        count = int(finished.sum())
+        return count > 0, count == finished.numel()
+    cached = state.extra.get("finished_rows")
+    if cached is None or cached[0] is not finished or cached[1] != finished._version:
+        count = int(finished.sum())
+        cached = state.extra["finished_rows"] = (finished, finished._version, (count > 0, count == finished.numel()))
+    return cached[2]
 
 
 def init_state(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()) -> ARState:
@@ -134,35 +155,57 @@ def init_state(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[
     return state
 
 
-@torch.no_grad()
 def step(state: ARState) -> None:
-    """One forward: the prefill (step 0) or one decode step; samples one token per unfinished row."""
+    """One forward: the prefill (step 0) or one decode step; samples one token per unfinished row. Runs without
+    autograd (entered here only when the caller has not: ``fast_rollout`` enters it once for every step)."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            _step(state)
+    else:
+        _step(state)
+
+
+def _step(state: ARState) -> None:
     if state.done:
         raise ValueError(f"rollout is done (step {state.step_idx} of {state.max_new_tokens}, "
                          f"finished rows {state.finished.tolist()})")
-    backend, bsz = state.backend, state.batch.batch_size
-    rows = torch.arange(bsz, device=state.real_pos.device)
+    backend = state.backend
     if state.step_idx == 0:
         mask = masks.prefill_mask(state.batch.attention_mask, backend.prefill_key_length(state))
         logits = backend.prefill(state, mask)
+        rows = torch.arange(state.batch.batch_size, device=state.real_pos.device)
         row_logits = logits[rows, first_logits_column(state.real_pos, state.batch.width)]
     else:
         writes = should_write_kv(state.finished)
-        generated = state.generated + writes.long()
+        generated = state.generated + writes  # bool promotes to long
         key_valid = backend.key_valid(state, generated, backend.decode_key_length(state))
-        slots = backend.decode_write_slots(state)
-        frozen = ~writes
-        if bool(frozen.any()) and ar_cache.is_dynamic(state.cache):
-            raise ValueError(f"rows {frozen.nonzero().flatten().tolist()} finished in a batch of {bsz}, but a dynamic "
-                             "cache cannot leave a row's slot unwritten; batched AR needs a static cache")
-        saved = ar_cache.snapshot_slots(state.cache, frozen, slots) if bool(frozen.any()) else None
+        frozen = None if _every_row_writes(state, writes) else ~writes
+        saved = None
+        if frozen is not None:  # the write slots are read before the forward moves the positions on
+            if ar_cache.is_dynamic(state.cache):
+                raise ValueError(f"rows {frozen.nonzero().flatten().tolist()} finished in a batch of "
+                                 f"{state.batch.batch_size}, but a dynamic cache cannot leave a row's slot "
+                                 "unwritten; batched AR needs a static cache")
+            slots = backend.decode_write_slots(state)
+            saved = ar_cache.snapshot_slots(state.cache, frozen, slots)
         logits = backend.decode(state, masks.decode_mask(key_valid))
-        if saved is not None:
+        if frozen is not None:
             ar_cache.restore_slots(state.cache, frozen, slots, saved)
         state.generated = generated
         row_logits = logits[:, -1]
     _sample(state, row_logits.float())
     state.step_idx += 1
+
+
+def _every_row_writes(state: ARState, writes: torch.Tensor) -> bool:
+    """Whether no row's write is to be undone this step: one comparison with a kept all-True mask (a tensor
+    read costs two ops) for the bool masks ``should_write_kv`` gives, else any frozen row counts."""
+    if writes.dtype != torch.bool:
+        return not bool((~writes).any())
+    every = state.extra.get("every_row")
+    if every is None or every.shape != writes.shape or every.device != writes.device:
+        every = state.extra["every_row"] = torch.ones_like(writes)
+    return torch.equal(writes, every)
 
 
 def token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -174,18 +217,33 @@ def token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _sample(state: ARState, row_logits: torch.Tensor) -> None:
+    """Greedy pick of every unfinished row, written straight into ``state.tokens``; finished rows emit the pad.
+    The log-prob is recorded from ``state.logits`` in ``collect``."""
     k = state.step_idx
-    emitting = ~state.finished
-    token = row_logits.argmax(dim=-1)
-    token_logp = token_logprob(row_logits, token)
-    emitted = torch.where(emitting, token, state.backend.pad_id)
-    state.tokens[:, k] = emitted
-    state.logp[:, k] = torch.where(emitting, token_logp, 0.0)
+    some_finished, _ = finished_rows(state)
+    emitted = torch.argmax(row_logits, dim=-1, out=state.tokens[:, k])
     state.logits[:, k] = row_logits
-    state.lengths = torch.where(emitting, k + 1, state.lengths)
-    stops = torch.tensor(state.eos, dtype=torch.long, device=token.device)
-    state.finished = state.finished | (emitting & torch.isin(token, stops))
+    emitting = None
+    if some_finished:
+        emitting = ~state.finished
+        emitted.masked_fill_(state.finished, state.backend.pad_id)
+        state.lengths = state.lengths.masked_fill(emitting, k + 1)
+    else:
+        state.lengths = torch.full_like(state.lengths, k + 1)
+    if state.eos:  # without stop ids no row can finish
+        stops = state.extra.get("stops")
+        if stops is None:
+            stops = state.extra["stops"] = torch.tensor(state.eos, dtype=torch.long, device=emitted.device)
+        stopped = torch.isin(emitted, stops)  # a finished row's pad is masked out by ``emitting``
+        state.finished = state.finished | (stopped if emitting is None else emitting & stopped)
     state.input_ids = place_token(state.input_ids, emitted, state.backend.token_columns(state))
+
+
+def recorded_logp(state: ARState) -> torch.Tensor:
+    """Every emitted token's log-prob ``[B, N]`` (0 where a row emitted nothing), in one ``token_logprob`` call over
+    all steps: the same per-row softmax the stock loop records through, without one small call per step."""
+    unemitted = torch.arange(state.max_new_tokens, device=state.lengths.device) >= state.lengths[:, None]
+    return token_logprob(state.logits, state.tokens).masked_fill(unemitted, 0.0)
 
 
 # --------------------------------------------------------------------------------------------- results
@@ -210,25 +268,42 @@ class Rollout:
         return self.kv[row][..., : int(self.real_pos[row]), :]
 
 
+def _rows_kv(buffers: list[tuple[torch.Tensor, torch.Tensor]], slots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each row's KV at its ``slots`` -> ``[layers, 2, H, T_i, hd]``. Buffers of one shape and device are stacked
+    and gathered once for every row (row i a view of the first ``T_i`` gathered slots); else row by row."""
+    tensors = [t for pair in buffers for t in pair]
+    if len({(tuple(t.shape), t.device) for t in tensors}) != 1:
+        return [torch.stack([torch.stack([k[i][:, index.to(k.device)], v[i][:, index.to(v.device)]])
+                             for k, v in buffers]) for i, index in enumerate(slots)]
+    stacked = torch.stack([torch.stack(pair) for pair in buffers])  # [layers, 2, B, H, slots, hd]
+    layers, _, rows, heads, _, head_dim = stacked.shape
+    index = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True).to(stacked.device)  # [B, T_max], 0-padded
+    index = index[None, None, :, None, :, None].expand(layers, 2, rows, heads, index.shape[1], head_dim)
+    gathered = stacked.gather(4, index)
+    return [gathered[:, :, i, :, : len(row)] for i, row in enumerate(slots)]
+
+
 def collect(state: ARState) -> Rollout:
-    """Read a (finished) state into a CPU ``Rollout``, mapping the layout's slots back to logical order."""
-    kv = []
-    for i in range(state.batch.batch_size):
-        slots = state.backend.logical_slots(int(state.real_pos[i]), state.batch.width, int(state.generated[i]))
-        kv.append(torch.stack([torch.stack([k[i][:, slots.to(k.device)], v[i][:, slots.to(v.device)]])
-                               for k, v in ar_cache.layer_buffers(state.cache)]).float().cpu())
+    """Read a (finished) state into a CPU ``Rollout``, mapping the layout's slots back to logical order; records
+    the log-probs (``recorded_logp``) into ``state.logp`` first."""
+    state.logp = recorded_logp(state)
+    width = state.batch.width
+    slots = [state.backend.logical_slots(real_pos, width, generated)
+             for real_pos, generated in zip(state.real_pos.tolist(), state.generated.tolist(), strict=True)]
+    kv = tuple(row.float().cpu() for row in _rows_kv(ar_cache.layer_buffers(state.cache), slots))
     return Rollout(state.tokens.cpu(), state.logp.cpu(), state.logits.cpu(), state.lengths.cpu(),
-                   state.real_pos.cpu(), tuple(kv))
+                   state.real_pos.cpu(), kv)
 
 
 def fast_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()) -> Rollout:
     """Decode the whole right-padded batch at once over one cache: at most ``max_new_tokens`` steps, so a step that
     fails to advance the state stops the rollout instead of spinning."""
     state = init_state(backend, batch, max_new_tokens, eos)
-    for _ in range(max_new_tokens):
-        if state.done:
-            break
-        step(state)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            if state.done:
+                break
+            step(state)
     if not state.done:
         raise RuntimeError(f"the rollout is not done after {max_new_tokens} steps (step {state.step_idx}): a step "
                            "did not advance it")

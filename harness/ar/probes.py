@@ -6,6 +6,9 @@
 - ``footprint_rollout`` snapshots the cache after the prefill and reports, per row, every slot written after
   the prefill that is not one of the row's own generated tokens: a finished row must stop writing KV.
 
+Both read the batch's slot layout from ``backend.logical_slots`` (for a left-padded batch, the backend's
+``harness.ar.left_padded`` layout) and the spy reads the prefill rows' padding (given the backend's pad id).
+
 The rollout under test is a black box ``rollout(backend, batch, max_new_tokens, eos)`` (the suite's
 ``fast_rollout`` or a user's under ``--impl ar=...``): the probes only see the cache its forwards are given
 (``past_key_values``), before the first forward and after it, so nothing inside the rollout changes.
@@ -97,7 +100,8 @@ def nan_probe_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Se
         if _static(cache):
             poisoned[0] = ar_cache.fill_slots(cache, dead_slots(backend, batch, max_cache_len), float("nan"))
 
-    with ARForwardSpy(backend.model) as spy, _around_prefill(backend.model, before, after) as seen:
+    spy = ARForwardSpy(backend.model, pad_id=getattr(backend, "pad_id", None))
+    with spy, _around_prefill(backend.model, before, after) as seen:
         result = rollout(backend, batch, max_new_tokens, eos)
     emitted = torch.arange(result.tokens.shape[1])[None] < result.lengths[:, None]
     bad = int((~torch.isfinite(result.logits[emitted])).sum())
@@ -114,7 +118,8 @@ def footprint_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Se
         if _static(cache):
             after_prefill.extend((k.clone(), v.clone()) for k, v in ar_cache.layer_buffers(cache))
 
-    with ARForwardSpy(backend.model) as spy, _around_prefill(backend.model, lambda cache: None, after) as seen:
+    spy = ARForwardSpy(backend.model, pad_id=getattr(backend, "pad_id", None))
+    with spy, _around_prefill(backend.model, lambda cache: None, after) as seen:
         result = rollout(backend, batch, max_new_tokens, eos)
     static = bool(seen) and _static(seen[0])
     stray: dict[int, list[int]] = {}

@@ -1,7 +1,10 @@
-"""A forward spy: proves which path ran (batch size of every forward, which cache it wrote).
+"""A forward spy: proves which path ran (batch size of every forward, which cache it wrote, which side its
+prefill rows were padded on).
 
 A batched check that passes because it silently ran B=1 forwards, or a dynamic cache, proves nothing; every
-batched verdict requires the spy's facts.
+batched verdict requires the spy's facts. Given the pad id, the spy also reads where each row of a multi-token
+forward (the prefill) holds its pads: what an implementation actually handed the model, whatever layout it
+declares (harness.ar.judge.require_layout).
 """
 
 from __future__ import annotations
@@ -9,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from harness.ar import cache as ar_cache
 
-__all__ = ["ARForwardSpy", "ForwardCall"]
+__all__ = ["ARForwardSpy", "ForwardCall", "row_padding"]
 
 
 @dataclass(frozen=True)
@@ -20,23 +25,41 @@ class ForwardCall:
     queries: int
     cache: str  # class name, "none" without a cache
     dynamic: bool | None  # None without a cache
+    pads: tuple[str, ...] = ()  # per row of a multi-token forward, where its pads sit (``row_padding``)
+
+
+def row_padding(input_ids: torch.Tensor, pad_id: int) -> tuple[str, ...]:
+    """Where each row of ``input_ids [B, L]`` holds the pad id: ``"left"`` (a prefix), ``"right"`` (a suffix),
+    ``"none"``, or ``"inside"`` (anywhere else, or on both ends)."""
+    is_pad = input_ids == pad_id
+    count = is_pad.sum(dim=-1)
+    leading = is_pad.long().cumprod(dim=-1).sum(dim=-1)
+    trailing = is_pad.flip(-1).long().cumprod(dim=-1).sum(dim=-1)
+    sides = []
+    for n, lead, trail in zip(count.tolist(), leading.tolist(), trailing.tolist(), strict=True):
+        sides.append("none" if n == 0 else "left" if lead == n else "right" if trail == n else "inside")
+    return tuple(sides)
 
 
 @dataclass
 class ARForwardSpy:
-    """Context manager recording every forward of ``model`` (a forward pre-hook; nothing inside is patched)."""
+    """Context manager recording every forward of ``model`` (a forward pre-hook; nothing inside is patched); with
+    ``pad_id`` it also records each multi-token forward's row padding."""
 
     model: Any
+    pad_id: int | None = None
     calls: list[ForwardCall] = field(default_factory=list)
     _handle: Any = None
 
     def _hook(self, module: Any, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        queries = int(ids.shape[1])
         self.calls.append(ForwardCall(
-            batch=int(ids.shape[0]), queries=int(ids.shape[1]),
+            batch=int(ids.shape[0]), queries=queries,
             cache="none" if cache is None else type(cache).__name__,
-            dynamic=None if cache is None else ar_cache.is_dynamic(cache)))
+            dynamic=None if cache is None else ar_cache.is_dynamic(cache),
+            pads=row_padding(ids, self.pad_id) if self.pad_id is not None and queries > 1 else ()))
 
     def __enter__(self) -> ARForwardSpy:
         self.calls.clear()
@@ -58,3 +81,9 @@ class ARForwardSpy:
     @property
     def dynamic(self) -> bool:
         return bool(self.calls) and all(c.dynamic is True for c in self.calls)
+
+    @property
+    def prefill_pads(self) -> tuple[str, ...]:
+        """Where each row of the first multi-token forward (the prefill) held its pads; () when none was seen or the
+        spy was not given the pad id."""
+        return next((c.pads for c in self.calls if c.pads), ())

@@ -28,8 +28,8 @@ from harness.decode import exchange, serve
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import ShardedDecodeError
 
-__all__ = ["ShardedDecodeError", "decode_pieces", "decode_video", "sharded_decode", "sharded_encode", "stock_decode",
-           "stock_encode", "takes_sharded_path"]
+__all__ = ["ShardedDecodeError", "decode_pieces", "decode_unit", "decode_video", "sharded_decode", "sharded_encode",
+           "stock_decode", "stock_encode", "takes_sharded_path"]
 
 
 def _check_vae(vae: Any) -> None:
@@ -193,6 +193,16 @@ def _across_group(compute: Callable[[int], torch.Tensor], num_units: int, length
     return result
 
 
+def decode_unit(vae: Any, padded: torch.Tensor, work: Any, unit: int) -> torch.Tensor:
+    """One unit of the plan decoded by the VAE's own modules: a whole clip, or one (clip, tile) pair."""
+    clip, tile = work.unit(unit)
+    window = plan_mod.window_latents(padded, work.clips, clip)
+    if tile is None:
+        return vae._decode_clip(window)
+    assert work.tiles is not None
+    return vae.decoder(vae.post_quant_conv(plan_mod.tile_latents(window, work.tiles, tile)))
+
+
 def _decode_across_group(vae: Any, z: torch.Tensor, *, group: dist.ProcessGroup | None, transport: str, dst: int,
                          split: str) -> torch.Tensor:
     """One `_decode(z)` call, sharded (bound over the instance's `_decode` by sharded_decode)."""
@@ -200,12 +210,7 @@ def _decode_across_group(vae: Any, z: torch.Tensor, *, group: dist.ProcessGroup 
     padded = plan_mod.pad_latents(z, work.clips)
 
     def compute(unit: int) -> torch.Tensor:
-        clip, tile = work.unit(unit)
-        window = plan_mod.window_latents(padded, work.clips, clip)
-        if tile is None:
-            return vae._decode_clip(window)
-        assert work.tiles is not None
-        return vae.decoder(vae.post_quant_conv(plan_mod.tile_latents(window, work.tiles, tile)))
+        return decode_unit(vae, padded, work, unit)
 
     def assemble(pieces: list[torch.Tensor]) -> torch.Tensor:
         if work.split == "tiles":

@@ -25,6 +25,10 @@ adapter's denoiser (``predict_velocity``) at the same latents and sigma and hold
   pipeline's combined prediction (only the arithmetic's rounding, RESOLUTION, may differ). A velocity that
   is the exact negation of the pipeline's (relative error 2) is named a sign flip: the pipeline
   post-processes the model output and the family's ``velocity`` does not say so.
+
+A family whose pipeline is not a diffusers class (HunyuanImage-3's loop ships in its remote code) registers its own
+oracle on its ``PipelineSpec`` (``oracle``); ``run_pipeline``, ``align_family`` and ``judge_family`` hand such a
+family to it, and it judges with the pieces below.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ __all__ = [
     "OracleError",
     "PipelineRecord",
     "PipelineStep",
+    "align_family",
     "judge_combine",
     "judge_family",
     "record_forwards",
@@ -144,6 +149,8 @@ def build_pipeline(family: ReplayFamily, adapter: ModelAdapter) -> Any:
 def run_pipeline(family: ReplayFamily, adapter: ModelAdapter, prompts: Prompts, latents: torch.Tensor,
                  guidance: float, steps: int = ORACLE_STEPS) -> PipelineRecord:
     """Run the family's pipeline for ``steps`` steps from ``prompts`` and replay-layout ``latents``."""
+    if family.pipeline is not None and family.pipeline.oracle is not None:
+        return family.pipeline.own_oracle().run_pipeline(family, adapter, prompts, latents, guidance, steps)
     dtypes = sorted({str(p.dtype) for p in adapter.module.parameters()} | {str(latents.dtype)})
     if dtypes != [str(torch.float32)]:
         raise OracleError(f"the pipeline oracle judges fp32 pipelines (its timestep room is {TIMESTEP_ULPS:g} fp32 "
@@ -263,6 +270,17 @@ def align(step: PipelineStep, prompts: Prompts, prompt_arg: str, order: list[tup
     output = torch.stack([step.forwards[where[key][0]].output[where[key][1]] for key in order])
     shared = {k: v for k, v in step.forwards[0].arguments.items() if k not in row_names}
     return AlignedStep(order, {name: pick(name) for name in row_names}, shared, output)
+
+
+def align_family(family: ReplayFamily, step: PipelineStep, prompts: Prompts,
+                 order: list[tuple[str, int]]) -> AlignedStep:
+    """``align`` for a registered family: its own oracle's alignment when it brings one."""
+    spec = family.pipeline
+    if spec is not None and spec.oracle is not None:
+        return spec.own_oracle().align(step, prompts, order)
+    if spec is None:
+        raise OracleError(f"replay family {family.name!r} registers no pipeline (ReplayFamily.pipeline)")
+    return align(step, prompts, spec.prompt_arg, order)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
@@ -467,6 +485,8 @@ def _input_mismatches(mine: Forward, aligned: AlignedStep, timestep_arg: str,
 
 def judge_family(family: ReplayFamily, adapter: ModelAdapter, record: PipelineRecord) -> Verdict:
     """The pipeline's start and every recorded step, judged and merged."""
+    if family.pipeline is not None and family.pipeline.oracle is not None:
+        return family.pipeline.own_oracle().judge_family(family, adapter, record)
     started = adapter.from_pipeline_latents(record.steps[0].latents)
     start = holds(started.shape == record.start.shape and torch.equal(started, record.start),
                   "step 0: the pipeline stepped the replay latents it was given (the adapter's to_pipeline_latents "

@@ -1,47 +1,141 @@
-"""Benchmark: batched B=4 AR over a static cache vs four B=1 runs on the tiny HunYuanMoEV1 (no timed asserts).
+"""Batched AR against B separate B=1 runs and against the model's own limit, on every tiny ar model at B = 4, 8.
 
-Prints tokens/s of both and the batched/serial time ratio next to the ideal 1/4 (a batch of 4 costing one
-B=1 run). On tiny CPU models, per-op overhead dominates, so the ratio is an upper bound on what batching buys.
+Four arms per model and B, timed interleaved (each round runs every arm once) and kept at their best round:
+
+- ``fast``: ``loop.fast_rollout`` of the right-padded batch (16 new tokens per row, greedy, no EOS);
+- ``stock``: ``loop.stock_rollout``, each prompt alone at B=1;
+- ``raw``: the model's own forwards the fast path made (its prefill and decode steps, with the masks, positions
+  and ids it handed the model, over a fresh static cache of the batch's length), replayed back to back: no
+  sampling, mask building, cache bookkeeping or log-prob recording;
+- ``raw_stock``: the same for the B=1 runs (each over a fresh cache of the kind the stock run uses).
+
+fast/raw is what the harness costs over the model's own calls; ideal 1/B. The rows land in the run's benchmark
+table (``pytest -m bench -k ar``, or ``-k qwen3``) and the report's ``benchmarks``. No timed assertion: the two
+rollouts must agree and the replay must reproduce the fast path's logits before any time means anything.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
 from fixtures import ar_models
 from fixtures.ar_cases import ARCase
+from fixtures.bench_timing import best_of, interleaved
 from harness.ar import loop
 
 pytestmark = pytest.mark.bench
 
-CASE = ARCase("bench", (24, 31, 17, 28), decode_steps=15, seed=41)
-ROUNDS = 5
+BATCHES = (4, 8)
+LENGTHS = (24, 31, 17, 28, 22, 30, 19, 26)  # unequal real_pos, cycled to the batch
+DECODE_STEPS = 15
+ROUNDS = 10
+TITLE = (f"ar: fast_rollout (B right-padded rows) vs B stock B=1 runs, {DECODE_STEPS + 1} new tokens per row, fp32 "
+         f"CPU, best of {ROUNDS} interleaved rounds; raw = the model's own forwards of the fast path replayed back "
+         "to back (raw stock: of the B=1 runs); ideal 1/B")
 
 
-def test_ar_batched_b4_vs_four_b1(benchmark) -> None:
-    backend = ar_models.backend("hunyuan_moe")
-    batch, prompts, new_tokens = CASE.batch(), CASE.prompts(), CASE.max_new_tokens
+@dataclass(frozen=True)
+class Forward:
+    """One model call as the harness made it: positional and keyword arguments (tensors copied) and its logits."""
 
-    fast = benchmark.pedantic(loop.fast_rollout, args=(backend, batch, new_tokens), rounds=ROUNDS, iterations=1,
-                              warmup_rounds=1)
-    serial_times = []
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        serial = loop.stock_rollout(backend, prompts, new_tokens)
-        serial_times.append(time.perf_counter() - start)
-    assert torch.equal(fast.tokens, serial.tokens), "batched and B=1 rollouts must agree before timing means anything"
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    logits: torch.Tensor
 
-    tokens = int(fast.lengths.sum())
-    batched_s = benchmark.stats.stats.median
-    serial_s = statistics.median(serial_times)
-    ratio = batched_s / serial_s
-    benchmark.extra_info.update(tokens=tokens, batched_tokens_per_s=tokens / batched_s,
-                                serial_tokens_per_s=tokens / serial_s, ratio=ratio, ideal_ratio=0.25)
-    print(f"\nar bench: B=4, {new_tokens} new tokens per row, {tokens} tokens, tiny HunYuanMoEV1 (fp32 CPU)")
-    print(f"  batched B=4 : {batched_s * 1e3:8.1f} ms  {tokens / batched_s:8.0f} tokens/s")
-    print(f"  4 x B=1     : {serial_s * 1e3:8.1f} ms  {tokens / serial_s:8.0f} tokens/s")
-    print(f"  time ratio batched / serial = {ratio:.3f} (ideal 1/4 = 0.250; speed-up x{1 / ratio:.2f} of ideal x4)")
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+@contextlib.contextmanager
+def _recording(model: torch.nn.Module) -> Iterator[list[Forward]]:
+    """Every forward of ``model`` while the block runs (arguments copied before the call, logits after)."""
+    calls: list[Forward] = []
+    pending: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def before(module: Any, args: tuple, kwargs: dict) -> None:
+        pending.append((tuple(_copied(a) for a in args), {k: _copied(v) for k, v in kwargs.items()}))
+
+    def after(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        recorded_args, recorded_kwargs = pending.pop()
+        calls.append(Forward(recorded_args, recorded_kwargs, getattr(output, "logits", output).clone()))
+
+    handles = [model.register_forward_pre_hook(before, with_kwargs=True),
+               model.register_forward_hook(after, with_kwargs=True)]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _cache_of(kwargs: dict[str, Any]) -> Any:
+    return kwargs.get("past_key_values", kwargs.get("cache"))
+
+
+def replay(model: torch.nn.Module, calls: list[Forward], fresh: list[Callable[[], Any]]) -> list[torch.Tensor]:
+    """The recorded forwards back to back, the i-th distinct cache they wrote replaced by ``fresh[i]()``: the
+    model's own work, nothing of the harness around it. Returns each call's logits."""
+    caches: dict[int, Any] = {}
+    out = []
+    with torch.no_grad():
+        for call in calls:
+            recorded = _cache_of(call.kwargs)
+            if id(recorded) not in caches:
+                caches[id(recorded)] = fresh[len(caches)]()
+            kwargs = {k: caches[id(recorded)] if v is recorded and v is not None else v for k, v in call.kwargs.items()}
+            out.append(getattr(model(*call.args, **kwargs), "logits", None))
+    return out
+
+
+def _case(batch_size: int) -> ARCase:
+    return ARCase(f"bench_b{batch_size}", tuple(LENGTHS[i % len(LENGTHS)] for i in range(batch_size)),
+                  decode_steps=DECODE_STEPS, seed=41)
+
+
+@pytest.fixture(params=ar_models.BACKENDS)
+def model(request: pytest.FixtureRequest) -> str:
+    """A parametrized fixture, not a parametrize mark: the mark's keyword "parametrize" would match ``-k ar`` in
+    every path's bench, and ``-k`` must pick one path's (or one model's) table."""
+    return request.param
+
+
+@pytest.fixture(params=BATCHES, ids=[f"b{b}" for b in BATCHES])
+def batch_size(request: pytest.FixtureRequest) -> int:
+    return request.param
+
+
+def test_ar_fast_vs_stock_vs_raw(benchmark: Any, bench_log: Any, model: str, batch_size: int) -> None:
+    backend = ar_models.backend(model)
+    case = _case(batch_size)
+    batch, prompts, new_tokens = case.batch(), case.prompts(), case.max_new_tokens
+    with _recording(backend.model) as fast_calls:
+        fast = loop.fast_rollout(backend, batch, new_tokens)
+    with _recording(backend.model) as stock_calls:
+        stock = loop.stock_rollout(backend, prompts, new_tokens)
+    assert torch.equal(fast.tokens, stock.tokens), "batched and B=1 rollouts must agree before timing means anything"
+    fresh_fast = [lambda: backend.new_cache(batch_size, batch.width + new_tokens, dynamic=False)]
+    fresh_stock = [functools.partial(backend.new_cache, 1, int(p.numel()) + new_tokens, dynamic=True)
+                   for p in prompts]
+    replayed = replay(backend.model, fast_calls, fresh_fast)
+    assert all(torch.equal(r, c.logits) for r, c in zip(replayed, fast_calls, strict=True)), \
+        "the raw replay must compute what the fast path's forwards computed"
+    assert len({id(_cache_of(c.kwargs)) for c in stock_calls}) == len(prompts), "one cache per B=1 run"
+
+    times = best_of(interleaved({
+        "fast": lambda: loop.fast_rollout(backend, batch, new_tokens),
+        "stock": lambda: loop.stock_rollout(backend, prompts, new_tokens),
+        "raw": lambda: replay(backend.model, fast_calls, fresh_fast),
+        "raw_stock": lambda: replay(backend.model, stock_calls, fresh_stock),
+    }, ROUNDS, benchmark))
+    row = bench_log.record("ar", TITLE, {"model": model, "B": batch_size}, ideal=1 / batch_size,
+                           extra={"tokens": int(fast.lengths.sum()), "forwards": len(fast_calls)}, **times)
+    benchmark.extra_info.update({f"{arm}_s": seconds for arm, seconds in times.items()},
+                                **{k: v for k, v in row.ratios().items() if v is not None})

@@ -110,7 +110,11 @@ def test_judge_bf16_reports_every_row_and_flags_wide_margin_flips(flip_margin: f
     expected_kl = [float(kl[0].max()), float(kl[1, :2].max()), float(kl[2, :1].max())]
     m = verdict.metrics
     assert m["kl_per_row"] == pytest.approx(expected_kl, rel=1e-5)
-    assert (m["control"], m["bound"]) == (0.03, pytest.approx(8.0 * 0.03 + 1e-3, rel=1e-12))
+    bounds = [8.0 * c + 1e-3 for c in (0.01, 0.03, 0.02)]  # each row against its own dtype control
+    assert m["bound_per_row"] == pytest.approx(bounds, rel=1e-5)
+    worst = max(range(3), key=lambda row: expected_kl[row] / bounds[row])
+    assert m["worst_row"] == worst and (m["control"], m["bound"]) == ((0.01, 0.03, 0.02)[worst],
+                                                                      pytest.approx(bounds[worst], rel=1e-12))
     assert m["dtype_control_per_row"] == [0.01, 0.03, 0.02]
     assert (m["common_prefix"], m["diverged"], m["unexplained_flips"]) == ([3, 1, 0], [False, True, True], bad)
     assert math.isnan(m["margin_at_divergence"][0]) and m["margin_at_divergence"][1:] == [0.1235, 1.5]
@@ -134,6 +138,18 @@ def test_judge_bf16_fails_a_kl_over_k_times_the_dtype_control() -> None:
                          dtype=torch.bfloat16)
     assert not verdict.passed and verdict.margin == pytest.approx(2.0, rel=1e-9)
     assert "KL(B=1 || batched)" in verdict.message and verdict.violated_facts == []
+
+
+def test_one_row_with_a_wide_dtype_control_lends_its_bound_to_no_other_row() -> None:
+    """A row whose bf16 run routes a token elsewhere than fp32 (a control of 0.75 nats, as a tiny MoE gives) keeps
+    its bound to itself: another row whose KL is 4x its own control fails."""
+    reference, fast = _judged_pair(margin_row2=0.5)
+    kl = _kl64(reference.logits, fast.logits)
+    row1 = float(kl[1, :2].max())
+    control = _control(torch.tensor([0.75, row1 / 4, 0.75], dtype=torch.float64))
+    verdict = judge_bf16(fast, reference, control, k=2.0, floor=0.0, flip_margin=9.0, dtype=torch.bfloat16)
+    assert not verdict.passed and verdict.metrics["worst_row"] == 1
+    assert verdict.margin == pytest.approx(2.0, rel=1e-9) and "row 1" in verdict.message
 
 
 def test_a_dtype_control_above_its_ceiling_fails_naming_the_stock_computation() -> None:

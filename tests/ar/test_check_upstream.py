@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fixtures import ar_models, check_upstream, upstream_checkpoint
-from fixtures.ar_checkpoint import COMMON_FILE, PORTABLE_FILE, auto_map, source_path
+from fixtures.ar_checkpoint import COMMON_FILE, IMAGE_FILES, PORTABLE_FILE, auto_map, source_path
 from fixtures.upstream_checkpoint import KINDS, UpstreamPackageError, package_generations, tiny_config
 from harness import compat
 
@@ -106,7 +106,11 @@ def test_the_summary_reads_verdicts_kills_and_the_named_routing_cause() -> None:
          "metrics": {"kl_per_row": [0.25], "moe_routing": routing}}],
         "ablations": [{"name": "ar.decode_mask_removed", "kills": [
             {"check": "ar.gpu.batched_vs_b1[gen1_dense-bf16]", "killed": True, "margin": 463.0, "mode": "tolerance"}]}]}
-    rows = check_upstream.summarize(data)
+    data["checks"].append({"id": "ar.gpu.left.batched_vs_b1[gen2_moe-fp32]", "passed": True, "margin": 0.2,
+                           "headline": "max_abs", "metrics": {"logp_max_abs": 1e-6, "moe_routing": "no MoE layer"}})
+    left = check_upstream.summarize(data, "ar.left")  # the left-padded layout's row stands apart
+    assert left[("gen2_moe", "fp32")]["passed"] and set(left) == {("gen2_moe", "fp32")}
+    rows = check_upstream.summarize(data)  # the ar rows: the right-padded check's, not overwritten by the left
     failed, passed = rows[("gen2_moe", "fp32")], rows[("gen1_dense", "bf16")]
     assert (failed["passed"], failed["margin"], failed["why"]) == (False, float("inf"), routing)
     assert failed["headline"] == "logp|d| 7.50e-01" and failed["kills"] == []
@@ -142,8 +146,12 @@ def _fake_package(directory: Path, generation: int) -> Path:
     modeling, configuration = upstream_checkpoint.GENERATION_FILES[generation]
     directory.mkdir(parents=True)
     (directory / modeling).write_text(source_path(generation).read_text())
-    (directory / configuration).write_text("from .ar_hunyuan_common import HunyuanImage3Config  # noqa: F401\n")
-    for helper in (COMMON_FILE, PORTABLE_FILE):
+    # transformers 4.x copies only the modules the configuration file imports itself: the common module's helpers too
+    (directory / configuration).write_text(
+        "from .ar_hunyuan_common import HunyuanImage3Config  # noqa: F401\n"
+        "from .hunyuan_image_gen import timestep_embedding  # noqa: F401\n"
+        "from .hunyuan_image_pipeline import FlowMatchDiscreteScheduler  # noqa: F401\n")
+    for helper in (COMMON_FILE, PORTABLE_FILE, *IMAGE_FILES):
         (directory / helper).write_text(source_path(ar_models.PORTABLE).with_name(helper).read_text())
     return directory
 
@@ -168,11 +176,16 @@ def test_check_upstream_runs_on_a_code_directory(tmp_path: Path, generation: int
     for dtype in ("fp32", "bf16"):
         assert " 13/13 " in rows[f"{name}_dense {dtype}"] and " PASS " in rows[f"{name}_dense {dtype}"]
         assert " 4/4 " in rows[f"{name}_dense {dtype}"]
+        left = rows[f"{name}_dense:left {dtype}"]  # the left-padded layout: its own row, its own kills
+        assert " 13/13 " in left and " PASS " in left and re.search(r" (\d+)/\1 ", left), left
         moe = rows[f"{name}_moe {dtype}"]
         assert (" FAIL " in moe and "MoE routing depends" in moe) == (generation == 2), moe
+        for image_row in (f"{name}_moe:replay {dtype}", f"{name}_dense:replay {dtype}", f"{name}_moe_captures {dtype}"):
+            assert " PASS " in rows[image_row], rows[image_row]  # the image forward: replay, and its captures' kernels
+        assert " 11/11 " in rows[f"{name}_dense:replay {dtype}"] and " 4/4 " in rows[f"{name}_moe_captures {dtype}"]
     assert (done.returncode == 0) == (generation == 1), done.stdout[-3000:]
     report = json.loads((tmp_path / "run" / "check-upstream.json").read_text())
-    assert report["summary"]["checks"] == 4
+    assert sum(check["id"].startswith("ar.gpu.batched_vs_b1") for check in report["checks"]) == 4
 @pytest.mark.cpu
 def test_one_generation_at_a_time_asked_named_by_config_or_the_current_one(tmp_path: Path) -> None:
     """A directory holding both generations (an Instruct checkout) judges one: the one asked for, else the one its

@@ -1,58 +1,71 @@
-"""Stock vs sharded decode on the larger tiny VAE (7 clips of 3 x 3 tiles): wall time, work shares, memory held.
+"""The sharded decode on the larger tiny VAE (7 clips of 3 x 3 tiles): the busiest rank's share of the stock
+decode beside the 1/W ideal and the raw limit, at W = 2, 4, 8, split by clips and by (clip, tile) pairs.
 
-The stock arm is what sequence parallelism does today: every rank of the group decodes the whole
-video. The sharded arm spreads the decoder work and gathers it. Wall time is measured at W = 2 (the
-machine's cores) against the ideal 1/W; the busiest rank's share of the decoder forwards (tile
-decodes, counted by a spy on every rank) is measured at W = 2, 4, 8 for a clip split and for the
-automatic split, against 1/W; and the bytes each rank received are measured for both transports.
-No assertion is timed: the work shares are counts, the wall times are only printed.
+Each item starts a W-rank world and runs ``fixtures.decode_bench.decode_bench_task``: the ranks take their decoder
+work in turns, the busiest rank last and alone, so its time is its own even where W exceeds the machine's cores.
+``stock`` is the whole decode (what every rank does today), ``raw`` the VAE's own decode of the busiest rank's
+pieces (nothing exchanged), ``fast`` the busiest rank's sharded call, whose exchange and post-loop are shown on
+their own. A second table counts the decoder work per rank (a spy on every rank) and the bytes each rank receives
+per transport. The only assertions are counts and bit equality; times are printed and reported.
 """
 
 from __future__ import annotations
 
-import statistics
+from typing import Any
 
 import pytest
 
 from fixtures import decode_models, decode_tasks
+from fixtures.decode_bench import DecodeBenchJob, decode_bench_task
 from harness.decode import plan as plan_mod
 
 pytestmark = [pytest.mark.bench,
               pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
 
-WORLD = 2
 LATENTS = decode_models.LatentSpec(37, height=16, width=16)  # 7 clips of 32 x 32 pixel frames, 3 x 3 tiles each
-ROUNDS = 5
-SHARE_WORLDS = (2, 4, 8)
-_MEDIANS: dict[str, float] = {}
+WORLDS = (2, 4, 8)
+SPLITS = ("clips", "tiles")
+ROUNDS = 3
+TITLE = (f"decode: the busiest rank's sharded call (fast) vs the stock decode of the whole video, "
+         f"{LATENTS.frames} latent frames, fp32 CPU, one thread per rank, best of {ROUNDS}; raw = the VAE's own "
+         "decode of the busiest rank's pieces, no exchange; ideal 1/W; ranks decode in turns, the busiest alone")
+WORK_TITLE = (f"decode work per rank (decoder calls counted on every rank), {LATENTS.frames} latent frames; "
+              "auto = the split the plan picks")
+MEMORY_TITLE = "decode at W=4: bytes each rank receives (gathered pieces) and video bytes it holds, per transport"
 
 
-@pytest.mark.parametrize("mode", ["stock", "sharded"])
-def test_decode_wall_time(mode, benchmark, parity_ctx, capsys):
-    world = parity_ctx.world(WORLD)
-    job = decode_tasks.TinyDecodeJob(LATENTS, decode_models.BENCH_VAE, shard=mode == "sharded")
-    world.run(decode_tasks.decode_task, job, with_stock=False)  # warm-up: every rank builds the model once
-    benchmark.group = f"decode t{LATENTS.frames} w{WORLD}"
-    results = benchmark.pedantic(world.run, args=(decode_tasks.decode_task, job), kwargs={"with_stock": False},
-                                 rounds=ROUNDS, iterations=1)
-    _MEDIANS[mode] = benchmark.stats.stats.median
-    work = results[0].work
-    with capsys.disabled():
-        print(f"\n[decode bench] {mode}: world median {_MEDIANS[mode] * 1e3:.1f} ms; in-rank decode (last round) "
-              f"{statistics.mean(r.seconds for r in results) * 1e3:.1f} ms; decoder calls per rank "
-              f"{[r.decoder_calls for r in results]} of {work.decoder_calls} ({work.split} split)")
-        if {"stock", "sharded"} <= _MEDIANS.keys():
-            ratio = _MEDIANS["sharded"] / _MEDIANS["stock"]
-            print(f"[decode bench] sharded / stock wall time = {ratio:.3f} (ideal 1/W = {1 / WORLD:.3f}, "
-                  f"{ratio * WORLD:.2f} x ideal)")
-    assert len({r.sha256 for r in results}) == 1  # not a timing assertion: the arms decode the same video
+@pytest.fixture(params=WORLDS, ids=[f"w{w}" for w in WORLDS])
+def world_size(request: pytest.FixtureRequest) -> int:
+    """Parametrized fixtures, not parametrize marks: the marks' keyword "parametrize" would match ``-k ar``."""
+    return request.param
 
 
-def test_busiest_rank_share_and_memory_held(parity_ctx, capsys):
+@pytest.fixture(params=SPLITS)
+def split(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def test_decode_busiest_rank(bench_log: Any, parity_ctx: Any, world_size: int, split: str) -> None:
+    job = DecodeBenchJob(LATENTS, decode_models.BENCH_VAE, split, ROUNDS)
+    results = parity_ctx.world(world_size).run(decode_bench_task, job, timeout_s=600.0)
+    measured = [r for r in results if r is not None]
+    assert len(measured) == 1, "exactly one rank (the busiest) times the arms"
+    times = measured[0]
+    assert times.same_video, "the sharded video must be the stock one before its time means anything"
+    assert sum(times.units_per_rank) == times.num_units  # each piece decoded exactly once across the world
+    unit = "clips" if times.split == "clips" else "tiles"
+    bench_log.record("decode", TITLE, {"W": world_size, "split": "clips" if split == "clips" else "clips x tiles"},
+                     ideal=1 / world_size, fast=times.fast_s, stock=times.stock_s, raw=times.raw_s,
+                     extra={"busiest rank": f"{max(times.units_per_rank)}/{times.num_units} {unit}",
+                            "pieces ms": times.pieces_s * 1e3, "exchange ms": times.exchange_s * 1e3,
+                            "post-loop ms": times.post_loop_s * 1e3})
+
+
+def test_decoder_calls_per_rank_and_memory_held(bench_log: Any, parity_ctx: Any) -> None:
     """Measured decoder calls per rank (a spy on every rank), per split and world; received bytes per transport."""
-    rows = []
+    vae = decode_models.tiny_vae(decode_models.BENCH_VAE)
     shares: dict[tuple[int, str], float] = {}
-    for world_size in SHARE_WORLDS:
+    for world_size in WORLDS:
         world = parity_ctx.world(world_size)
         for split in ("clips", "auto"):
             job = decode_tasks.TinyDecodeJob(LATENTS, decode_models.BENCH_VAE, split=split)
@@ -62,24 +75,16 @@ def test_busiest_rank_share_and_memory_held(parity_ctx, capsys):
             assert sum(calls) == work.decoder_calls  # each tile decoded exactly once across the world
             busiest = max(calls) / work.decoder_calls
             shares[(world_size, split)] = busiest
-            rows.append((world_size, f"{split} -> {work.split}", work.num_units, calls, busiest,
-                         busiest * world_size - 1))
-    memory = []
+            bench_log.record("decode.work", WORK_TITLE, {"W": world_size, "split": f"{split} -> {work.split}"},
+                             extra={"units": work.num_units, "decoder calls per rank": str(calls),
+                                    "busiest": busiest, "1/W": 1 / world_size, "over 1/W": busiest * world_size - 1})
     for transport in ("all_gather", "gather"):
         job = decode_tasks.TinyDecodeJob(LATENTS, decode_models.BENCH_VAE, transport=transport)
         results = parity_ctx.world(4).run(decode_tasks.decode_task, job, with_stock=False)
-        memory.append((transport, [r.received_bytes for r in results],
-                       [0 if r.output is None else r.output.numel() * r.output.element_size() for r in results]))
-    with capsys.disabled():
-        print(f"\n[decode bench] busiest rank's share of the decoder work, {LATENTS.frames} latent frames "
-              f"({plan_mod.plan_clips(decode_models.tiny_vae(decode_models.BENCH_VAE), LATENTS.frames).num_clips} "
-              "clips x 9 tiles)")
-        print(f"{'W':>3} {'split':<16} {'units':>5} {'decoder calls per rank':<34} {'busiest':>8} {'1/W':>6} "
-              f"{'over 1/W':>8}")
-        for world_size, split, units, calls, busiest, over in rows:
-            print(f"{world_size:>3} {split:<16} {units:>5} {calls!s:<34} {busiest:>8.4f} {1 / world_size:>6.4f} "
-                  f"{over:>8.1%}")
-        print("[decode bench] W=4 bytes received per rank (gathered pieces) / video bytes held per rank")
-        for transport, received, held in memory:
-            print(f"  {transport:<10} received {received}  video {held}")
+        bench_log.record("decode.memory", MEMORY_TITLE, {"transport": transport},
+                         extra={"received per rank": str([r.received_bytes for r in results]),
+                                "video per rank": str([0 if r.output is None else r.output.numel()
+                                                       * r.output.element_size() for r in results])})
+    clips = plan_mod.plan_clips(vae, LATENTS.frames).num_clips
+    assert clips == 7, "the bench geometry: 7 clips"
     assert shares[(8, "auto")] * 8 - 1 <= 0.15  # a count, not a time: the busiest rank within 15 % of 1/8

@@ -28,6 +28,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from harness.progress_lines import Meter
 from tools.mutation_score import equivalents, report
 from tools.mutation_score.coverage_map import SHARD_SECONDS, CoverageMap, collect, expand_contexts, file_seconds
 from tools.mutation_score.operators import Mutant, find_mutants, parsed
@@ -59,6 +60,8 @@ MAX_TESTS = 12
 FOCUSED_TESTS = 4     # of those, slots for the tests most focused on the mutated module (its unit tests)
 MAX_ERRORS = 0        # mutants that cannot be put into the live module: each is a hole in the measurement
 EQUIVALENTS = Path(__file__).resolve().parent / "equivalent_mutants.toml"
+STAGES = 2  # the coverage pass, then the mutants (each in a capped first pass, a survivor in a second one)
+PROGRESS_S = 15.0  # how often a stage's progress is said on stderr
 
 
 def _log(message: str) -> None:
@@ -528,17 +531,38 @@ def _run(spec: dict, pytest_args: list[str], roots: tuple[str, ...], workers: in
     return records
 
 
+def progress_detail(records: list[dict]) -> str:
+    """Where the judged mutants stand: how many each pass settled, and how."""
+    passes = [sum(1 for r in records if r.get("pass") == n) for n in (1, 2)]
+    statuses = {status: sum(1 for r in records if r.get("status") == status)
+                for status in ("killed", "survived", "timeout", "error")}
+    shown = ", ".join(f"{n} {status}" for status, n in statuses.items() if n or status in ("killed", "survived"))
+    return f"first pass settled {passes[0]}, second pass {passes[1]}; {shown}"
+
+
+def _records_so_far(results_file: Path) -> list[dict]:
+    """The runner's records written so far; a line still being written is left for the next look."""
+    records = []
+    for line in results_file.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
 def _follow(proc: subprocess.Popen, err_file: Path, results_file: Path, total: int) -> None:
-    shown, last = 0, time.monotonic()
+    """The runner's own notes as they come, and the mutants judged so far of ``total``, every PROGRESS_S."""
+    shown = 0
+    meter = Meter(f"mutation score: stage 2/{STAGES}, mutants", total, "mutants judged", every_s=PROGRESS_S)
     while proc.poll() is None:
         time.sleep(1.0)
         notes = [n for n in err_file.read_text().splitlines() if n.startswith("runner:")]
         for note in notes[shown:]:
             _log(note)
         shown = len(notes)
-        if time.monotonic() - last > 30:
-            _log(f"{len(results_file.read_text().splitlines())} / {total} mutants done")
-            last = time.monotonic()
+        records = _records_so_far(results_file)
+        meter.update(len(records), progress_detail(records))
 
 
 def _stop(proc: subprocess.Popen, grace: float = 20.0) -> None:

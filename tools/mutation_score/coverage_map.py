@@ -21,9 +21,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.progress_lines import Meter
+
 __all__ = ["CoverageMap", "collect", "expand_contexts"]
 
 SHARD_SECONDS = Path(__file__).resolve().parent / "shard_seconds.json"  # refreshed by --save-shard-seconds
+PROGRESS_S = 30.0  # how often the coverage pass says how many shards finished
 ENGINE_TESTS = "tests/test_mutation_engine.py"  # they exercise the engine on toy modules, never harness/
 
 
@@ -230,7 +233,7 @@ def _run_passes(commands: list[list[str]], repo: Path, env: dict[str, str]) -> l
         procs = [subprocess.Popen(c, cwd=repo, env=env, stdout=o, stderr=subprocess.STDOUT, text=True,
                                   start_new_session=True) for c, o in zip(commands, outputs, strict=True)]
         try:
-            codes = [proc.wait() for proc in procs]
+            codes = _wait_all(procs)
         except BaseException:
             for proc in procs:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -242,6 +245,21 @@ def _run_passes(commands: list[list[str]], repo: Path, env: dict[str, str]) -> l
             output.seek(0)
             done.append(subprocess.CompletedProcess(command, code, output.read(), None))
         return done
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> list[int]:
+    """Every shard's exit code, saying on stderr how many of them finished while they run (minutes each)."""
+    meter = Meter("mutation score: stage 1/2, coverage pass", len(procs), "shards done", every_s=PROGRESS_S)
+    finished = 0
+    while True:
+        codes = [proc.poll() for proc in procs]
+        done = sum(code is not None for code in codes)
+        running = [number for number, code in enumerate(codes) if code is None]
+        meter.update(done, f"running shard(s) {running}" if running else "", force=done != finished)
+        finished = done
+        if not running:
+            return [int(code) for code in codes if code is not None]
+        time.sleep(1.0)
 
 
 def _relative(repo: Path, file: str) -> str:

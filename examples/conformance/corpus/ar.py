@@ -1,9 +1,10 @@
 """Reported batched-generation bugs re-created in ``fast_rollout(backend, batch, max_new_tokens, eos)``
 (``--impl ar=corpus.ar:NAME``).
 
-Each callable is ``zoo_ar``'s right rollout with the one flaw its report describes (``REPORTS``). The suite's
-batches are right-padded (each row's pads after its prompt), so a report about left padding is re-created as
-the same mistake in that layout.
+Each callable is ``zoo_ar``'s right rollout with the one flaw its report describes (``REPORTS``). A report about
+left-padded batches is re-created in its original form where its entry's flaws say ``left``: the zoo's left-padded
+rollout, which declares ``padding_side = "left"`` and is judged by the left-padded checks. The entries without it
+re-create their mistake in the right-padded layout (each row's pads after its prompt).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import zoo_ar
-from zoo_ar import CORRECT
+from zoo_ar import CORRECT, LEFT
 
 from corpus import Report
 
-__all__ = ["REPORTS", "mistral_inference_finished_rows_keep_sampling", "mlx_vlm_batch_padding_lost",
+__all__ = ["REPORTS", "mistral_inference_finished_rows_keep_sampling", "mlx_lm_minicpm3_left_padding_mask_ignored",
+           "mlx_vlm_batch_padding_lost", "opennmt_py_left_padding_mask_first_step_only",
            "transformers_gpt2_next_token_from_pad_column", "transformers_static_cache_decode_sees_pads",
            "unsloth_positions_from_shared_cache_position"]
 
@@ -92,6 +94,39 @@ REPORTS = {
                     "share one conformance run."),
         checks=("ar.qwen3.unequal_real_pos.tokens", "ar.fake.nan_unused_slots", "ar.fake.all_padded.tokens"),
         flaws=replace(CORRECT, pads_visible=True)),
+    "opennmt_py_left_padding_mask_first_step_only": Report(
+        url="https://github.com/OpenNMT/OpenNMT-py/pull/2532",
+        project="OpenNMT-py",
+        version="master as of 2023-12 (LM inference with the left padding added by PR #2525)",
+        mechanism=(
+            "OpenNMT-py had just added left padding for decoder-only LM inference: prompts of different lengths "
+            "were left-padded into one batch and decoded over a KV cache. The decoder applied the padding mask at "
+            "the first decoding step only, when the whole prompt runs; at every later step, one new token per row, "
+            "it attended without a mask, so each padded row's new token also attended the pad positions its cache "
+            "held from the prompt. Outputs degraded whenever a batch held prompts of different lengths; the fix "
+            "applies the padding mask at all decoding steps."),
+        recreation=("Left-padded, as reported: the prefill masks the pads and every decode step runs without a mask. "
+                    "Identical to the zoo's left_decode_mask_dropped, so the two share one conformance run."),
+        checks=("ar.qwen3.left.unequal_real_pos.logp", "ar.fake.left.length_skew.tokens",
+                "ar.hunyuan_moe.left.nan_unused_slots"),
+        flaws=replace(LEFT, no_decode_mask=True)),
+    "mlx_lm_minicpm3_left_padding_mask_ignored": Report(
+        url="https://github.com/ml-explore/mlx-lm/issues/1906",
+        project="mlx-lm",
+        version="main as of 2026-09 (BatchGenerator over BatchKVCache, the MiniCPM3 model file)",
+        mechanism=(
+            "MiniCPM3's model built its attention mask from the whole list of per-layer caches instead of one "
+            "cache. The mask helper reaches the padding-aware mask only through a cache's make_mask, which a list "
+            "lacks, so the prompt pass got a plain causal mask and every one-token decode step no mask at all: the "
+            "batch cache's left padding was never read. In batch generation the shorter, left-padded prompts "
+            "attended their pad tokens at the prefill and at every decode step and decoded differently from the "
+            "same prompts alone, while their positions were right."),
+        recreation=("Left-padded, as reported, with positions from the mask: the pads are ordinary keys, the prefill "
+                    "mask plain causal and every decode mask admitting the pads' slots. Identical to the zoo's "
+                    "left_pad_keys_visible, so the two share one conformance run."),
+        checks=("ar.qwen3.left.unequal_real_pos.tokens", "ar.fake.left.nan_unused_slots",
+                "ar.hunyuan_moe.left.all_padded.logp"),
+        flaws=replace(LEFT, pads_visible=True)),
 }
 
 
@@ -101,3 +136,5 @@ mistral_inference_finished_rows_keep_sampling = _MADE["mistral_inference_finishe
 transformers_gpt2_next_token_from_pad_column = _MADE["transformers_gpt2_next_token_from_pad_column"]
 transformers_static_cache_decode_sees_pads = _MADE["transformers_static_cache_decode_sees_pads"]
 mlx_vlm_batch_padding_lost = _MADE["mlx_vlm_batch_padding_lost"]
+opennmt_py_left_padding_mask_first_step_only = _MADE["opennmt_py_left_padding_mask_first_step_only"]
+mlx_lm_minicpm3_left_padding_mask_ignored = _MADE["mlx_lm_minicpm3_left_padding_mask_ignored"]

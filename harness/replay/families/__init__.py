@@ -20,6 +20,7 @@ from harness.plugins import CheckpointKind
 from harness.replay.families.base import ModelAdapter, PipelineSpec, ReplayFamily
 from harness.replay.families.cogview4 import CogView4Adapter
 from harness.replay.families.flux import FluxAdapter
+from harness.replay.families.hunyuan_image3 import HunyuanImage3Adapter
 from harness.replay.families.qwen_image import QwenImageAdapter
 from harness.replay.families.sana import SanaAdapter
 from harness.replay.families.sd3 import SD3Adapter
@@ -27,7 +28,9 @@ from harness.replay.families.sd3 import SD3Adapter
 __all__ = [
     "COGVIEW4",
     "FLUX",
+    "HUNYUAN_IMAGE3",
     "QWEN_IMAGE",
+    "REMOTE_CODE",
     "SANA",
     "SD3",
     "SHIPPED",
@@ -79,13 +82,33 @@ SANA = ReplayFamily("sana", SanaAdapter, _kind("sana_transformer", "SanaTransfor
                     PipelineSpec("SanaPipeline", _flow_match(shift=3.0),
                                  call_kwargs={"negative_prompt": None, "use_resolution_binning": False}))
 SHIPPED = (SD3, FLUX, QWEN_IMAGE, COGVIEW4, SANA)
+# HunyuanImage-3's image forward lives on its causal MM model, whose checkpoints the ar path's kind
+# ``hunyuan_image3`` already recognises (harness.checkpoints): the family's own kind is never registered for
+# detection (two kinds may not claim one class), the gpu tier drives replay from that checkpoint kind.
+
+
+def model_own_scheduler() -> None:
+    """HunyuanImage-3's loop builds its scheduler itself, from the model's generation config: nothing to supply."""
+    return None
+
+
+HUNYUAN_IMAGE3 = ReplayFamily("hunyuan_image3", HunyuanImage3Adapter,
+                              CheckpointKind("hunyuan_image3_replay", feeds="replay",
+                                             class_names=("HunyuanImage3ForCausalMM",), source="remote_code",
+                                             family="hunyuan_image3"),
+                              PipelineSpec("HunyuanImage3Text2ImagePipeline", model_own_scheduler,
+                                           prompt_arg="input_ids", oracle="harness.replay.hunyuan_oracle:ORACLE"))
+REMOTE_CODE = (HUNYUAN_IMAGE3,)
 
 
 def register(registry: ModuleType) -> None:
-    """Entry point ``replay``: the shipped families and their checkpoint kinds (idempotent: the same objects)."""
+    """Entry point ``replay``: the shipped families and their checkpoint kinds (idempotent: the same objects); the
+    remote-code families without theirs (see ``HUNYUAN_IMAGE3``)."""
     for family in SHIPPED:
         registry.REPLAY_FAMILIES.register(family.name, family, origin=ORIGIN)
         registry.CHECKPOINT_KINDS.register(family.checkpoint_kind.name, family.checkpoint_kind, origin=ORIGIN)
+    for family in REMOTE_CODE:
+        registry.REPLAY_FAMILIES.register(family.name, family, origin=ORIGIN)
 
 
 def registered_families() -> list[ReplayFamily]:
@@ -105,11 +128,14 @@ def get_family(name: str) -> ReplayFamily:
 
 
 def family_for_class(class_name: str) -> ReplayFamily:
-    """The family whose registered replay checkpoint kind answers to ``class_name`` (a model's class)."""
+    """The family whose registered replay checkpoint kind answers to ``class_name`` (a model's class), or the
+    remote-code family whose own kind does (its checkpoints are detected as another path's kind)."""
     register(plugins)
     matches = sorted({kind.family for _, kind in plugins.CHECKPOINT_KINDS.items()
                       if kind.feeds == "replay" and kind.family
-                      and any(fnmatchcase(class_name, pattern) for pattern in kind.class_names)})
+                      and any(fnmatchcase(class_name, pattern) for pattern in kind.class_names)}
+                     | {family.name for family in REMOTE_CODE
+                        if any(fnmatchcase(class_name, pattern) for pattern in family.class_names)})
     if not matches:
         raise LookupError(f"no registered replay family drives {class_name}; registered replay families: "
                           f"{_listing()}. Add one by registering a ReplayFamily and its CheckpointKind from a "

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from harness.plugins import CheckpointKind
+from harness.registry import load_ref
 from harness.replay import conditions as replay_rows
 from harness.replay import discriminating
 from harness.replay.conditions import Conditions
@@ -102,7 +103,12 @@ class PipelineSpec:
     under (the pipeline's timesteps come from it); ``guidance_kwarg`` is the argument that carries the CFG
     scale (``true_cfg_scale`` for the pipelines that run true CFG); ``call_kwargs`` are fixed extra
     arguments. ``prompt_arg`` is the transformer argument that carries the prompt (how the oracle tells the
-    pipeline's branches apart) and ``timestep_arg`` the one that carries the timestep.
+    pipeline's branches apart) and ``timestep_arg`` the one that carries the timestep. A pipeline that is not a
+    diffusers class (a model's own loop in its remote code) brings its own ``oracle``: an object with
+    ``run_pipeline``, ``align`` and ``judge_family`` of ``harness.replay.pipeline_oracle``'s signatures, which the
+    pipeline oracle hands the family to instead of running a diffusers pipeline; or a ``"package.module:attr"``
+    reference to one, imported when first needed (an oracle built on ``harness.replay.pipeline_oracle`` cannot be
+    imported while the families are).
     """
 
     class_name: str
@@ -111,6 +117,13 @@ class PipelineSpec:
     call_kwargs: Mapping[str, Any] = field(default_factory=dict)
     prompt_arg: str = "encoder_hidden_states"
     timestep_arg: str = "timestep"
+    oracle: Any = None
+
+    def own_oracle(self) -> Any:
+        """The family's own pipeline oracle (``oracle``, its reference resolved), or None for a diffusers pipeline."""
+        if isinstance(self.oracle, str):
+            return load_ref(self.oracle, "PipelineSpec.oracle", "oracle")
+        return self.oracle
 
     def pipeline_class(self) -> type:
         import diffusers

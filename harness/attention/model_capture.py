@@ -1,0 +1,186 @@
+"""Attention captures recorded from HunyuanImage-3's own image forward (``scripts/capture-attention`` runs it).
+
+The attention path judges its kernels on captures of the model's SDPA calls (``--capture-dir``). This records them
+from a loaded checkpoint, both generations, the way upstream's sampling loop calls the model: one first step
+(``first_step=True``: the whole sequence, text and images: the prefill capture) and one later step (the timestep and
+image tokens over the first step's KV cache: the denoise capture), with the mask upstream's own mask builder makes
+and upstream's own kwargs update between them. At every SDPA call of the chosen layers it records the query, key,
+value and mask in the capture format (``harness.attention.capture``): ``(B, S, H, D)`` float32, key and value at
+their key/value heads (the GQA repeat undone after checking it is one), the mask ``(B, 1, Q, KV)`` bool. A later
+step's keys are the whole cache; those past the image span are masked for every query row (checked), so the capture
+keeps keys ``[0, span end)`` as the format's denoise layout has them.
+
+Every recorded mask is checked against the contract's formula (``mask[i, j] = j <= i`` or both in one image span:
+the conditional images' and the generated one's) at the spans the sequence was laid out with, not at spans read
+back from the mask; a disagreement is named by query row, its position and the key.
+
+``scripts/capture-attention`` (``fixtures.capture_attention``) loads the checkpoint: nothing from its directory runs
+without ``--trust-remote-code``; a checkpoint whose code has no image forward, or lacks an input the sequence needs,
+is a usage error naming what is missing (``ImageForwardError``, ``CaptureError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness import compat
+from harness.attention.capture import Capture, capture_name
+from harness.attention.contract import formula_mask, mask_mismatches
+
+__all__ = ["CaptureError", "Recorded", "capture_model", "check_formula"]
+
+
+class CaptureError(ValueError):
+    """What was asked cannot be captured (bad input, or a model this command cannot drive): a usage error."""
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One SDPA call: its capture, the step and layer it came from, the absolute positions of its query rows and
+    the image spans the sequence was laid out with."""
+
+    capture: Capture
+    step: int
+    layer: int
+    positions: tuple[int, ...]
+    span: tuple[int, int]
+    images: tuple[tuple[int, int], ...]
+
+    @property
+    def phase(self) -> str:
+        return self.capture.phase
+
+
+@contextlib.contextmanager
+def _recording(layers: Sequence[int]) -> Iterator[list[tuple[int, tuple[Any, ...]]]]:
+    """torch's SDPA wrapped while the block runs: every call's (index, (query, key, value, mask)) for the calls whose
+    index (the layer, within one forward) is in ``layers``. Looked up by attribute at call time, as upstream calls
+    it."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+    seen: list[tuple[int, tuple[Any, ...]]] = []
+    counter = [0]
+
+    def spy(query, key, value, attn_mask=None, *args, **kwargs):
+        index = counter[0]
+        counter[0] += 1
+        if index in layers:
+            seen.append((index, (query.detach().clone(), key.detach().clone(), value.detach().clone(),
+                                 None if attn_mask is None else attn_mask.detach().clone())))
+        return original(query, key, value, attn_mask, *args, **kwargs)
+
+    functional.scaled_dot_product_attention = spy
+    try:
+        yield seen
+    finally:
+        functional.scaled_dot_product_attention = original
+
+
+def _kv_heads(tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``(B, H, S, D)`` keys or values repeated per query-head group back to their ``kv_heads`` heads, after
+    checking the repeat is one (each group's heads equal); unchanged when they are not a repeat."""
+    heads = tensor.shape[1]
+    if kv_heads >= heads or heads % kv_heads:
+        return tensor
+    grouped = tensor.reshape(tensor.shape[0], kv_heads, heads // kv_heads, *tensor.shape[2:])
+    if not bool((grouped == grouped[:, :, :1]).all()):
+        return tensor
+    return grouped[:, :, 0]
+
+
+def _to_capture(call: tuple[Any, ...], kv_heads: int, keys: int, name: str) -> Capture:
+    query, key, value, mask = call
+    if mask is None or mask.dtype != torch.bool:
+        raise CaptureError(f"{name}: SDPA got {'no mask' if mask is None else f'a {mask.dtype} mask'}; the capture "
+                           "format holds the bool mask the model hands it")
+    key, value = _kv_heads(key, kv_heads)[:, :, :keys], _kv_heads(value, kv_heads)[:, :, :keys]
+    mask = mask.expand(query.shape[0], 1, query.shape[2], mask.shape[-1])[..., :keys]
+    return Capture(query.transpose(1, 2).float().contiguous(), key.transpose(1, 2).float().contiguous(),
+                   value.transpose(1, 2).float().contiguous(), mask.contiguous(), scale=query.shape[-1] ** -0.5,
+                   name=name)
+
+
+def _keys_past_span(call: tuple[Any, ...], end: int) -> int:
+    """How many (query row, key) pairs past the span end the mask admits (the capture drops those keys)."""
+    mask = call[3]
+    return int(mask[..., end:].sum()) if mask is not None else 0
+
+
+@torch.no_grad()
+def capture_model(model: Any, layers: Sequence[int] | None = None, seed: int = 0) -> list[Recorded]:
+    """The prefill and denoise SDPA calls of ``model``'s image forward at ``layers`` (default: every layer), one
+    sample with a conditional image, through upstream's own mask builder, hooks and cache (module docstring)."""
+    from harness.replay.families import get_family
+    from harness.replay.families.hunyuan_image3 import TIMESTEP_ARG
+
+    family = get_family("hunyuan_image3")
+    adapter = family.adapter(model)  # an ImageForwardError names what the model lacks
+    count = int(model.config.num_hidden_layers)
+    chosen = tuple(range(count)) if layers is None else tuple(layers)
+    bad = [layer for layer in chosen if not 0 <= layer < count]
+    if bad or not chosen:
+        raise CaptureError(f"--layers {list(chosen)}: the model has layers 0..{count - 1}")
+    prompts = adapter.example_prompts(1, 1, torch.Generator().manual_seed(seed))
+    output = prompts["tokenizer_output"]
+    span = (output.gen_image_slices[0][0].start, output.gen_image_slices[0][0].stop)
+    images = tuple((s.start, s.stop) for s in output.vae_image_slices[0])
+    g = adapter.generation
+    device = next(model.parameters()).device
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
+    kwargs["past_key_values"] = adapter.new_cache(1, prompts["input_ids"].shape[1])
+    ids = kwargs.pop("input_ids")
+    kwargs["attention_mask"] = model._prepare_attention_mask_for_generation(
+        ids, model.generation_config, kwargs).to(device)
+    adapter.as_generate_sets(prompts["image_mask"])
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed + 1)
+    latents = torch.randn(1, *adapter.latent_shape, generator=gen).to(device, dtype)
+    kv_heads = int(getattr(model.config, "num_key_value_heads", 0) or model.config.num_attention_heads)
+    width = int(ids.shape[1])
+    recorded: list[Recorded] = []
+    with _recording(chosen) as first_calls:
+        first = model(**model.prepare_inputs_for_generation(
+            ids, images=latents, **{TIMESTEP_ARG[g]: torch.tensor([1000.0], device=device)}, **kwargs),
+            first_step=True)
+    carried = compat.remote_code_kwargs(model._update_model_kwargs_for_generation(first, kwargs))
+    later_positions = carried["position_ids"][0].tolist()
+    later_ids = torch.gather(ids, 1, carried["position_ids"]) if g == 1 else None
+    with _recording(chosen) as later_calls:
+        model(**model.prepare_inputs_for_generation(
+            later_ids, images=latents * 0.5, **{TIMESTEP_ARG[g]: torch.tensor([500.0], device=device)}, **carried),
+            first_step=False)
+    for step, calls, positions, keys in ((0, first_calls, tuple(range(width)), width),
+                                         (1, later_calls, tuple(later_positions), span[1])):
+        for layer, call in calls:
+            call_number = step * count + layer
+            name = capture_name(call_number)
+            if step == 1 and _keys_past_span(call, span[1]):
+                raise CaptureError(f"{name}: the later step's mask admits {_keys_past_span(call, span[1])} pairs past "
+                                   f"the image span's end {span[1]}: not the contract's denoise layout")
+            capture = _to_capture(call, kv_heads, keys, name)
+            recorded.append(Recorded(capture, step, layer, positions, span, images))
+    return recorded
+
+
+def check_formula(recorded: Recorded) -> str | None:
+    """None when the recorded mask is the contract's formula at the laid-out spans; else where it is not."""
+    capture = recorded.capture
+    q_len, kv_len = capture.q_len, capture.kv_len
+    positions = recorded.positions
+    if list(positions) != list(range(kv_len - q_len, kv_len)):
+        return (f"query rows sit at positions {positions[0]}..{positions[-1]} ({len(positions)} rows), not the last "
+                f"{q_len} of the {kv_len} keys the formula aligns them to")
+    expected = formula_mask(q_len, kv_len, recorded.span, images=recorded.images)
+    for row in range(capture.mask.shape[0]):
+        bad, first = mask_mismatches(capture.mask[row, 0], expected)
+        if bad:
+            q, k = first
+            got = bool(capture.mask[row, 0, q, k])
+            return (f"{bad} of {q_len * kv_len} pairs differ; first at query row {q} (position {positions[q]}), key "
+                    f"{k}: the model's mask says {got}, the formula {not got}")
+    return None
