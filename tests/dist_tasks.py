@@ -79,3 +79,16 @@ def alone_in_gather(rank: int) -> int:
     if dist.get_rank() == rank:
         all_gather_ranks(1.0)
     return dist.get_rank()
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The pids among ``pids`` that are still running (not gone, not zombies): what a world left behind."""
+    running = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().split()[2] != "Z":
+                    running.append(pid)
+        except FileNotFoundError:
+            pass
+    return running

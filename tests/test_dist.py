@@ -1,4 +1,5 @@
-"""Worlds on real gloo groups: round trips, a raise on one rank, a hang on one rank, no leftovers."""
+"""Worlds on real gloo groups: round trips, a raise on one rank, a stopped or killed rank, no leftovers (the
+failures that wait out a bound are in tests/test_dist_bounds.py)."""
 
 import os
 import signal
@@ -8,23 +9,11 @@ import pytest
 import torch
 
 from harness import dist as dist_mod
-from harness import launch
-from harness.dist import World, WorldError, WorldPool, WorldTaskError, WorldTimeout
+from harness.dist import World, WorldPool, WorldTaskError, WorldTimeout
 from tests import dist_tasks
+from tests.dist_tasks import alive as _alive
 
 pytestmark = pytest.mark.cpu
-
-
-def _alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().split()[2] != "Z":
-                    alive.append(pid)
-        except FileNotFoundError:
-            pass
-    return alive
 
 
 @pytest.fixture(scope="module")
@@ -52,66 +41,6 @@ def test_raise_on_one_rank_lists_every_rank(world8):
     assert "--- rank 3 traceback ---" in text
     # the world survives a task that every rank answered
     assert world8.run(dist_tasks.all_gather_ranks, 1.0)[0].tolist() == list(range(8))
-
-
-def test_hang_on_one_rank_times_out_and_leaves_no_process():
-    world = World(4).start()
-    pids = world.run(dist_tasks.pid)
-    began = time.monotonic()
-    with pytest.raises(WorldTimeout) as info:
-        world.run(dist_tasks.hang_on, 2, timeout_s=2.0)
-    assert time.monotonic() - began < 10.0
-    assert info.value.hung == [2]
-    assert "timed out after 2 s on ranks [2] of 4" in str(info.value)
-    assert not world.alive
-    assert _alive(pids) == [], f"rank processes left behind: {_alive(pids)}"
-    with pytest.raises(WorldError, match="not running"):
-        world.run(dist_tasks.pid)
-
-
-@pytest.fixture
-def short_bound():
-    """A 3 s fault bound: stragglers are named after 2 s (two half-second graces below it)."""
-    launch.set_fault_bound(3.0)
-    yield launch.fault_bound()
-    launch.set_fault_bound(None)
-
-
-@pytest.mark.parametrize(("task", "collective", "last"), [
-    (dist_tasks.stuck_before_gather, "all_gather #1", "a long sleep before the all-gather"),
-    (dist_tasks.stuck_after_first_gather, "all_gather #2", "all_gather #1, which it left"),
-])
-def test_a_live_rank_that_never_reaches_its_peers_collective_is_named_within_the_bound(short_bound, task,
-                                                                                        collective, last):
-    """Rank 2 is alive and busy in Python while the others wait in a collective it never enters: it is named, with
-    the collective and where it was last seen, within the bound (not at the transport's own 300 s timeout), the
-    others are reported as waiting for it, and nothing is left behind."""
-    world = World(4).start()
-    pids = world.run(dist_tasks.pid)
-    began = time.monotonic()
-    with pytest.raises(WorldTaskError) as info:
-        world.run(task, 2, timeout_s=120.0)
-    took = time.monotonic() - began
-    assert took < short_bound, f"named after {took:.1f} s"
-    text = str(info.value)
-    assert text.startswith(f"task {task.__qualname__}: rank 2 did not reach {collective} within 2 s "
-                           f"(last seen in {last}); ranks [0, 1, 3] waited for it there"), text
-    assert [o.status for o in info.value.outcomes] == ["blocked", "blocked", "stuck", "blocked"]
-    assert f"rank 0: blocked: waited in {collective} for rank(s) [2]" in text
-    assert not world.alive and _alive(pids) == [], f"rank processes left behind: {_alive(pids)}"
-
-
-def test_a_rank_left_alone_in_a_collective_its_peers_returned_without_is_named_within_the_bound(short_bound):
-    world = World(4).start()
-    pids = world.run(dist_tasks.pid)
-    began = time.monotonic()
-    with pytest.raises(WorldTaskError) as info:
-        world.run(dist_tasks.alone_in_gather, 2, timeout_s=120.0)
-    assert time.monotonic() - began < short_bound
-    assert str(info.value).startswith("task alone_in_gather: rank 2 waited 2 s alone in all_gather #1: ranks "
-                                      "[0, 1, 3] returned without entering it"), str(info.value)
-    assert [o.status for o in info.value.outcomes] == ["ok", "ok", "blocked", "ok"]
-    assert not world.alive and _alive(pids) == []
 
 
 def test_pool_reuses_and_restarts_worlds():

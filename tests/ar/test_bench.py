@@ -1,8 +1,10 @@
-"""Batched AR against B separate B=1 runs and against the model's own limit, on every tiny ar model at B = 4, 8.
+"""Batched AR against B separate B=1 runs and against the model's own limit, on every tiny ar model at B = 4, 8,
+in both batch layouts (right-padded and left-padded).
 
-Four arms per model and B, timed interleaved (each round runs every arm once) and kept at their best round:
+Four arms per model, layout and B, timed interleaved (each round runs every arm once) and kept at their best round:
 
-- ``fast``: ``loop.fast_rollout`` of the right-padded batch (16 new tokens per row, greedy, no EOS);
+- ``fast``: ``loop.fast_rollout`` of the right-padded batch, or ``left_padded.fast_left_rollout`` of the
+  left-padded one (16 new tokens per row, greedy, no EOS);
 - ``stock``: ``loop.stock_rollout``, each prompt alone at B=1;
 - ``raw``: the model's own forwards the fast path made (its prefill and decode steps, with the masks, positions
   and ids it handed the model, over a fresh static cache of the batch's length), replayed back to back: no
@@ -28,7 +30,7 @@ import torch
 from fixtures import ar_models
 from fixtures.ar_cases import ARCase
 from fixtures.bench_timing import best_of, interleaved
-from harness.ar import loop
+from harness.ar import left_padded, loop
 
 pytestmark = pytest.mark.bench
 
@@ -36,9 +38,9 @@ BATCHES = (4, 8)
 LENGTHS = (24, 31, 17, 28, 22, 30, 19, 26)  # unequal real_pos, cycled to the batch
 DECODE_STEPS = 15
 ROUNDS = 10
-TITLE = (f"ar: fast_rollout (B right-padded rows) vs B stock B=1 runs, {DECODE_STEPS + 1} new tokens per row, fp32 "
-         f"CPU, best of {ROUNDS} interleaved rounds; raw = the model's own forwards of the fast path replayed back "
-         "to back (raw stock: of the B=1 runs); ideal 1/B")
+TITLE = (f"ar: the batched rollout (B right- or left-padded rows) vs B stock B=1 runs, {DECODE_STEPS + 1} new "
+         f"tokens per row, fp32 CPU, best of {ROUNDS} interleaved rounds; raw = the model's own forwards of the fast "
+         "path replayed back to back (raw stock: of the B=1 runs); ideal 1/B")
 
 
 @dataclass(frozen=True)
@@ -112,16 +114,26 @@ def batch_size(request: pytest.FixtureRequest) -> int:
     return request.param
 
 
-def test_ar_fast_vs_stock_vs_raw(benchmark: Any, bench_log: Any, model: str, batch_size: int) -> None:
+@pytest.fixture(params=("right", "left"))
+def layout(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def test_ar_fast_vs_stock_vs_raw(benchmark: Any, bench_log: Any, model: str, layout: str, batch_size: int) -> None:
     backend = ar_models.backend(model)
     case = _case(batch_size)
-    batch, prompts, new_tokens = case.batch(), case.prompts(), case.max_new_tokens
+    prompts, new_tokens = case.prompts(), case.max_new_tokens
+    if layout == "left":
+        batch: Any = left_padded.left_padded_batch(prompts, backend.pad_id)
+        rollout, cache_owner = left_padded.fast_left_rollout, left_padded.layout_for(backend)
+    else:
+        batch, rollout, cache_owner = case.batch(), loop.fast_rollout, backend
     with _recording(backend.model) as fast_calls:
-        fast = loop.fast_rollout(backend, batch, new_tokens)
+        fast = rollout(backend, batch, new_tokens)
     with _recording(backend.model) as stock_calls:
         stock = loop.stock_rollout(backend, prompts, new_tokens)
     assert torch.equal(fast.tokens, stock.tokens), "batched and B=1 rollouts must agree before timing means anything"
-    fresh_fast = [lambda: backend.new_cache(batch_size, batch.width + new_tokens, dynamic=False)]
+    fresh_fast = [lambda: cache_owner.new_cache(batch_size, batch.width + new_tokens, dynamic=False)]
     fresh_stock = [functools.partial(backend.new_cache, 1, int(p.numel()) + new_tokens, dynamic=True)
                    for p in prompts]
     replayed = replay(backend.model, fast_calls, fresh_fast)
@@ -130,12 +142,12 @@ def test_ar_fast_vs_stock_vs_raw(benchmark: Any, bench_log: Any, model: str, bat
     assert len({id(_cache_of(c.kwargs)) for c in stock_calls}) == len(prompts), "one cache per B=1 run"
 
     times = best_of(interleaved({
-        "fast": lambda: loop.fast_rollout(backend, batch, new_tokens),
+        "fast": lambda: rollout(backend, batch, new_tokens),
         "stock": lambda: loop.stock_rollout(backend, prompts, new_tokens),
         "raw": lambda: replay(backend.model, fast_calls, fresh_fast),
         "raw_stock": lambda: replay(backend.model, stock_calls, fresh_stock),
     }, ROUNDS, benchmark))
-    row = bench_log.record("ar", TITLE, {"model": model, "B": batch_size}, ideal=1 / batch_size,
+    row = bench_log.record("ar", TITLE, {"model": model, "layout": layout, "B": batch_size}, ideal=1 / batch_size,
                            extra={"tokens": int(fast.lengths.sum()), "forwards": len(fast_calls)}, **times)
     benchmark.extra_info.update({f"{arm}_s": seconds for arm, seconds in times.items()},
                                 **{k: v for k, v in row.ratios().items() if v is not None})
