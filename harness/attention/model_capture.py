@@ -111,6 +111,16 @@ def _keys_past_span(call: tuple[Any, ...], end: int) -> int:
     return int(mask[..., end:].sum()) if mask is not None else 0
 
 
+def _on_model(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """An input on the model's device, a floating one in its dtype, list payloads (the conditional images) too,
+    as upstream's pipeline hands them over."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, dtype) if value.is_floating_point() else value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_model(v, device, dtype) for v in value)
+    return value
+
+
 @torch.no_grad()
 def capture_model(model: Any, layers: Sequence[int] | None = None, seed: int = 0) -> list[Recorded]:
     """The prefill and denoise SDPA calls of ``model``'s image forward at ``layers`` (default: every layer), one
@@ -130,14 +140,13 @@ def capture_model(model: Any, layers: Sequence[int] | None = None, seed: int = 0
     span = (output.gen_image_slices[0][0].start, output.gen_image_slices[0][0].stop)
     images = tuple((s.start, s.stop) for s in output.vae_image_slices[0])
     g = adapter.generation
-    device = next(model.parameters()).device
-    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    kwargs = {k: _on_model(v, device, dtype) for k, v in prompts.items()}
     kwargs["past_key_values"] = adapter.new_cache(1, prompts["input_ids"].shape[1])
     ids = kwargs.pop("input_ids")
     kwargs["attention_mask"] = model._prepare_attention_mask_for_generation(
         ids, model.generation_config, kwargs).to(device)
     adapter.as_generate_sets(prompts["image_mask"])
-    dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(seed + 1)
     latents = torch.randn(1, *adapter.latent_shape, generator=gen).to(device, dtype)
     kv_heads = int(getattr(model.config, "num_key_value_heads", 0) or model.config.num_attention_heads)

@@ -174,6 +174,20 @@ def test_a_layout_mismatch_is_named_with_its_rows() -> None:
     assert "pad every row on one side" in judge.layout_mismatch(inside, "left")
 
 
+def test_a_mismatch_is_named_when_every_row_is_padded() -> None:
+    """An implementation that pads every row (to a multiple of 8, say) leaves no unpadded row: still named; and a
+    prefill with no pad at all has no layout to judge, so the verdict is left as it was."""
+    spy = ARForwardSpy(torch.nn.Identity(), pad_id=PAD)
+    spy._hook(None, (), {"input_ids": torch.tensor([[PAD, PAD, 3], [PAD, 4, 5]])})
+    assert spy.prefill_pads == ("left", "left")
+    base = holds(True, "numbers")
+    verdict = judge.require_layout(base, spy, "right")
+    assert not verdict.passed and "row 0: pads first, row 1: pads first" in verdict.message
+    unpadded = ARForwardSpy(torch.nn.Identity(), pad_id=PAD)
+    unpadded._hook(None, (), {"input_ids": torch.tensor([[3, 4], [5, 6]])})
+    assert judge.require_layout(base, unpadded, "left") == base
+
+
 @contextmanager
 def _under_test(spec: str) -> Iterator[None]:
     catalogue.load()
@@ -293,3 +307,29 @@ def test_first_logits_at_real_pos_reads_a_pad_or_prompt_column() -> None:
     expected = [int(prefill[row, n - 1].argmax()) for row, n in enumerate(LENGTHS)]
     assert wrong.tokens[:, 0].tolist() == expected  # column real_pos - 1: the right-padded layout's rule
     assert wrong.tokens[1, 0] == int(prefill[1, -1].argmax())  # the unpadded row is read right
+
+
+# --------------------------------------------------------------------------------------------- the layout's pieces
+
+
+def test_positions_count_real_tokens_and_put_each_pad_past_its_rows_prompt() -> None:
+    mask = torch.tensor([[False, False, True, True, True], [True, True, True, True, True],
+                         [False, False, False, False, True]])
+    assert left_padded.left_positions(mask).tolist() == [[3, 4, 0, 1, 2], [0, 1, 2, 3, 4], [1, 2, 3, 4, 0]]
+
+
+@pytest.mark.parametrize(("ids", "mask", "said"), [
+    (torch.ones(2, 3, 1, dtype=torch.long), torch.ones(2, 3, 1, dtype=torch.bool), "input_ids \\[B, W\\]"),
+    (torch.ones(2, 3, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool), "of the same shape"),
+    (torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3), "a bool attention_mask"),
+])
+def test_a_batch_of_the_wrong_shape_or_mask_dtype_is_refused_alone(ids, mask, said) -> None:
+    """Each defect on its own is refused (not only when all three coincide)."""
+    with pytest.raises(ValueError, match=said):
+        left_padded.fast_left_rollout(ar_models.backend("fake"), LeftPaddedBatch(ids, mask, PAD), 2)
+
+
+def test_the_layout_of_a_layout_is_itself_and_each_backend_gets_its_contract() -> None:
+    shared = left_padded.layout_for(ar_models.backend("qwen3"))
+    assert isinstance(shared, left_padded.SharedColumns) and left_padded.layout_for(shared) is shared
+    assert isinstance(left_padded.layout_for(ar_models.backend("fake")), left_padded.RowSlots)

@@ -24,7 +24,6 @@ The generation is told from what the loaded model's ``forward`` takes (``custom_
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
 from collections.abc import Sequence
@@ -143,8 +142,8 @@ class RowLayout:
     prompt: int
     grid: tuple[int, int]
 
-    @functools.cached_property
     def _plan(self) -> tuple[list[slice], list[int], int, slice]:
+        """Where each piece sits (a few additions per conditional image: computed on every read)."""
         at, cond_spans, cond_timesteps = self.prefix, [], []
         for h, w in self.cond_grids:
             cond_timesteps.append(at + 1)  # after <boi>
@@ -157,19 +156,19 @@ class RowLayout:
 
     @property
     def cond_spans(self) -> list[slice]:
-        return self._plan[0]
+        return self._plan()[0]
 
     @property
     def cond_timestep_positions(self) -> list[int]:
-        return self._plan[1]
+        return self._plan()[1]
 
     @property
     def timestep_position(self) -> int:
-        return self._plan[2]
+        return self._plan()[2]
 
     @property
     def image_span(self) -> slice:
-        return self._plan[3]
+        return self._plan()[3]
 
     @property
     def length(self) -> int:
