@@ -302,3 +302,17 @@ def test_one_path_under_test_twice_is_a_usage_error(suite):
                              "--impl", "attention=user_impl:off_by_one")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert "path 'attention' is already under test (user_impl:right)" in result.stderr.str()
+
+
+@pytest.mark.cpu
+def test_a_layout_declared_again_alike_is_kept_and_differently_is_refused(monkeypatch):
+    from harness.registry import Registry
+
+    monkeypatch.setattr(conformance, "LAYOUT_CHECKS", Registry("layout declaration", list_known=False))
+    conformance.judges_layout("ar.*.left.*", "ar", "left")
+    conformance.judges_layout("ar.*.left.*", "ar", "left")  # a module imported twice: the same declaration
+    assert conformance.LAYOUT_CHECKS.get("ar.*.left.*") == ("ar", "left")
+    with pytest.raises(ValueError, match=r"declared twice: \('ar', 'left'\) and \('ar', 'right'\)"):
+        conformance.judges_layout("ar.*.left.*", "ar", "right")
+    with pytest.raises(ValueError, match="has no layout 'middle'"):
+        conformance.judges_layout("ar.*", "ar", "middle")

@@ -230,3 +230,15 @@ def test_logit_drift_is_an_exact_no_op_up_to_step_ten():
     with ablation.get(DRIFT).apply():
         drifted = loop.fast_rollout(backend, CASE.batch(), 11)
     assert torch.equal(plain.logp, drifted.logp) and torch.equal(plain.logits, drifted.logits)
+
+
+@pytest.mark.cpu
+def test_the_growth_control_floor_is_its_worst_emitted_step():
+    """The floor is the largest |d log-prob| over the steps a row emitted (a later, unemitted step never counts)."""
+    reference = _rollout(torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]]))
+    reference.lengths[1] = 2
+    control = reference.logp.clone()
+    control[0, 1] += 1e-3
+    control[1, 2] += 5.0  # row 1 emitted two tokens: its third step is not compared
+    floor = judge.growth_control_floor(control, reference, terms=64)
+    assert floor.measured == pytest.approx(1e-3, rel=1e-4) and floor.magnitude == 3.0

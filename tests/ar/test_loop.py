@@ -475,3 +475,19 @@ def test_a_step_that_does_not_advance_stops_the_rollout_instead_of_spinning(monk
     monkeypatch.setattr(loop, "step", lambda state: None)
     with deadline(8.0), pytest.raises(RuntimeError, match="not done after 3 steps .*a step did not advance it"):
         loop.fast_rollout(backend, right_padded_batch(prompt_ids((4, 6), seed=54), PAD), 3)
+
+
+@pytest.mark.cpu
+def test_a_rollout_under_inference_mode_is_the_same_rollout():
+    """Inference tensors carry no version counter, so the finished-rows read is recounted every step there: the
+    rollout (two rows stopping at EOS on the way) is the one torch.no_grad gives."""
+    backend = ar_models.backend("fake")
+    prompts = prompt_ids((5, 9, 3), seed=71)
+    reference = loop.stock_rollout(backend, prompts, 6)
+    eos, ends = eos_for_stops(reference.tokens, {0: 2, 2: 4})
+    batch = right_padded_batch(prompts, backend.pad_id)
+    plain = loop.fast_rollout(backend, batch, 6, eos)
+    with torch.inference_mode():
+        inferred = loop.fast_rollout(backend, batch, 6, eos)
+    assert torch.equal(inferred.tokens, plain.tokens) and torch.equal(inferred.lengths, plain.lengths)
+    assert inferred.lengths.tolist() == ends and ends != [6, 6, 6]  # rows did stop early
