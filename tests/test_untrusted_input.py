@@ -419,22 +419,6 @@ def test_fuzzed_inputs_stop_the_run_with_exit_4(fuzzed, pytester, exits):
         assert result.ret != pytest.ExitCode.INTERNAL_ERROR
 
 
-def test_a_malformed_thread_count_is_a_usage_error_naming_the_variable():
-    """The repository's conftest pins torch's threads from PARITY_THREADS before collection: a value that is not a
-    positive integer stops the run as a usage error naming it, not an ImportError from inside the conftest."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider",
-                           "tests/test_progress.py"], cwd=repo, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PARITY_THREADS": "0"})
-    assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
-    assert "PARITY_THREADS='0': expected a positive integer" in done.stderr, done.stderr
-    assert "ImportError" not in done.stdout + done.stderr
-
-
 @pytest.mark.parametrize(("value", "threads"), [("", 2), ("3", 3), (" 1 ", 1), ("-2", None), ("two", None),
                                                 ("1.5", None)])
 def test_the_thread_count_is_a_positive_integer_or_the_default(value, threads, monkeypatch):
