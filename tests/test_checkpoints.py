@@ -240,3 +240,19 @@ def test_a_checkpoint_path_that_is_a_symlink_loop_or_dangles_says_so(tmp_path):
     dangling.symlink_to(tmp_path / "gone")
     with pytest.raises(CheckpointError, match=r"dangling is a symlink to .*gone, which does not exist"):
         detect(dangling)
+
+
+def test_which_constructor_parameters_take_a_value():
+    """A parameter with a value default and no annotation takes a value; None as default, or an annotation that
+    admits None, or neither default nor annotation, does not say so."""
+    import inspect
+
+    def make(default=inspect.Parameter.empty, annotation=inspect.Parameter.empty) -> inspect.Parameter:
+        return inspect.Parameter("x", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
+
+    assert checkpoints._takes_a_value(make(default=3))
+    assert checkpoints._takes_a_value(make(annotation="int"))
+    assert not checkpoints._takes_a_value(make(default=None))
+    assert not checkpoints._takes_a_value(make())
+    assert not checkpoints._takes_a_value(make(default=3, annotation="int | None"))
+    assert not checkpoints._takes_a_value(make(default=3, annotation="Optional[int]"))

@@ -259,3 +259,14 @@ def test_growth_curves_are_reported_to_four_significant_digits():
     verdict = judge_growth(error, resolution.clone(), resolution, control="test")
     assert verdict.metrics["error_curve"] == [1.235e-6, 2.0e-6, 3.0e-6, 3.0e-6, 2.0e-6, 1.0e-6]
     assert verdict.metrics["floor_curve"] == [float(f"{2 * EPS:.4g}")] * 6
+
+
+def test_first_departure_names_the_first_step_over_its_floor_or_says_none_is():
+    from harness.growth import first_departure
+
+    floor = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    said = first_departure(torch.tensor([1.0, 2.5, 1.5, 3.0]), floor, 2.0)
+    assert said == ("the error first exceeds 2 x the stock floor at step 1 of 4 (2.50e+00 vs floor 1.00e+00; 2 step(s) "
+                    "above it)")
+    assert first_departure(torch.tensor([1.0, 1.5, 2.0, 2.0]), floor, 2.0) == (
+        "no single step exceeds 2 x its floor: the error grows across the steps")
