@@ -333,3 +333,20 @@ def test_the_layout_of_a_layout_is_itself_and_each_backend_gets_its_contract() -
     shared = left_padded.layout_for(ar_models.backend("qwen3"))
     assert isinstance(shared, left_padded.SharedColumns) and left_padded.layout_for(shared) is shared
     assert isinstance(left_padded.layout_for(ar_models.backend("fake")), left_padded.RowSlots)
+
+
+def test_the_columns_handed_to_the_model_are_the_ones_each_forward_writes(monkeypatch) -> None:
+    """Shared columns: the prefill writes columns [0, W), decode step k column W + k - 1, every row alike (what a
+    cache that takes write slots is told; on a stack whose cache derives them itself they must agree too)."""
+    handed: list[list[int]] = []
+    run = left_padded.SharedColumns._run
+
+    def spy(self, ids, mask, positions, cache, slots):
+        handed.append(slots.tolist())
+        return run(self, ids, mask, positions, cache, slots)
+
+    monkeypatch.setattr(left_padded.SharedColumns, "_run", spy)
+    batch = left_padded_batch(prompt_ids(LENGTHS, seed=71), PAD)
+    left_padded.fast_left_rollout(ar_models.backend("qwen3"), batch, 4)
+    width = batch.width
+    assert handed == [list(range(width)), [width], [width + 1], [width + 2]]

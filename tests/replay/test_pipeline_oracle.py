@@ -330,3 +330,10 @@ def test_a_row_input_that_differs_from_the_pipelines_is_named():
     assert "step 0: every other transformer input equals the pipeline's, row by row" in verdict.violated_facts
     assert verdict.metrics["input_encoder_attention_mask"] == "rows uncond[0], uncond[1], cond[0], cond[1]", \
         verdict.describe()
+
+
+def test_arguments_compare_in_a_normal_form():
+    """An empty mapping reads as left out; sequences compare element by element in that form, mappings by key."""
+    assert pipeline_oracle._normal({}) is None
+    assert pipeline_oracle._normal({"b": [1, {}], "a": (2, {"c": {}})}) == {"a": [2, {"c": None}], "b": [1, None]}
+    assert pipeline_oracle._normal((1, [2])) == [1, [2]]
