@@ -406,17 +406,10 @@ def _rollout(state: loop.ARState) -> loop.ARState:
         frozen = ~writes if some_finished else None
         if frozen is not None and not bool(frozen.any()):
             frozen = None
-        saved = None
-        if frozen is not None:  # read before the forward moves upstream's positions on
-            if ar_cache.is_dynamic(state.cache):
-                raise ValueError(f"rows {frozen.nonzero().flatten().tolist()} finished in a batch of "
-                                 f"{state.batch.batch_size}, but a dynamic cache cannot leave a row's slot "
-                                 "unwritten; batched AR needs a static cache")
-            slots = layout.decode_write_slots(state)
-            saved = ar_cache.snapshot_slots(state.cache, frozen, slots)
+        kept = None if frozen is None else loop.save_finished_rows(state, layout, frozen)
         logits = layout.decode(state, mask, plan)
-        if saved is not None:
-            ar_cache.restore_slots(state.cache, frozen, slots, saved)
+        if kept is not None:
+            ar_cache.restore_slots(state.cache, frozen, *kept)
         state.generated = generated
         some_finished = _sample(state, logits[:, -1].float(), some_finished)
         state.step_idx += 1

@@ -37,6 +37,7 @@ __all__ = [
     "place_token",
     "real_positions",
     "recorded_logp",
+    "save_finished_rows",
     "should_write_kv",
     "step",
     "stock_rollout",
@@ -180,21 +181,26 @@ def _step(state: ARState) -> None:
         generated = state.generated + writes  # bool promotes to long
         key_valid = backend.key_valid(state, generated, backend.decode_key_length(state))
         frozen = None if _every_row_writes(state, writes) else ~writes
-        saved = None
-        if frozen is not None:  # the write slots are read before the forward moves the positions on
-            if ar_cache.is_dynamic(state.cache):
-                raise ValueError(f"rows {frozen.nonzero().flatten().tolist()} finished in a batch of "
-                                 f"{state.batch.batch_size}, but a dynamic cache cannot leave a row's slot "
-                                 "unwritten; batched AR needs a static cache")
-            slots = backend.decode_write_slots(state)
-            saved = ar_cache.snapshot_slots(state.cache, frozen, slots)
+        kept = None if frozen is None else save_finished_rows(state, backend, frozen)
         logits = backend.decode(state, masks.decode_mask(key_valid))
-        if frozen is not None:
-            ar_cache.restore_slots(state.cache, frozen, slots, saved)
+        if kept is not None:
+            ar_cache.restore_slots(state.cache, frozen, *kept)
         state.generated = generated
         row_logits = logits[:, -1]
     _sample(state, row_logits.float())
     state.step_idx += 1
+
+
+def save_finished_rows(state: ARState, backend: Any, frozen: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """(this step's write slots, what the ``frozen`` rows hold there), read before the forward moves the positions
+    on, for ``ar_cache.restore_slots`` after it: a finished row writes no KV. A dynamic cache cannot leave a row's
+    slot unwritten, so a batch with finished rows needs a static one."""
+    if ar_cache.is_dynamic(state.cache):
+        raise ValueError(f"rows {frozen.nonzero().flatten().tolist()} finished in a batch of "
+                         f"{state.batch.batch_size}, but a dynamic cache cannot leave a row's slot "
+                         "unwritten; batched AR needs a static cache")
+    slots = backend.decode_write_slots(state)
+    return slots, ar_cache.snapshot_slots(state.cache, frozen, slots)
 
 
 def _every_row_writes(state: ARState, writes: torch.Tensor) -> bool:
