@@ -316,3 +316,14 @@ def test_a_layout_declared_again_alike_is_kept_and_differently_is_refused(monkey
         conformance.judges_layout("ar.*.left.*", "ar", "right")
     with pytest.raises(ValueError, match="has no layout 'middle'"):
         conformance.judges_layout("ar.*", "ar", "middle")
+
+
+@pytest.mark.cpu
+def test_an_implementation_declaring_an_unknown_layout_is_refused_when_put_under_test(tmp_path, monkeypatch):
+    (tmp_path / "sideways_impl.py").write_text(
+        "def fast_rollout(backend, batch, max_new_tokens, eos=()):\n    raise NotImplementedError\n\n"
+        "fast_rollout.padding_side = 'middle'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="padding_side = 'middle'"):
+        conformance.use("ar", "sideways_impl:fast_rollout")
+    assert "ar" not in conformance.specs()

@@ -337,3 +337,10 @@ def test_arguments_compare_in_a_normal_form():
     assert pipeline_oracle._normal({}) is None
     assert pipeline_oracle._normal({"b": [1, {}], "a": (2, {"c": {}})}) == {"a": [2, {"c": None}], "b": [1, None]}
     assert pipeline_oracle._normal((1, [2])) == [1, [2]]
+
+
+def test_arguments_are_the_same_only_item_by_item():
+    assert pipeline_oracle._same([1, torch.ones(2)], [1, torch.ones(2, dtype=torch.long)])  # dtype aside
+    assert not pipeline_oracle._same([1, 2], [1, 3])
+    assert not pipeline_oracle._same([1, 2], [1, 2, 3])
+    assert not pipeline_oracle._same(torch.ones(2), torch.ones(3))
