@@ -71,12 +71,17 @@ def cache_kwarg_name() -> str:
 
 def forward_cache_kwarg(forward: Callable[..., Any]) -> str:
     """The keyword a model's ``forward`` takes its cache under (stock 5.x models: ``cache``; remote code and
-    4.x models: ``past_key_values``)."""
-    params = inspect.signature(forward).parameters
+    4.x models: ``past_key_values``). Read once per function, as ``takes_write_slots``."""
+    return _cache_kwarg(getattr(forward, "__func__", forward))
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_kwarg(function: Callable[..., Any]) -> str:
+    params = inspect.signature(function).parameters
     for name in ("past_key_values", "cache"):
         if name in params:
             return name
-    raise TypeError(f"{getattr(forward, '__qualname__', forward)!r} takes neither past_key_values nor cache")
+    raise TypeError(f"{getattr(function, '__qualname__', function)!r} takes neither past_key_values nor cache")
 
 
 @functools.lru_cache(maxsize=64)

@@ -37,7 +37,8 @@ def _no_decode_mask(key_valid: torch.Tensor) -> None:
 
 
 def _append_at_tail(input_ids: torch.Tensor, tokens: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    return torch.cat([input_ids, tokens[:, None]], dim=1)
+    input_ids[:, -1] = tokens
+    return input_ids
 
 
 def _zero_pad_positions(position_ids: torch.Tensor, length: int) -> torch.Tensor:

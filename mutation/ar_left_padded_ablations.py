@@ -32,7 +32,7 @@ def _shared_cache_position(lengths: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _pad_keys_visible(written: torch.Tensor, pad_keys: torch.Tensor) -> torch.Tensor:
-    return written.reshape(written.shape[0], 1, 1, written.shape[-1])
+    return written.reshape(*written.shape[:-1], 1, 1, written.shape[-1])
 
 
 def _mask_dropped(written: torch.Tensor, pad_keys: torch.Tensor) -> None:

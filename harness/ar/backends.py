@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from harness.ar.loop import ARState
 
 __all__ = ["IMAGE_SLICE_FIELDS", "MODELING_MODULES", "StockRun", "TransformersBackend", "UpstreamBackend",
-           "remote_code_generation", "remote_code_name", "upstream_generation"]
+           "remote_code_generation", "remote_code_name", "shared_column_inputs", "shared_token_columns",
+           "upstream_generation"]
 
 #: The per-row image-slice lists of ``tokenizer_output`` that upstream's mask builders read (empty for text rows).
 IMAGE_SLICE_FIELDS = ("joint_image_slices", "gen_image_slices", "vae_image_slices", "vit_image_slices")
@@ -68,6 +69,38 @@ def _per_rollout(state: ARState, name: str, build: Callable[[], torch.Tensor], l
     if cached is None or cached.shape[-1] != length:
         cached = state.extra[name] = build()
     return cached
+
+
+def shared_column_inputs(state: ARState, first_positions: Callable[[], torch.Tensor],
+                         writes_slots: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What decode step k of a shared-column layout feeds the model: column ``W + k - 1`` of ``state.input_ids``
+    (every row's last token), each row's RoPE position ``first_positions()[i] + k - 1`` and, with ``writes_slots``,
+    the write slot ``W + k - 1``. The per-step views are made once per rollout (``state.extra``) while the state
+    holds the token buffer they view."""
+    inputs = state.extra.get("shared_column_inputs")
+    if inputs is None or inputs[0] is not state.token_buffer:
+        width, device = state.batch.width, state.real_pos.device
+        steps = torch.arange(state.max_new_tokens, device=device)
+        inputs = state.extra["shared_column_inputs"] = (
+            state.token_buffer, state.token_buffer[:, width:].split(1, dim=1),
+            (first_positions()[:, None] + steps).split(1, dim=1), (width + steps).split(1) if writes_slots else None)
+    _, columns, positions, slots = inputs
+    k = state.step_idx - 1
+    if state.input_ids._base is state.token_buffer:
+        ids = columns[k]
+    else:  # a loop that keeps its own token buffer in ``input_ids``: read the column there
+        ids = state.input_ids[:, state.batch.width + k: state.batch.width + k + 1]
+    return ids, positions[k], None if slots is None else slots[k]
+
+
+def shared_token_columns(state: ARState) -> torch.Tensor:
+    """Where step k's tokens go in a shared-column layout: column ``W + k`` of every row (views made once)."""
+    columns = state.extra.get("shared_token_columns")
+    if columns is None:
+        width, device = state.batch.width, state.real_pos.device
+        shared = torch.arange(width, width + state.max_new_tokens, device=device)
+        columns = state.extra["shared_token_columns"] = shared[:, None].expand(-1, state.batch.batch_size).unbind(0)
+    return columns[state.step_idx]
 
 
 def _stops(eos: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -229,15 +262,21 @@ class UpstreamBackend:
         return self._forward(state, mask)
 
     def key_valid(self, state: ARState, generated: torch.Tensor, key_length: int) -> torch.Tensor:
-        """Row i's slots ``[0, real_pos_i + generated_i)``: a slot's offset past its row's prompt, below the count."""
+        """Row i's slots ``[0, real_pos_i + generated_i)``: a slot's offset past its row's prompt, below the count.
+        ``generated [..., B]`` -> ``[..., B, key_length]`` (leading dimensions: several steps' counts at once)."""
         def offsets() -> torch.Tensor:
             slots = torch.arange(key_length, device=generated.device)
             return slots[None] - state.real_pos.to(generated.device)[:, None]
 
-        return _per_rollout(state, "key_offsets", offsets, key_length) < generated[:, None]
+        return _per_rollout(state, "key_offsets", offsets, key_length) < generated[..., None]
 
     def token_columns(self, state: ARState) -> torch.Tensor:
-        return state.real_pos + state.step_idx
+        """Step k's token goes to column ``real_pos_i + k`` of row i (views made once per rollout)."""
+        columns = state.extra.get("row_token_columns")
+        if columns is None:
+            steps = torch.arange(state.max_new_tokens, device=state.real_pos.device)
+            columns = state.extra["row_token_columns"] = (steps[:, None] + state.real_pos).unbind(0)
+        return columns[state.step_idx]
 
     def logical_slots(self, real_pos: int, width: int, generated: int) -> torch.Tensor:
         return torch.arange(real_pos + generated)
@@ -368,30 +407,24 @@ class TransformersBackend:
         return state.max_cache_len
 
     def decode(self, state: ARState, mask: torch.Tensor | None) -> torch.Tensor:
-        column = state.batch.width + state.step_idx - 1
-        ids = state.input_ids[:, column: column + 1]
-        steps = state.max_new_tokens
-        positions = _per_rollout(state, "rope_positions",
-                                 lambda: state.real_pos[:, None] + torch.arange(steps, device=ids.device),
-                                 steps)[:, state.step_idx - 1: state.step_idx]
-        slots = torch.tensor([column], device=ids.device) if self._writes_slots else None
+        """Decode step k feeds the token buffer's column ``W + k - 1`` at RoPE position ``real_pos_i + k - 1``."""
+        ids, positions, slots = shared_column_inputs(state, lambda: state.real_pos, self._writes_slots)
         return self._run(ids, mask, positions, state.cache, slots)
 
     def key_valid(self, state: ARState, generated: torch.Tensor, key_length: int) -> torch.Tensor:
         """Each row's prompt keys, then its own generated tokens' shared slots ``[Lmax, Lmax + generated_i)``: one
-        comparison of the counts with each slot's rank (prompt keys rank below any count, holes above all)."""
+        comparison of the counts with each slot's rank (prompt keys rank below any count, holes above all).
+        ``generated [..., B]`` -> ``[..., B, key_length]`` (leading dimensions: several steps' counts at once)."""
         def ranks() -> torch.Tensor:
-            slots = torch.arange(key_length, device=generated.device)[None]
-            width = state.batch.width
-            prompt = slots < state.real_pos.to(generated.device)[:, None]
-            hole = (slots < width) & ~prompt
-            never = torch.iinfo(torch.long).max
-            return torch.where(prompt, -1, torch.where(hole, never, slots - width))
+            slots = torch.arange(key_length, device=generated.device)
+            width, never = state.batch.width, torch.iinfo(torch.long).max
+            generated_rank = torch.where(slots < width, never, slots - width)  # a hole unless a prompt key
+            return torch.where(slots < state.real_pos.to(generated.device)[:, None], -1, generated_rank)
 
-        return _per_rollout(state, "key_ranks", ranks, key_length) < generated[:, None]
+        return _per_rollout(state, "key_ranks", ranks, key_length) < generated[..., None]
 
     def token_columns(self, state: ARState) -> torch.Tensor:
-        return torch.full_like(state.real_pos, state.batch.width + state.step_idx)
+        return shared_token_columns(state)
 
     def logical_slots(self, real_pos: int, width: int, generated: int) -> torch.Tensor:
         """The prompt's slots then the generated tokens' (a CPU index, moved by callers), built from one list."""

@@ -33,7 +33,7 @@ import torch
 from harness import compat
 from harness.ar import cache as ar_cache
 from harness.ar import loop
-from harness.ar.backends import UpstreamBackend
+from harness.ar.backends import UpstreamBackend, shared_column_inputs, shared_token_columns
 from harness.ar.batch import ARBatch
 
 __all__ = [
@@ -124,13 +124,13 @@ def _validate(batch: LeftPaddedBatch) -> torch.Tensor:
         raise ValueError(f"a left-padded batch needs input_ids [B, W] and a bool attention_mask of the same shape, "
                          f"got {tuple(ids.shape)} and {mask.dtype} {tuple(mask.shape)}")
     lengths = mask.sum(dim=-1)
-    empty = (lengths == 0).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(f"rows {empty} of the left-padded batch have no real token")
+    empty = lengths == 0
+    if bool(empty.any()):
+        raise ValueError(f"rows {empty.nonzero().flatten().tolist()} of the left-padded batch have no real token")
     # left-padded: the mask never falls back to False once a row's prompt began
-    stray = (mask[:, :-1] & ~mask[:, 1:]).any(dim=-1).nonzero().flatten().tolist()
-    if stray:
-        raise ValueError(f"rows {stray} are not left-padded: a pad follows a real token")
+    stray = (mask[:, :-1] & ~mask[:, 1:]).any(dim=-1)
+    if bool(stray.any()):
+        raise ValueError(f"rows {stray.nonzero().flatten().tolist()} are not left-padded: a pad follows a real token")
     return lengths.long()
 
 
@@ -159,9 +159,10 @@ def first_logits_column(lengths: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def decode_key_mask(written: torch.Tensor, pad_keys: torch.Tensor) -> torch.Tensor | None:
-    """The decode mask ``[B, 1, 1, K]``: every slot a row has written except those holding its pads' KV, which a
-    static cache keeps from the prefill (``written`` and ``pad_keys`` are ``[B, K]``)."""
-    return (written & ~pad_keys).reshape(written.shape[0], 1, 1, written.shape[-1])
+    """The decode mask ``[..., B, 1, 1, K]``: every slot a row has written except those holding its pads' KV, which
+    a static cache keeps from the prefill (``written [..., B, K]``, ``pad_keys`` broadcast to it; leading
+    dimensions: several steps' masks at once)."""
+    return (written & ~pad_keys).reshape(*written.shape[:-1], 1, 1, written.shape[-1])
 
 
 # --------------------------------------------------------------------------------------------- masks
@@ -194,7 +195,6 @@ class _Plan:
     mask: torch.Tensor  # [B, 1, W, K] the prefill mask
     ranks: torch.Tensor | None = None  # [B, max_cache_len] per slot, what ``key_masks`` compares with generated counts
     pads: torch.Tensor | None = None  # [B, max_cache_len] bool, the slots the prefill wrote the row's pads to
-    decode_positions: torch.Tensor | None = None  # [B, N] RoPE positions of the decode steps (shared columns)
     slots: torch.Tensor | None = None  # [W + N] write slots of the prefill and the decode steps (shared columns)
 
 
@@ -253,7 +253,6 @@ class SharedColumns(_Layout):
     def plan(self, state: loop.ARState, plan: _Plan) -> None:
         width, steps = state.batch.width, state.max_new_tokens
         device = plan.lengths.device
-        plan.decode_positions = plan.start[:, None] + torch.arange(steps, device=device)
         plan.slots = torch.arange(width + steps, device=device)
         slots = plan.slots[None, : state.max_cache_len]
         # a prompt column (pads included) is written by the prefill; column W + j once j + 1 tokens were fed
@@ -277,16 +276,17 @@ class SharedColumns(_Layout):
         return torch.full((state.batch.batch_size,), slot, dtype=torch.long, device=state.real_pos.device)
 
     def decode(self, state: loop.ARState, mask: torch.Tensor | None, plan: _Plan) -> torch.Tensor:
-        k, width = state.step_idx, state.batch.width
-        return self._run(state.input_ids[:, width + k - 1: width + k], mask, plan.decode_positions[:, k - 1: k],
-                         state.cache, plan.slots[width + k - 1: width + k])
+        """Decode step k feeds column ``W + k - 1`` at RoPE position ``n_i + k - 1``, writing slot ``W + k - 1``."""
+        ids, positions, slots = shared_column_inputs(state, lambda: plan.start, True)
+        return self._run(ids, mask, positions, state.cache, slots)
 
     def key_masks(self, plan: _Plan, generated: torch.Tensor, key_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(every column the row has written, its pads' columns), ``[B, key_length]`` each."""
-        return plan.ranks[:, :key_length] < generated[:, None], plan.pads[:, :key_length]
+        """(every column the row has written ``[..., B, key_length]``, its pads' columns ``[B, key_length]``);
+        leading dimensions of ``generated``: several steps' counts at once."""
+        return plan.ranks[:, :key_length] < generated[..., None], plan.pads[:, :key_length]
 
     def token_columns(self, state: loop.ARState) -> torch.Tensor:
-        return torch.full_like(state.real_pos, state.batch.width + state.step_idx)
+        return shared_token_columns(state)
 
     def logical_slots(self, real_pos: int, width: int, generated: int) -> torch.Tensor:
         """The prompt's columns ``[W - n, W)``, then the generated tokens' ``[W, W + generated)``."""
@@ -315,7 +315,7 @@ class RowSlots(_Layout):
     def prefill(self, state: loop.ARState, plan: _Plan) -> torch.Tensor:
         logits = self.backend.prefill(state, plan.mask)
         # from here on upstream re-reads each input at its position_ids: hold the token buffer in slot order
-        state.input_ids = state.input_ids.gather(1, state.batch.position_ids.argsort(dim=-1))
+        state.input_ids.copy_(state.input_ids.gather(1, state.batch.position_ids.argsort(dim=-1)))
         return logits
 
     def decode_key_length(self, state: loop.ARState) -> int:
@@ -328,9 +328,9 @@ class RowSlots(_Layout):
         return self.backend.decode(state, mask)
 
     def key_masks(self, plan: _Plan, generated: torch.Tensor, key_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(every slot the row has written, the slots still holding its pads' KV), ``[B, key_length]`` each: a pad
-        slot its own decode overwrote holds one of its tokens."""
-        own = plan.ranks[:, :key_length] < generated[:, None]  # the prompt and the tokens fed so far
+        """(every slot the row has written, the slots still holding its pads' KV), ``[..., B, key_length]`` each: a
+        pad slot its own decode overwrote holds one of its tokens."""
+        own = plan.ranks[:, :key_length] < generated[..., None]  # the prompt and the tokens fed so far
         pads = plan.pads[:, :key_length] & ~own
         return own | pads, pads
 
@@ -366,69 +366,77 @@ def init_state(backend: Any, batch: LeftPaddedBatch, max_new_tokens: int, eos: S
     return loop.init_state(layout_for(backend), view, max_new_tokens, eos)
 
 
-def _sample(state: loop.ARState, row_logits: torch.Tensor, some_finished: bool) -> bool:
+def _sample(state: loop.ARState, views: loop.StepViews, row_logits: torch.Tensor, some_finished: bool) -> bool:
     """Greedy pick of every unfinished row into ``state.tokens``; finished rows emit the pad. Returns whether some
-    row has finished now (one host read per step). Log-probs are recorded once, in ``_collect``."""
+    row has finished now (one host read per step). Log-probs are recorded once, in ``harness.ar.loop.collect``."""
     k = state.step_idx
-    emitted = torch.argmax(row_logits, dim=-1)
-    state.logits[:, k] = row_logits
+    views.logit_columns[k].copy_(row_logits)  # fp32, which takes bf16 and fp16 exactly
+    emitted = torch.argmax(views.logit_columns[k], dim=-1, out=views.token_columns[k])
     if some_finished:
-        emitted = emitted.masked_fill(state.finished, state.backend.pad_id)
+        emitted.masked_fill_(state.finished, state.backend.pad_id)
         state.lengths = state.lengths.masked_fill(~state.finished, k + 1)
     else:
-        state.lengths = torch.full_like(state.lengths, k + 1)
-    state.tokens[:, k] = emitted
+        state.lengths = views.counts[k + 1]
     if state.eos:
         stops = state.extra.get("stops")
         if stops is None:
             stops = state.extra["stops"] = torch.tensor(state.eos, dtype=torch.long, device=emitted.device)
         state.finished = state.finished | torch.isin(emitted, stops)  # a finished row's pad changes nothing
         some_finished = bool(state.finished.any())
-    state.input_ids = loop.place_token(state.input_ids, emitted, state.backend.token_columns(state))
+    state.input_ids = loop.place_token(state.grown_input_ids(), emitted, state.backend.token_columns(state))
     return some_finished
+
+
+def _uniform_masks(state: loop.ARState, layout: Any, plan: _Plan, views: loop.StepViews) -> list[Any] | None:
+    """Every decode step's mask while all rows generate (index k: step k, every row's count k), built at once before
+    the first decode step; None over a dynamic cache, whose key axis grows with the steps."""
+    if ar_cache.is_dynamic(state.cache):
+        return None
+    counts, keys = views.count_table[1: state.max_new_tokens], layout.decode_key_length(state)
+    written, pads = layout.key_masks(plan, counts, keys)
+    written = loop.stepwise(written, layout, "key_masks", counts, keys)
+    return loop.per_step(decode_key_mask(written, pads), counts.shape[0])
 
 
 @torch.no_grad()
 def _rollout(state: loop.ARState) -> loop.ARState:
     layout, plan = state.backend, state.extra["left_padded"]
+    views = loop.StepViews.of(state)
     rows = torch.arange(state.batch.batch_size, device=plan.lengths.device)
     logits = layout.prefill(state, plan)
     row_logits = logits[rows, first_logits_column(plan.lengths, state.batch.width)]
-    some_finished = _sample(state, row_logits.float(), False)
+    some_finished = _sample(state, views, row_logits, False)
     state.step_idx = 1
+    uniform = None if some_finished else _uniform_masks(state, layout, plan, views)
     while state.step_idx < state.max_new_tokens:
         if some_finished and bool(state.finished.all()):
             break
-        writes = loop.should_write_kv(state.finished)
-        generated = state.generated + writes
-        written, pads = layout.key_masks(plan, generated, layout.decode_key_length(state))
-        mask = decode_key_mask(written, pads)
-        frozen = ~writes if some_finished else None
-        if frozen is not None and not bool(frozen.any()):
-            frozen = None
+        frozen = None
+        if some_finished:  # only the rows still generating write KV
+            writes = loop.should_write_kv(state.finished)
+            generated = state.generated + writes
+            frozen = None if bool(writes.all()) else ~writes
+        else:  # every row generates: every row writes this step's KV
+            generated = views.counts[state.step_idx]
+        if some_finished or uniform is None:
+            mask = decode_key_mask(*layout.key_masks(plan, generated, layout.decode_key_length(state)))
+        else:
+            mask = uniform[state.step_idx]
         kept = None if frozen is None else loop.save_finished_rows(state, layout, frozen)
         logits = layout.decode(state, mask, plan)
         if kept is not None:
             ar_cache.restore_slots(state.cache, frozen, *kept)
         state.generated = generated
-        some_finished = _sample(state, logits[:, -1].float(), some_finished)
+        some_finished = _sample(state, views, logits.select(1, -1), some_finished)
         state.step_idx += 1
     return state
-
-
-def _collect(state: loop.ARState) -> loop.Rollout:
-    """Record every emitted token's log-prob in one ``token_logprob`` call (0 where a row emitted nothing), then
-    read the state into a ``Rollout`` in logical order (``harness.ar.loop.collect`` over the layout's slots)."""
-    emitted = torch.arange(state.max_new_tokens, device=state.lengths.device)[None] < state.lengths[:, None]
-    state.logp = torch.where(emitted, loop.token_logprob(state.logits, state.tokens), 0.0)
-    return loop.collect(state)
 
 
 def fast_left_rollout(backend: Any, batch: LeftPaddedBatch, max_new_tokens: int,
                       eos: Sequence[int] = ()) -> loop.Rollout:
     """Decode the whole left-padded batch at once over one cache; the ``Rollout`` the right-padded
     ``harness.ar.loop.fast_rollout`` returns (``real_pos``: each row's length; KV in logical order)."""
-    return _collect(_rollout(init_state(backend, batch, max_new_tokens, eos)))
+    return loop.collect(_rollout(init_state(backend, batch, max_new_tokens, eos)))
 
 
 fast_left_rollout.padding_side = "left"  # what a conformance run reads off an implementation (docs/extending.md)

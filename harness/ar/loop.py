@@ -4,9 +4,11 @@
 backend's stock generation. Both return a ``Rollout`` so a check reads ``compare(fast(x), stock(x))``.
 
 The batched loop keeps per-step work to what the next step needs (the sampled token, its logits, the masks and
-the token buffer): a tiny model's forward costs tens of microseconds, so every small op per step shows in the
-rollout's time next to the model's own forwards. The recorded log-probs are computed once over every step in
-``collect``, through the same ``token_logprob`` the stock loop uses.
+the token buffer): a tiny model's forward costs well under a millisecond, so every small op per step shows in the
+rollout's time next to the model's own forwards. Everything a step writes is allocated once per rollout (the
+token buffer at its final width, the outputs, the per-step views of both in ``StepViews``), and while no row has
+finished the per-row bookkeeping (who writes KV, who emitted) is skipped: every row does the same. The recorded
+log-probs are computed once over every step in ``collect``, through the same ``token_logprob`` the stock loop uses.
 
 Seams (module-level, replaced from outside by the ablations): ``real_positions``, ``place_token``,
 ``first_logits_column``, ``should_write_kv``; plus ``harness.ar.cache.cache_is_dynamic``,
@@ -16,7 +18,7 @@ recorded log-prob is the fp32 full-softmax T=1 log-prob of the sampled token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,18 +30,22 @@ from harness.ar.batch import ARBatch
 
 __all__ = [
     "ARState",
+    "LogicalKV",
     "Rollout",
+    "StepViews",
     "collect",
     "fast_rollout",
     "finished_rows",
     "first_logits_column",
     "init_state",
+    "per_step",
     "place_token",
     "real_positions",
     "recorded_logp",
     "save_finished_rows",
     "should_write_kv",
     "step",
+    "stepwise",
     "stock_rollout",
 ]
 
@@ -67,13 +73,13 @@ def real_positions(batch: ARBatch) -> torch.Tensor:
 
 
 def place_token(input_ids: torch.Tensor, tokens: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """Grow the token buffer by one column and scatter row i's token to ``columns[i]``.
+    """Write row i's token to column ``columns[i]`` of the token buffer ``input_ids`` (already grown by this
+    step's column; written in place and returned).
 
-    Upstream re-reads the next input with ``input_ids.gather(1, position_ids)``; appending at the tail would
-    feed every shorter row its own pad token.
+    Upstream re-reads the next input with ``input_ids.gather(1, position_ids)``; writing every row's token to the
+    last column would feed every shorter row its own pad token.
     """
-    grown = torch.nn.functional.pad(input_ids, (0, 1))
-    return grown.scatter_(1, columns[:, None], tokens[:, None])
+    return input_ids.scatter_(1, columns.unsqueeze(1), tokens.unsqueeze(1))
 
 
 def first_logits_column(real_pos: torch.Tensor, width: int) -> torch.Tensor:
@@ -100,7 +106,8 @@ class ARState:
     max_new_tokens: int
     max_cache_len: int
     eos: tuple[int, ...]
-    input_ids: torch.Tensor  # token buffer, column == cache slot of that token's KV
+    input_ids: torch.Tensor  # the tokens placed so far [B, W + placed], column == cache slot of that token's KV
+    token_buffer: torch.Tensor  # [B, W + N] every column a token can land in (pad until placed); input_ids views it
     tokens: torch.Tensor  # [B, N] long, pad after a row finished
     logp: torch.Tensor  # [B, N] float32, 0 after a row finished; filled by ``collect`` from ``logits``
     logits: torch.Tensor  # [B, N, V] float32, the row logits each token was sampled from
@@ -113,6 +120,38 @@ class ARState:
     @property
     def done(self) -> bool:
         return self.step_idx >= self.max_new_tokens or finished_rows(self)[1]
+
+    def grown_input_ids(self) -> torch.Tensor:
+        """The token buffer one column wider than ``input_ids``: where this step's tokens are placed."""
+        return self.token_buffer[:, : self.input_ids.shape[1] + 1]
+
+
+@dataclass(frozen=True)
+class StepViews:
+    """Per-step views of one rollout's outputs, made once: picking a view from a tuple costs nothing, a tensor slice
+    costs an op, and each op per step shows beside a tiny model's forward. Valid while the state still holds the
+    tensors they view (``of``)."""
+
+    tokens: torch.Tensor  # the state's ``tokens`` the views were made from
+    logits: torch.Tensor  # the state's ``logits`` the views were made from
+    token_columns: tuple[torch.Tensor, ...]  # k -> tokens[:, k]
+    logit_columns: tuple[torch.Tensor, ...]  # k -> logits[:, k]
+    count_table: torch.Tensor  # [N + 1, B], row k filled with k
+    counts: tuple[torch.Tensor, ...]  # k -> count_table[k] (generated KV after decode step k; emitted after k - 1)
+
+    @classmethod
+    def of(cls, state: ARState) -> StepViews | None:
+        """The state's views, made on first use; None once the state holds other output tensors (views of the old
+        ones would write where nobody reads)."""
+        views = state.extra.get("step_views")
+        if views is None:
+            steps, rows = state.max_new_tokens, state.batch.batch_size
+            counts = torch.arange(steps + 1, device=state.lengths.device)[:, None].repeat(1, rows)
+            views = state.extra["step_views"] = cls(state.tokens, state.logits, state.tokens.unbind(1),
+                                                    state.logits.unbind(1), counts, counts.unbind(0))
+        if views.tokens is not state.tokens or views.logits is not state.logits:
+            return None
+        return views
 
 
 def finished_rows(state: ARState) -> tuple[bool, bool]:
@@ -143,9 +182,12 @@ def init_state(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[
     max_cache_len = width + max_new_tokens
     cache = backend.new_cache(bsz, max_cache_len, dynamic=ar_cache.cache_is_dynamic(bsz))
     device = batch.input_ids.device
+    token_buffer = torch.full((bsz, max_cache_len), backend.pad_id, dtype=torch.long, device=device)
+    token_buffer[:, :width] = batch.input_ids
     state = ARState(
         backend=backend, batch=batch, real_pos=real_pos.to(device), cache=cache, max_new_tokens=int(max_new_tokens),
-        max_cache_len=max_cache_len, eos=tuple(int(e) for e in eos), input_ids=batch.input_ids.clone(),
+        max_cache_len=max_cache_len, eos=tuple(int(e) for e in eos), input_ids=token_buffer[:, :width],
+        token_buffer=token_buffer,
         tokens=torch.full((bsz, max_new_tokens), backend.pad_id, dtype=torch.long, device=device),
         logp=torch.zeros(bsz, max_new_tokens, device=device),
         logits=torch.zeros(bsz, max_new_tokens, backend.vocab_size, device=device),
@@ -167,7 +209,8 @@ def step(state: ARState) -> None:
 
 
 def _step(state: ARState) -> None:
-    if state.done:
+    some_finished, every_finished = finished_rows(state)
+    if every_finished or state.step_idx >= state.max_new_tokens:
         raise ValueError(f"rollout is done (step {state.step_idx} of {state.max_new_tokens}, "
                          f"finished rows {state.finished.tolist()})")
     backend = state.backend
@@ -177,18 +220,58 @@ def _step(state: ARState) -> None:
         rows = torch.arange(state.batch.batch_size, device=state.real_pos.device)
         row_logits = logits[rows, first_logits_column(state.real_pos, state.batch.width)]
     else:
-        writes = should_write_kv(state.finished)
-        generated = state.generated + writes  # bool promotes to long
-        key_valid = backend.key_valid(state, generated, backend.decode_key_length(state))
-        frozen = None if _every_row_writes(state, writes) else ~writes
+        views = None if some_finished else StepViews.of(state)
+        if views is None:  # some row finished: only the rows still generating write KV
+            writes = should_write_kv(state.finished)
+            generated = state.generated + writes  # bool promotes to long
+            frozen = None if bool(writes.all()) else ~writes
+        else:  # every row generates: every row writes this step's KV
+            generated, frozen = views.counts[state.step_idx], None
+        uniform = None if views is None else _uniform_masks(state, views)
+        if uniform is None:
+            mask = masks.decode_mask(backend.key_valid(state, generated, backend.decode_key_length(state)))
+        else:
+            mask = uniform[state.step_idx]
         kept = None if frozen is None else save_finished_rows(state, backend, frozen)
-        logits = backend.decode(state, masks.decode_mask(key_valid))
+        logits = backend.decode(state, mask)
         if kept is not None:
             ar_cache.restore_slots(state.cache, frozen, *kept)
         state.generated = generated
-        row_logits = logits[:, -1]
-    _sample(state, row_logits.float())
+        row_logits = logits.select(1, -1)
+    _sample(state, row_logits)
     state.step_idx += 1
+
+
+def stepwise(masks_over_steps: torch.Tensor, owner: Any, method: str, counts: torch.Tensor,
+             keys: int) -> torch.Tensor:
+    """``masks_over_steps``, what ``owner.method`` returned for several decode steps' counts at once (``counts
+    [S, B]`` -> ``[S, B, keys]``), or a TypeError naming the method: the backend contract has the key masks
+    broadcast over leading dimensions of the counts."""
+    expected = (*counts.shape, keys)
+    if tuple(masks_over_steps.shape) != expected:
+        raise TypeError(f"{type(owner).__name__}.{method} must broadcast over the leading dimensions of generated: "
+                        f"counts {tuple(counts.shape)} gave {tuple(masks_over_steps.shape)}, not {expected}")
+    return masks_over_steps
+
+
+def per_step(stacked: torch.Tensor | None, steps: int) -> list[torch.Tensor | None]:
+    """Index k: decode step k's mask from the masks of steps ``1..steps`` stacked (index 0, the prefill, None);
+    a mask seam that gave None gives None at every step."""
+    return [None, *([None] * steps if stacked is None else stacked.unbind(0))]
+
+
+def _uniform_masks(state: ARState, views: StepViews) -> list[torch.Tensor | None] | None:
+    """Every decode step's mask while all rows generate (index k: step k, every row's count k), built at once at
+    the first decode step; None over a dynamic cache, whose key axis grows with the steps."""
+    built = state.extra.get("uniform_masks")
+    if built is None:
+        built = state.extra["uniform_masks"] = ()
+        if not ar_cache.is_dynamic(state.cache):
+            backend, counts = state.backend, views.count_table[1: state.max_new_tokens]
+            keys = backend.decode_key_length(state)
+            valid = stepwise(backend.key_valid(state, counts, keys), backend, "key_valid", counts, keys)
+            built = state.extra["uniform_masks"] = per_step(masks.decode_mask(valid), counts.shape[0])
+    return built or None
 
 
 def save_finished_rows(state: ARState, backend: Any, frozen: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -203,17 +286,6 @@ def save_finished_rows(state: ARState, backend: Any, frozen: torch.Tensor) -> tu
     return slots, ar_cache.snapshot_slots(state.cache, frozen, slots)
 
 
-def _every_row_writes(state: ARState, writes: torch.Tensor) -> bool:
-    """Whether no row's write is to be undone this step: one comparison with a kept all-True mask (a tensor
-    read costs two ops) for the bool masks ``should_write_kv`` gives, else any frozen row counts."""
-    if writes.dtype != torch.bool:
-        return not bool((~writes).any())
-    every = state.extra.get("every_row")
-    if every is None or every.shape != writes.shape or every.device != writes.device:
-        every = state.extra["every_row"] = torch.ones_like(writes)
-    return torch.equal(writes, every)
-
-
 def token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The recorded log-prob: full-softmax, T=1 log-prob of ``tokens [...]`` under ``logits [..., V]``.
 
@@ -223,33 +295,40 @@ def token_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _sample(state: ARState, row_logits: torch.Tensor) -> None:
-    """Greedy pick of every unfinished row, written straight into ``state.tokens``; finished rows emit the pad.
-    The log-prob is recorded from ``state.logits`` in ``collect``."""
+    """Greedy pick of every unfinished row, written straight into ``state.tokens``: the argmax of the row logits
+    as recorded in ``state.logits`` (fp32, which takes bf16 and fp16 exactly); finished rows emit the pad. The
+    log-prob is recorded from ``state.logits`` in ``collect``."""
     k = state.step_idx
     some_finished, _ = finished_rows(state)
-    emitted = torch.argmax(row_logits, dim=-1, out=state.tokens[:, k])
-    state.logits[:, k] = row_logits
+    views = StepViews.of(state)
+    recorded, picks = (state.logits[:, k], state.tokens[:, k]) if views is None else \
+        (views.logit_columns[k], views.token_columns[k])
+    recorded.copy_(row_logits)
+    emitted = torch.argmax(recorded, dim=-1, out=picks)
     emitting = None
     if some_finished:
         emitting = ~state.finished
         emitted.masked_fill_(state.finished, state.backend.pad_id)
         state.lengths = state.lengths.masked_fill(emitting, k + 1)
     else:
-        state.lengths = torch.full_like(state.lengths, k + 1)
+        state.lengths = torch.full_like(state.lengths, k + 1) if views is None else views.counts[k + 1]
     if state.eos:  # without stop ids no row can finish
         stops = state.extra.get("stops")
         if stops is None:
             stops = state.extra["stops"] = torch.tensor(state.eos, dtype=torch.long, device=emitted.device)
         stopped = torch.isin(emitted, stops)  # a finished row's pad is masked out by ``emitting``
         state.finished = state.finished | (stopped if emitting is None else emitting & stopped)
-    state.input_ids = place_token(state.input_ids, emitted, state.backend.token_columns(state))
+    state.input_ids = place_token(state.grown_input_ids(), emitted, state.backend.token_columns(state))
 
 
 def recorded_logp(state: ARState) -> torch.Tensor:
     """Every emitted token's log-prob ``[B, N]`` (0 where a row emitted nothing), in one ``token_logprob`` call over
     all steps: the same per-row softmax the stock loop records through, without one small call per step."""
+    logp = token_logprob(state.logits, state.tokens)
+    if state.step_idx == state.max_new_tokens and not finished_rows(state)[0]:
+        return logp  # every row emitted at every step
     unemitted = torch.arange(state.max_new_tokens, device=state.lengths.device) >= state.lengths[:, None]
-    return token_logprob(state.logits, state.tokens).masked_fill(unemitted, 0.0)
+    return logp.masked_fill(unemitted, 0.0)
 
 
 # --------------------------------------------------------------------------------------------- results
@@ -268,10 +347,44 @@ class Rollout:
     logits: torch.Tensor  # [B, N, V]
     lengths: torch.Tensor  # [B]
     real_pos: torch.Tensor  # [B]
-    kv: tuple[torch.Tensor, ...]
+    kv: Sequence[torch.Tensor]  # a tuple, or a fast rollout's ``LogicalKV``
 
     def prefill_kv(self, row: int) -> torch.Tensor:
         return self.kv[row][..., : int(self.real_pos[row]), :]
+
+
+class LogicalKV(Sequence[torch.Tensor]):
+    """Each row's KV ``[layers, 2, H, T_i, hd]`` in logical order (fp32, on the CPU), gathered from a finished
+    rollout's cache when first read: the checks read it, while a rollout's own outputs end with its tokens,
+    log-probs and logits, so a rollout nobody inspects (a benchmark's) never pays for the gather. The cache is
+    not written after the rollout, so reading late reads what it held at the end."""
+
+    def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], slots: Callable[[], list[torch.Tensor]],
+                 rows: int) -> None:
+        self._buffers, self._slots, self._rows = buffers, slots, rows
+        self._kv: tuple[torch.Tensor, ...] | None = None
+
+    def _read(self) -> tuple[torch.Tensor, ...]:
+        if self._kv is None:
+            self._kv = tuple(row.float().cpu() for row in _rows_kv(self._buffers, self._slots()))
+            self._buffers = []  # the cache is no longer needed
+        return self._kv
+
+    def __getitem__(self, row: Any) -> Any:
+        return self._read()[row]
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._read())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (sent to another process, copied) as the plain tuple it reads as."""
+        return tuple, (self._read(),)
+
+    def __repr__(self) -> str:
+        return f"LogicalKV({self._rows} rows{'' if self._kv is None else ', read'})"
 
 
 def _rows_kv(buffers: list[tuple[torch.Tensor, torch.Tensor]], slots: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -293,10 +406,13 @@ def collect(state: ARState) -> Rollout:
     """Read a (finished) state into a CPU ``Rollout``, mapping the layout's slots back to logical order; records
     the log-probs (``recorded_logp``) into ``state.logp`` first."""
     state.logp = recorded_logp(state)
-    width = state.batch.width
-    slots = [state.backend.logical_slots(real_pos, width, generated)
-             for real_pos, generated in zip(state.real_pos.tolist(), state.generated.tolist(), strict=True)]
-    kv = tuple(row.float().cpu() for row in _rows_kv(ar_cache.layer_buffers(state.cache), slots))
+    backend, width, real_pos, generated = state.backend, state.batch.width, state.real_pos, state.generated
+
+    def slots() -> list[torch.Tensor]:
+        return [backend.logical_slots(row_pos, width, row_generated)
+                for row_pos, row_generated in zip(real_pos.tolist(), generated.tolist(), strict=True)]
+
+    kv = LogicalKV(ar_cache.layer_buffers(state.cache), slots, state.batch.batch_size)
     return Rollout(state.tokens.cpu(), state.logp.cpu(), state.logits.cpu(), state.lengths.cpu(),
                    state.real_pos.cpu(), kv)
 

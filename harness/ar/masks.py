@@ -23,5 +23,6 @@ def prefill_mask(attention_mask: torch.Tensor, key_length: int) -> torch.Tensor:
 
 
 def decode_mask(key_valid: torch.Tensor) -> torch.Tensor | None:
-    """Per-row decode mask ``[B, 1, 1, K]`` admitting exactly each row's valid keys (``key_valid [B, K]``)."""
-    return key_valid.reshape(key_valid.shape[0], 1, 1, key_valid.shape[-1])
+    """Per-row decode mask ``[..., B, 1, 1, K]`` admitting exactly each row's valid keys (``key_valid [..., B, K]``;
+    leading dimensions: several steps' masks at once)."""
+    return key_valid.reshape(*key_valid.shape[:-1], 1, 1, key_valid.shape[-1])

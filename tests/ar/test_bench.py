@@ -11,7 +11,9 @@ Four arms per model, layout and B, timed interleaved (each round runs every arm 
   sampling, mask building, cache bookkeeping or log-prob recording;
 - ``raw_stock``: the same for the B=1 runs (each over a fresh cache of the kind the stock run uses).
 
-fast/raw is what the harness costs over the model's own calls; ideal 1/B. The rows land in the run's benchmark
+fast/raw is what the harness costs over the model's own calls; ideal 1/B. A fast rollout's KV in logical order is
+gathered when a check first reads it (``loop.LogicalKV``), so no arm here pays for it; each stock run stacks its
+own. The rows land in the run's benchmark
 table (``pytest -m bench -k ar``, or ``-k qwen3``) and the report's ``benchmarks``. No timed assertion: the two
 rollouts must agree and the replay must reproduce the fast path's logits before any time means anything.
 """

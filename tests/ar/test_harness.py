@@ -94,10 +94,10 @@ def test_finished_row_on_a_dynamic_cache_is_refused(monkeypatch: pytest.MonkeyPa
 # --------------------------------------------------------------------------------------------- seams
 
 
-def test_place_token_scatters_to_each_rows_column() -> None:
-    ids = torch.tensor([[5, 0, 0], [6, 7, 8]])
+def test_place_token_writes_each_rows_column_in_place() -> None:
+    ids = torch.tensor([[5, 0, 0, 0], [6, 7, 8, 0]])
     out = loop.place_token(ids, torch.tensor([11, 12]), torch.tensor([1, 3]))
-    assert out.tolist() == [[5, 11, 0, 0], [6, 7, 8, 12]]
+    assert out is ids and out.tolist() == [[5, 11, 0, 0], [6, 7, 8, 12]]
     assert loop.first_logits_column(torch.tensor([3, 8]), 8).tolist() == [2, 7]
     assert loop.should_write_kv(torch.tensor([True, False])).tolist() == [False, True]
 

@@ -26,7 +26,7 @@ def _runner_up_once(original):
             state.tokens[0, 1] = second
             state.logp[0, 1] = loop.token_logprob(row_logits[0], second)
             state.input_ids = loop.place_token(state.input_ids, state.tokens[:, 1],
-                                               state.backend.token_columns(state))
+                                               state.backend.token_columns(state))  # over the token just placed
 
     return pick
 
