@@ -174,6 +174,14 @@ def test_a_layout_mismatch_is_named_with_its_rows() -> None:
     assert "pad every row on one side" in judge.layout_mismatch(inside, "left")
 
 
+def test_a_two_token_prefill_is_a_prefill_and_a_one_token_step_is_not() -> None:
+    spy = ARForwardSpy(torch.nn.Identity(), pad_id=PAD)
+    spy._hook(None, (), {"input_ids": torch.tensor([[PAD], [4]])})
+    assert spy.prefill_pads == ()  # a decode step's single column has no padding side
+    spy._hook(None, (), {"input_ids": torch.tensor([[PAD, 3], [4, 5]])})
+    assert spy.prefill_pads == ("left", "none")
+
+
 def test_a_mismatch_is_named_when_every_row_is_padded() -> None:
     """An implementation that pads every row (to a multiple of 8, say) leaves no unpadded row: still named; and a
     prefill with no pad at all has no layout to judge, so the verdict is left as it was."""

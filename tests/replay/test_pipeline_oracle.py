@@ -344,3 +344,14 @@ def test_arguments_are_the_same_only_item_by_item():
     assert not pipeline_oracle._same([1, 2], [1, 3])
     assert not pipeline_oracle._same([1, 2], [1, 2, 3])
     assert not pipeline_oracle._same(torch.ones(2), torch.ones(3))
+
+
+def test_a_learned_sigma_heads_second_half_of_the_channels_is_cut() -> None:
+    """The channel axis is the second in replay's layout, whatever the spatial sizes are."""
+    from types import SimpleNamespace
+
+    adapter = SimpleNamespace(latent_shape=(4, 6, 6), from_pipeline_latents=lambda out: out)
+    doubled = torch.arange(8 * 6 * 6, dtype=torch.float32).reshape(1, 8, 6, 6)
+    assert torch.equal(pipeline_oracle.to_replay(adapter, doubled), doubled[:, :4])
+    plain = doubled[:, :4]
+    assert pipeline_oracle.to_replay(adapter, plain) is plain
