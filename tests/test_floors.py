@@ -270,3 +270,35 @@ def test_first_departure_names_the_first_step_over_its_floor_or_says_none_is():
                     "above it)")
     assert first_departure(torch.tensor([1.0, 1.5, 2.0, 2.0]), floor, 2.0) == (
         "no single step exceeds 2 x its floor: the error grows across the steps")
+
+
+def test_an_attention_output_reduces_over_the_head_dim_and_twice_the_keys() -> None:
+    from harness.attention.capture import Capture
+    from harness.attention.policies import attention_terms
+
+    query = torch.zeros(1, 3, 2, 8)  # (B, S, H, D): 3 queries, 2 heads, head dim 8
+    key = torch.zeros(1, 5, 2, 8)
+    capture = Capture(query, key, key.clone(), torch.ones(1, 1, 3, 5, dtype=torch.bool))
+    assert attention_terms(capture) == 8 + 2 * 5
+
+
+def test_a_replay_problem_without_a_module_states_no_reduction_terms() -> None:
+    from types import SimpleNamespace
+
+    from harness.replay.controls import replay_terms
+
+    terms = replay_terms(SimpleNamespace(adapter=SimpleNamespace()))
+    assert terms == 0 and isinstance(terms, int)
+
+
+def test_a_pipeline_step_attends_over_the_prompts_tokens_and_the_latent_grid() -> None:
+    from types import SimpleNamespace
+
+    from harness.replay.pipeline_oracle import AlignedStep, _tokens
+
+    adapter = SimpleNamespace(latent_size=(2, 3))
+    embedded = AlignedStep([], {"prompt": torch.zeros(2, 7, 16)}, {}, torch.zeros(1))
+    assert _tokens(embedded, "prompt", adapter) == 7 + 6
+    pooled = AlignedStep([], {"prompt": torch.zeros(2, 16)}, {}, torch.zeros(1))
+    assert _tokens(pooled, "prompt", adapter) == 6
+

@@ -430,3 +430,18 @@ def test_the_thread_count_is_a_positive_integer_or_the_default(value, threads, m
     else:
         with pytest.raises(ValueError, match=rf"PARITY_THREADS={value!r}: expected a positive integer"):
             host.threads_from_environment()
+
+
+def test_a_capture_array_that_needs_unpickling_is_refused_not_loaded(tmp_path: Path) -> None:
+    path = tmp_path / "pickled.npz"
+    np.savez(path, query=np.array([object()], dtype=object), key=np.zeros(1), value=np.zeros(1), mask=np.ones(1))
+    with pytest.raises(ValueError, match="allow_pickle"):
+        capture_io.check_values(path)
+
+
+def test_a_pipe_where_a_file_belongs_is_named_a_pipe(tmp_path: Path) -> None:
+    pipe = tmp_path / "fifo"
+    os.mkfifo(pipe)
+    said = checkpoints.not_a_file(pipe, "a config.json")
+    assert said == f"{pipe} is not a regular file (a device, a socket or a pipe); expected a config.json"
+

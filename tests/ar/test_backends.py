@@ -19,6 +19,7 @@ from harness import compat
 from harness.ar import loop
 from harness.ar.backends import (
     IMAGE_SLICE_FIELDS,
+    TransformersBackend,
     UpstreamBackend,
     remote_code_generation,
     remote_code_name,
@@ -324,3 +325,28 @@ def test_stock_prefill_brings_device_logits_and_kv_to_the_host(name: str) -> Non
         handle.remove()
     assert type(logits) is torch.Tensor and type(kv) is torch.Tensor
     assert logits.shape == (2, 5, ar_models.VOCAB) and kv.shape[0] == 2 and kv.shape[-2] == 5
+
+
+class TakesWriteSlots(torch.nn.Module):
+    """A causal LM stand-in whose forward takes ``cache_position`` (as 4.x models do), recording what it got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(pad_token_id=0, vocab_size=5, num_key_value_heads=1, head_dim=2)
+        self.handed: list[dict] = []
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, use_cache=None, past_key_values=None,
+                cache_position=None):
+        self.handed.append({"cache_position": cache_position, "use_cache": use_cache})
+        return types.SimpleNamespace(logits=torch.zeros(*input_ids.shape, 5))
+
+
+def test_a_forward_that_takes_write_slots_is_handed_them_and_only_when_there_are_some() -> None:
+    model = TakesWriteSlots()
+    backend = TransformersBackend(model, "stand-in")
+    slots = torch.tensor([7])
+    backend._run(torch.zeros(1, 1, dtype=torch.long), None, None, "a cache", slots)
+    backend._run(torch.zeros(1, 1, dtype=torch.long), None, None, None)
+    assert model.handed[0] == {"cache_position": slots, "use_cache": True}
+    assert model.handed[1] == {"cache_position": None, "use_cache": False}
+

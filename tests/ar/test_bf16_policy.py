@@ -217,3 +217,15 @@ def test_bf16_replay_log_probs_are_fp32_softmaxes() -> None:
         want = torch.log_softmax(logits[i][p.numel() - 1: p.numel() - 1 + n].double(), dim=-1)
         want = want.gather(1, tokens[i, :n, None])[:, 0]
         torch.testing.assert_close(logp[i, :n], want.float(), rtol=0.0, atol=2e-6)
+
+
+def test_upcast_leaves_integer_buffers_and_tensors_already_in_the_dtype_alone() -> None:
+    module = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    module.register_buffer("index", torch.arange(3))
+    module.register_buffer("scale", torch.ones(2))  # fp32 already
+    scale = module.scale
+    with upcast(module):
+        assert module.weight.dtype == torch.float32 and module.index.dtype == torch.int64
+        assert module.scale is scale and module.scale.dtype == torch.float32
+    assert module.weight.dtype == torch.bfloat16 and module.index.dtype == torch.int64
+
