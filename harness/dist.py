@@ -7,18 +7,23 @@ tasks run in this process (harness.launch). A task is a module-level function ru
 rank with the default group initialised. Every rank's outcome comes back: a raise on any rank
 becomes one error listing all ranks (the others get ERROR_GRACE_S to answer before they count as
 blocked), a rank that dies or is stopped by a signal is seen at once (its pipe closes; /proc says it
-is stopped), a live rank that never reaches the collective its peers have waited in for launch.stuck_s() is
-named "stuck" (each rank tells the parent the collectives it enters: harness.progress), and a hang becomes a
-timeout naming the hung ranks, after which the world is torn down
-with no child process left behind. Error text keeps no per-run detail (ports, pids, addresses): those
-go to the ``harness.dist`` log, so the same command gives the same verdicts and report.
+is stopped), a live rank behind the collective its peers have waited in for launch.stuck_s() is named "stuck" once
+its own progress stopped for as long (harness.progress.stalled: each rank tells the parent the collectives it
+enters, the modules it runs count in shared memory, its CPU time is read from /proc; a rank that computes is never
+named, however slowly), and a hang becomes a timeout naming the hung ranks, after which the world is torn down
+with no child process left behind. Ranks die with the parent and leave Ctrl-C to it (harness.lifecycle): an
+interrupt while a task runs kills them at once and goes on as the interrupt. Error text keeps no per-run detail
+(ports, pids, addresses): those go to the ``harness.dist`` log, so the same command gives the same verdicts and
+report.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -33,7 +38,7 @@ from typing import Any
 
 import torch
 
-from harness import carried, launch, progress
+from harness import carried, launch, lifecycle, progress
 
 __all__ = ["START_METHODS", "RankOutcome", "World", "WorldError", "WorldPool", "WorldTaskError", "WorldTimeout",
            "resolve_start_method", "stable_error"]
@@ -146,10 +151,11 @@ def _recv(conn: Connection) -> Any:
 
 
 def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg_timeout_s: float,
-               conn: Connection) -> None:
-    """A rank's life: join the group, then run tasks until told to stop."""
+               conn: Connection, parent_pid: int, work: Any) -> None:
+    """A rank's life: join the group, then run tasks until told to stop (or until the parent is gone)."""
     import torch.distributed as dist
 
+    lifecycle.as_rank(parent_pid)
     carried.reset_all()  # a fork keeps nothing the parent had applied: what a task needs travels with it
     try:
         if use_cuda:
@@ -172,7 +178,8 @@ def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg
         task_id, fn, args, kwargs, captured = message
         marked = carried.marks(captured)
         # the parent hears where this rank is (the collectives it entered), so a peer that never arrives is named
-        progress.begin(lambda where, task_id=task_id: _send(conn, ("position", task_id, where)))
+        progress.begin(lambda where, task_id=task_id: _send(conn, ("position", task_id, where)), work)
+        progress.task_thread()
         try:
             with carried.entered(captured):
                 result = fn(*args, **kwargs)
@@ -190,13 +197,20 @@ def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg
 
 
 class _StragglerWatch:
-    """The parent's view of where its ranks are (harness.progress): names a rank that has not reached the collective
-    its peers have waited in for launch.stuck_s(), instead of waiting out the task's time limit."""
+    """The parent's view of where its ranks are and how they progress (harness.progress): names a rank behind the
+    collective its peers have waited in for launch.stuck_s() once its own progress stopped for as long, instead of
+    waiting out the task's time limit; a rank that computes is never named."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, pids: list[int], work: list[Any]):
         self.size = size
         self.within_s = launch.stuck_s()
+        self.pids = pids
+        self.work = work
         self.positions: dict[int, progress.Position] = {}
+        self.meters = {rank: progress.PaceMeter(self.within_s) for rank in range(size)}
+        self.cpu0: dict[int, float] = {}  # rank -> its main thread's CPU time when this task was first sampled
+        self.paces: dict[int, progress.Pace] = {}
+        self.sampled = -math.inf
         self.onset: dict[tuple[int, str], float] = {}  # (straggler, collective) -> since when it has been behind
         self.found: list[progress.Straggler] = []
         self.alone: list[progress.Abandoned] = []
@@ -204,16 +218,42 @@ class _StragglerWatch:
     def moved(self, rank: int, where: progress.Position) -> None:
         self.positions[rank] = where
 
+    def sample(self, pending: dict[int, Connection]) -> None:
+        """Read each pending rank's progress: its position, the modules it ran, its task thread's CPU time (/proc)."""
+        now = time.monotonic()
+        if now - self.sampled < STOP_POLL_S:
+            return
+        self.sampled = now
+        for rank in pending:
+            cpu = progress.proc_thread_cpu_s(self.pids[rank])
+            if cpu is None:
+                continue
+            spent = cpu - self.cpu0.setdefault(rank, cpu)
+            done = (self.positions.get(rank, progress.Position()), int(self.work[rank].value))
+            self.paces[rank] = self.meters[rank].sample(now, done, spent)
+
+    def stalled(self, straggler: progress.Straggler) -> progress.Straggler | None:
+        """The straggler with why it counts as stuck, or None while it shows progress (no /proc: behind is enough)."""
+        pace = self.paces.get(straggler.rank)
+        if pace is None:
+            return straggler
+        why = progress.stalled(pace, progress.peers_cpu_s(self.positions, straggler), self.within_s)
+        if why:
+            LOG.info("rank %d is stuck: %s (%s)", straggler.rank, why, pace)
+        return dataclasses.replace(straggler, why=why) if why else None
+
     def overdue(self, finished: set[int]) -> bool:
-        """Whether some rank has been behind its peers' collective for the bound (then ``found`` names them), or
-        has waited that long in one that every other rank of its group returned without (``alone``)."""
+        """Whether some rank has been behind its peers' collective for the bound with no progress of its own for as
+        long (then ``found`` names them), or has waited that long in one that every other rank of its group returned
+        without (``alone``)."""
         now = time.monotonic()
         behind = progress.stragglers(self.positions, finished, self.size)
         left = progress.abandoned(self.positions, finished, self.size)
         keys = {(s.rank, s.collective) for s in (*behind, *left)}
         self.onset = {key: self.onset.get(key, now) for key in keys}
         late = {key for key, since in self.onset.items() if now - since >= self.within_s}
-        self.found = [s for s in behind if (s.rank, s.collective) in late]
+        named = (self.stalled(s) for s in behind if (s.rank, s.collective) in late)
+        self.found = [s for s in named if s is not None]
         self.alone = [a for a in left if (a.rank, a.collective) in late]
         return bool(self.found or self.alone)
 
@@ -271,6 +311,7 @@ class World:
         self.start_method = resolve_start_method(kind, start_method)
         self._procs: list[mp.process.BaseProcess] = []
         self._conns: list[Connection] = []
+        self._work: list[Any] = []  # per rank: the modules its running task has run, in shared memory
         self._task = 0
         self._joined = False
         self.startup_s: float | None = None
@@ -288,17 +329,29 @@ class World:
         began = time.perf_counter()
         if self.torchrun is not None:
             return self._join_launcher(began)
+        try:
+            return self._start(began)
+        except Exception:
+            raise
+        except BaseException:  # interrupted while the ranks start: they are killed, not waited for
+            self.close(stuck=tuple(range(len(self._procs))))
+            raise
+
+    def _start(self, began: float) -> World:
         ctx = mp.get_context(self.start_method)
         port = _free_port()
         for rank in range(self.size):
             parent_end, child_end = ctx.Pipe(duplex=True)
+            work = ctx.Value("Q", 0, lock=False)
             proc = ctx.Process(target=_rank_main, name=f"parity-rank{rank}", daemon=True,
                                args=(rank, self.size, port, self.backend, self.device_type == "cuda",
-                                     self.pg_timeout_s, child_end))
+                                     self.pg_timeout_s, child_end, os.getpid(), work))
             proc.start()
+            lifecycle.adopt(proc.pid)
             child_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
+            self._work.append(work)
         pending = dict(enumerate(self._conns))
         failures: list[RankOutcome] = []
         deadline = time.monotonic() + self.start_timeout_s
@@ -349,7 +402,7 @@ class World:
             if rank not in stuck:
                 with contextlib.suppress(Exception):
                     _send(conn, None)
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + (0.0 if len(stuck) == len(self._procs) else 5.0)
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for proc in self._procs:
@@ -359,10 +412,11 @@ class World:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+            lifecycle.disown(proc.pid)
         for conn in self._conns:
             with contextlib.suppress(Exception):
                 conn.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._work = [], [], []
 
     def _stopped(self, pending: dict[int, Connection], since: dict[int, float]) -> list[int]:
         """Pending ranks whose process has been stopped for launch.LOCAL_CONFIRM_S (read from /proc)."""
@@ -410,16 +464,27 @@ class World:
         task_id = self._task
         captured = carried.capture()
         message = (task_id, fn, args, kwargs, captured)
-        for conn in self._conns:
-            _send(conn, message)
+        try:
+            for conn in self._conns:
+                _send(conn, message)
+            return self._await(task_id, captured, fn, timeout_s)
+        except Exception:
+            raise
+        except BaseException:  # interrupted mid-task (Ctrl-C, a stop signal): the ranks are killed, not waited for
+            self.close(stuck=tuple(range(self.size)))
+            raise
+
+    def _await(self, task_id: int, captured: Any, fn: Callable[..., Any], timeout_s: float) -> list[Any]:
+        """Every rank's answer to task ``task_id``, or the error that names who did not answer and why."""
         results: dict[int, Any] = {}
         outcomes: dict[int, RankOutcome] = {}
         pending = dict(enumerate(self._conns))
         deadline = time.monotonic() + timeout_s
         stopped: dict[int, float] = {}  # rank -> since when its process has been stopped (SIGSTOP)
-        watch = _StragglerWatch(self.size)
+        watch = _StragglerWatch(self.size, [proc.pid for proc in self._procs], self._work)
         while pending:
             ready = wait(list(pending.values()), timeout=max(0.0, min(deadline - time.monotonic(), STOP_POLL_S)))
+            watch.sample(pending)
             if not ready:
                 if time.monotonic() >= deadline:
                     break

@@ -18,7 +18,10 @@ while a rank waits (for its own task, or for the others' outcomes) it watches th
   mistaken for a dead one; on another host, when its heartbeat has not moved for ``silence_s``. Such a
   peer is reported "died" with the phase it was in, and left out of every later agreement;
 - ``stuck_s()`` after its own task entered a collective that a live peer has not reached (each rank posts how many
-  collectives it entered, harness.progress): that peer is named, and it names itself "stuck";
+  collectives it entered, harness.progress), once that peer's own progress has stopped for as long (each rank's
+  watch posts its pace: how long its position and the modules it runs stood still, whether its task thread's CPU
+  time did, and, on a GPU, whether its stream still has work): that peer is named, and it names itself "stuck".
+  A rank that computes is never named, however slowly;
 - at the task's own time limit ("hung").
 
 ``silence_s + grace_s`` plus polling stays within ``fault_bound()`` (30 s by default, PARITY_FAULT_BOUND_S
@@ -31,6 +34,7 @@ lost, and the process leaves without waiting on it (harness.plugin exits once th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -246,9 +250,20 @@ class _Board:
             with contextlib.suppress(Exception):
                 self.store.delete_key(f"s{step - 2}/r{self.launch.rank}")
                 self.store.delete_key(f"p{step - 2}/r{self.launch.rank}")
+                self.store.delete_key(f"q{step - 2}/r{self.launch.rank}")
 
     def post_position(self, step: int, where: progress.Position) -> None:
         self.store.set(f"p{step}/r{self.launch.rank}", json.dumps(where.to_json()))
+
+    def post_pace(self, step: int, pace: progress.Pace) -> None:
+        self.store.set(f"q{step}/r{self.launch.rank}", json.dumps(pace.to_json()))
+
+    def pace(self, step: int, rank: int) -> progress.Pace | None:
+        """What ``rank`` last posted of its progress in ``step`` (None before it posted any)."""
+        key = f"q{step}/r{rank}"
+        if not self.store.check([key]):
+            return None
+        return progress.Pace.from_json(json.loads(self.store.get(key)))
 
     def positions(self, step: int) -> dict[int, progress.Position]:
         """Where every rank that posted one is inside ``step`` (its collectives; harness.progress)."""
@@ -473,9 +488,22 @@ def agree(status: str, error: str = "", trace: str = "", *, phase: str = "an ite
     return _wait_for_peers(board, step, phase, time.monotonic() + timeout_s)
 
 
-def _straggler_status(board: _Board, step: int, phase: str, rank: int) -> tuple[str, str, str] | None:
+def _stalled(board: _Board, step: int, straggler: progress.Straggler, own: progress.Pace | None,
+             ) -> progress.Straggler | None:
+    """``straggler`` with why it counts as stuck, or None while its posted pace shows progress (a rank that posted
+    no pace for this step, still in an earlier one, is judged by its position alone)."""
+    pace = own if straggler.rank == board.launch.rank else board.pace(step, straggler.rank)
+    if pace is None:
+        return straggler
+    why = progress.stalled(pace, progress.peers_cpu_s(board.positions(step), straggler), stuck_s())
+    return dataclasses.replace(straggler, why=why) if why else None
+
+
+def _straggler_status(board: _Board, step: int, phase: str, rank: int, own: progress.Pace | None = None,
+                      judge: bool = False) -> tuple[str, str, str] | None:
     """This rank's outcome when some rank never reached the collective it waits in (or when it is that rank), or
-    when every other rank of its group returned without entering it."""
+    when every other rank of its group returned without entering it. ``judge``: only a straggler whose own progress
+    stopped counts (this rank decides to give up on it); otherwise being behind is enough (its peers already did)."""
     found = board.stragglers(step)
     if not found:
         positions = board.positions(step)
@@ -484,7 +512,11 @@ def _straggler_status(board: _Board, step: int, phase: str, rank: int) -> tuple[
         return ("blocked", alone[0].cause(stuck_s()), "") if alone else None
     mine = next((s for s in found if s.rank == rank), None)
     if mine is not None:
-        return ("stuck", mine.cause(stuck_s()), "")
+        return ("stuck", (_stalled(board, step, mine, own) or mine).cause(stuck_s()), "")
+    if judge:
+        found = [s for s in (_stalled(board, step, s, own) for s in found) if s is not None]
+        if not found:
+            return None
     first = found[0]
     return ("blocked", f"{first.text(stuck_s())}, while this rank waited inside it during {phase}", "")
 
@@ -507,6 +539,8 @@ def _watched(work: Callable[[], Any], phase: str, deadline: float, step: int | N
         try:
             if joined.backend == "nccl":
                 torch.cuda.set_device(joined.launch.local_rank)  # the current device is per thread
+            if step is not None:
+                progress.task_thread()
             box["result"] = work()
         except BaseException as err:  # noqa: BLE001 - every failure is reported to every rank
             box["error"] = (f"{type(err).__name__}: {err}", traceback.format_exc())
@@ -517,6 +551,9 @@ def _watched(work: Callable[[], Any], phase: str, deadline: float, step: int | N
     if step is not None:
         posted = progress.position()[0]
         board.post_position(step, posted)
+    meter = progress.PaceMeter(stuck_s())
+    pace: progress.Pace | None = None
+    paced = -math.inf
     worker.start()
     given_up: float | None = None
     why = ""
@@ -530,8 +567,12 @@ def _watched(work: Callable[[], Any], phase: str, deadline: float, step: int | N
             if where != posted:
                 board.post_position(step, where)
                 posted = where
+            if now - paced >= HEARTBEAT_S:
+                paced = now
+                pace = meter.sample(now, (where, progress.work_done()), progress.task_cpu_s(), _device_busy(joined))
+                board.post_pace(step, pace)
             if given_up is None and where.inside is not None and now - since >= stuck_s():
-                named = _straggler_status(board, step, phase, rank)
+                named = _straggler_status(board, step, phase, rank, pace, judge=True)
                 if named is not None:
                     joined.stuck.append(worker)
                     mark_lost(f"{phase} did not finish on rank {rank}: {named[1]}")
@@ -546,7 +587,7 @@ def _watched(work: Callable[[], Any], phase: str, deadline: float, step: int | N
                        f"rank(s) {sorted(lost)} stopped or died during {phase}")
         if given_up is not None and now >= given_up:
             joined.stuck.append(worker)
-            named = _straggler_status(board, step, phase, rank) if step is not None else None
+            named = _straggler_status(board, step, phase, rank, pace) if step is not None else None
             if named is not None and named[0] == "stuck":
                 mark_lost(f"{phase} did not finish on rank {rank}: it {named[1]}")
                 return named, None
@@ -559,6 +600,16 @@ def _watched(work: Callable[[], Any], phase: str, deadline: float, step: int | N
     if "error" in box:
         return ("raised", *box["error"]), None
     return ("ok", "", ""), box.get("result")
+
+
+def _device_busy(joined: _Joined) -> bool:
+    """Whether this rank's GPU stream still has work queued (a rank waiting on its device is computing)."""
+    if joined.backend != "nccl":
+        return False
+    try:
+        return not torch.cuda.current_stream(joined.launch.local_rank).query()
+    except Exception:  # noqa: BLE001 - a device that cannot be asked shows no progress; its CPU time still may
+        return False
 
 
 def run_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float,

@@ -31,6 +31,7 @@ from harness import (
     floors,
     host,
     launch,
+    lifecycle,
     progress_lines,
     report,
 )
@@ -59,6 +60,7 @@ NOT_JUDGED_KEY = pytest.StashKey[dict[str, str]]()  # conformance mode: deselect
 OWN_TESTS_KEY = pytest.StashKey[dict[str, int]]()  # conformance mode: path -> its deselected non-check tests
 PARITY_ITEM_KEY = pytest.StashKey[ParityItem]()  # what a generated item runs (harness.items)
 PROGRESS_KEY = pytest.StashKey[Any]()  # the progress writer and load plan before this run (a nested run restores)
+SIGNALS_KEY = pytest.StashKey[Any]()  # puts back the signal handlers this run replaced (harness.lifecycle)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -411,6 +413,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_KEY] = session
     config.stash[PROGRESS_KEY] = progress_lines.saved()
     progress_lines.set_writer(_past_capture(config))
+    config.stash[SIGNALS_KEY] = lifecycle.install()
     # the gpu tier's model loads, one per checkpoint holding a model and dtype: each says which it is, on stderr
     progress_lines.plan_loads([(str(c.path), str(dtype)) for c in detected if c.source in LOADABLE
                                for dtype in parse_dtypes(config.getoption("dtype"))])
@@ -505,6 +508,7 @@ def _configure_placement(config: pytest.Config) -> None:
             device_maps.check_visible(requested)
         device_maps.configure(requested, device.type)
         if launch.launched() is not None:
+            lifecycle.die_with_parent()  # a rank of torchrun's never outlives the launcher
             launch.join(device.type)
     except ValueError as err:
         raise pytest.UsageError(str(err)) from None
@@ -650,6 +654,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         parity.report_data = parity.report()
         if idle:
             parity.report_data["nothing_ran"] = idle
+        if session.exitstatus == pytest.ExitCode.INTERRUPTED:
+            parity.report_data["interrupted"] = interrupted_line()
         for path in session.config.getoption("parity_report") or []:
             try:
                 parity.written.append(os.fspath(report.write(parity.report_data, path)))
@@ -671,7 +677,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     checkpoints.trust_remote_code(False)
     launch.set_fault_bound(None)
     progress_lines.restore(config.stash.get(PROGRESS_KEY, ([], {}, [])))
-    given_up = launch.lost()
+    config.stash.get(SIGNALS_KEY, lambda: None)()
+    # a torchrun rank asked to stop may have a task thread inside a collective its peers never finish
+    given_up = launch.lost() or (launch.joined() is not None and lifecycle.requested())
     _release_placement()
     if given_up:
         # a step of the launcher's group never finished on some rank: a thread still sits in its collective,
@@ -679,6 +687,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(session.exitstatus if session is not None else int(pytest.ExitCode.INTERNAL_ERROR))
+
+
+def interrupted_line() -> str:
+    """What a report of an interrupted run says first: which signal stopped it, and that it covers only part."""
+    asked = lifecycle.requested()
+    how = "by Ctrl-C" if asked in ("", "SIGINT") else f"by {asked}"
+    return (f"INTERRUPTED {how}: the run stopped before every item ran; this report holds only what finished, and "
+            "the run is not green")
 
 
 def _release_placement() -> None:

@@ -9,22 +9,37 @@ slow inside it, and name the first within the fault bound.
 
 Every rank of a group runs the same sequence of collectives on it, so "rank r entered n - 1 collectives on group G
 while its peers wait in the n-th" is a statement about r alone, whatever the timing.
+
+Being behind is not being stuck: a rank with more work, or a slower share of a loaded machine, is behind while it
+computes. A straggler is named only when its own progress stops (``stalled``): its position and the modules its task
+runs stand still for the bound AND either its task thread's CPU time stands still too (asleep, blocked on a lock or
+a socket, deadlocked), or it has burned more CPU time than ``SPIN_FACTOR`` times what its waiting peers needed to
+reach the collective (a loop in Python that computes nothing). A rank that computes (runs modules, says where it
+is, or needs less than that many times its peers' CPU time) is never named, however slowly.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["COLLECTIVES", "Abandoned", "Position", "Straggler", "abandoned", "begin", "end", "install", "note",
-           "position", "stragglers"]
+__all__ = ["COLLECTIVES", "IDLE_CPU_SHARE", "SPIN_FACTOR", "Abandoned", "Pace", "PaceMeter", "Position", "Straggler",
+           "WorkCounter", "abandoned", "begin", "end", "install", "note", "peers_cpu_s", "position",
+           "proc_thread_cpu_s", "stalled", "stragglers", "task_cpu_s", "task_thread", "thread_cpu_s", "work_done"]
+
+IDLE_CPU_SHARE = 0.02  # below this share of one core over the bound, a rank's task thread computes nothing
+SPIN_FACTOR = 4.0  # a straggler burning this many times its peers' CPU time, with nothing to show, is looping
 
 # every collective every rank of a group must enter (point-to-point send/recv are not: only a pair takes part)
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
@@ -46,17 +61,19 @@ class Position:
     entered: Mapping[Group, int] = field(default_factory=dict)
     inside: tuple[Group, int, str] | None = None
     last: str = BEFORE_FIRST
+    cpu_s: float = field(default=0.0, compare=False)  # the task thread's CPU time when it got here
 
     def to_json(self) -> dict[str, Any]:
         return {"entered": [[list(g), n] for g, n in self.entered.items()],
                 "inside": None if self.inside is None else [list(self.inside[0]), self.inside[1], self.inside[2]],
-                "last": self.last}
+                "last": self.last, "cpu_s": self.cpu_s}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Position:
         inside = data["inside"]
         return cls({tuple(g): int(n) for g, n in data["entered"]},
-                   None if inside is None else (tuple(inside[0]), int(inside[1]), str(inside[2])), str(data["last"]))
+                   None if inside is None else (tuple(inside[0]), int(inside[1]), str(inside[2])), str(data["last"]),
+                   float(data.get("cpu_s", 0.0)))
 
 
 def describe(group: Group, number: int, name: str, world_size: int) -> str:
@@ -73,9 +90,11 @@ class Straggler:
     collective: str  # as ``describe`` names it
     last: str
     waiting: tuple[int, ...]
+    why: str = ""  # why it counts as stuck (``stalled``), once it does
 
     def cause(self, within_s: float) -> str:
-        return f"did not reach {self.collective} within {within_s:g} s (last seen in {self.last})"
+        said = f"did not reach {self.collective} within {within_s:g} s (last seen in {self.last})"
+        return f"{said}: {self.why}" if self.why else said
 
     def text(self, within_s: float) -> str:
         return f"rank {self.rank} {self.cause(within_s)}"
@@ -139,6 +158,105 @@ def abandoned(positions: Mapping[int, Position], finished: set[int] | frozenset[
     return found
 
 
+# ----------------------------------------------------------------------------------------------- pace
+
+
+@dataclass(frozen=True)
+class Pace:
+    """A rank's progress as its watcher measured it: how long nothing it does has moved, whether its task thread's CPU
+    time stood still over the last bound, and that CPU time so far in the task."""
+
+    still_s: float
+    idle: bool
+    cpu_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"still_s": self.still_s, "idle": self.idle, "cpu_s": self.cpu_s}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Pace:
+        return cls(float(data["still_s"]), bool(data["idle"]), float(data["cpu_s"]))
+
+
+class PaceMeter:
+    """One rank's samples, taken by whoever watches it: what it has done (its position, the modules it ran) and its
+    task thread's CPU time, over a sliding window as long as the bound."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self._done: Any = None
+        self._moved_at = 0.0
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def sample(self, now: float, done: Any, cpu_s: float, busy: bool = False) -> Pace:
+        """Take a sample: ``done`` is anything that changes when the rank does something (``busy``: a device still
+        works for it); returns its pace now."""
+        if done != self._done or busy or not self._samples:
+            self._done, self._moved_at = done, now
+        self._samples.append((now, cpu_s))
+        while len(self._samples) > 1 and self._samples[1][0] <= now - self.window_s:
+            self._samples.popleft()
+        since, cpu_then = self._samples[0]
+        idle = now - since >= self.window_s and cpu_s - cpu_then < IDLE_CPU_SHARE * (now - since)
+        return Pace(now - self._moved_at, idle, cpu_s)
+
+
+def stalled(pace: Pace, peers_cpu_s: float, within_s: float) -> str:
+    """Why a rank behind its peers' collective counts as stuck now ("" while it shows progress).
+
+    Nothing it does moved for ``within_s`` AND either its CPU time stood still too, or it burned more than
+    ``SPIN_FACTOR`` times the CPU time its waiting peers needed to reach the collective. Work that runs no module and
+    enters no collective for the whole bound, beside peers that needed almost none, reads as a loop: such code can
+    say where it is (``note``) to be seen computing. The words are fixed (no measured number), so the same run reads
+    the same.
+    """
+    if pace.still_s < within_s:
+        return ""
+    if pace.idle:
+        return ("no progress: its position, the modules it runs and its CPU time all stood still (asleep, blocked "
+                "or deadlocked)")
+    if pace.cpu_s >= SPIN_FACTOR * peers_cpu_s:
+        return (f"busy without progress: it entered no collective and ran no module while it burned over "
+                f"{SPIN_FACTOR:g}x the CPU time its peers needed to reach it (an endless loop)")
+    return ""
+
+
+def peers_cpu_s(positions: Mapping[int, Position], straggler: Straggler) -> float:
+    """The most CPU time any rank waiting for ``straggler`` spent in its task before it entered that collective."""
+    return max((positions[r].cpu_s for r in straggler.waiting if r in positions), default=0.0)
+
+
+def thread_cpu_s(clock: int | None) -> float | None:
+    """The CPU time of the thread whose CPU clock is ``clock`` (None once the thread is gone)."""
+    if clock is None:
+        return None
+    try:
+        return time.clock_gettime(clock)
+    except OSError:
+        return None
+
+
+def proc_thread_cpu_s(pid: int, tid: int | None = None) -> float | None:
+    """A local thread's CPU time read from /proc (its process's main thread by default); None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/task/{tid or pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+class WorkCounter:
+    """How many modules a task ran: a plain counter, or any object with an integer ``value`` (a forked rank's is
+    shared memory its parent reads)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
 # ----------------------------------------------------------------------------------------------- the tracker
 
 
@@ -151,12 +269,21 @@ class _Tracker:
         self.inside: tuple[Group, int, str] | None = None
         self.since = 0.0
         self.last = BEFORE_FIRST
+        self.cpu_at = 0.0  # the task thread's CPU time at the last change
         self.active = False
         self.depth = 0  # a collective built on others (all_gather_object) counts once
         self.listener: Callable[[Position], None] | None = None
+        self.work: Any = WorkCounter()
+        self.hook: Any = None
+        self.clock: int | None = None  # the task thread's CPU clock
+        self.cpu0 = 0.0
 
     def snapshot(self) -> Position:
-        return Position(dict(self.entered), self.inside, self.last)
+        return Position(dict(self.entered), self.inside, self.last, self.cpu_at)
+
+    def task_cpu(self) -> float:
+        now = thread_cpu_s(self.clock)
+        return 0.0 if now is None else now - self.cpu0
 
     def changed(self) -> None:
         if self.listener is not None:
@@ -184,12 +311,14 @@ def _tracked(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         bound = signature.bind_partial(*args, **kwargs).arguments
         group = _group_ranks(bound.get("group"))
         blocking = not bound.get("async_op", False)
+        cpu = tracker.task_cpu()
         with tracker.lock:
             number = tracker.entered.get(group, 0) + 1
             tracker.entered[group] = number
             if blocking:
                 tracker.inside, tracker.since = (group, number, name), time.monotonic()
             tracker.depth += 1
+            tracker.cpu_at = cpu
         tracker.changed()
         try:
             return original(*args, **kwargs)
@@ -213,26 +342,57 @@ def install() -> None:
         setattr(dist, name, _tracked(name, original))
 
 
-def begin(listener: Callable[[Position], None] | None = None) -> None:
-    """A task starts in this process: count from zero, tell ``listener`` of every change."""
+def begin(listener: Callable[[Position], None] | None = None, work: Any = None) -> None:
+    """A task starts in this process: count from zero, tell ``listener`` of every change, count every module the
+    task runs in ``work`` (a fresh WorkCounter by default). The task's thread says so itself (``task_thread``)."""
     install()
+    counter = work if work is not None else WorkCounter()
+    counter.value = 0
+
+    def ran_a_module(module: Any, args: Any) -> None:
+        counter.value += 1
+
     with _TRACKER.lock:
         _TRACKER.entered, _TRACKER.inside, _TRACKER.last, _TRACKER.depth = {}, None, BEFORE_FIRST, 0
-        _TRACKER.listener, _TRACKER.active = listener, True
+        _TRACKER.listener, _TRACKER.active, _TRACKER.work, _TRACKER.cpu_at = listener, True, counter, 0.0
+        if _TRACKER.hook is None:
+            _TRACKER.hook = torch.nn.modules.module.register_module_forward_pre_hook(ran_a_module)
+
+
+def task_thread() -> None:
+    """Called on the thread that runs the task: its CPU time is the task's (any thread may read it: task_cpu_s)."""
+    clock = time.pthread_getcpuclockid(threading.get_ident()) if hasattr(time, "pthread_getcpuclockid") else None
+    with _TRACKER.lock:
+        _TRACKER.clock = clock
+        _TRACKER.cpu0 = thread_cpu_s(clock) or 0.0
+
+
+def task_cpu_s() -> float:
+    """The CPU time the running task's thread has used since the task began."""
+    return _TRACKER.task_cpu()
+
+
+def work_done() -> int:
+    """How many modules the running task has run."""
+    return int(_TRACKER.work.value)
 
 
 def end() -> None:
     """The task is over: stop counting and stop telling."""
     with _TRACKER.lock:
         _TRACKER.active, _TRACKER.listener = False, None
+        if _TRACKER.hook is not None:
+            _TRACKER.hook.remove()
+            _TRACKER.hook = None
 
 
 def note(where: str) -> None:
     """Say where this rank is between collectives (the words a straggler is reported with)."""
     if not _TRACKER.active:
         return
+    cpu = _TRACKER.task_cpu()
     with _TRACKER.lock:
-        _TRACKER.last = where
+        _TRACKER.last, _TRACKER.cpu_at = where, cpu
     _TRACKER.changed()
 
 

@@ -14,6 +14,8 @@ The JSON shape is a contract for CI tools::
      "not_judged": {check_id: reason},               # only in conformance mode: checks that cannot call it
      "nothing_ran": [line],                          # only when a given --checkpoint, --capture-dir or --impl
                                                      # had no check run on it: one line each, naming why
+     "interrupted": line,                            # only when the run was stopped (Ctrl-C, SIGTERM, SIGHUP)
+                                                     # before every item ran: what stopped it
      "benchmarks": {table: {"path", "title", "rows": [{"case", "fast_s", "stock_s", "raw_s", "raw_stock_s",
                     "ideal", "ratios", "extra"}]}}}  # only when bench items ran (harness.bench); timings
 
@@ -271,7 +273,8 @@ def _under_test(report: dict[str, Any]) -> list[tuple[str, str]]:
 
 def render_terminal(report: dict[str, Any]) -> str:
     checks, ablations = _rows(report, width=88)
-    lines = [f"implementation under test for {path}: {spec}" for path, spec in _under_test(report)]
+    lines = [report["interrupted"], ""] if report.get("interrupted") else []
+    lines += [f"implementation under test for {path}: {spec}" for path, spec in _under_test(report)]
     if lines:
         lines.append("")
     if checks:
@@ -294,6 +297,8 @@ def render_markdown(report: dict[str, Any]) -> str:
 
     s = report["summary"]
     lines = ["# Parity report", ""]
+    if report.get("interrupted"):
+        lines += [f"**{report['interrupted']}**", ""]
     lines += [f"**implementation under test for {path}**: `{spec}`  " for path, spec in _under_test(report)]
     remote = report.get("remote_code")
     if remote is not None:
@@ -341,7 +346,8 @@ def render_markdown(report: dict[str, Any]) -> str:
 def render_html(report: dict[str, Any]) -> str:
     """One standalone page: the summary, every picture (text when matplotlib is missing), the two tables."""
     checks, ablations = _rows(report)
-    lines = [f"implementation under test for {path}: {spec}" for path, spec in _under_test(report)]
+    lines = [report["interrupted"]] if report.get("interrupted") else []
+    lines += [f"implementation under test for {path}: {spec}" for path, spec in _under_test(report)]
     lines += [_summary_line(report["summary"]), *report.get("nothing_ran", [])]
     if "host" in report:
         lines.append(f"host: {host_summary(report['host'])}")

@@ -74,6 +74,81 @@ def stuck_after_first_gather(rank: int) -> torch.Tensor:
     return first + all_gather_ranks(2.0)
 
 
+def spinning_before_gather(rank: int) -> torch.Tensor:
+    """``rank`` loops in Python forever (alive, its CPU busy, computing nothing) while the others go in."""
+    from harness import progress
+
+    if dist.get_rank() == rank:
+        progress.note("a loop in Python before the all-gather")
+        turns = 0
+        while turns >= 0:
+            turns += 1
+    return all_gather_ranks(1.0)
+
+
+def deadlocked_before_gather(rank: int) -> torch.Tensor:
+    """``rank`` takes a lock it already holds (a deadlock) while the others go in."""
+    import threading
+
+    from harness import progress
+
+    if dist.get_rank() == rank:
+        progress.note("taking a lock before the all-gather")
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()
+    return all_gather_ranks(1.0)
+
+
+def product_rounds(rounds: int, size: int = 192) -> float:
+    """Real work without a module: ``rounds`` matrix products on this thread (seeded inputs)."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator) / size**0.5
+    b = a.clone()
+    for _ in range(rounds):
+        b = torch.tanh(a @ b)
+    return float(b.sum())
+
+
+def module_rounds(rounds: int, width: int = 192) -> float:
+    """Real work through modules: ``rounds`` passes of a small MLP."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, width))
+    x = torch.randn(8, width)
+    with torch.no_grad():
+        for _ in range(rounds):
+            x = net(x)
+    return float(x.sum())
+
+
+def slower_before_gather(rank: int, rounds: int, factor: int, modules: bool) -> float:
+    """Every rank does ``rounds`` of real work (or none, with ``modules``), ``rank`` does ``factor`` times as much,
+    then they all-gather: returns when this rank entered the gather (time.monotonic, one host's clock)."""
+    work = module_rounds if modules else product_rounds
+    mine = rounds * factor if dist.get_rank() == rank else (0 if modules else rounds)
+    if mine:
+        work(mine)
+    entered = time.monotonic()
+    all_gather_ranks(1.0)
+    return entered
+
+
+def slowed(decoder, seconds: float):
+    """``decoder`` with each call repeated for about ``seconds`` of real work (the first call measures one)."""
+    repeats: list[int] = []
+
+    def decode(tile: torch.Tensor) -> torch.Tensor:
+        began = time.perf_counter()
+        out = decoder(tile)
+        if not repeats:
+            repeats.append(max(1, round(seconds / max(time.perf_counter() - began, 1e-3))))
+        for _ in range(repeats[0] - 1):
+            out = decoder(tile)
+        return out
+
+    return decode
+
+
 def alone_in_gather(rank: int) -> int:
     """``rank`` enters an all-gather that every other rank returns without entering."""
     if dist.get_rank() == rank:

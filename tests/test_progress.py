@@ -1,8 +1,29 @@
-"""Who is behind a collective: the pure rule the world's parent and every torchrun rank apply to positions."""
+"""Who is behind a collective and who is stuck: the pure rules the world's parent and every torchrun rank apply to
+positions and paces."""
+
+import dataclasses
 
 import pytest
+import torch
 
-from harness.progress import BEFORE_FIRST, Position, abandoned, stragglers
+from harness.progress import (
+    BEFORE_FIRST,
+    IDLE_CPU_SHARE,
+    SPIN_FACTOR,
+    Pace,
+    PaceMeter,
+    Position,
+    WorkCounter,
+    abandoned,
+    begin,
+    end,
+    peers_cpu_s,
+    stalled,
+    stragglers,
+    task_cpu_s,
+    task_thread,
+    work_done,
+)
 
 pytestmark = pytest.mark.cpu
 
@@ -70,3 +91,84 @@ def test_a_rank_whose_group_returned_without_its_collective_waits_there_alone():
     assert abandoned(positions, {0, 1}, 4) == []  # rank 3 may still come
     reached = {0: Position({WORLD: 2}, None, "x"), 2: _waiting(WORLD, 2)}
     assert abandoned(reached, {0, 1, 3}, 4) == []  # rank 0 entered it: a transport matter, not a protocol break
+
+
+# ----------------------------------------------------------------------------------------------- pace
+
+WINDOW = 2.0
+
+
+def _meter_over(samples: list[tuple[float, object, float]]) -> list:
+    meter = PaceMeter(WINDOW)
+    return [meter.sample(now, done, cpu) for now, done, cpu in samples]
+
+
+def test_a_rank_whose_position_modules_and_cpu_stand_still_is_idle_once_the_window_is_full():
+    paces = _meter_over([(0.0, "a", 1.0), (1.0, "a", 1.0), (2.0, "a", 1.0), (2.5, "a", 1.0)])
+    assert [p.still_s for p in paces] == [0.0, 1.0, 2.0, 2.5]
+    assert [p.idle for p in paces] == [False, False, True, True]  # not before a whole window was seen
+
+
+def test_cpu_time_that_advances_is_not_idle_and_what_it_did_moving_restarts_the_stillness():
+    busy = _meter_over([(0.0, "a", 0.0), (1.0, "a", 1.0), (2.0, "a", 2.0), (3.0, "a", 3.0)])
+    assert not any(p.idle for p in busy) and busy[-1].still_s == 3.0 and busy[-1].cpu_s == 3.0
+    moving = _meter_over([(0.0, "a", 0.0), (1.0, "b", 0.0), (2.5, "b", 0.0)])
+    assert [p.still_s for p in moving] == [0.0, 0.0, 1.5]
+    meter = PaceMeter(WINDOW)
+    meter.sample(0.0, "a", 0.0)
+    assert meter.sample(3.0, "a", 0.0, busy=True).still_s == 0.0  # a device still working for it is progress
+
+
+def test_a_trickle_of_cpu_below_the_idle_share_is_idle():
+    trickle = IDLE_CPU_SHARE * WINDOW / 2
+    paces = _meter_over([(0.0, "a", 0.0), (1.0, "a", trickle / 2), (2.0, "a", trickle)])
+    assert paces[-1].idle
+    assert not _meter_over([(0.0, "a", 0.0), (2.0, "a", 2 * IDLE_CPU_SHARE * WINDOW)])[-1].idle
+
+
+def test_only_a_straggler_whose_progress_stopped_is_stuck():
+    assert stalled(Pace(still_s=1.9, idle=True, cpu_s=0.0), 0.0, WINDOW) == ""  # moved within the bound
+    assert stalled(Pace(still_s=2.0, idle=True, cpu_s=0.0), 0.0, WINDOW).startswith("no progress: its position")
+    looping = stalled(Pace(still_s=5.0, idle=False, cpu_s=SPIN_FACTOR * 1.0), 1.0, WINDOW)
+    assert looping.startswith("busy without progress: it entered no collective and ran no module"), looping
+    assert f"{SPIN_FACTOR:g}x the CPU time its peers needed" in looping
+    # three times its peers' work, with nothing to show for the whole bound: computing, never stuck
+    assert stalled(Pace(still_s=50.0, idle=False, cpu_s=3.0), 1.0, WINDOW) == ""
+
+
+def test_peers_cpu_is_the_most_any_waiting_peer_spent_to_reach_the_collective():
+    positions = {0: Position({WORLD: 1}, (WORLD, 1, "all_gather"), cpu_s=0.5),
+                 1: Position({WORLD: 1}, (WORLD, 1, "all_gather"), cpu_s=1.5),
+                 2: Position({}, None, "x", cpu_s=9.0), 3: Position({WORLD: 1}, (WORLD, 1, "all_gather"))}
+    (found,) = stragglers(positions, set(), 4)
+    assert found.rank == 2 and peers_cpu_s(positions, found) == 1.5
+    assert found.cause(2.0).endswith("(last seen in x)")
+    assert dataclasses.replace(found, why="asleep").cause(2.0).endswith("(last seen in x): asleep")
+
+
+def test_a_position_travels_with_its_cpu_time_and_reads_one_posted_without_it():
+    where = Position({WORLD: 2}, (WORLD, 2, "broadcast"), "here", cpu_s=1.25)
+    assert Position.from_json(where.to_json()) == where and Position.from_json(where.to_json()).cpu_s == 1.25
+    older = {key: value for key, value in where.to_json().items() if key != "cpu_s"}
+    assert Position.from_json(older).cpu_s == 0.0
+    pace = Pace(3.0, True, 1.5)
+    assert Pace.from_json(pace.to_json()) == pace
+
+
+def test_a_task_counts_the_modules_it_runs_and_its_thread_cpu_time_until_it_ends():
+    counter = WorkCounter()
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    begin(work=counter)
+    try:
+        task_thread()
+        net(torch.ones(1, 4))
+        assert counter.value == 3 == work_done()  # the Sequential and its two children
+        spent = task_cpu_s()
+        turns = 0
+        while task_cpu_s() - spent < 0.02:
+            turns += 1
+        assert task_cpu_s() > spent
+    finally:
+        end()
+    net(torch.ones(1, 4))
+    assert counter.value == 3, "modules run after the task ended are not the task's"

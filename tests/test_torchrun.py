@@ -119,13 +119,13 @@ def _listening(port: int) -> bool:
 
 
 def run_fault(fault: str, log_dir: Path, *, nproc: int = 4, fault_rank: int = 1, bound: float | None = None,
-              monitor_interval: float | None = None) -> dict:
+              monitor_interval: float | None = None, extra_env: dict[str, str] | None = None) -> dict:
     """One torchrun launch of tests/torchrun_faults.py with ``fault`` on ``fault_rank``: what every rank saw,
     when the launch ended, and what it left behind (processes, shared-memory files, the launcher's port)."""
     notes = log_dir / "notes"
     notes.mkdir(parents=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PARITY_THREADS": "1", "PARITY_TEST_FAULT": fault,
-           "PARITY_TEST_FAULT_RANK": str(fault_rank), "PARITY_TEST_FAULT_LOG": str(notes)}
+           "PARITY_TEST_FAULT_RANK": str(fault_rank), "PARITY_TEST_FAULT_LOG": str(notes), **(extra_env or {})}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PARITY_START_METHOD", "PARITY_FAULT_BOUND_S"):
         env.pop(name, None)
     if bound is not None:
@@ -191,6 +191,7 @@ FAULT_BOUND_UNDER_TEST = 15.0  # silence 5 s, grace 2.5 s: the default 30 s boun
     ("sigstop", None),
     ("sigkill", 20.0),  # torchrun would SIGTERM the others within 0.1 s itself; here the suite must close them
     ("stuck", None),  # alive and beating, never reaching the probe exchange: only its position gives it away
+    ("spin", None),  # alive, beating and busy, computing nothing: its CPU time against its peers' gives it away
 ])
 def test_a_faulting_rank_makes_every_rank_raise_within_the_bound(fault, monitor_interval, tmp_path):
     """Four ranks decode the tiny VAE; rank 1 faults mid-decode. Every other rank raises naming it within the bound,
@@ -206,12 +207,14 @@ def test_a_faulting_rank_makes_every_rank_raise_within_the_bound(fault, monitor_
         assert "rank 1: died: the process was stopped (SIGSTOP)" in json.dumps(seen["ranks"]), detail
     elif fault == "sigkill":
         assert "rank 1: died: the process exited or was killed" in json.dumps(seen["ranks"]), detail
-    elif fault == "stuck":  # named by every rank, itself included, with the collective it never reached
+    elif fault in ("stuck", "spin"):  # named by every rank, itself included, with the collective it never reached
         within = f"within {FAULT_BOUND_UNDER_TEST - 2 * 2.5:g} s"
+        why = {"stuck": "no progress: its position, the modules it runs and its CPU time all stood still",
+               "spin": "busy without progress: it entered no collective and ran no module"}[fault]
         for rank, saw in seen["ranks"].items():
             assert saw["error"].startswith(f"task faulty_decode_task: rank 1 did not reach all_gather #1 {within} "
-                                           "(last seen in computing its pieces [1] of 4, before the probe exchange)"), \
-                f"rank {rank}: {saw['error']}"
+                                           "(last seen in computing its pieces [1] of 4, before the probe exchange): "
+                                           f"{why}"), f"rank {rank}: {saw['error']}"
             assert "rank 1: stuck: did not reach all_gather #1" in saw["outcomes"][1], f"rank {rank}: {saw}"
         assert seen["ranks"][1]["raised_at"] - seen["ranks"][1]["fault_at"] <= FAULT_BOUND_UNDER_TEST, detail
     if fault in ("sigstop", "sigkill"):
@@ -221,4 +224,24 @@ def test_a_faulting_rank_makes_every_rank_raise_within_the_bound(fault, monitor_
     print(f"\n{fault}: every other rank raised within {seen['raised_within']:.1f} s and exited within "
           f"{seen['survivors_exited_within']:.1f} s; the launch ended {seen['exited_within']:.1f} s after the fault: "
           f"{seen['message']}")
+    assert not seen["alive"] and not seen["shm_left"] and not seen["port_listening"], detail
+
+
+SLOW_BOUND = 6.0  # stuck after 4 s (two 1 s graces below it)
+
+
+@pytest.mark.launch
+@pytest.mark.skipif(compat.path_unavailable("decode") is not None, reason=str(compat.path_unavailable("decode")))
+def test_a_rank_three_times_slower_is_waited_for_under_torchrun(tmp_path):
+    """Four ranks decode the tiny VAE, every decoder call repeated for about 1.5 s of real work, rank 1's for three
+    times as long: its peers wait in the probe exchange longer than the stuck time, and the decode still succeeds
+    on every rank (a wall-clock bound would have named rank 1), and the launch leaves nothing behind."""
+    seen = run_fault("slow", tmp_path, bound=SLOW_BOUND, extra_env={"PARITY_TEST_SLOW_S": "1.5"})
+    detail = f"{json.dumps(seen['ranks'], indent=1)}\n{seen['output'][-4000:]}"
+    assert seen["returncode"] == 0, detail
+    assert all("finished_at" in saw for saw in seen["ranks"].values()), detail
+    reached = seen["ranks"][0]["reached"]
+    waited = reached[1] - max(at for rank, at in enumerate(reached) if rank != 1)
+    stuck_s = seen["ranks"][0]["stuck_s"]
+    assert waited > stuck_s, f"rank 1 was only {waited:.1f} s behind (stuck after {stuck_s:g} s): not slow enough"
     assert not seen["alive"] and not seen["shm_left"] and not seen["port_listening"], detail

@@ -10,7 +10,11 @@ test to judge. The faults:
   others inside a collective;
 - sigstop / sigkill: the rank stops or kills itself in its first decoder call, before the probe exchange;
 - stuck: the rank sleeps in its first decoder call (alive, its heartbeat beating, as in a deadlock or a stuck
-  data loader) and never reaches the probe exchange its peers wait in.
+  data loader) and never reaches the probe exchange its peers wait in;
+- spin: the rank loops in Python in its first decoder call (alive, its CPU busy, computing nothing);
+- slow: not a fault: every rank repeats each decoder call for about PARITY_TEST_SLOW_S seconds of real work, and
+  the rank three times as long, so its peers wait in the probe exchange for longer than the bound's stuck time;
+  the decode must succeed on every rank, nobody named.
 """
 
 import json
@@ -28,12 +32,14 @@ from fixtures import decode_models, decode_tasks
 from harness import launch
 from harness.decode import exchange, serve, sharded
 from harness.dist import World, WorldTaskError
+from tests import dist_tasks
 
 SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
 FAULT = os.environ.get("PARITY_TEST_FAULT", "")
 FAULT_RANK = int(os.environ.get("PARITY_TEST_FAULT_RANK", "1"))
 LOG = Path(os.environ.get("PARITY_TEST_FAULT_LOG", "."))
+SLOW_S = float(os.environ.get("PARITY_TEST_SLOW_S", "0"))
 
 
 def _note(**fields) -> None:
@@ -54,6 +60,13 @@ def _fault_here():
         time.sleep(600)
         raise AssertionError("unreachable: the rank sleeps until the session ends")
 
+    def spin_forever(tile: torch.Tensor) -> torch.Tensor:
+        _note(fault_at=time.time())
+        turns = 0
+        while turns >= 0:
+            turns += 1
+        raise AssertionError("unreachable: the rank loops until the session ends")
+
     original_collect, original_confirm = exchange.collect, exchange.confirm
 
     def collect_then_raise(*args, **kwargs):
@@ -70,9 +83,31 @@ def _fault_here():
         return original_confirm(step, *args, **kwargs)
 
     return {"sigstop": ("decoder", stop_or_kill), "sigkill": ("decoder", stop_or_kill),
-            "stuck": ("decoder", sleep_forever),
+            "stuck": ("decoder", sleep_forever), "spin": ("decoder", spin_forever),
             "raise_after_gather": ("collect", collect_then_raise),
             "raise_outside_protocol": ("confirm", leave_at_assemble)}[FAULT]
+
+
+def slow_decode_task(job: decode_tasks.TinyDecodeJob) -> tuple[str, float]:
+    """Every rank decodes with each decoder call slowed to about SLOW_S seconds, FAULT_RANK to three times that:
+    (the video's shape, when this rank reached the probe exchange)."""
+    vae = job.build_vae()
+    z = job.build_latents(torch.device("cpu"))
+    seconds = SLOW_S * (3 if dist.get_rank() == FAULT_RANK else 1)
+    reached: list[float] = []
+    original = exchange.exchange_probes
+
+    def exchange_probes(*args, **kwargs):
+        reached.append(time.time())
+        return original(*args, **kwargs)
+
+    exchange.exchange_probes = exchange_probes
+    try:
+        with torch.no_grad(), serve.bound(vae, "decoder", dist_tasks.slowed(vae.decoder, seconds)):
+            video = sharded.sharded_decode(vae, z, None)
+    finally:
+        exchange.exchange_probes = original
+    return str(tuple(video.shape)), reached[0]
 
 
 def faulty_decode_task(job: decode_tasks.TinyDecodeJob) -> str:
@@ -98,6 +133,18 @@ def world():
         yield launched
 
 
+@pytest.mark.skipif(FAULT != "slow", reason="the slow launch only")
+def test_a_slow_rank_is_waited_for_and_never_called_stuck(world):
+    _note(rank=RANK, pid=os.getpid(), port=int(os.environ["MASTER_PORT"]), started=time.time(), fault_at=time.time())
+    job = decode_tasks.TinyDecodeJob(decode_models.LatentSpec(22))
+    results = world.run(slow_decode_task, job, timeout_s=300.0)
+    shapes = {shape for shape, _ in results}
+    reached = [at for _, at in results]
+    _note(finished_at=time.time(), shapes=sorted(shapes), reached=reached, stuck_s=launch.stuck_s())
+    assert len(shapes) == 1
+
+
+@pytest.mark.skipif(FAULT == "slow", reason="a fault launch only")
 def test_a_fault_on_one_rank_makes_every_rank_raise_within_the_bound(world):
     _note(rank=RANK, pid=os.getpid(), port=int(os.environ["MASTER_PORT"]), bound=launch.fault_bound(),
           silence=launch.silence_s(), grace=launch.grace_s(), started=time.time())
@@ -111,6 +158,7 @@ def test_a_fault_on_one_rank_makes_every_rank_raise_within_the_bound(world):
     assert f"rank {FAULT_RANK}" in str(info.value)
 
 
+@pytest.mark.skipif(FAULT == "slow", reason="a fault launch only")
 def test_the_world_is_gone_or_still_usable_after_it(world):
     """After a fault inside the protocol the group still works; after one outside it the group is lost and said so.
 

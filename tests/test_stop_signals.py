@@ -1,0 +1,68 @@
+"""How a run answers a stop signal, in this process: the handlers go in and come out whole, a stop kills the rank
+processes it started and raises the interrupt pytest reports, and a report of a stopped run says so first.
+tests/test_lifecycle.py stops whole runs (forked and under torchrun) and counts what they leave."""
+
+import signal
+import subprocess
+
+import pytest
+
+from harness import lifecycle, report
+from harness.plugin import OUTCOME_ERRORS
+from tests.dist_tasks import alive
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.fixture
+def installed():
+    restore = lifecycle.install()
+    yield
+    restore()
+
+
+def test_the_stop_handlers_go_in_and_come_out_whole():
+    before = {signum: signal.getsignal(signum) for signum in lifecycle.STOP_SIGNALS}
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
+    restore = lifecycle.install()
+    try:
+        assert all(signal.getsignal(signum) is lifecycle._on_stop_signal for signum in lifecycle.STOP_SIGNALS)
+        assert signal.set_wakeup_fd(signal.set_wakeup_fd(-1)) != wakeup, "the watch thread reads the wakeup fd"
+    finally:
+        restore()
+    assert {signum: signal.getsignal(signum) for signum in lifecycle.STOP_SIGNALS} == before
+    assert signal.set_wakeup_fd(wakeup) == wakeup
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_stop_signal_kills_the_ranks_at_once_and_raises_the_interrupt(installed, signum):
+    child = subprocess.Popen(["sleep", "60"])
+    lifecycle.adopt(child.pid)
+    try:
+        with pytest.raises(lifecycle.StopRequested) as info:
+            signal.raise_signal(signum)  # the handler runs, and raises, before this call returns
+        assert child.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        lifecycle.disown(child.pid)
+        if child.poll() is None:
+            child.kill()
+    name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    assert str(info.value) == f"{name}: the run was asked to stop; every rank process it started was killed"
+    assert lifecycle.requested() == signal.Signals(signum).name
+    assert alive([child.pid]) == []
+
+
+def test_the_interrupt_is_never_an_outcome_a_check_records():
+    assert issubclass(lifecycle.StopRequested, KeyboardInterrupt)
+    assert not issubclass(lifecycle.StopRequested, OUTCOME_ERRORS)
+
+
+def test_a_report_of_a_stopped_run_says_so_before_anything_else():
+    data = report.build([], [])
+    data["interrupted"] = "INTERRUPTED by SIGTERM: the run stopped before every item ran"
+    assert report.render_terminal(data).startswith(data["interrupted"])
+    assert report.render_markdown(data).startswith(f"# Parity report\n\n**{data['interrupted']}**")
+    assert data["interrupted"] in report.render_html(data)
+    del data["interrupted"]
+    assert "INTERRUPTED" not in report.render_terminal(data) + report.render_markdown(data)
