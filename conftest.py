@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
-from harness import host
+from harness.inputs import host
 
 pytest_plugins = ["harness.plugin", "pytester"]
 

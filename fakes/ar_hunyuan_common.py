@@ -25,7 +25,7 @@ major (``past_key_values`` on 4.x, ``cache`` on 5.x), which is what upstream's k
 ``mode="gen_image"`` (a config with ``vae``) is ``image_forward`` over the parts of ``hunyuan_image_gen``: latents
 and timestep tokens scattered into the sequence, the caller's 4-D mask handed to SDPA, the prediction read from the
 image tokens; the 2-D RoPE places image tokens on a grid. The VAE and ViT are out of scope. The module imports only
-torch, transformers, the standard library and ``harness.compat`` (installed with the project).
+torch, transformers, the standard library and ``harness.inputs.compat`` (installed with the project).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from transformers import PreTrainedModel, StaticCache
 from transformers.generation.utils import ALL_CACHE_NAMES
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from harness import compat
+from harness.inputs import compat
 
 from .hunyuan_image_gen import (
     build_2d_rope_positions,

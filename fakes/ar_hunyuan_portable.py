@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import GenerationMixin
 
-from harness import compat
+from harness.inputs import compat
 
 from .ar_hunyuan_common import (
     HunyuanImage3Config,

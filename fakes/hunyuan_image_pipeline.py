@@ -9,7 +9,7 @@ with ``FlowMatchDiscreteScheduler`` and ``ClassifierFreeGuidance``) does with th
 - The first step runs the whole sequence (``first_step=True``) with the mask the model's own mask builder makes
   from ``tokenizer_output``; the model's kwargs update then narrows later steps to the timestep and image tokens
   over the cache. The fake has no VAE: the loop returns the final latents. The module imports torch and
-  ``harness.compat`` only.
+  ``harness.inputs.compat`` only.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from harness import compat
+from harness.inputs import compat
 
 __all__ = ["ClassifierFreeGuidance", "FlowMatchDiscreteScheduler", "HunyuanImage3Text2ImagePipeline"]
 

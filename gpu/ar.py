@@ -31,12 +31,12 @@ from typing import Any
 import pytest
 import torch
 
-from harness import checkpoints, compat, conformance, plugins
 from harness.ar import left_padded
 from harness.ar import plugins as ar_plugins
 from harness.ar.backends import remote_code_name
 from harness.ar.batch import ARBatch, right_padded_batch
 from harness.ar.judge import (
+    case_row_metrics,
     dtype_control,
     judge_bf16,
     judge_logp,
@@ -44,17 +44,19 @@ from harness.ar.judge import (
     layout_mismatch,
     require_floor_bounds,
     require_path,
-    seed001_metrics,
     step_curve,
 )
 from harness.ar.loop import Rollout, fast_rollout, stock_rollout
 from harness.ar.policies import TOLERANCE_K, fp32_policies, stock_prefill_floor
 from harness.ar.routing import RoutingProbe, probe_routing
 from harness.ar.spy import ARForwardSpy
-from harness.checkid import CheckId
-from harness.checks import CheckContext
-from harness.compare import Verdict, exact
-from harness.floors import module_reduction_terms
+from harness.inputs import checkpoints, compat
+from harness.judging.checkid import CheckId
+from harness.judging.checks import CheckContext
+from harness.judging.compare import Verdict, exact
+from harness.judging.floors import module_reduction_terms
+from harness.plugins import conformance
+from harness.plugins import entry_points as plugins
 
 __all__ = ["CHECK_ID", "KIND_KILLS", "LEFT_CHECK_ID", "POLICY", "PROMPT_LENGTHS", "ar_check", "checkpoint_backend",
            "checkpoint_routing", "left_ar_check"]
@@ -156,7 +158,7 @@ def ar_check(ctx: CheckContext, side: str = "right") -> Verdict:
         verdict = judge_bf16(fast, reference, control, k=BF16_KL_K, floor=BF16_KL_FLOOR,
                              flip_margin=FLIP_MARGIN, dtype=ctx.dtype)
     curve = step_curve(fast.logp, reference.logp, reference.lengths)  # reported: 8 steps are too few for thirds
-    verdict = dataclasses.replace(verdict, metrics={**verdict.metrics, **seed001_metrics(fast, reference),
+    verdict = dataclasses.replace(verdict, metrics={**verdict.metrics, **case_row_metrics(fast, reference),
                                                     "logp_error_curve": [float(f"{float(c):.4g}") for c in curve]})
     routing = checkpoint_routing(str(ctx.checkpoint), ctx.dtype, str(ctx.device))
     verdict = verdict.require(routing.independent, f"MoE routing ignores what shares a forward ({routing.describe()})",

@@ -22,8 +22,8 @@ from harness.attention.policies import (
     low_precision_policy,
     reference_output,
 )
-from harness.checks import CheckContext
-from harness.compare import Verdict
+from harness.judging.checks import CheckContext
+from harness.judging.compare import Verdict
 
 __all__ = ["KERNELS", "PHASES", "POLICY", "kernel_check"]
 

@@ -1,6 +1,6 @@
 """GPU-tier checks (tier "gpu"): the paths' comparisons on real checkpoints, per dtype.
 
-Each check runs against ``ctx.checkpoint`` of the kind its path is fed by (harness.checkpoints.KINDS)
+Each check runs against ``ctx.checkpoint`` of the kind its path is fed by (harness.inputs.checkpoints.KINDS)
 and ``ctx.dtype``; gpu/test_gpu.py generates one item per (check, matching checkpoint, dtype), and one kill item per
 ablation that claims the check or that the checkpoint's kind claims on it (``kind_kills``).
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import functools
 
 from gpu import ar, attention, decode, replay
-from harness.checkid import CheckId
-from harness.checks import register
-from harness.compare import exact
+from harness.judging.checkid import CheckId
+from harness.judging.checks import register
+from harness.judging.compare import exact
 
 __all__ = ["KIND_ALSO_FEEDS", "KIND_KILLS", "also_feeds", "kind_kills"]
 

@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from fixtures import decode_tasks
-from harness import checkpoints, launch
-from harness.checkid import CheckId
-from harness.checks import CheckContext
-from harness.compare import Verdict, exact
 from harness.decode.judge import compare_sharded_decode
+from harness.inputs import checkpoints
+from harness.judging.checkid import CheckId
+from harness.judging.checks import CheckContext
+from harness.judging.compare import Verdict, exact
+from harness.process import launch
 
 __all__ = [
     "FP32_ONLY_CHECKS",

@@ -1,7 +1,7 @@
 """GPU tier of replay: a real diffusers DiT or HunyuanImage-3's image forward, batched-step replay vs the serial loop,
 fp32 and bf16.
 
-The checkpoint's model class picks its replay family through the registries (harness.plugins:
+The checkpoint's model class picks its replay family through the registries (harness.plugins.entry_points:
 CHECKPOINT_KINDS -> REPLAY_FAMILIES), so an installed family's checkpoint runs here unchanged. A HunyuanImage-3
 checkpoint (an ar kind) feeds replay too when its config names the image forward's latent channels (``drives``):
 its family drives the causal MM model's ``forward(mode="gen_image")``, loaded through ``--device-map`` like the ar
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from harness import checkpoints
-from harness.checks import CheckContext
-from harness.compare import Verdict
+from harness.inputs import checkpoints
+from harness.judging.checks import CheckContext
+from harness.judging.compare import Verdict
 from harness.replay.conditions import Conditions
 from harness.replay.controls import BatchShapeControl, measure_batch_shape_control
 from harness.replay.denoiser import DenoiserAdapter, WrappedAdapter

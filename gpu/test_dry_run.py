@@ -20,9 +20,10 @@ import torch
 from fixtures import checkpoints as tiny_checkpoints
 from gpu import checks as gpu_checks
 from gpu import decode as gpu_decode
-from harness import catalogue, checks, compat
-from harness import device_map as device_maps
-from harness.checkpoints import KINDS, CheckpointError, detect, load_model
+from harness.inputs import compat
+from harness.inputs import device_map as device_maps
+from harness.inputs.checkpoints import KINDS, CheckpointError, detect, load_model
+from harness.judging import catalogue, checks
 
 # the launchers (spawned ranks, torchrun, the gpu tier's dry run) are marked `launch`: scripts/test-all runs
 # them; the rest of this file is CPU-tier machinery
@@ -64,13 +65,13 @@ def test_every_kind_is_written_and_detected(tiny_dir):
 @pytest.mark.cpu
 def test_an_installed_kind_is_written_from_its_own_writer_or_named(tmp_path, monkeypatch):
     """A package's kind with a writer is written and detected like the suite's; one without is named, not failed."""
-    from harness import plugins
+    from harness.plugins import entry_points as plugins
 
     def write(target):
         tiny_checkpoints.KINDS["sd3_transformer"](target)  # any diffusers DiT the registry can detect
 
     from fixtures.replay_models import tiny_model
-    from harness import checkpoints as checkpoints_mod
+    from harness.inputs import checkpoints as checkpoints_mod
     from harness.replay import families
 
     with_writer = plugins.CheckpointKind("sd3_from_plugin", "replay", ("SD3Transformer2DModel",), "diffusers",

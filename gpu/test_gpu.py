@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from gpu.decode import world_size as gpu_world_size
-from harness import ablation, catalogue, checks
-from harness.items import ParityItem
-from harness.plugin import SESSION_KEY, gpu_device, parse_dtypes
+from harness.judging import ablation, catalogue, checks
+from harness.judging.items import ParityItem
+from harness.options import gpu_device, parse_dtypes
+from harness.session import SESSION_KEY
 
 catalogue.load()
 

@@ -14,11 +14,11 @@ import math
 import torch
 
 from fixtures.ar_models import BACKENDS as MODELS
-from harness.ablation import ablation
 from harness.ar.batch import pad_seq
 from harness.ar.comparisons import CASE_QUANTITIES
 from harness.ar.loop import token_logprob
-from harness.checkid import CheckId
+from harness.judging.ablation import ablation
+from harness.judging.checkid import CheckId
 
 _BATCHED = ("unequal_real_pos", "length_skew", "all_padded", "concat")
 _TRANSFORMERS = tuple(m for m in MODELS if m != "fake")

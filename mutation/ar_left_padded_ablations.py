@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from fixtures.ar_models import BACKENDS as MODELS
-from harness.ablation import ablation
-from harness.checkid import CheckId
+from harness.judging.ablation import ablation
+from harness.judging.checkid import CheckId
 
 _BATCHED = ("unequal_real_pos", "length_skew", "all_padded")
 _TOKENS_FACT = "batched tokens equal B=1 on every step"

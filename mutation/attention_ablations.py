@@ -12,11 +12,11 @@ import dataclasses
 import torch
 
 from fixtures.attention_captures import INPUT_CASES
-from harness.ablation import ablation
 from harness.attention import kernels, masks, padded
 from harness.attention.decomposed import RowBlock
 from harness.attention.layout import AttentionLayout
-from harness.checkid import CheckId
+from harness.judging.ablation import ablation
+from harness.judging.checkid import CheckId
 
 
 def _span_end_early(original):

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from fixtures.decode_models import installed_vaes
-from harness.ablation import ablation
-from harness.checkid import CheckId
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import Probe, ProbeStatus, ShardedDecodeError
 from harness.decode.serve import bound
-from harness.dist import WorldTaskError
+from harness.judging.ablation import ablation
+from harness.judging.checkid import CheckId
+from harness.process.dist import WorldTaskError
 
 ENCODES = ["decode.encode.f40.w2.bitexact", "decode.encode.f51.w4.bitexact",
            "decode.encode.f40.w3.gather_dst1.bitexact", "decode.encode.f40.w2.fp16_autocast.bitexact"]
@@ -31,12 +31,13 @@ FAIL_CLOSED = "every rank raises within"
 # How long an ablated world whose ranks block in a collective runs before it is closed. The verdict is the same at any
 # bound (blocked ranks are a broken fail-closed contract either way), so the bound only has to sit well above the time
 # a healthy eight-rank fault world takes to answer (under 1 s on 2 cores in every dispatch lane) and below
-# harness.dist.ERROR_GRACE_S, so one raising rank does not wait out the whole grace. Each blocked kill costs this long.
+# harness.process.dist.ERROR_GRACE_S, so one raising rank does not wait out the whole grace. Each blocked kill
+# costs this long.
 BLOCKED_WORLD_S = 2.0
 
 
 def _installed(worlds: Sequence[int]) -> list[str]:
-    """The seed matrix's bitexact checks on every installed VAE (harness.plugins.VAES) at ``worlds``."""
+    """The seed matrix's bitexact checks on every installed VAE (harness.plugins.entry_points.VAES) at ``worlds``."""
     cases = [f"t{frames}.w{world}" for frames in (37, 22, 12) for world in worlds]
     return [str(check) for check in CheckId.grid("decode", installed_vaes(), cases, ("bitexact",))]
 

@@ -14,8 +14,8 @@ import dataclasses
 import torch
 
 from fixtures.replay_families import ROPE_FIELDS, family_ids
-from harness.ablation import ablation
-from harness.checkid import CheckId
+from harness.judging.ablation import ablation
+from harness.judging.checkid import CheckId
 from harness.replay import cfg, tiling
 from harness.replay.conditions import concat_payloads, payload_rows
 from harness.replay.denoiser import guidance_at

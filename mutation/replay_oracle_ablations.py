@@ -16,8 +16,8 @@ import math
 import torch
 
 from fixtures.replay_families import family_ids
-from harness.ablation import ablation
-from harness.checkid import CheckId
+from harness.judging.ablation import ablation
+from harness.judging.checkid import CheckId
 from harness.replay.conditions import slice_rows
 from harness.replay.sde import LOG_SQRT_2PI, SDEStep, SDEStrategy, gaussian_log_prob
 

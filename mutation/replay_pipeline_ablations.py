@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from fixtures.replay_families import family_ids, family_names
-from harness.ablation import ablation
-from harness.checkid import CheckId
+from harness.judging.ablation import ablation
+from harness.judging.checkid import CheckId
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
 
 ORACLE = [str(check) for check in CheckId.grid("replay", ("oracle",), ("pipeline",), family_names())]

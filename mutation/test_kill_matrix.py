@@ -3,8 +3,8 @@ pass without the ablation and fail with it; every check must be claimed by some 
 
 import pytest
 
-from harness import ablation, catalogue, checks
-from harness.items import kill_params
+from harness.judging import ablation, catalogue, checks
+from harness.judging.items import kill_params
 
 catalogue.load()
 

@@ -1,4 +1,4 @@
-"""Parity checks of the ar path (registered into harness.checks).
+"""Parity checks of the ar path (registered into harness.judging.checks).
 
 For the fake HunyuanImage-3 upstream and for each tiny transformers model (HunYuanMoEV1, Qwen3):
 - ``ar.<model>.<case>.{tokens,logp,prefill_kv,slot0}`` on the AR PR's cases and the AR issue's concat construction
@@ -23,13 +23,14 @@ import torch
 
 from fixtures import ar_models
 from fixtures.ar_cases import CASES, EXTRA, ARCase, eos_for_one_stop, eos_for_stops, stopped_at_eos
-from harness import conformance, floors
 from harness.ar import comparisons, judge, loop
 from harness.ar import policies as ar_policies
-from harness.checkid import CheckId
-from harness.checks import register
-from harness.compare import Verdict, close
-from harness.floors import module_reduction_terms
+from harness.judging import floors
+from harness.judging.checkid import CheckId
+from harness.judging.checks import register
+from harness.judging.compare import Verdict, close
+from harness.judging.floors import module_reduction_terms
+from harness.plugins import conformance
 
 MODELS = ar_models.BACKENDS
 FINISHED_STOPS = {0: 1, 2: 3}  # row -> decode step whose reference token becomes an EOS id
@@ -177,7 +178,7 @@ FP32_POLICY = (f"tokens exact; fp32 quantities close within {ar_policies.TOLERAN
                "fake's unpadded B=1")
 ORACLE_POLICY = f"close(atol={ORACLE_ULPS:g} fp32 ulps of the stock run's max |logit|) against an fp64 log_softmax"
 GROWTH_POLICY = (f"per-step error growth <= {judge.GROWTH_BUDGET:g} x the stock floor curve's growth "
-                 "(harness.growth)")
+                 "(harness.judging.growth)")
 
 for _model in MODELS:
     for _case in CASES:

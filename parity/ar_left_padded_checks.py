@@ -1,4 +1,4 @@
-"""Parity checks of the ar path's left-padded layout (registered into harness.checks).
+"""Parity checks of the ar path's left-padded layout (registered into harness.judging.checks).
 
 A left-padded batch of a case holds the case's own prompts at the case's own width, so these checks share the
 right-padded catalogue's cached B=1 references, EOS ids, stock floors, policies and growth control
@@ -24,13 +24,13 @@ import functools
 from fixtures import ar_models
 from fixtures.ar_cases import CASES, EXTRA, ARCase
 from fixtures.ar_models import PAD_ID
-from harness import conformance
 from harness.ar import comparisons
 from harness.ar import policies as ar_policies
 from harness.ar.left_padded import LeftPaddedBatch, left_padded_batch
-from harness.checkid import CheckId
-from harness.checks import register
-from harness.compare import Verdict, close
+from harness.judging.checkid import CheckId
+from harness.judging.checks import register
+from harness.judging.compare import Verdict, close
+from harness.plugins import conformance
 from parity import ar_checks
 
 MODELS = ar_models.BACKENDS

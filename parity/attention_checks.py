@@ -1,4 +1,4 @@
-"""Parity checks of the attention path (registered into harness.checks).
+"""Parity checks of the attention path (registered into harness.judging.checks).
 
 Contract checks judge the harness's mask builder on the seed layouts against the seed's formula
 and numbers. Capture checks read capture files (``ctx.capture_dir``, the plugin's --capture-dir;
@@ -23,13 +23,14 @@ import functools
 from dataclasses import dataclass
 
 from fixtures import attention_captures as seeds
-from harness import conformance, floors
 from harness.attention import capture as capture_io
 from harness.attention import contract, judge, kernels, masks
 from harness.attention.layout import PHASES
-from harness.checkid import CheckId
-from harness.checks import CheckContext, register
-from harness.compare import UNSTAMPED, Verdict, holds
+from harness.judging import floors
+from harness.judging.checkid import CheckId
+from harness.judging.checks import CheckContext, register
+from harness.judging.compare import UNSTAMPED, Verdict, holds
+from harness.plugins import conformance
 
 # The attention handoff's numbers (docs/contracts.md): densities to 4 decimals, prefill pair counts, and the
 # denoise row-visibility histogram.

@@ -1,4 +1,4 @@
-"""Parity checks of the decode path (registered into harness.checks); the judges live in harness.decode.judge.
+"""Parity checks of the decode path (registered into harness.judging.checks); the judges live in harness.decode.judge.
 
 The decode PR's matrix (latent lengths 37, 22, 12 x worlds 1, 2, 4, 8; docs/contracts.md) and the cases beyond
 it: every receiving rank's video must be bitwise the stock ``vae.decode(z)`` (max|d| 0, max ULP 0, 0 mismatched,
@@ -23,12 +23,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from fixtures import decode_models, decode_tasks
-from harness import checks, conformance
-from harness.checkid import CheckId
-from harness.compare import UNSTAMPED, Verdict, exact
 from harness.decode import judge, oracle
 from harness.decode.judge import RankDecode
-from harness.dist import WorldTaskError
+from harness.judging import checks
+from harness.judging.checkid import CheckId
+from harness.judging.compare import UNSTAMPED, Verdict, exact
+from harness.plugins import conformance
+from harness.process.dist import WorldTaskError
 
 __all__ = ["CASES", "ENCODE_CASES", "FAULT_BOUND_S", "FAULT_RANK", "FAULT_WORLD", "INSTALLED", "DecodeCase",
            "EncodeCase", "fault_id", "run_fault"]
@@ -111,7 +112,8 @@ BEYOND = (
     # where torch.distributed wants the global rank lands outside the group or on the wrong member
     DecodeCase(22, 4, groups=((0, 2), (1, 3)), transport="gather", dst=1, tag="subgroups_gather_dst1"),
 )
-# every installed VAE (harness.plugins.VAES, with a tiny model) gets the seed's matrix on its own tiny model
+# every installed VAE (harness.plugins.entry_points.VAES, with a tiny model) gets the seed's matrix on its own tiny
+# model
 INSTALLED = tuple(replace(case, family=name) for name in decode_models.installed_vaes() for case in MATRIX)
 CASES = MATRIX + BEYOND + INSTALLED
 

@@ -1,4 +1,4 @@
-"""Parity checks of the replay path (registered into harness.checks).
+"""Parity checks of the replay path (registered into harness.judging.checks).
 
 Fake-kernel cases are judged bitwise (the kernel is row-wise and batch-shape invariant, so any
 difference is a layout bug). Every registered replay family, the suite's own and any an installed
@@ -30,9 +30,10 @@ from fixtures.replay_cases import (
 )
 from fixtures.replay_families import QUANTITIES, family_names
 from fixtures.replay_models import tiny_model
-from harness import conformance, floors
-from harness.checks import register
-from harness.compare import Verdict, exact, holds, raises
+from harness.judging import floors
+from harness.judging.checks import register
+from harness.judging.compare import Verdict, exact, holds, raises
+from harness.plugins import conformance
 from harness.replay import denoiser, discriminating, pipeline_oracle, tiling
 from harness.replay.conditions import Conditions, broadcast_rows, payload_rows, slice_rows
 from harness.replay.denoiser import WrappedAdapter, concat_branches, predict_velocity

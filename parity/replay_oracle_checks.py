@@ -25,12 +25,12 @@ from fakes.replay_kernel import FakeDenoiser
 from fixtures.replay_cases import FAKE_LATENT, GUIDANCE, fake_problem, real_control, real_problem
 from fixtures.replay_families import family_names
 from fixtures.replay_models import tiny_model
-from harness import growth
-from harness.checks import register
-from harness.compare import Close, Verdict, close, holds, max_abs_diff, noise_floor
-from harness.floors import StockFloor, reduction_ceiling_ulps
-from harness.floors import declare as declare_floor
-from harness.growth import growth_ratio
+from harness.judging import growth
+from harness.judging.checks import register
+from harness.judging.compare import Close, Verdict, close, holds, max_abs_diff, noise_floor
+from harness.judging.floors import StockFloor, reduction_ceiling_ulps
+from harness.judging.floors import declare as declare_floor
+from harness.judging.growth import growth_ratio
 from harness.replay import denoiser, oracles
 from harness.replay.conditions import Conditions, payload_rows, slice_rows
 from harness.replay.controls import fast_shape_serial, measure_batch_shape_control, replay_terms
@@ -77,7 +77,7 @@ ORACLE_POLICY = (f"noise_floor(error <= {K_ORACLE:g} x the formula's fp32-vs-fp6
                  f"{ORACLE_FLOOR_ULPS:g} fp32 ulp of the quantity's scale) against the fp64 oracle")
 DRAWS_POLICY = f"close(atol=1): standardised draws' mean and variance within {DRAW_SIGMAS:g} standard errors"
 RATIO_POLICY = f"close(atol={RATIO_FLOOR_MULTIPLE:g} x the pi_old ratio's stock floor) around exp(0) = 1"
-GROWTH_POLICY = "per-step error growth <= the growth budget x the stock floor curve's growth (harness.growth)"
+GROWTH_POLICY = "per-step error growth <= the growth budget x the stock floor curve's growth (harness.judging.growth)"
 
 
 def _register(check_id: str, fn, *args, doc: str, policy: str = ORACLE_POLICY) -> None:

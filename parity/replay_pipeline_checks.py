@@ -18,9 +18,10 @@ import torch
 from fixtures.replay_cases import BATCH, GUIDANCE
 from fixtures.replay_families import family_names
 from fixtures.replay_models import tiny_model
-from harness import conformance, floors
-from harness.checks import register
-from harness.compare import Verdict
+from harness.judging import floors
+from harness.judging.checks import register
+from harness.judging.compare import Verdict
+from harness.plugins import conformance
 from harness.replay import discriminating, pipeline_oracle
 from harness.replay.families import get_family
 from harness.replay.families.base import ModelAdapter

@@ -2,8 +2,8 @@
 
 import pytest
 
-from harness import catalogue, checks
-from harness.items import check_params
+from harness.judging import catalogue, checks
+from harness.judging.items import check_params
 
 catalogue.load()
 

@@ -39,7 +39,7 @@ def double(x: int, key: object = None, value: object = None, layout: object = No
 
 def call_implementation(path: str, raise_after: bool) -> int:
     """Call the implementation under test of ``path`` once on this rank (then raise, if asked)."""
-    from harness import conformance
+    from harness.plugins import conformance
 
     answer = conformance.resolve(path, lambda x: x)(1)
     if raise_after:
@@ -58,7 +58,7 @@ def signal_on(rank: int, signum: int) -> int:
 
 def stuck_before_gather(rank: int) -> torch.Tensor:
     """``rank`` never reaches the all-gather its peers wait in (alive, busy in Python); the others go in."""
-    from harness import progress
+    from harness.process import progress
 
     if dist.get_rank() == rank:
         progress.note("a long sleep before the all-gather")
@@ -76,7 +76,7 @@ def stuck_after_first_gather(rank: int) -> torch.Tensor:
 
 def spinning_before_gather(rank: int) -> torch.Tensor:
     """``rank`` loops in Python forever (alive, its CPU busy, computing nothing) while the others go in."""
-    from harness import progress
+    from harness.process import progress
 
     if dist.get_rank() == rank:
         progress.note("a loop in Python before the all-gather")
@@ -90,7 +90,7 @@ def deadlocked_before_gather(rank: int) -> torch.Tensor:
     """``rank`` takes a lock it already holds (a deadlock) while the others go in."""
     import threading
 
-    from harness import progress
+    from harness.process import progress
 
     if dist.get_rank() == rank:
         progress.note("taking a lock before the all-gather")

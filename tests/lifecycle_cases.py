@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from fixtures import decode_models, decode_tasks
 from harness.decode import serve, sharded
-from harness.dist import World
+from harness.process.dist import World
 from tests import dist_tasks
 
 SIZE = int(os.environ.get("WORLD_SIZE", "4"))

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from harness import report
-from harness.bench import BenchLog
+from harness.reports import report
+from harness.reports.bench import BenchLog
 
 pytestmark = pytest.mark.cpu
 

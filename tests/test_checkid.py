@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness import checks
-from harness.checkid import CheckId
-from harness.compare import Verdict, exact, holds
+from harness.judging import checks
+from harness.judging.checkid import CheckId
+from harness.judging.compare import Verdict, exact, holds
 
 pytestmark = pytest.mark.cpu
 

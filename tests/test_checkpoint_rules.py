@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import checkpoints, plugins
-from harness.checkpoints import Checkpoint, CheckpointError, detect
-from harness.plugins import CheckpointKind, Registry
+from harness.inputs import checkpoints
+from harness.inputs.checkpoints import Checkpoint, CheckpointError, detect
+from harness.plugins import entry_points as plugins
+from harness.plugins.entry_points import CheckpointKind, Registry
 
 pytestmark = pytest.mark.cpu
 

@@ -7,9 +7,10 @@ import re
 import pytest
 import torch
 
-from harness import checkpoints, plugins
-from harness.checkpoints import CheckpointError, detect, load_model, null_fields
-from harness.plugins import CheckpointKind
+from harness.inputs import checkpoints
+from harness.inputs.checkpoints import CheckpointError, detect, load_model, null_fields
+from harness.plugins import entry_points as plugins
+from harness.plugins.entry_points import CheckpointKind
 
 pytestmark = pytest.mark.cpu
 

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness import compare
-from harness.compare import close, exact, holds, mismatched, noise_floor, raises, ulp, ulp_distance
+from harness.judging import compare
+from harness.judging.compare import close, exact, holds, mismatched, noise_floor, raises, ulp, ulp_distance
 
 pytestmark = pytest.mark.cpu
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from harness.compare import UNSTAMPED, Verdict, close
+from harness.judging.compare import UNSTAMPED, Verdict, close
 from tests.compare_expectations import NAN_MESSAGE, base_metrics
 
 pytestmark = pytest.mark.cpu

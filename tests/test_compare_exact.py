@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from harness.compare import UNSTAMPED, Verdict, exact
+from harness.judging.compare import UNSTAMPED, Verdict, exact
 from tests.compare_expectations import NAN_MESSAGE, base_metrics, f32_bits
 
 pytestmark = pytest.mark.cpu

@@ -7,7 +7,16 @@ import struct
 import pytest
 import torch
 
-from harness.compare import bit_patterns, locate, max_abs_diff, mismatched, nonfinite, rel_l2, sha256, ulp_distance
+from harness.judging.compare import (
+    bit_patterns,
+    locate,
+    max_abs_diff,
+    mismatched,
+    nonfinite,
+    rel_l2,
+    sha256,
+    ulp_distance,
+)
 from tests.compare_expectations import f32_bits
 
 pytestmark = pytest.mark.cpu

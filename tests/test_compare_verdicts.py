@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from harness.compare import UNSTAMPED, Verdict, holds, raises
+from harness.judging.compare import UNSTAMPED, Verdict, holds, raises
 
 pytestmark = pytest.mark.cpu
 
@@ -101,10 +101,19 @@ def test_a_merged_verdict_heads_with_its_leading_part_s_own_number() -> None:
     """Parts that measure the same metric name must not lend the failing one a passing part's number."""
     import torch
 
-    from harness.compare import close
+    from harness.judging.compare import close
 
     failing = close(atol=1e-3, rtol=0.0).judge(torch.tensor([1.0]), torch.tensor([0.0]), what="failing")
     passing = close(atol=1e-3, rtol=0.0).judge(torch.tensor([0.0]), torch.tensor([0.0]), what="passing")
     merged = failing.merge(passing)
     assert not merged.passed and merged.headline == "max_abs" and merged.headline_value == 1.0
     assert passing.merge(failing).headline_value == 1.0
+
+
+def test_a_failed_verdict_whose_error_sits_exactly_at_its_tolerance_names_the_fact_that_failed_it():
+    """Margin 1 passes the numbers (error <= tolerance), so the failure must have been a fact: it is named."""
+    at_bound = Verdict("t.edge", False, {}, "p", 1.0, notes=("VIOLATED: one forward",))
+    assert at_bound.describe().endswith("margin (error / tolerance): 1.000e+00 (the numbers pass; fact failed: "
+                                        "one forward)")
+    over = Verdict("t.edge", False, {}, "p", 1.5, notes=("VIOLATED: one forward",))
+    assert over.describe().endswith("margin (error / tolerance): 1.500e+00")

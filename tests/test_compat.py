@@ -1,4 +1,4 @@
-"""harness.compat takes the branch of the installed transformers major, and each branch matches the stack.
+"""harness.inputs.compat takes the branch of the installed transformers major, and each branch matches the stack.
 
 One test per lane: the 4.x test runs on the lowest lock, the 5.x test on the latest; the other is skipped with
 the installed version as its reason. The stack-independent tests hold on both.
@@ -14,7 +14,7 @@ import transformers
 from transformers.cache_utils import StaticLayer
 from transformers.generation.utils import ALL_CACHE_NAMES
 
-from harness import compat
+from harness.inputs import compat
 
 pytestmark = pytest.mark.cpu
 

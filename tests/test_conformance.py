@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from harness import ablation, checks, conformance
-from harness.dist import World, WorldTaskError
+from harness.judging import ablation, checks
+from harness.plugins import conformance
+from harness.process.dist import World, WorldTaskError
 from tests import dist_tasks
 
 # every test here is of the cpu tier but the spawned variant, a launcher test (tens of seconds on 2 cores)
@@ -37,9 +38,9 @@ not_callable = 3
 CHECKS = '''
 import torch
 import suite_impl
-from harness import conformance
-from harness.checks import register
-from harness.compare import exact
+from harness.plugins import conformance
+from harness.judging.checks import register
+from harness.judging.compare import exact
 
 
 @register("attention.cdemo.exact")
@@ -84,7 +85,7 @@ def replay_exact(ctx):
 '''
 
 ABLATIONS = '''
-from harness.ablation import ablation
+from harness.judging.ablation import ablation
 
 ablation("attention.cdemo_plus_one", "suite_impl:scale", lambda x: [2 * v + 1 for v in x],
          kills=["attention.cdemo.exact", "attention.cdemo.fallback", "attention.cdemo.unwired"], why="adds one",
@@ -95,8 +96,10 @@ ablation("replay.cdemo_plus_one", "suite_impl:scale", lambda x: [2 * v + 1 for v
 
 GENERATED = '''
 import pytest
-from harness import ablation, catalogue, checks
-from harness.items import check_params, kill_params
+from harness.judging import ablation
+from harness.judging import catalogue
+from harness.judging import checks
+from harness.judging.items import check_params, kill_params
 
 catalogue.load(["cdemo_checks"], ["cdemo_ablations"])
 IDS = [c.id for c in checks.all_checks("cpu") if ".cdemo." in c.id]
@@ -277,7 +280,7 @@ def test_a_bad_spec_is_a_usage_error_naming_it(suite, given, message):
 
 @pytest.mark.cpu
 def test_the_contract_call_of_every_path_binds_only_a_callable_that_can_take_it():
-    from harness import conformance
+    from harness.plugins import conformance
 
     assert conformance.contract_call("decode") == (("vae", "z", "group"), ())  # transport, dst: only when not default
     assert conformance.contract_call("attention") == (("query", "key", "value", "layout"), ("scale",))

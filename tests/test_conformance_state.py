@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import conformance
+from harness.plugins import conformance
 
 pytestmark = pytest.mark.cpu
 

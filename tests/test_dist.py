@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from harness import dist as dist_mod
-from harness.dist import World, WorldPool, WorldTaskError, WorldTimeout
+from harness.process import dist as dist_mod
+from harness.process.dist import World, WorldPool, WorldTaskError, WorldTimeout
 from tests import dist_tasks
 from tests.dist_tasks import alive as _alive
 

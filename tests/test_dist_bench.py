@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.dist import World
+from harness.process.dist import World
 
 
 @pytest.mark.bench

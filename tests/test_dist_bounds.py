@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from harness import launch
-from harness.dist import World, WorldError, WorldTaskError, WorldTimeout
+from harness.process import launch
+from harness.process.dist import World, WorldError, WorldTaskError, WorldTimeout
 from tests import dist_tasks
 from tests.dist_tasks import alive as _alive
 

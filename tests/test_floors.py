@@ -17,9 +17,9 @@ from fixtures.replay_cases import fake_problem
 from harness.ar import judge
 from harness.ar import policies as ar_policies
 from harness.attention.policies import FloorControl, RowControl, RowScaledFloor, bounded, floor_policy, rel_l2_bound
-from harness.compare import UNSTAMPED, Verdict, holds
-from harness.floors import CEILING_C, StockFloor, eps, module_reduction_terms, reduction_ceiling_ulps
-from harness.growth import GROWTH_BUDGET, judge_growth
+from harness.judging.compare import UNSTAMPED, Verdict, holds
+from harness.judging.floors import CEILING_C, StockFloor, eps, module_reduction_terms, reduction_ceiling_ulps
+from harness.judging.growth import GROWTH_BUDGET, judge_growth
 from harness.replay.controls import BatchShapeControl
 from harness.replay.policies import RESOLUTION, LocalScaleBound, local_scale_policy
 from harness.replay.segment import ReplayResult
@@ -262,7 +262,7 @@ def test_growth_curves_are_reported_to_four_significant_digits():
 
 
 def test_first_departure_names_the_first_step_over_its_floor_or_says_none_is():
-    from harness.growth import first_departure
+    from harness.judging.growth import first_departure
 
     floor = torch.tensor([1.0, 1.0, 1.0, 1.0])
     said = first_departure(torch.tensor([1.0, 2.5, 1.5, 3.0]), floor, 2.0)

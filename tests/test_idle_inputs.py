@@ -9,11 +9,15 @@ from pathlib import Path
 import pytest
 
 from fixtures.attention_captures import small_capture
-from harness import checkpoints, checks, conformance, launch, plugin
+from harness import given_inputs
 from harness.attention import capture as capture_io
 from harness.attention.layout import AttentionLayout
-from harness.compare import holds
-from harness.inputs import InputLedger
+from harness.inputs import checkpoints
+from harness.inputs.ledger import InputLedger
+from harness.judging import checks
+from harness.judging.compare import holds
+from harness.plugins import conformance
+from harness.process import launch
 
 pytestmark = pytest.mark.cpu
 
@@ -23,8 +27,8 @@ WHY = "this demo stack cannot load the checkpoint's generation (it needs transfo
 
 DEMO = f'''
 import pytest
-from harness.items import ParityItem, check_params
-from harness.plugin import SESSION_KEY
+from harness.judging.items import ParityItem, check_params
+from harness.session import SESSION_KEY
 
 WHY = {WHY!r}
 
@@ -202,9 +206,9 @@ def test_under_torchrun_an_input_idle_on_any_rank_fails_every_rank(monkeypatch):
     with monkeypatch.context() as patched:  # undone before this test's own report goes through the plugin
         patched.setattr(launch, "joined", lambda: object())
         patched.setattr(launch, "agree", agree)
-        from_peers, own = plugin._agreed({}), plugin._agreed(mine)
+        from_peers, own = given_inputs._agreed({}), given_inputs._agreed(mine)
         patched.setattr(launch, "agree", lost)
-        unreadable = plugin._agreed(mine)
+        unreadable = given_inputs._agreed(mine)
     assert from_peers == theirs and posted == ["ok", "ok"]  # "ok": the board counts no failure for it
     assert own == mine  # the lowest rank's line
     assert unreadable == mine  # this rank's own verdict stands

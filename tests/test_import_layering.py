@@ -1,9 +1,12 @@
-"""The library's import layering, read from the source: the process layer knows nothing of the domain, and no
-module of ``harness`` reaches itself through its imports.
+"""The library's import layering, read from the source: each package of ``harness`` imports only its own layer or
+the layers below it, and no module of ``harness`` reaches itself through its imports.
 
-The process layer (worlds, the torchrun transport, what a task carries, the registry type) ships a function,
-its arguments and captured contexts; what those contexts are (applied ablations, implementations under test)
-is registered from above. Every import counts, those inside functions too: a deferred import only hides a circle.
+The layers, bottom up: the registry type and the path names every layer uses; the process layer (worlds, the
+torchrun transport, what a task carries, progress, stopping), which ships a function, its arguments and captured
+contexts without knowing what those contexts are (applied ablations, implementations under test are registered from
+above); judging (metrics, policies, checks and ablations); the extension registries and conformance; the inputs a
+run reads (checkpoint kinds come from the registries); reports; the four paths; the pytest plugin on top. Every
+import counts, those inside functions too: a deferred import only hides a circle.
 """
 
 from __future__ import annotations
@@ -18,8 +21,30 @@ import harness
 pytestmark = pytest.mark.cpu
 
 ROOT = Path(harness.__file__).parent
-PROCESS_LAYER = ("harness.dist", "harness.launch", "harness.carried", "harness.registry")
-DOMAIN = ("harness.ablation", "harness.checks", "harness.conformance")
+LAYERS = (  # bottom up: a module may import its own layer and those before it
+    ("base", ("harness", "harness.registry", "harness.paths")),
+    ("process", ("harness.process",)),
+    ("judging", ("harness.judging",)),
+    ("plugins", ("harness.plugins",)),
+    ("inputs", ("harness.inputs",)),
+    ("reports", ("harness.reports",)),
+    ("paths", ("harness.replay", "harness.ar", "harness.decode", "harness.attention")),
+    ("plugin", ("harness.plugin", "harness.options", "harness.validation", "harness.placement", "harness.session",
+                "harness.given_inputs", "harness.summary")),
+)
+TOP_LEVEL_MODULES = 16  # at most this many modules at the top of harness/; the rest live in packages by concern
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the layer ``module`` belongs to (the longest matching prefix)."""
+    best = (-1, -1)
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best[1]:
+                best = (index, len(prefix))
+    if best[0] < 0:
+        raise AssertionError(f"{module} belongs to no layer: add its package to LAYERS")
+    return best[0]
 
 
 def _module_name(path: Path) -> str:
@@ -91,11 +116,40 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_process_layer_reaches_no_domain_module():
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a layer into a layer above it, as ``module (layer) -> module (layer)``."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        for target in sorted(imported):
+            if layer_of(target) > layer_of(module):
+                found.append(f"{module} ({LAYERS[layer_of(module)][0]}) -> {target} ({LAYERS[layer_of(target)][0]})")
+    return found
+
+
+def test_every_module_imports_only_its_own_layer_or_those_below():
+    assert upward_imports(_graph()) == []
+
+
+def test_the_process_layer_reaches_nothing_above_the_base():
     graph = _graph()
-    assert set(PROCESS_LAYER) <= set(graph), "a process-layer module moved: update PROCESS_LAYER"
-    reached = {module: sorted(_reach(graph, module) & set(DOMAIN)) for module in PROCESS_LAYER}
-    assert reached == {module: [] for module in PROCESS_LAYER}
+    process = [module for module in graph if layer_of(module) == 1]
+    assert process, "the process layer moved: update LAYERS"
+    assert {module: sorted(m for m in _reach(graph, module) if layer_of(m) > 1) for module in process} == \
+        {module: [] for module in process}
+
+
+def test_the_top_of_harness_holds_few_modules_and_packages_by_concern():
+    modules = sorted(path.name for path in ROOT.glob("*.py"))
+    assert len(modules) <= TOP_LEVEL_MODULES, modules
+    packages = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+    assert {"process", "judging", "plugins", "inputs", "reports", "replay", "ar", "decode", "attention"} <= packages
+
+
+def test_an_upward_import_is_found():
+    graph = {"harness.process.dist": {"harness.judging.checks"}, "harness.judging.checks": {"harness.registry"}}
+    assert upward_imports(graph) == ["harness.process.dist (process) -> harness.judging.checks (judging)"]
+    with pytest.raises(AssertionError, match="belongs to no layer"):
+        layer_of("harness_elsewhere.x")
 
 
 def test_no_module_of_harness_imports_itself_through_others():

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from harness import launch
+from harness.process import launch
 
 pytestmark = pytest.mark.cpu
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import compat
+from harness.inputs import compat
 
 pytestmark = [pytest.mark.launch,
               pytest.mark.skipif(compat.path_unavailable("decode") is not None,
@@ -113,6 +113,7 @@ def test_a_run_stopped_mid_decode_leaves_no_process(how, tmp_path):
         assert f"StopRequested: {said}: the run was asked to stop" in text, text
     if how == "Ctrl-C":
         assert exited <= CTRL_C_WITHIN_S, f"Ctrl-C: the run took {exited:.1f} s to stop:\n{text}"
+    print(f"\n{how} mid-decode: the run exited after {exited:.1f} s, its session was empty after {empty:.1f} s")
 
 
 @pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM", "SIGHUP"])
@@ -125,9 +126,11 @@ def test_a_torchrun_launch_stopped_mid_decode_leaves_no_process(how, tmp_path):
     _wait_for(lambda: len(list(notes.glob("rank*.pid"))) == 4, run, out, "the middle of the decode")
     time.sleep(0.5)
     _signal(run, how)
-    _, empty, left = _after_stop(run)
+    exited, empty, left = _after_stop(run)
     assert not left and empty <= GONE_WITHIN_S, f"{how}: {left} still running:\n{out.read_text()[-4000:]}"
     assert run.returncode != 0
+    print(f"\ntorchrun, {how} mid-decode: the launcher exited after {exited:.1f} s, its session was empty after "
+          f"{empty:.1f} s")
 
 
 def test_ctrl_c_stops_the_parity_gate_within_seconds_and_the_report_says_it_was_interrupted(tmp_path):
@@ -146,6 +149,8 @@ def test_ctrl_c_stops_the_parity_gate_within_seconds_and_the_report_says_it_was_
     exited, empty, left = _after_stop(run)
     text = out.read_text()
     assert exited <= CTRL_C_WITHIN_S, f"the run took {exited:.1f} s to stop:\n{text[-3000:]}"
+    print(f"\nCtrl-C on the parity gate: the run exited after {exited:.1f} s, its session was empty after "
+          f"{empty:.1f} s")
     assert not left and empty <= GONE_WITHIN_S, f"{left} still running:\n{text[-3000:]}"
     assert run.returncode == pytest.ExitCode.INTERRUPTED, text[-3000:]
     assert "StopRequested: Ctrl-C: the run was asked to stop" in text, text[-3000:]

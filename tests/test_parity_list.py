@@ -5,8 +5,8 @@ import importlib
 
 import pytest
 
-from harness import ablation, catalogue, checks
-from harness.plugin import parity_list
+from harness.judging import ablation, catalogue, checks
+from harness.reports.listing import parity_list
 
 pytestmark = pytest.mark.cpu
 

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from harness import ablation, checks, host
+from harness.inputs import host
+from harness.judging import ablation, checks
 
 pytestmark = pytest.mark.cpu
 
@@ -26,8 +27,8 @@ def stock(x):
 DEMO_CHECKS = '''
 import torch
 import demo_impl
-from harness.checks import register
-from harness.compare import exact, close
+from harness.judging.checks import register
+from harness.judging.compare import exact, close
 
 
 @register("demo.double.exact")
@@ -46,8 +47,10 @@ def double_close(ctx):
 GENERATED_TESTS = '''
 import pytest
 import torch
-from harness import ablation, catalogue, checks
-from harness.items import check_params, kill_params
+from harness.judging import ablation
+from harness.judging import catalogue
+from harness.judging import checks
+from harness.judging.items import check_params, kill_params
 
 catalogue.load(["demo_checks"], ["demo_ablations"])
 
@@ -78,7 +81,7 @@ def test_gpu_only():
 def demo_ablations(replacement: str, kills: str = '["demo.double.exact", "demo.double.close"]',
                    mode: str = "tolerance") -> str:
     return f'''
-from harness.ablation import ablation
+from harness.judging.ablation import ablation
 
 ablation("demo.off_by_one", "demo_impl:scale", lambda x: {replacement},
          kills={kills}, why="adds one to every element", kill_mode="{mode}")
@@ -191,7 +194,7 @@ def test_a_failed_catalogue_load_leaves_no_half_registry(demo):
     """Claims are validated when the whole catalogue loads; a failure rolls every registration back."""
     import sys
 
-    from harness import catalogue
+    from harness.judging import catalogue
 
     demo.makepyfile(demo_ablations=demo_ablations("x", kills='["demo.no_such_check"]'))
     before_checks, before_ablations = len(checks.all_checks()), len(ablation.all_ablations())
@@ -217,7 +220,7 @@ def test_unknown_check_id_fails_when_the_catalogue_loads_naming_it(demo):
 
 def test_unknown_seam_fails_when_the_catalogue_loads_naming_it(demo):
     demo.makepyfile(demo_ablations='''
-from harness.ablation import ablation
+from harness.judging.ablation import ablation
 ablation("demo.ghost", "demo_impl:no_such_function", lambda x: x, kills=["demo.double.exact"], why="-",
          kill_mode="tolerance")
 ''')

@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import conformance, plugins
+from harness.plugins import conformance
+from harness.plugins import entry_points as plugins
 
 pytestmark = pytest.mark.cpu
 
@@ -47,14 +48,14 @@ def test_implementation_under_test_is_counted_and_bad_specs_are_named():
         assert fn(2) == 4
         assert conformance.calls("attention") == 1
         with pytest.raises(ValueError, match="cannot take the attention contract's call"):
-            conformance.use("attention", "harness.compare:sha256")
+            conformance.use("attention", "harness.judging.compare:sha256")
         assert conformance.resolve("decode", default=len) is len
         with pytest.raises(ValueError, match="unknown path 'video'"):
-            conformance.use("video", "harness.compare:sha256")
+            conformance.use("video", "harness.judging.compare:sha256")
         with pytest.raises(ValueError, match="must read 'package.module:callable'"):
-            conformance.use("ar", "harness.compare")
+            conformance.use("ar", "harness.judging.compare")
         with pytest.raises(ValueError, match="has no attribute 'nope'"):
-            conformance.use("ar", "harness.compare:nope")
+            conformance.use("ar", "harness.judging.compare:nope")
     finally:
         conformance.clear()
 
@@ -62,9 +63,9 @@ def test_implementation_under_test_is_counted_and_bad_specs_are_named():
 def test_a_source_checkout_without_entry_points_still_knows_the_shipped_families_and_kernels(monkeypatch):
     """Metadata that predates the entry points (a checkout on PYTHONPATH) installs none: the replay and attention
     lookups and the checkpoint kinds register the suite's own entries themselves, into empty registries."""
-    from harness import checkpoints
     from harness.attention import kernels
     from harness.decode import families as decode_families
+    from harness.inputs import checkpoints
     from harness.replay import families
 
     monkeypatch.setattr(plugins, "_installed", lambda: ())

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from harness.progress import (
+from harness.process.progress import (
     BEFORE_FIRST,
     IDLE_CPU_SHARE,
     SPIN_FACTOR,

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from harness import launch, progress_lines
+from harness.process import launch, progress_lines
 from tools.mutation_score.cli import progress_detail
 
 pytestmark = pytest.mark.cpu
@@ -125,7 +125,7 @@ def test_the_mutation_progress_counts_each_pass_and_outcome():
 
 def test_a_line_said_inside_a_test_passes_pytest_capture(pytester):
     pytester.makepyfile(test_says='''
-        from harness import progress_lines
+        from harness.process import progress_lines
 
         def test_loading():
             progress_lines.say("gpu tier: loading model 1/1: demo")

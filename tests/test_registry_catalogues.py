@@ -9,9 +9,9 @@ import pytest
 
 from fixtures import ar_models
 from fixtures.replay_families import family_ids, family_names, family_traits
-from harness import plugins
 from harness.ar.backends import TransformersBackend
 from harness.attention import kernels
+from harness.plugins import entry_points as plugins
 from harness.replay.families import SHIPPED
 
 pytestmark = pytest.mark.cpu

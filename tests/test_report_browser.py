@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import report, report_pictures
+from harness.reports import report, report_pictures
 from tests.report_samples import sample
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from harness import report_diff
+from harness.reports import report_diff
 
 pytestmark = pytest.mark.cpu
 

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from fixtures import check_upstream
-from harness import report
-from harness.compare import Verdict, holds
-from harness.report import Unfinished, shorten
+from harness.judging.compare import Verdict, holds
+from harness.reports import report
+from harness.reports.report import Unfinished, shorten
 
 pytestmark = pytest.mark.cpu
 

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from harness import ablation, checks, plugin
-from harness.dist import RankOutcome, WorldTaskError, WorldTimeout
-from harness.report import Unfinished
+from harness import session
+from harness.judging import ablation, checks
+from harness.process.dist import RankOutcome, WorldTaskError, WorldTimeout
+from harness.reports.report import Unfinished
 from tests.test_plugin import GENERATED_TESTS, _clean_registry  # noqa: F401 - the demo registry, cleaned per test
 
 pytestmark = pytest.mark.cpu
@@ -21,8 +22,8 @@ CHECKS = '''
 import pytest
 import torch
 import demo_impl
-from harness.checks import register
-from harness.compare import exact
+from harness.judging.checks import register
+from harness.judging.compare import exact
 
 
 def _judge(check_id):
@@ -51,7 +52,7 @@ def fails(ctx):
 '''
 
 ABLATIONS = '''
-from harness.ablation import ablation
+from harness.judging.ablation import ablation
 
 ablation("demo.outcome.bug", "demo_impl:scale", lambda x: [2 * v + 1 for v in x],
          kills=["demo.outcome.passes", "demo.outcome.raises", "demo.outcome.skips", "demo.outcome.fails"],
@@ -136,20 +137,20 @@ def test_a_world_failure_names_its_ranks_and_a_timeout_its_hung_ones():
     outcomes = [RankOutcome(0, "blocked", "no result within the grace period after another rank failed"),
                 RankOutcome(1, "raised", "ValueError: bad latent at 0x7f00deadbeef on port 5555"),
                 RankOutcome(2, "ok")]
-    got = plugin.unfinished("decode.x", WorldTaskError("task decode_task raised on ranks [0, 1] of 3", outcomes))
+    got = session.unfinished("decode.x", WorldTaskError("task decode_task raised on ranks [0, 1] of 3", outcomes))
     assert got == Unfinished("decode.x", "failed", "task decode_task raised on ranks [0, 1] of 3: rank 1: raised: "
                              "ValueError: bad latent at 0x<address> on port <port>", "WorldTaskError", (1,))
     hung = [RankOutcome(0, "ok"), RankOutcome(1, "hung", "no result within 2 s")]
-    got = plugin.unfinished("decode.y", WorldTimeout("task t timed out after 2 s on ranks [1] of 2", hung))
+    got = session.unfinished("decode.y", WorldTimeout("task t timed out after 2 s on ranks [1] of 2", hung))
     assert (got.error_type, got.ranks, got.status) == ("WorldTimeout", (1,), "failed")
-    assert plugin.unfinished("decode.z", pytest.skip.Exception("no CUDA")).fields() == {"reason": "no CUDA"}
+    assert session.unfinished("decode.z", pytest.skip.Exception("no CUDA")).fields() == {"reason": "no CUDA"}
 
 
 def test_a_stuck_rank_is_the_one_a_failed_row_names_not_the_ranks_that_waited_for_it():
     outcomes = [RankOutcome(0, "blocked", "waited in all_gather #1 for rank(s) [2]"),
                 RankOutcome(1, "blocked", "waited in all_gather #1 for rank(s) [2]"),
                 RankOutcome(2, "stuck", "did not reach all_gather #1 within 20 s (last seen in decoding)")]
-    got = plugin.unfinished("decode.gpu", WorldTaskError("task t: rank 2 did not reach all_gather #1", outcomes))
+    got = session.unfinished("decode.gpu", WorldTaskError("task t: rank 2 did not reach all_gather #1", outcomes))
     assert got.ranks == (2,)
     assert got.reason.endswith("rank 2: stuck: did not reach all_gather #1 within 20 s (last seen in decoding)")
 
@@ -157,7 +158,7 @@ def test_a_stuck_rank_is_the_one_a_failed_row_names_not_the_ranks_that_waited_fo
 def test_an_item_that_passed_here_and_failed_elsewhere_shows_the_failing_rank_s_own_error():
     failed = [(0, "WorldTaskError: task t: rank 2 did not reach all_gather #1 within 20 s"),
               (2, "WorldTaskError: task t: rank 2 did not reach all_gather #1 within 20 s")]
-    got = plugin.failed_elsewhere("decode.gpu.bitexact", failed, here=0)
+    got = session.failed_elsewhere("decode.gpu.bitexact", failed, here=0)
     assert got == Unfinished("decode.gpu.bitexact", "failed", "rank 2: WorldTaskError: task t: rank 2 did not reach "
                              "all_gather #1 within 20 s", "failed on another rank", (2,))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import report, report_pictures
+from harness.reports import report, report_pictures
 from tests.report_samples import sample
 
 pytestmark = pytest.mark.cpu

@@ -2,7 +2,7 @@
 
 CUDA worlds spawn (a CUDA context cannot be forked), so a rank on a GPU node imports the suite from
 scratch. One spawned 2-rank gloo world here runs a decode check and the same check under an applied
-decode ablation: the rank loads the whole catalogue (harness.catalogue:load, named by the task) and
+decode ablation: the rank loads the whole catalogue (harness.judging.catalogue:load, named by the task) and
 the kill is seen in its declared mode.
 """
 
@@ -10,9 +10,10 @@ import os
 
 import pytest
 
-from harness import ablation, catalogue, checks, compat
-from harness.checks import CheckContext
-from harness.dist import START_METHODS, World, WorldPool, resolve_start_method
+from harness.inputs import compat
+from harness.judging import ablation, catalogue, checks
+from harness.judging.checks import CheckContext
+from harness.process.dist import START_METHODS, World, WorldPool, resolve_start_method
 
 # the launchers (spawned ranks, torchrun, the gpu tier's dry run) are marked `launch`: scripts/test-all runs
 # them; the rest of this file is CPU-tier machinery

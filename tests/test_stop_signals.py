@@ -7,8 +7,9 @@ import subprocess
 
 import pytest
 
-from harness import lifecycle, report
-from harness.plugin import OUTCOME_ERRORS
+from harness.process import lifecycle
+from harness.reports import report
+from harness.session import OUTCOME_ERRORS
 from tests.dist_tasks import alive
 
 pytestmark = pytest.mark.cpu

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fixtures import checkpoints as tiny_checkpoints
-from harness import compat
+from harness.inputs import compat
 
 # the launchers (spawned ranks, torchrun, the gpu tier's dry run) are marked `launch`: scripts/test-all runs
 # them; the rest of this file is CPU-tier machinery
@@ -84,8 +84,8 @@ def test_a_failure_on_one_rank_fails_every_rank(tmp_path):
 
 @pytest.mark.cpu
 def test_a_partial_or_garbled_torchrun_environment_is_a_clear_error(monkeypatch):
-    from harness import launch
-    from harness.dist import World
+    from harness.process import launch
+    from harness.process.dist import World
 
     for name in launch.ENV:
         monkeypatch.delenv(name, raising=False)

@@ -22,10 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fixtures.attention_captures import small_capture
-from harness import checkpoints, checks
 from harness.attention import capture as capture_io
 from harness.attention.layout import AttentionLayout
-from harness.checkpoints import CheckpointError
+from harness.inputs import checkpoints
+from harness.inputs.checkpoints import CheckpointError
+from harness.judging import checks
 
 pytestmark = pytest.mark.cpu
 
@@ -95,9 +96,9 @@ def test_loading_refuses_remote_code_unless_trusted_and_records_what_ran(remote_
 
 REMOTE_CHECK = '''
 import torch
-from harness import checkpoints
-from harness.checks import register
-from harness.compare import exact
+from harness.inputs import checkpoints
+from harness.judging.checks import register
+from harness.judging.compare import exact
 
 
 @register("demo.remote.load")
@@ -108,7 +109,8 @@ def remote_load(ctx):
 
 REMOTE_TESTS = '''
 import pytest
-from harness import catalogue, checks
+from harness.judging import catalogue
+from harness.judging import checks
 
 catalogue.load(["demo_remote"], [])
 
@@ -422,7 +424,7 @@ def test_fuzzed_inputs_stop_the_run_with_exit_4(fuzzed, pytester, exits):
 @pytest.mark.parametrize(("value", "threads"), [("", 2), ("3", 3), (" 1 ", 1), ("-2", None), ("two", None),
                                                 ("1.5", None)])
 def test_the_thread_count_is_a_positive_integer_or_the_default(value, threads, monkeypatch):
-    from harness import host
+    from harness.inputs import host
 
     monkeypatch.setenv("PARITY_THREADS", value)
     if threads is not None:

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from harness.dist import World, WorldTaskError, WorldTimeout
+from harness.process.dist import World, WorldTaskError, WorldTimeout
 from tests import dist_tasks
 
 SIZE = int(os.environ.get("WORLD_SIZE", "1"))

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from fixtures import decode_models, decode_tasks
-from harness import launch
 from harness.decode import exchange, serve, sharded
-from harness.dist import World, WorldTaskError
+from harness.process import launch
+from harness.process.dist import World, WorldTaskError
 from tests import dist_tasks
 
 SIZE = int(os.environ.get("WORLD_SIZE", "1"))

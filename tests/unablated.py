@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from harness import checks, conformance
+from harness.judging import checks
+from harness.plugins import conformance
 
 
 def unablated_check_ids(path: str, session: Any, ctx: Any) -> list[str]:

@@ -14,11 +14,11 @@ import zoo_replay
 from fixtures import ar_models
 from fixtures.ar_cases import CASES
 from fixtures.replay_cases import fake_problem
-from harness import conformance
 from harness.ar.left_padded import fast_left_rollout, left_padded_batch
 from harness.attention.layout import AttentionLayout
 from harness.attention.reference import masked_sdpa
-from harness.compare import close, exact
+from harness.judging.compare import close, exact
+from harness.plugins import conformance
 from harness.replay.replay import replay_batched as suite_replay_batched
 
 pytestmark = pytest.mark.cpu

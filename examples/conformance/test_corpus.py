@@ -20,9 +20,9 @@ import zoo
 from corpus import PATHS, Report
 
 from fixtures import ar_cases, ar_models, decode_models, decode_tasks, replay_cases
-from harness import conformance
 from harness.ar.left_padded import left_padded_batch
 from harness.attention.layout import AttentionLayout
+from harness.plugins import conformance
 
 pytestmark = pytest.mark.cpu
 

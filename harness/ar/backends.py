@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from harness import compat
 from harness.ar import cache as ar_cache
+from harness.inputs import compat
 
 if TYPE_CHECKING:
     from harness.ar.loop import ARState

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from harness import conformance
 from harness.ar import judge, left_padded, loop, probes
 from harness.ar import policies as ar_policies
 from harness.ar.batch import ARBatch
 from harness.ar.replay import teacher_forced_logp
 from harness.ar.spy import ARForwardSpy
-from harness.compare import Policy, Verdict, raises
+from harness.judging.compare import Policy, Verdict, raises
+from harness.plugins import conformance
 
 __all__ = [
     "CASE_QUANTITIES",

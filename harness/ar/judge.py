@@ -11,7 +11,7 @@ never below one fp32 eps of the values' magnitude), and a verdict fails when its
 section below says why). ``judge_growth`` judges the per-step error curve over all decode steps against the
 growth of a stock per-step floor curve (``batch_shape_control_logp``): a bug that starts below the worst-element
 tolerance and compounds step by step is not judged like noise. That control runs stock code at the batch's
-shape, so it is held under the ceiling rounding allows (harness.floors): a stock path whose output depends on
+shape, so it is held under the ceiling rounding allows (harness.judging.floors): a stock path whose output depends on
 what shares its batch fails there instead of widening the curve it is judged against.
 """
 
@@ -26,25 +26,26 @@ from typing import Any
 
 import torch
 
-from harness import growth
 from harness.ar.loop import Rollout
 from harness.ar.policies import FP32_EPS, K_MAX, K_MIN, ARPolicies, StockPrefillFloor, model_device
 from harness.ar.spy import ARForwardSpy
-from harness.compare import Policy, Verdict, max_abs_diff, noise_floor
-from harness.floors import StockFloor, reduction_ceiling_ulps
-from harness.growth import GROWTH_BUDGET, growth_ratio
+from harness.judging import growth
+from harness.judging.compare import Policy, Verdict, max_abs_diff, noise_floor
+from harness.judging.floors import StockFloor, reduction_ceiling_ulps
+from harness.judging.growth import GROWTH_BUDGET, growth_ratio
 
 __all__ = [
     "GROWTH_BUDGET",
     "PADDING_SIDES",
     "DtypeControl",
     "batch_shape_control_logp",
+    "case_row_metrics",
     "comparable_kl",
     "compare_case",
     "divergences",
     "dtype_control",
     "flips",
-    "format_seed001",
+    "format_case_row",
     "growth_ratio",
     "judge_bf16",
     "judge_growth",
@@ -58,7 +59,6 @@ __all__ = [
     "require_layout",
     "require_path",
     "resolution_curve",
-    "seed001_metrics",
     "step_curve",
     "upcast",
 ]
@@ -108,7 +108,7 @@ def _slot0(rollout: Rollout) -> torch.Tensor:
     return torch.stack([kv[..., 0, :] for kv in rollout.kv])
 
 
-def seed001_metrics(fast: Rollout, ref: Rollout) -> dict[str, Any]:
+def case_row_metrics(fast: Rollout, ref: Rollout) -> dict[str, Any]:
     """The AR PR's report row: tokens equal?, logp max|d|, prefill-KV max|d|, cache slot 0 max|d|."""
     return {
         "tokens_equal": bool(torch.equal(fast.tokens, ref.tokens)),
@@ -119,7 +119,7 @@ def seed001_metrics(fast: Rollout, ref: Rollout) -> dict[str, Any]:
     }
 
 
-def format_seed001(label: str, passed: bool, metrics: dict[str, Any] | None = None, raised: str = "",
+def format_case_row(label: str, passed: bool, metrics: dict[str, Any] | None = None, raised: str = "",
                    note: str = "") -> str:
     """One row of the AR PR's harness output: ``[FAIL] label`` then tokens / logp / KV / slot 0 (and why)."""
     head = f"[{'PASS' if passed else 'FAIL'}] {label}"
@@ -180,7 +180,7 @@ def compare_case(what: str, fast: Rollout, ref: Rollout, policies: ARPolicies) -
         raise ValueError(f"rollout shapes differ: fast {tuple(fast.tokens.shape)} vs ref {tuple(ref.tokens.shape)}")
     judge, policy_name = _JUDGES[what]
     verdict = judge(fast, ref, getattr(policies, policy_name))
-    row = seed001_metrics(fast, ref)
+    row = case_row_metrics(fast, ref)
     summary = (f"tokens {'equal' if row['tokens_equal'] else 'DIFFER'}, logp {row['logp_max_abs']:.1e}, "
                f"prefill-KV {row['prefill_kv_max_abs']:.1e}, slot0 {row['slot0_max_abs']:.1e} (max|d|)")
     # the row's headline is the quantity this check compares; the other three stand beside it in ``quantities``
@@ -297,7 +297,7 @@ def judge_growth(fast: Rollout, reference: Rollout, control_logp: torch.Tensor,
                  budget: float = GROWTH_BUDGET, terms: int = 0) -> Verdict:
     """Per-step error of the batched log-probs vs B=1 (mean |d| over the rows that emitted the step, fp64)
     against the stock floor curve ``control_logp`` (``batch_shape_control_logp``: each prompt at the batch's
-    shape through stock code), judged by ``harness.growth.judge_growth``: both curves floored at the
+    shape through stock code), judged by ``harness.judging.growth.judge_growth``: both curves floored at the
     log-probs' fp32 resolution, the error's growth at most ``budget`` x the floor's. With ``terms`` (the reduction
     terms one log-prob accumulates) the control is held under its ceiling (``growth_control_floor``)."""
     if fast.logp.shape != reference.logp.shape or control_logp.shape != reference.logp.shape:
@@ -335,7 +335,8 @@ def judge_growth(fast: Rollout, reference: Rollout, control_logp: torch.Tensor,
 #   in a MoE router) has a control far above rounding, and would otherwise lend that bound to every row;
 # - a row may diverge only where the B=1 top-1/top-2 log-prob margin at the divergent step is below
 #   ``flip_margin`` (a near-tie: rounding may pick either token);
-# - the control's worst |d log-prob| lies under its ceiling for ``terms`` reduction terms in bf16 (harness.floors).
+# - the control's worst |d log-prob| lies under its ceiling for ``terms`` reduction terms in bf16
+#   (harness.judging.floors).
 
 
 def kl_rows(reference_logits: torch.Tensor, candidate_logits: torch.Tensor) -> torch.Tensor:

@@ -30,11 +30,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from harness import compat
 from harness.ar import cache as ar_cache
 from harness.ar import loop
 from harness.ar.backends import UpstreamBackend, shared_column_inputs, shared_token_columns
 from harness.ar.batch import ARBatch
+from harness.inputs import compat
 
 __all__ = [
     "LeftPaddedBatch",

@@ -1,4 +1,4 @@
-"""The AR backends this suite ships, registered into ``harness.plugins.AR_BACKENDS``.
+"""The AR backends this suite ships, registered into ``harness.plugins.entry_points.AR_BACKENDS``.
 
 ``register`` is the ``register(plugins)`` an entry point of the ``fastpath_parity.plugins`` group names (the same
 door an out-of-tree backend uses); the gpu tier also calls it directly, so the shipped backends are there even
@@ -20,8 +20,8 @@ SHIPPED: dict[str, Any] = {REMOTE_CODE: UpstreamBackend, TRANSFORMERS: Transform
 
 
 def register(plugins: ModuleType | None = None) -> None:
-    """Add the shipped backends to ``plugins.AR_BACKENDS`` (default: ``harness.plugins``)."""
+    """Add the shipped backends to ``plugins.AR_BACKENDS`` (default: ``harness.plugins.entry_points``)."""
     if plugins is None:
-        import harness.plugins as plugins
+        import harness.plugins.entry_points as plugins
     for name, backend in SHIPPED.items():
         plugins.AR_BACKENDS.register(name, backend, origin="fastpath-parity (harness.ar.plugins)")

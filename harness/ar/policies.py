@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from harness.compare import Policy, close, exact, max_abs_diff
-from harness.floors import StockFloor, module_reduction_terms, reduction_ceiling_ulps
+from harness.judging.compare import Policy, close, exact, max_abs_diff
+from harness.judging.floors import StockFloor, module_reduction_terms, reduction_ceiling_ulps
 
 __all__ = [
     "FLOOR_ULPS",

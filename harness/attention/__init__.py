@@ -12,7 +12,7 @@ decomposed  causal rows / span rows, concatenated (seam: split_rows)
 flex        flex_attention with mask_mod + BlockMask at a block size (64, 128, ...)
 padded      block-padded to multiples of a block size (seams: pad_mask, padded_length)
 kernels     KernelSpec (GQA claim, computed pairs, launch proof, all at a block size) and register(),
-            the entry point that fills harness.plugins.ATTENTION_KERNELS / CHECKPOINT_KINDS
+            the entry point that fills harness.plugins.entry_points.ATTENTION_KERNELS / CHECKPOINT_KINDS
 primitives  the SDPA / flex launches every kernel makes (seam: gqa_operands); spy records them
 policies    tolerance policies from controls on stock code: fp32 floor, row-scaled low precision,
             two-sided [K_MIN, K_MAX] bounds

@@ -26,7 +26,7 @@ import torch
 
 from harness.attention.contract import formula_mask
 from harness.attention.layout import SEED_HEAD_DIM, SEED_HEADS, SEED_SCALE, AttentionLayout
-from harness.checkpoints import CAPTURE_GLOB, SHIPPED_KINDS, not_a_file
+from harness.inputs.checkpoints import CAPTURE_GLOB, SHIPPED_KINDS, not_a_file
 
 __all__ = [
     "CAPTURE_ARRAYS",
@@ -51,7 +51,7 @@ CAPTURE_ARRAYS = ("query", "key", "value", "mask")
 SEED_CALLS = {"prefill": 0, "denoise": 32}  # call0 is the prefill pass, call32 a denoise pass
 _NAME = re.compile(r"^call(\d+)_rank(\d+)\.npz$")
 # A directory of capture files feeds the attention path (matched on file names, not a model config). The
-# very object harness.checkpoints ships, so either entry point may register it first (same object: idempotent).
+# very object harness.inputs.checkpoints ships, so either entry point may register it first (same object: idempotent).
 CAPTURE_KIND = next(kind for kind in SHIPPED_KINDS if kind.feeds == "attention")
 
 

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import torch
 
-from harness import conformance
 from harness.attention import contract, kernels, masks, spy
 from harness.attention.capture import Capture
 from harness.attention.layout import AttentionLayout
@@ -27,7 +26,8 @@ from harness.attention.policies import (
     reference_output,
     rel_l2_bound,
 )
-from harness.compare import Policy, Verdict, holds
+from harness.judging.compare import Policy, Verdict, holds
+from harness.plugins import conformance
 
 __all__ = [
     "OUTPUT_DIMS",

@@ -1,7 +1,7 @@
 """The kernels behind one signature, what each claims (GQA), how many pairs each computes, and the
 launch facts that prove it ran its own way (not a silent fall back to the dense masked reference).
 
-Kernels live in ``harness.plugins.ATTENTION_KERNELS``: the shipped ones register through the
+Kernels live in ``harness.plugins.entry_points.ATTENTION_KERNELS``: the shipped ones register through the
 entry point ``attention = "harness.attention.kernels:register"`` (and on first lookup, so a source
 checkout works uninstalled); an installed package registers its own ``KernelSpec`` the same way
 and ``parity.compare_kernel`` judges it exactly like the shipped ones. A block-tiled kernel takes
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from harness import plugins
 from harness.attention import capture, decomposed, flex, padded, reference
 from harness.attention.layout import AttentionLayout
 from harness.attention.spy import Launch
+from harness.plugins import entry_points as plugins
 
 __all__ = ["BLOCK", "KERNELS", "Fact", "KernelSpec", "block_coverage", "check_block", "get_kernel", "gqa_fact",
            "kernels_under_test", "register"]

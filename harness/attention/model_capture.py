@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from harness import compat
 from harness.attention.capture import Capture, capture_name
 from harness.attention.contract import formula_mask, mask_mismatches
+from harness.inputs import compat
 
 __all__ = ["CaptureError", "Recorded", "capture_model", "check_formula"]
 

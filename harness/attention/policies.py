@@ -20,8 +20,8 @@ import torch
 
 from harness.attention.capture import Capture
 from harness.attention.reference import attend_masked, expand_kv
-from harness.compare import UNSTAMPED, NoiseFloor, Policy, Verdict, locate, max_abs_diff, noise_floor, rel_l2
-from harness.floors import StockFloor, reduction_ceiling_ulps
+from harness.judging.compare import UNSTAMPED, NoiseFloor, Policy, Verdict, locate, max_abs_diff, noise_floor, rel_l2
+from harness.judging.floors import StockFloor, reduction_ceiling_ulps
 
 __all__ = [
     "BF16_K",

@@ -16,7 +16,7 @@ A failure anywhere therefore raises ShardedDecodeError on every rank within one 
 naming the failed rank, with no rank left inside a collective. The status exchanges are ordinary
 all-gathers of device tensors, so the same design holds on NCCL (no gloo-only monitored_barrier). What
 stays the launcher's to report is a peer that stops or dies inside a collective: the suite's worlds
-(harness.dist, and harness.launch under torchrun) raise on every rank within their fault bound, and a
+(harness.process.dist, and harness.process.launch under torchrun) raise on every rank within their fault bound, and a
 bare training job has its process-group timeout or NCCL's async error handling.
 """
 

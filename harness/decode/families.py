@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.decode import sharded
-from harness.plugins import CheckpointKind
+from harness.plugins.entry_points import CheckpointKind
 
 __all__ = ["MINIMAX_H3", "MINIMAX_H3_KIND", "VaeFamily", "register"]
 

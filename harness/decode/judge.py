@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from harness.compare import UNSTAMPED, Policy, Verdict, exact, holds
 from harness.decode import exchange
 from harness.decode import plan as plan_mod
+from harness.judging.compare import UNSTAMPED, Policy, Verdict, exact, holds
 
 __all__ = ["FaultOutcome", "RankDecode", "busiest_shares", "compare_sharded_decode", "expected_collectives",
            "frame_labels", "judge_decode", "judge_fault", "piece_calls", "producers"]

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from harness.compare import Verdict, holds
 from harness.decode import plan as plan_mod
 from harness.decode import serve
+from harness.judging.compare import Verdict, holds
 
 __all__ = ["judge_plan_against_library", "observe_stock_decode"]
 

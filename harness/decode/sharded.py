@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness import progress
 from harness.decode import exchange, serve
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import ShardedDecodeError
+from harness.process import progress
 
 __all__ = ["ShardedDecodeError", "decode_pieces", "decode_unit", "decode_video", "sharded_decode", "sharded_encode",
            "stock_decode", "stock_encode", "takes_sharded_path"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.floors import module_reduction_terms
+from harness.judging.floors import module_reduction_terms
 from harness.replay.conditions import Conditions, Payload, concat_payloads, payload_rows, slice_rows
 from harness.replay.denoiser import DenoiserAdapter, WrappedAdapter
 from harness.replay.problem import ReplayProblem

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from harness.compare import Verdict, close, holds
-from harness.floors import module_reduction_terms
+from harness.judging.compare import Verdict, close, holds
+from harness.judging.floors import module_reduction_terms
 from harness.replay import denoiser
 from harness.replay import pipeline_oracle as oracle
 from harness.replay.families.base import ModelAdapter, Prompts, ReplayFamily

@@ -2,7 +2,7 @@
 
 These functions take any adapter and any policy, so the CPU catalogue calls them with fakes and
 tiny random-init models and the GPU tier with real checkpoints and dtype-specific policies. The fast
-call goes through ``harness.conformance.resolve("replay", replay_batched)``: with
+call goes through ``harness.plugins.conformance.resolve("replay", replay_batched)``: with
 ``--impl replay=MODULE:CALLABLE`` a team's own ``replay_batched(adapter, conditions, segment, ...)``
 is judged instead, and the spies on the transformer still prove one batched forward ran.
 """
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from harness import conformance
-from harness.compare import Policy, Verdict, exact, holds
+from harness.judging.compare import Policy, Verdict, exact, holds
+from harness.plugins import conformance
 from harness.replay.controls import QUANTITIES
 from harness.replay.problem import ReplayProblem
 from harness.replay.replay import replay_batched, replay_serial

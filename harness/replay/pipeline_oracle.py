@@ -17,7 +17,7 @@ adapter's denoiser (``predict_velocity``) at the same latents and sigma and hold
   transform), within K_OUTPUT x a floor plus the effect of the timestep's allowed difference. The floor is
   the transformer on the pipeline's own inputs and timestep in one forward of the adapter's rows and
   positions: it differs from the pipeline's calls only in how the rows are grouped, so it is rounding, held
-  under its ceiling (harness.floors: K = the transformer's Linear/Conv fan-ins and the tokens attended
+  under its ceiling (harness.judging.floors: K = the transformer's Linear/Conv fan-ins and the tokens attended
   over); at least RESOLUTION (4 fp32 ulps) of the local magnitude (per row). The timestep allowance is the
   same forward at the adapter's own timestep against it: exactly what the allowed timestep difference does,
   zero when the two timesteps agree bitwise;
@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from harness.compare import Verdict, close, holds, noise_floor
-from harness.floors import StockFloor, module_reduction_terms, reduction_ceiling_ulps
+from harness.judging.compare import Verdict, close, holds, noise_floor
+from harness.judging.floors import StockFloor, module_reduction_terms, reduction_ceiling_ulps
 from harness.replay import denoiser
 from harness.replay.denoiser import UNCOND_FIRST
 from harness.replay.families.base import ModelAdapter, Prompts, ReplayFamily
@@ -167,10 +167,9 @@ def run_pipeline(family: ReplayFamily, adapter: ModelAdapter, prompts: Prompts, 
     h, w = adapter.latent_size
     kwargs = {**prompts, **family.pipeline.call_kwargs, family.pipeline.guidance_kwarg: guidance,
               "latents": adapter.to_pipeline_latents(latents), "height": h * pipe.vae_scale_factor,
-              "width": w * pipe.vae_scale_factor, "num_inference_steps": steps, "output_type": "latent",
-              "return_dict": False}
+              "width": w * pipe.vae_scale_factor, "num_inference_steps": steps, "output_type": "latent"}
     with torch.no_grad(), record_forwards(adapter.module) as calls:
-        pipe(**kwargs)
+        pipe(**kwargs)  # what it returns is not read: the record is the transformer's calls and the scheduler's
     if len(scheduler_calls) != steps:
         raise OracleError(f"{family.pipeline.class_name} stepped its scheduler {len(scheduler_calls)} times for "
                           f"num_inference_steps={steps}")

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.compare import UNSTAMPED, Policy, Verdict, exact, locate
-from harness.floors import StockFloor, eps, reduction_ceiling_ulps
+from harness.judging.compare import UNSTAMPED, Policy, Verdict, exact, locate
+from harness.judging.floors import StockFloor, eps, reduction_ceiling_ulps
 from harness.replay.controls import BatchShapeControl
 
 __all__ = [

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from harness.plugins import CheckpointKind
+from harness.plugins.entry_points import CheckpointKind
 from harness.replay.cfg import STANDARD, TRUE_CFG_NORM_RESCALE
 from harness.replay.conditions import Conditions, concat_payloads, payload_rows
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST

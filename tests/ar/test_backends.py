@@ -15,7 +15,6 @@ import torch
 
 from fixtures import ar_models
 from fixtures.ar_cases import prompt_ids
-from harness import compat
 from harness.ar import loop
 from harness.ar.backends import (
     IMAGE_SLICE_FIELDS,
@@ -27,7 +26,8 @@ from harness.ar.backends import (
 )
 from harness.ar.batch import right_padded_batch
 from harness.ar.policies import stock_prefill_floor
-from harness.compare import max_abs_diff
+from harness.inputs import compat
+from harness.judging.compare import max_abs_diff
 from tests.ar.test_bf16_policy import bf16_backend
 from tests.ar.test_loop import OnDevice
 

@@ -21,7 +21,7 @@ from harness.ar.backends import TransformersBackend, UpstreamBackend
 from harness.ar.batch import right_padded_batch
 from harness.ar.judge import DtypeControl, comparable_kl, dtype_control, flips, judge_bf16, kl_rows, upcast
 from harness.ar.loop import Rollout, fast_rollout, stock_rollout
-from harness.floors import StockFloor
+from harness.judging.floors import StockFloor
 
 pytestmark = pytest.mark.cpu
 
@@ -182,6 +182,16 @@ def test_dtype_control_is_stock_b1_in_bf16_against_the_same_weights_in_fp32() ->
         with upcast(backend.model):
             high = backend.stock_padded(prompts[0], reference.tokens[0], 6, 9)
     torch.testing.assert_close(control.kl[0], _kl64(high, low).max(), rtol=1e-9, atol=0.0)
+    worst = 0.0  # the floor: the worst |d log-prob| over both rows, both softmaxes taken in fp64
+    for row, prompt in enumerate(prompts):
+        count, length = int(reference.lengths[row]), int(prompt.numel())
+        with torch.no_grad():
+            low = backend.stock_padded(prompt, reference.tokens[row, :count], length, length + count)
+            with upcast(backend.model):
+                high = backend.stock_padded(prompt, reference.tokens[row, :count], length, length + count)
+        gap = torch.log_softmax(high.double(), -1) - torch.log_softmax(low.double(), -1)
+        worst = max(worst, float(gap.abs().max()))
+    assert control.floor.measured == pytest.approx(worst, rel=1e-12, abs=0.0)
     # bf16 rounding moves a tiny random model's log-probs: measurable, finite, and rounding (under the ceiling)
     assert float(control.kl.max()) > 0 and bool(torch.isfinite(control.kl).all())
     assert control.floor.control == "dtype" and not control.floor.above_ceiling, control.floor.describe()

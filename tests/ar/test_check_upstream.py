@@ -15,7 +15,7 @@ import pytest
 from fixtures import ar_models, check_upstream, upstream_checkpoint
 from fixtures.ar_checkpoint import COMMON_FILE, IMAGE_FILES, PORTABLE_FILE, auto_map, source_path
 from fixtures.upstream_checkpoint import KINDS, UpstreamPackageError, package_generations, tiny_config
-from harness import compat
+from harness.inputs import compat
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -2,9 +2,9 @@
 
 ``fixtures.ar_checkpoint`` writes the seeded fake upstream of each generation the way the real checkpoint ships:
 safetensors, a config.json whose ``auto_map`` points at ``modeling_hunyuan_image_3.py`` beside it (plus the
-common module it imports). ``harness.checkpoints`` must load it with ``trust_remote_code=True`` from the directory
-(the class lives in ``transformers_modules``, not in ``fakes``), bit for bit, and ``UpstreamBackend`` must find
-the directory's ``HunyuanStaticCache`` and tell the generation from the loaded model. Both real generations run on
+common module it imports). ``harness.inputs.checkpoints`` must load it with ``trust_remote_code=True`` from the
+directory (the class lives in ``transformers_modules``, not in ``fakes``), bit for bit, and ``UpstreamBackend`` must
+find the directory's ``HunyuanStaticCache`` and tell the generation from the loaded model. Both real generations run on
 transformers 4.x only (as the real files); on 5.x their cases are skipped with that reason, their load is refused
 naming the generation, and the portable fake runs everywhere.
 """
@@ -23,7 +23,6 @@ from fakes import ar_hunyuan_common
 from fixtures import ar_models
 from fixtures.ar_cases import prompt_ids
 from fixtures.ar_checkpoint import ARCHITECTURE, auto_map, modeling_file, source_path, write_hunyuan_remote_code
-from harness import compat
 from harness.ar import loop
 from harness.ar.backends import UpstreamBackend, remote_code_name
 from harness.ar.batch import right_padded_batch
@@ -31,7 +30,8 @@ from harness.ar.judge import judge_logp, judge_tokens, require_path
 from harness.ar.policies import fp32_policies, stock_prefill_floor
 from harness.ar.routing import probe_routing
 from harness.ar.spy import ARForwardSpy
-from harness.checkpoints import CheckpointError, detect, load_model
+from harness.inputs import compat
+from harness.inputs.checkpoints import CheckpointError, detect, load_model
 
 pytestmark = pytest.mark.cpu
 

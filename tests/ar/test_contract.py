@@ -21,10 +21,10 @@ import transformers
 from fixtures import ar_models
 from fixtures.ar_checkpoint import auto_map, modeling_file
 from fixtures.upstream_contract import run_contract
-from harness import compat
 from harness.ar.backends import UpstreamBackend, remote_code_name
 from harness.ar.judge import kl_rows
 from harness.ar.routing import RoutingProbe, probe_routing
+from harness.inputs import compat
 
 pytestmark = pytest.mark.cpu
 

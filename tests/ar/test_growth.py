@@ -16,10 +16,10 @@ import torch
 
 from fixtures import ar_models
 from fixtures.ar_cases import CASES
-from harness import ablation, catalogue, checks
 from harness.ar import judge, loop
 from harness.ar import policies as ar_policies
-from harness.compare import close
+from harness.judging import ablation, catalogue, checks
+from harness.judging.compare import close
 from tests.unablated import unablated_check_ids
 
 catalogue.load()

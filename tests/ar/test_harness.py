@@ -11,7 +11,7 @@ from harness.ar import loop, masks
 from harness.ar.batch import concat, embed_row, pad_positions, right_padded_batch
 from harness.ar.replay import teacher_forced_logp
 from harness.ar.spy import ARForwardSpy
-from harness.compare import max_abs_diff
+from harness.judging.compare import max_abs_diff
 
 pytestmark = pytest.mark.cpu
 
@@ -173,9 +173,9 @@ def test_dense_fake_batched_equals_b1() -> None:
 
 
 def test_shipped_backends_are_in_the_registry() -> None:
-    from harness import plugins
     from harness.ar import plugins as ar_plugins
     from harness.ar.backends import TransformersBackend, UpstreamBackend
+    from harness.plugins import entry_points as plugins
 
     ar_plugins.register(plugins)
     ar_plugins.register(plugins)  # idempotent: the same objects

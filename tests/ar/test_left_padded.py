@@ -14,13 +14,14 @@ import torch
 
 from fixtures import ar_models
 from fixtures.ar_cases import eos_for_stops, prompt_ids
-from harness import ablation, catalogue, conformance
 from harness.ar import comparisons, judge, left_padded, loop, probes
 from harness.ar import policies as ar_policies
 from harness.ar.batch import right_padded_batch
 from harness.ar.left_padded import LeftPaddedBatch, left_padded_batch
 from harness.ar.spy import ARForwardSpy, row_padding
-from harness.compare import holds
+from harness.judging import ablation, catalogue
+from harness.judging.compare import holds
+from harness.plugins import conformance
 
 pytestmark = pytest.mark.cpu
 

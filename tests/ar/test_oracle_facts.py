@@ -9,7 +9,7 @@ import torch
 from fixtures import ar_models
 from fixtures.ar_cases import EXTRA
 from harness.ar import comparisons, loop
-from harness.compare import close
+from harness.judging.compare import close
 
 pytestmark = pytest.mark.cpu
 
@@ -74,3 +74,26 @@ def test_the_finished_rows_fact_names_each_row_that_stopped_elsewhere_and_both_l
     assert comparisons.stop_fact([3, 5, 2], [3, 4, 6]) == (
         "every row stops where its B=1 run stopped at EOS (row 1 emitted 5 tokens, its B=1 run 4; row 2 emitted 2 "
         "tokens, its B=1 run 6)")
+
+
+def test_many_wrong_picks_are_shown_four_at_a_time_with_a_count_of_the_rest(monkeypatch) -> None:
+    """Row 0 takes its runner-up at every decode step: the fact names the first four misses and counts the rest."""
+    original = loop._sample
+
+    def pick(state: loop.ARState, row_logits: torch.Tensor) -> None:
+        original(state, row_logits)
+        step = state.step_idx
+        if step >= 1:
+            second = row_logits[0].topk(2).indices[1]
+            state.tokens[0, step] = second
+            state.logp[0, step] = loop.token_logprob(row_logits[0], second)
+            state.input_ids = loop.place_token(state.input_ids, state.tokens[:, step],
+                                               state.backend.token_columns(state))
+
+    monkeypatch.setattr(loop, "_sample", pick)
+    (violated,) = _oracle()
+    shown = violated.removeprefix(f"{FACT} (").removesuffix(")").split("; ")
+    misses = EXTRA["rollout_vs_replay"].max_new_tokens - 1
+    assert misses > 4, "the case must have more wrong picks than the fact shows"
+    assert shown[:4] == [f"fast row 0 step {step} is not the fp64 argmax of its logits" for step in range(1, 5)]
+    assert shown[4:] == [f"and {misses - 4} more"], violated

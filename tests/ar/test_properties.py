@@ -20,7 +20,7 @@ from fixtures.ar_strategies import ARPlan, ar_plans
 from harness.ar import judge, loop
 from harness.ar import policies as ar_policies
 from harness.ar.spy import ARForwardSpy
-from harness.compare import max_abs_diff
+from harness.judging.compare import max_abs_diff
 
 pytestmark = pytest.mark.cpu
 

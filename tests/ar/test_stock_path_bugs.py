@@ -20,8 +20,9 @@ import torch
 
 from fixtures.checkpoints import KINDS
 from gpu import ar as gpu_ar
-from harness import ablation, catalogue, checks, conformance
-from harness.checks import CheckContext
+from harness.judging import ablation, catalogue, checks
+from harness.judging.checks import CheckContext
+from harness.plugins import conformance
 
 pytestmark = pytest.mark.cpu
 

@@ -13,7 +13,7 @@ from fixtures.ar_cases import eos_for_stops, prompt_ids
 from harness.ar import loop, probes
 from harness.ar.backends import TransformersBackend
 from harness.ar.batch import right_padded_batch
-from harness.compare import max_abs_diff
+from harness.judging.compare import max_abs_diff
 
 pytestmark = pytest.mark.cpu
 

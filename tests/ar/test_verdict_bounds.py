@@ -19,7 +19,7 @@ from fixtures import ar_models
 from harness.ar import judge
 from harness.ar import policies as ar_policies
 from harness.ar.loop import Rollout
-from harness.compare import exact
+from harness.judging.compare import exact
 
 pytestmark = pytest.mark.cpu
 

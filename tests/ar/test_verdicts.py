@@ -13,7 +13,7 @@ from harness.ar import judge
 from harness.ar import policies as ar_policies
 from harness.ar.loop import Rollout
 from harness.ar.spy import ARForwardSpy
-from harness.compare import close, exact
+from harness.judging.compare import close, exact
 
 pytestmark = pytest.mark.cpu
 
@@ -41,24 +41,24 @@ def _pair() -> tuple[Rollout, Rollout]:
     return fast, ref
 
 
-def test_seed001_metrics_and_divergences() -> None:
+def test_case_row_metrics_and_divergences() -> None:
     fast, ref = _pair()
-    metrics = judge.seed001_metrics(fast, ref)
+    metrics = judge.case_row_metrics(fast, ref)
     assert metrics == {"tokens_equal": False, "common_prefix": [3, 1], "logp_max_abs": pytest.approx(0.25),
                        "prefill_kv_max_abs": 0.5, "slot0_max_abs": 0.0}
     assert judge.divergences(fast.tokens, ref.tokens) == [
         "row 1 diverges at decode step 1: token 9 vs 6 (step 0 is read from the prefill)"]
 
 
-def test_format_seed001_rows() -> None:
+def test_format_case_row_rows() -> None:
     metrics = {"tokens_equal": True, "logp_max_abs": 1.5e-6, "prefill_kv_max_abs": 0.0, "slot0_max_abs": 2e-7}
     head = "[PASS] unequal real_pos"
     body = ("\n        tokens equal=True  logp max|d|=1.500e-06  prefill-KV max|d|=0.000e+00"
             "  (cache slot 0 max|d|=2.000e-07)")
-    assert judge.format_seed001("unequal real_pos", True, metrics) == head + body
-    assert judge.format_seed001("unequal real_pos", True, metrics, note="why") == head + body + "\n        why"
-    assert judge.format_seed001("b1", False, raised="AssertionError") == "[FAIL] b1\n        raised AssertionError"
-    assert judge.format_seed001("b1", False) == (
+    assert judge.format_case_row("unequal real_pos", True, metrics) == head + body
+    assert judge.format_case_row("unequal real_pos", True, metrics, note="why") == head + body + "\n        why"
+    assert judge.format_case_row("b1", False, raised="AssertionError") == "[FAIL] b1\n        raised AssertionError"
+    assert judge.format_case_row("b1", False) == (
         "[FAIL] b1\n        tokens equal=None  logp max|d|=nan  prefill-KV max|d|=nan  (cache slot 0 max|d|=nan)")
 
 

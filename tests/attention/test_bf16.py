@@ -21,12 +21,13 @@ from hypothesis import example, given, settings
 
 from fixtures.attention_captures import small_capture
 from fixtures.attention_strategies import LowPrecisionCase, low_precision_cases
-from harness import ablation, catalogue, conformance
 from harness.attention import kernels, padded
 from harness.attention.judge import compare_kernel
 from harness.attention.layout import PHASES, AttentionLayout
 from harness.attention.policies import BF16_K, K_MAX, in_dtype, low_precision_policy, reference_output
-from harness.compare import Verdict
+from harness.judging import ablation, catalogue
+from harness.judging.compare import Verdict
+from harness.plugins import conformance
 
 pytestmark = pytest.mark.cpu
 

@@ -12,7 +12,7 @@ from fixtures.attention_captures import small_capture
 from fixtures.attention_strategies import KernelCase, block_sizes, kernel_cases, layouts, straddling_layouts
 from harness.attention import contract, decomposed, flex, judge, kernels, masks, padded, primitives, reference, spy
 from harness.attention.layout import AttentionLayout
-from harness.compare import close
+from harness.judging.compare import close
 
 pytestmark = pytest.mark.cpu
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from harness import plugins
 from harness.attention import capture, decomposed, flex, judge, kernels, masks, padded, primitives
 from harness.attention.decomposed import RowBlock
 from harness.attention.layout import AttentionLayout
 from harness.attention.spy import Launch
+from harness.plugins import entry_points as plugins
 
 pytestmark = pytest.mark.cpu
 

@@ -13,12 +13,12 @@ import torch
 
 from fixtures.ar_checkpoint import write_gen_image_remote_code, write_hunyuan_remote_code
 from fixtures.capture_attention import main
-from harness import catalogue, checks
 from harness.attention import capture as capture_io
-from harness.attention import contract
+from harness.attention import contract, model_capture
 from harness.attention.model_capture import CaptureError, capture_model, check_formula
-from harness.checkpoints import TRUST_FLAG, remote_code_ran
-from harness.checks import CheckContext
+from harness.inputs.checkpoints import TRUST_FLAG, remote_code_ran
+from harness.judging import catalogue, checks
+from harness.judging.checks import CheckContext
 
 pytestmark = pytest.mark.cpu
 
@@ -58,7 +58,7 @@ def test_the_attention_checks_judge_the_kernels_on_them(captured):
 
 
 def test_a_mask_off_the_formula_is_named_by_position(checkpoint):
-    from harness.checkpoints import detect, load_model
+    from harness.inputs.checkpoints import detect, load_model
 
     model = load_model(detect(checkpoint), torch.float32, "cpu", trust_remote_code=True)
     recorded = capture_model(model)
@@ -299,7 +299,7 @@ def test_key_value_heads_that_are_no_repeat_are_kept():
 
 
 def test_check_formula_names_query_rows_off_their_positions(checkpoint):
-    from harness.checkpoints import detect, load_model
+    from harness.inputs.checkpoints import detect, load_model
 
     model = load_model(detect(checkpoint), torch.float32, "cpu", trust_remote_code=True)
     denoise = capture_model(model)[1]
@@ -311,7 +311,7 @@ def test_check_formula_names_query_rows_off_their_positions(checkpoint):
 
 
 def test_check_formula_reads_every_batch_row(checkpoint):
-    from harness.checkpoints import detect, load_model
+    from harness.inputs.checkpoints import detect, load_model
 
     model = load_model(detect(checkpoint), torch.float32, "cpu", trust_remote_code=True)
     prefill = capture_model(model)[0]
@@ -394,3 +394,14 @@ def test_a_config_naming_no_key_value_heads_keeps_every_attention_head(monkeypat
         assert bool((key == key[:, :1]).all()) and bool((value == value[:, :1]).all())
     assert [r.capture.kv_heads for r in recorded] == [4, 4]
     _check_against_sdpa(recorded, log.calls, 1, kv_heads=4, heads=4)
+
+
+def test_inputs_go_to_the_model_device_and_dtype_list_payloads_and_their_kind_included():
+    """Tensors move to the model's device, floating ones in its dtype; a list or tuple payload (the conditional
+    images) comes back as the same kind of sequence, each tensor moved; anything else passes through."""
+    images = [torch.ones(2, dtype=torch.float32), torch.arange(3)]
+    moved = model_capture._on_model(images, torch.device("cpu"), torch.bfloat16)
+    assert isinstance(moved, list) and [t.dtype for t in moved] == [torch.bfloat16, torch.int64]
+    pair = model_capture._on_model(tuple(images), torch.device("cpu"), torch.float16)
+    assert isinstance(pair, tuple) and pair[0].dtype == torch.float16 and torch.equal(pair[1], images[1])
+    assert model_capture._on_model("text", torch.device("cpu"), torch.bfloat16) == "text"

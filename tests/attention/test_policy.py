@@ -13,7 +13,7 @@ from fixtures.attention_captures import small_capture
 from harness.attention import policies
 from harness.attention.layout import AttentionLayout
 from harness.attention.policies import FloorControl, RowControl, RowScaledFloor
-from harness.compare import close, holds, noise_floor
+from harness.judging.compare import close, holds, noise_floor
 
 pytestmark = pytest.mark.cpu
 

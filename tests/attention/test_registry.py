@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from fixtures.attention_captures import small_capture
-from harness import ablation, catalogue, conformance, plugins
 from harness.attention import judge, kernels, primitives, reference
 from harness.attention.capture import CAPTURE_KIND
 from harness.attention.layout import AttentionLayout
@@ -20,7 +19,10 @@ from harness.attention.policies import (
     low_precision_policy,
     reference_output,
 )
-from harness.compare import noise_floor
+from harness.judging import ablation, catalogue
+from harness.judging.compare import noise_floor
+from harness.plugins import conformance
+from harness.plugins import entry_points as plugins
 
 pytestmark = pytest.mark.cpu
 
@@ -178,7 +180,8 @@ def test_row_scaled_bf16_bound_kills_the_span_end_off_by_one_a_whole_output_boun
 def test_under_impl_a_users_kernel_is_judged_once_per_input_not_once_per_kernel_name():
     """--impl attention puts one kernel behind every kernel name: each input's check under the first name is judged,
     every other name's (and the other block size's) is deselected, naming the check that judges that input."""
-    from harness import checks, conformance
+    from harness.judging import checks
+    from harness.plugins import conformance
     from parity import attention_checks
 
     ids = [c.id for c in checks.all_checks() if c.id.startswith("attention.") and c.id.endswith(".vs_sdpa")]

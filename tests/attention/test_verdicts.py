@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from fixtures.attention_captures import small_capture
-from harness import conformance
 from harness.attention import contract, judge, kernels, masks, reference
 from harness.attention.layout import AttentionLayout
 from harness.attention.policies import (
@@ -20,6 +19,7 @@ from harness.attention.policies import (
     low_precision_policy,
     reference_output,
 )
+from harness.plugins import conformance
 
 pytestmark = pytest.mark.cpu
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from fixtures import decode_models, decode_tasks
-from harness import conformance, plugins
 from harness.decode import families, judge, sharded
+from harness.plugins import conformance
+from harness.plugins import entry_points as plugins
 
 pytestmark = [pytest.mark.cpu,
               pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
@@ -22,7 +23,7 @@ def stock_everywhere(vae: Any, z: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def test_register_adds_the_vae_and_its_checkpoint_kind():
-    # fresh registries: the process-wide ones are filled by the entry points and harness.checkpoints
+    # fresh registries: the process-wide ones are filled by the entry points and harness.inputs.checkpoints
     fresh = SimpleNamespace(VAES=plugins.Registry("VAE", ""), CHECKPOINT_KINDS=plugins.Registry("kind", ""),
                             CheckpointKind=plugins.CheckpointKind)
     families.register(fresh)

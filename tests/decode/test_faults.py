@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from fixtures import decode_models, decode_tasks
-from harness import compare
-from harness import dist as dist_mod
 from harness.decode import exchange, serve, sharded
-from harness.dist import WorldTaskError
+from harness.judging import compare
+from harness.process import dist as dist_mod
+from harness.process.dist import WorldTaskError
 from parity import decode_checks
 
 pytestmark = [pytest.mark.cpu,

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from fixtures import decode_models
-from harness.compare import sha256
 from harness.decode import judge, oracle
 from harness.decode import plan as plan_mod
+from harness.judging.compare import sha256
 
 pytestmark = [pytest.mark.cpu,
               pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]
@@ -175,7 +175,7 @@ def test_faults_are_judged_by_behaviour_not_by_wording():
 
 
 def test_a_hung_rank_fails_with_the_world_statuses():
-    from harness.dist import RankOutcome
+    from harness.process.dist import RankOutcome
 
     statuses = [RankOutcome(0, "ok"), RankOutcome(1, "hung", "no result within 20 s")]
     verdict = judge.judge_fault(2, 1, 20.0, None, statuses, group_error="the world was torn down")

@@ -1,7 +1,7 @@
 """A world forked while a decode ablation is applied must not keep that ablation in its ranks.
 
 The kill matrix restarts a torn-down world inside the next check, i.e. while that check's ablation is
-applied in the parent; the forked ranks inherit the patched seam. Without harness.ablation's
+applied in the parent; the forked ranks inherit the patched seam. Without harness.judging.ablation's
 drop_inherited, every later task in that world would run the bug (seen here first: the W = 8 world
 kept decode.rank0_clips_only after decode.shape_agreement_local tore it down).
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from fixtures import decode_models, decode_tasks
-from harness import ablation, catalogue
 from harness.decode import judge
-from harness.dist import World
+from harness.judging import ablation, catalogue
+from harness.process.dist import World
 
 pytestmark = [pytest.mark.cpu,
               pytest.mark.skipif(decode_models.VAE_MISSING is not None, reason=str(decode_models.VAE_MISSING))]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fixtures.replay_cases import BATCH, fake_problem
-from harness import conformance
-from harness.compare import exact
+from harness.judging.compare import exact
+from harness.plugins import conformance
 from harness.replay import tiling
 from harness.replay.conditions import Conditions
 from harness.replay.controls import FastShapeAdapter, measure_batch_shape_control

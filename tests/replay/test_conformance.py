@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fixtures.replay_cases import fake_problem, real_control, real_problem
-from harness import conformance
-from harness.compare import exact
+from harness.judging.compare import exact
+from harness.plugins import conformance
 from harness.replay.judge import compare_replay
 from harness.replay.policies import local_scale_policy
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from diffusers import SanaTransformer2DModel
 
-import harness.plugins
+import harness.plugins.entry_points
 from fixtures.replay_cases import real_problem
 from fixtures.replay_families import family_names
 from fixtures.replay_models import LATENT_SHAPE, tiny_flux, tiny_model
-from harness.plugins import CheckpointKind
+from harness.plugins.entry_points import CheckpointKind
 from harness.replay import cfg, discriminating, families
 from harness.replay.conditions import Conditions, broadcast_field, broadcast_rows
 from harness.replay.denoiser import DenoiserAdapter
@@ -28,12 +28,12 @@ pytestmark = pytest.mark.cpu
 
 
 def test_register_is_idempotent_and_fills_both_registries():
-    families.register(harness.plugins)
-    families.register(harness.plugins)
+    families.register(harness.plugins.entry_points)
+    families.register(harness.plugins.entry_points)
     for family in families.SHIPPED:
-        assert harness.plugins.REPLAY_FAMILIES.get(family.name) is family
+        assert harness.plugins.entry_points.REPLAY_FAMILIES.get(family.name) is family
         assert family.pipeline is not None and family.pipeline.pipeline_class().__name__ == family.pipeline.class_name
-        kind = harness.plugins.CHECKPOINT_KINDS.get(family.checkpoint_kind.name)
+        kind = harness.plugins.entry_points.CHECKPOINT_KINDS.get(family.checkpoint_kind.name)
         assert (kind.feeds, kind.family, kind.source) == ("replay", family.name, "diffusers")
 
 
@@ -65,14 +65,14 @@ def test_unregistered_family_names_the_registered_ones():
 def test_two_families_claiming_one_class_name_both_kinds_and_no_way_to_add_one():
     kind = CheckpointKind("sana_again", "replay", ("SanaTransformer2DModel",), "diffusers", family="sana_again")
     again = families.ReplayFamily("sana_again", SANA.adapter_class, kind, SANA.pipeline)
-    harness.plugins.REPLAY_FAMILIES.register(again.name, again, origin="tests: a second package")
-    harness.plugins.CHECKPOINT_KINDS.register(kind.name, kind, origin="tests: a second package")
+    harness.plugins.entry_points.REPLAY_FAMILIES.register(again.name, again, origin="tests: a second package")
+    harness.plugins.entry_points.CHECKPOINT_KINDS.register(kind.name, kind, origin="tests: a second package")
     try:
         with pytest.raises(LookupError) as caught:
             family_for_class("SanaTransformer2DModel")
     finally:
-        harness.plugins.REPLAY_FAMILIES.unregister(again.name)
-        harness.plugins.CHECKPOINT_KINDS.unregister(kind.name)
+        harness.plugins.entry_points.REPLAY_FAMILIES.unregister(again.name)
+        harness.plugins.entry_points.CHECKPOINT_KINDS.unregister(kind.name)
     text = str(caught.value)
     assert "replay families ['sana', 'sana_again'] all claim SanaTransformer2DModel" in text
     assert "sana_again (family sana_again, tests: a second package)" in text

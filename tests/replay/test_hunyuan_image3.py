@@ -18,10 +18,11 @@ import torch
 from fixtures import gen_image_contract
 from fixtures.replay_families import family_traits
 from fixtures.replay_models import tiny_hunyuan_image3
-from harness import ablation, catalogue, checks, compat
 from harness.attention import capture as capture_io
 from harness.attention.model_capture import capture_model, check_formula
-from harness.checks import CheckContext
+from harness.inputs import compat
+from harness.judging import ablation, catalogue, checks
+from harness.judging.checks import CheckContext
 from harness.replay import pipeline_oracle
 from harness.replay.controls import measure_batch_shape_control
 from harness.replay.families import get_family
@@ -128,7 +129,7 @@ def real_models(tmp_path_factory):
     """Tiny dense checkpoints built from the real code with upstream's own classes, loaded (its code runs)."""
     from fixtures import upstream_cpu
     from fixtures.upstream_checkpoint import write_checkpoint
-    from harness.checkpoints import detect, load_model
+    from harness.inputs.checkpoints import detect, load_model
 
     upstream_cpu.install()
     loaded = {}

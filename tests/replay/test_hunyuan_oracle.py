@@ -12,8 +12,8 @@ import torch
 
 from fakes.hunyuan_image_pipeline import FlowMatchDiscreteScheduler, HunyuanImage3Text2ImagePipeline
 from fixtures.replay_models import tiny_hunyuan_image3
-from harness.compare import holds
-from harness.floors import module_reduction_terms, reduction_ceiling_ulps
+from harness.judging.compare import holds
+from harness.judging.floors import module_reduction_terms, reduction_ceiling_ulps
 from harness.replay import denoiser
 from harness.replay import hunyuan_oracle as ho
 from harness.replay import pipeline_oracle as po

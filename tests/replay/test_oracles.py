@@ -10,7 +10,7 @@ import torch
 from fakes.replay_conditions import HI3_FIELDS, fused_conditions
 from fakes.replay_kernel import FakeDenoiser, FakeKernel
 from fixtures.replay_families import family_names
-from harness import ablation, catalogue, checks
+from harness.judging import ablation, catalogue, checks
 from harness.replay import oracles, tiling
 from harness.replay.conditions import Conditions, concat_payloads
 from harness.replay.denoiser import FUSED_COND_FIRST

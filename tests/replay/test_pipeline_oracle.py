@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fixtures.replay_models import tiny_model
-from harness.compare import exact
-from harness.plugins import CheckpointKind
+from harness.judging.compare import exact
+from harness.plugins.entry_points import CheckpointKind
 from harness.replay import denoiser, pipeline_oracle
 from harness.replay.conditions import Conditions, broadcast_rows
 from harness.replay.controls import measure_batch_shape_control
@@ -164,6 +164,10 @@ def test_a_learned_sigma_sana_head_is_cut_to_the_latent_channels_as_the_pipeline
                 encoder_attention_mask=conditions.rows["encoder_attention_mask"], timestep=timestep,
                 return_dict=False)[0]
     assert tuple(raw.shape[1:2]) == (2 * latents.shape[1],) and torch.equal(out, raw[:, :latents.shape[1]])
+    taller = latents.shape[2] + model.config.patch_size  # a height that is not twice the channels: the cut is the
+    assert taller != 2 * latents.shape[1]  # channel axis's, whatever the latent's spatial size
+    grown = torch.randn((BATCH, latents.shape[1], taller, latents.shape[3]), generator=torch.Generator().manual_seed(6))
+    assert adapter.forward(grown, timestep, conditions).shape == grown.shape
     record = pipeline_oracle.run_pipeline(SANA, adapter, prompts, latents, GUIDANCE)
     verdict = pipeline_oracle.judge_family(SANA, adapter, record)
     assert verdict.passed, verdict.describe()

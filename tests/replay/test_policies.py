@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fixtures.replay_cases import real_control
-from harness.compare import close
+from harness.judging.compare import close
 from harness.replay.controls import BatchShapeControl
 from harness.replay.judge import judge_result
 from harness.replay.policies import (

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from fakes.replay_conditions import HI3_FIELDS, labelled_conditions, read_labels
 from fixtures.replay_cases import spec_problem
 from fixtures.replay_strategies import ReplaySpec, field_specs, replay_specs
-from harness.compare import ulp_distance
+from harness.judging.compare import ulp_distance
 from harness.replay import tiling
 from harness.replay.conditions import payload_rows
 from harness.replay.denoiser import FUSED_COND_FIRST

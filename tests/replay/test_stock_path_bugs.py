@@ -84,8 +84,9 @@ def test_the_repeat_bug_fails_with_a_users_replay_in_conformance_mode(monkeypatc
     ceiling, not within a widened bound."""
     from pathlib import Path
 
-    from harness import ablation, catalogue, checks, conformance
-    from harness.checks import CheckContext
+    from harness.judging import ablation, catalogue, checks
+    from harness.judging.checks import CheckContext
+    from harness.plugins import conformance
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples" / "conformance"))
     catalogue.load()

@@ -28,7 +28,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from harness.progress_lines import Meter
+from harness.process.progress_lines import Meter
 from tools.mutation_score import equivalents, report
 from tools.mutation_score.coverage_map import SHARD_SECONDS, CoverageMap, collect, expand_contexts, file_seconds
 from tools.mutation_score.operators import Mutant, find_mutants, parsed
@@ -41,16 +41,16 @@ REPO = Path(__file__).resolve().parents[2]
 # The four paths recursively (their families, backends, VAEs and kernels, and the register functions the suite
 # ships through its entry points), the comparison policies and growth budget, the checkpoint kinds (the suite's
 # `checkpoints` plugin) and the conformance plumbing (which implementation a verdict is about). The machinery
-# that runs the tests is not mutated: the pytest plugin, the check/ablation registries and catalogue
-# (harness/plugin.py, checks.py, ablation.py, catalogue.py, plugins.py) run at collection, before the forked
-# children exist, so their mutants would never run, and they judge the very session a mutant runs in; the
-# worlds and torchrun transport (dist.py, launch.py), device placement on GPUs (device_map.py), version shims
-# for the other stack (compat.py, half of whose branches never run on one lock) and report rendering
-# (report.py) are held by their own unit tests in tests/.
+# that runs the tests is not mutated: the pytest plugin's modules (harness/*.py), the check/ablation registries and
+# catalogue (harness/judging/checks.py, ablation.py, catalogue.py; harness/plugins/entry_points.py) run at
+# collection, before the forked children exist, so their mutants would never run, and they judge the very session a
+# mutant runs in; the processes (harness/process/), device placement on GPUs (inputs/device_map.py), version shims
+# for the other stack (inputs/compat.py, half of whose branches never run on one lock) and report rendering
+# (harness/reports/) are held by their own unit tests in tests/.
 PATHS: dict[str, list[str]] = {
     "replay": ["harness/replay"], "ar": ["harness/ar"], "decode": ["harness/decode"],
-    "attention": ["harness/attention"], "compare": ["harness/compare.py", "harness/growth.py"],
-    "suite": ["harness/checkpoints.py", "harness/conformance.py"],
+    "attention": ["harness/attention"], "compare": ["harness/judging/compare.py", "harness/judging/growth.py"],
+    "suite": ["harness/inputs/checkpoints.py", "harness/plugins/conformance.py"],
 }
 ROOTS = ("harness", "fakes", "fixtures", "parity", "mutation", "gpu", "tests")
 DEFAULT_PYTEST = ["-m", "cpu", "-q"]

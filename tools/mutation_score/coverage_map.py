@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.progress_lines import Meter
+from harness.process.progress_lines import Meter
 
 __all__ = ["CoverageMap", "collect", "expand_contexts"]
 

@@ -60,7 +60,7 @@ class TaggedTask:
 
 
 def _tag_world_tasks() -> None:
-    from harness import dist
+    from harness.process import dist
 
     run = dist.World.run
 

@@ -317,7 +317,7 @@ def _parse_before_forking(jobs: list[dict]) -> None:
 
 def _reset_parity_session(config: pytest.Config) -> None:
     """A fresh parity session (no cached verdict, no started world) in place of the warm-up's one."""
-    parity_plugin = sys.modules.get("harness.plugin")
+    parity_plugin = sys.modules.get("harness.session")
     if parity_plugin is None:  # not this suite's session (the engine's own tests)
         return
     old = config.stash.get(parity_plugin.SESSION_KEY, None)

@@ -2,7 +2,7 @@
 
 The suite generates its whole replay catalogue for the family (``pytest -m cpu -k pixart_example`` in the
 suite's checkout runs it, with the kill matrix); these tests prove the out-of-tree path from the package's
-side. ``harness.catalogue.load()`` imports the suite's catalogue modules (parity/, mutation/, gpu/), which
+side. ``harness.judging.catalogue.load()`` imports the suite's catalogue modules (parity/, mutation/, gpu/), which
 live in the suite's checkout, not in the installed package: it needs the checkout on sys.path.
 """
 
@@ -12,10 +12,12 @@ import pytest
 import torch
 from parity_plugin_example import kernels, pixart
 
-from harness import catalogue, checkpoints, checks, plugins
 from harness.attention.layout import AttentionLayout
 from harness.attention.reference import masked_sdpa
-from harness.compare import close
+from harness.inputs import checkpoints
+from harness.judging import catalogue, checks
+from harness.judging.compare import close
+from harness.plugins import entry_points as plugins
 from harness.replay.guards import ReplayConfig
 from harness.replay.replay import replay_batched, replay_serial
 from harness.replay.rollout import flow_sigmas, rollout

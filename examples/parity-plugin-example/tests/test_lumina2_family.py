@@ -9,7 +9,9 @@ import pytest
 import torch
 from parity_plugin_example import lumina2
 
-from harness import catalogue, checkpoints, checks, plugins
+from harness.inputs import checkpoints
+from harness.judging import catalogue, checks
+from harness.plugins import entry_points as plugins
 from harness.replay import pipeline_oracle
 
 BATCH, GUIDANCE = 2, 4.5

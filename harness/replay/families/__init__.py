@@ -15,8 +15,8 @@ from collections.abc import Callable
 from fnmatch import fnmatchcase
 from types import ModuleType
 
-from harness import plugins
-from harness.plugins import CheckpointKind
+from harness.plugins import entry_points as plugins
+from harness.plugins.entry_points import CheckpointKind
 from harness.replay.families.base import ModelAdapter, PipelineSpec, ReplayFamily
 from harness.replay.families.cogview4 import CogView4Adapter
 from harness.replay.families.flux import FluxAdapter
@@ -83,7 +83,7 @@ SANA = ReplayFamily("sana", SanaAdapter, _kind("sana_transformer", "SanaTransfor
                                  call_kwargs={"negative_prompt": None, "use_resolution_binning": False}))
 SHIPPED = (SD3, FLUX, QWEN_IMAGE, COGVIEW4, SANA)
 # HunyuanImage-3's image forward lives on its causal MM model, whose checkpoints the ar path's kind
-# ``hunyuan_image3`` already recognises (harness.checkpoints): the family's own kind is never registered for
+# ``hunyuan_image3`` already recognises (harness.inputs.checkpoints): the family's own kind is never registered for
 # detection (two kinds may not claim one class), the gpu tier drives replay from that checkpoint kind.
 
 

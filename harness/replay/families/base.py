@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from harness.plugins import CheckpointKind
+from harness.plugins.entry_points import CheckpointKind
 from harness.registry import load_ref
 from harness.replay import conditions as replay_rows
 from harness.replay import discriminating

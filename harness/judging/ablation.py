@@ -3,7 +3,7 @@
 A seam is a module-level function (``"harness.replay.tiling:tile_conditions"``). Applying an
 ablation swaps that attribute from outside and always restores it, so implementation code carries
 no test-only flags. Active ablations travel with distributed tasks (registered as a carried context,
-harness.carried, that every world re-applies inside each rank), because ranks forked before the patch
+harness.process.carried, that every world re-applies inside each rank), because ranks forked before the patch
 would not see it.
 """
 
@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness import carried, checks
-from harness.dist import WorldTimeout
+from harness.judging import checks
 from harness.paths import path_of
+from harness.process import carried
+from harness.process.dist import WorldTimeout
 from harness.registry import Registry, import_ref, load_ref, split_ref
 
 __all__ = ["ABLATIONS", "KILL_MODES", "Ablation", "KillResult", "ablation", "active", "all_ablations", "applied",
@@ -26,7 +27,7 @@ __all__ = ["ABLATIONS", "KILL_MODES", "Ablation", "KillResult", "ablation", "act
 
 # How an ablation must be caught. "tolerance": the ablated verdict fails with a number over its tolerance
 # (margin > 1); "fact": it fails on a violated required fact (a spy) naming ``fact``; "raises": one of the
-# declared exception types escapes; "hang": harness.dist.WorldTimeout within ``hang_timeout_s``.
+# declared exception types escapes; "hang": harness.process.dist.WorldTimeout within ``hang_timeout_s``.
 KILL_MODES = ("tolerance", "fact", "raises", "hang")
 
 
@@ -149,7 +150,7 @@ def resolve_seam(seam: str) -> tuple[Any, str]:
 
 ABLATIONS: Registry[Ablation] = Registry("ablation", list_known=False)
 _ACTIVE: list[_Patch] = []
-_LOADER = "harness.catalogue:load"  # what a fresh (spawned) rank calls to rebuild the registries
+_LOADER = "harness.judging.catalogue:load"  # what a fresh (spawned) rank calls to rebuild the registries
 
 
 def ablation(name: str, seam: str, replacement: Callable[..., Any], *, kills: Sequence[str], why: str,

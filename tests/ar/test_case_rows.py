@@ -3,7 +3,7 @@
 Every row judges the four case quantities (tokens exact, log-probs, prefill KV, slot 0) plus the path spy. A
 row fails exactly when its ablation claims that case on that model, so the survivors the ablations' ``why``
 texts explain (tail-append on the hole layout, a zero pad of transformers' positions) are pinned down too.
-With ``-v`` the table is printed (capture off): the CPU tier's rendition of the seed's harness log.
+With ``-v`` the table is printed (capture off): the CPU tier's rendition of the AR PR's harness log.
 """
 
 from __future__ import annotations
@@ -14,20 +14,20 @@ import pytest
 
 from fixtures import ar_models
 from fixtures.ar_cases import CASES
-from harness import ablation, catalogue
 from harness.ar import comparisons, judge, loop
 from harness.ar.spy import ARForwardSpy
+from harness.judging import ablation, catalogue
 from parity import ar_checks
 
 pytestmark = pytest.mark.cpu
 
 catalogue.load()
-SEED_CASES = tuple(c for c in CASES if c.name in ("unequal_real_pos", "concat"))
+TABLE_CASES = tuple(c for c in CASES if c.name in ("unequal_real_pos", "concat"))
 
 
 @functools.cache
 def _reference(model: str, case_name: str) -> loop.Rollout:
-    case = next(c for c in SEED_CASES if c.name == case_name)
+    case = next(c for c in TABLE_CASES if c.name == case_name)
     return loop.stock_rollout(ar_models.backend(model), case.prompts(), case.max_new_tokens)
 
 
@@ -42,21 +42,22 @@ def _row(model: str, case, label: str, fresh_reference: bool = False) -> tuple[b
         with ARForwardSpy(backend.model) as spy:
             fast = loop.fast_rollout(backend, case.batch(), case.max_new_tokens)
     except AssertionError as err:
-        return False, judge.format_seed001(label, False, raised=f"AssertionError {err}".strip())
+        return False, judge.format_case_row(label, False, raised=f"AssertionError {err}".strip())
     passed, violated = True, []
     for what in comparisons.CASE_QUANTITIES:
         verdict = judge.compare_case(what, fast, reference, policies)
         verdict = judge.require_path(verdict, spy, case.batch_size)
         passed &= verdict.passed
         violated += [n for n in verdict.notes if n.startswith("VIOLATED") and n not in violated]
-    return passed, judge.format_seed001(label, passed, judge.seed001_metrics(fast, reference),
+    return passed, judge.format_case_row(label, passed, judge.case_row_metrics(fast, reference),
                                            note="; ".join(violated))
 
 
 @pytest.mark.parametrize("model", ar_models.BACKENDS)
-def test_seed001_table(model: str, capsys: pytest.CaptureFixture, request: pytest.FixtureRequest) -> None:
+def test_every_case_row_fails_exactly_where_its_ablation_claims(model: str, capsys: pytest.CaptureFixture,
+                                                                request: pytest.FixtureRequest) -> None:
     lines, wrong = [], []
-    for case in SEED_CASES:
+    for case in TABLE_CASES:
         real_pos = case.batch().real_pos.flatten().tolist()
         lines.append(f"=== {model}: {case.name} ({case.construction}, real_pos={real_pos}, "
                      f"{case.decode_steps} decode steps) vs independent B=1 ===")

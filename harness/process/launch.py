@@ -18,7 +18,7 @@ while a rank waits (for its own task, or for the others' outcomes) it watches th
   mistaken for a dead one; on another host, when its heartbeat has not moved for ``silence_s``. Such a
   peer is reported "died" with the phase it was in, and left out of every later agreement;
 - ``stuck_s()`` after its own task entered a collective that a live peer has not reached (each rank posts how many
-  collectives it entered, harness.progress), once that peer's own progress has stopped for as long (each rank's
+  collectives it entered, harness.process.progress), once that peer's own progress has stopped for as long (each rank's
   watch posts its pace: how long its position and the modules it runs stood still, whether its task thread's CPU
   time did, and, on a GPU, whether its stream still has work): that peer is named, and it names itself "stuck".
   A rank that computes is never named, however slowly;
@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from harness import progress, progress_lines
+from harness.process import progress, progress_lines
 
 __all__ = ["ENV", "FAULT_BOUND_ENV", "Launch", "PeerLost", "agree", "fault_bound", "gather", "grace_s", "join",
            "joined", "launched", "leave", "lost", "mark_lost", "process_state", "run_task", "set_fault_bound",
@@ -64,7 +64,7 @@ HEARTBEAT_S = 0.5
 POLL_S = 0.05
 PHASE_TIMEOUT_S = 3600.0  # item phases: the slowest rank's pytest item may load a big model (liveness still watched)
 BOARD_PREFIX = "fastpath-parity"
-LOG = logging.getLogger("harness.launch")
+LOG = logging.getLogger("harness.process.launch")
 
 _BOUND: list[float] = []  # set_fault_bound's value; else the environment's, else the default
 
@@ -266,7 +266,7 @@ class _Board:
         return progress.Pace.from_json(json.loads(self.store.get(key)))
 
     def positions(self, step: int) -> dict[int, progress.Position]:
-        """Where every rank that posted one is inside ``step`` (its collectives; harness.progress)."""
+        """Where every rank that posted one is inside ``step`` (its collectives; harness.process.progress)."""
         keys = {r: f"p{step}/r{r}" for r in range(self.launch.world_size) if r not in self.gone}
         present = {r: k for r, k in keys.items() if self.store.check([k])}
         if not present:
@@ -528,7 +528,7 @@ def _watched(work: Callable[[], Any], phase: str, deadline: float, step: int | N
     Gives up on the thread ``grace_s()`` after a peer failed this step or went silent, at ``deadline``, or (in a
     task step) once it has waited stuck_s() inside a collective that a live peer never reached, naming that peer;
     the abandoned thread sits in a collective that can never finish, so the task group is marked lost. Where the
-    worker is (harness.progress) goes to the board as it moves, so a waiting peer can tell who is behind.
+    worker is (harness.process.progress) goes to the board as it moves, so a waiting peer can tell who is behind.
     """
     joined = _joined()
     board = joined.board

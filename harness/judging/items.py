@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-__all__ = ["ParityItem", "check_params", "kill_params"]
+__all__ = ["PARITY_ITEM_KEY", "ParityItem", "check_params", "item_check", "keep_parity_item", "kill_params",
+           "parity_item"]
 
 
 @dataclass(frozen=True)
@@ -48,3 +49,27 @@ def kill_params(pairs: Iterable[tuple[str, str]]) -> list[Any]:
     """One pytest parameter per (ablation, claimed check), named ``ablation->check``."""
     items = [ParityItem(check_id, ablation=name) for name, check_id in pairs]
     return [pytest.param(item, id=item.node_id) for item in items]
+
+
+PARITY_ITEM_KEY = pytest.StashKey[ParityItem]()  # what a generated item runs
+
+
+def keep_parity_item(item: pytest.Item) -> None:
+    """Keep the ``ParityItem`` a generated item was parametrized with (found by its type) in the item's stash."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    found = [value for value in params.values() if isinstance(value, ParityItem)]
+    if len(found) > 1:
+        raise pytest.UsageError(f"{item.nodeid}: parametrized with {len(found)} parity items; one item runs one")
+    if found:
+        item.stash[PARITY_ITEM_KEY] = found[0]
+
+
+def parity_item(item: pytest.Item) -> ParityItem | None:
+    """What a generated item runs, or None for any other test."""
+    return item.stash.get(PARITY_ITEM_KEY, None)
+
+
+def item_check(item: pytest.Item) -> tuple[str | None, bool]:
+    """(the check id a generated item runs, whether it runs it under an ablation); (None, False) otherwise."""
+    found = parity_item(item)
+    return (found.check, bool(found.ablation)) if found is not None else (None, False)

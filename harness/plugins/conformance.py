@@ -28,8 +28,8 @@ import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from harness import carried
 from harness.paths import PATHS
+from harness.process import carried
 from harness.registry import Registry, load_ref, split_ref
 
 __all__ = ["LAYOUTS", "PATHS", "SIGNATURES", "active", "add_calls", "applied", "call_counts", "calls",

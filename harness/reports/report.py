@@ -17,7 +17,7 @@ The JSON shape is a contract for CI tools::
      "interrupted": line,                            # only when the run was stopped (Ctrl-C, SIGTERM, SIGHUP)
                                                      # before every item ran: what stopped it
      "benchmarks": {table: {"path", "title", "rows": [{"case", "fast_s", "stock_s", "raw_s", "raw_stock_s",
-                    "ideal", "ratios", "extra"}]}}}  # only when bench items ran (harness.bench); timings
+                    "ideal", "ratios", "extra"}]}}}  # only when bench items ran (harness.reports.bench); timings
 
 A check's status is passed, failed (its verdict failed; or it raised, timed out or failed before giving
 one: then ``error`` says how and on which ranks) or skipped (``reason``); a pair's is killed, survived
@@ -38,10 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import ablation, checks, report_pictures
-from harness.ablation import KillResult
-from harness.compare import Verdict
-from harness.host import summary as host_summary
+from harness.judging import ablation
+from harness.judging import checks
+from harness.reports import report_pictures
+from harness.judging.ablation import KillResult
+from harness.judging.compare import Verdict
+from harness.inputs.host import summary as host_summary
 from harness.paths import path_of
 
 __all__ = ["SUFFIXES", "Unfinished", "build", "prepare", "render_html", "render_markdown", "render_terminal", "shorten",
@@ -124,8 +126,8 @@ def build(verdicts: Iterable[Verdict | Unfinished], kills: Iterable[KillResult |
           benchmarks: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The report; ``implementations`` names the implementation under test per path (conformance mode),
     ``remote_code`` what the run allowed and loaded of checkpoints' own code (--trust-remote-code), ``host``
-    where the run happened (``harness.host.fingerprint``), ``benchmarks`` what its bench items measured
-    (``harness.bench.BenchLog.to_json``)."""
+    where the run happened (``harness.inputs.host.fingerprint``), ``benchmarks`` what its bench items measured
+    (``harness.reports.bench.BenchLog.to_json``)."""
     rows = [_check_row(v) for v in verdicts]
     grouped: dict[str, list[KillResult | Unfinished]] = {}
     for k in kills:

@@ -3,17 +3,17 @@
 CPU worlds fork their ranks after imports (gloo on 127.0.0.1), so eight ranks start in well under
 a second; CUDA worlds spawn one rank per GPU (NCCL); PARITY_START_METHOD=spawn|fork overrides either
 (a spawned rank rebuilds the catalogues itself). Under torchrun the world is the launcher's group and
-tasks run in this process (harness.launch). A task is a module-level function run on every
+tasks run in this process (harness.process.launch). A task is a module-level function run on every
 rank with the default group initialised. Every rank's outcome comes back: a raise on any rank
 becomes one error listing all ranks (the others get ERROR_GRACE_S to answer before they count as
 blocked), a rank that dies or is stopped by a signal is seen at once (its pipe closes; /proc says it
 is stopped), a live rank behind the collective its peers have waited in for launch.stuck_s() is named "stuck" once
-its own progress stopped for as long (harness.progress.stalled: each rank tells the parent the collectives it
+its own progress stopped for as long (harness.process.progress.stalled: each rank tells the parent the collectives it
 enters, the modules it runs count in shared memory, its CPU time is read from /proc; a rank that computes is never
 named, however slowly), and a hang becomes a timeout naming the hung ranks, after which the world is torn down
-with no child process left behind. Ranks die with the parent and leave Ctrl-C to it (harness.lifecycle): an
+with no child process left behind. Ranks die with the parent and leave Ctrl-C to it (harness.process.lifecycle): an
 interrupt while a task runs kills them at once and goes on as the interrupt. Error text keeps no per-run detail
-(ports, pids, addresses): those go to the ``harness.dist`` log, so the same command gives the same verdicts and
+(ports, pids, addresses): those go to the ``harness.process.dist`` log, so the same command gives the same verdicts and
 report.
 """
 
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from harness import carried, launch, lifecycle, progress
+from harness.process import carried, launch, lifecycle, progress
 
 __all__ = ["START_METHODS", "RankOutcome", "World", "WorldError", "WorldPool", "WorldTaskError", "WorldTimeout",
            "resolve_start_method", "stable_error"]
@@ -46,7 +46,7 @@ __all__ = ["START_METHODS", "RankOutcome", "World", "WorldError", "WorldPool", "
 ERROR_GRACE_S = 5.0  # after one rank fails, how long the others get to report before they count as blocked
 REAP_S = 2.0  # how long a rank whose pipe closed gets to be reaped, so its exit code is read, not guessed
 STOP_POLL_S = 0.25  # how often a waiting parent looks for a rank stopped by a signal (it never answers)
-LOG = logging.getLogger("harness.dist")
+LOG = logging.getLogger("harness.process.dist")
 
 # per-run details in error text (the transport's source lines, ports, pids, object addresses): they go to the
 # log; what a verdict or a report quotes is the same on every run of the same command
@@ -82,7 +82,7 @@ def resolve_start_method(device_type: str, chosen: str | None = None) -> str:
     """How ranks start: ``chosen``, else ``PARITY_START_METHOD`` (spawn | fork), else spawn on CUDA, fork on CPU.
 
     CUDA cannot be forked once initialised, so real nodes spawn; the CPU dry run forks for speed but
-    can spawn too, which is how CI proves a fresh rank rebuilds the catalogues (harness.catalogue).
+    can spawn too, which is how CI proves a fresh rank rebuilds the catalogues (harness.judging.catalogue).
     """
     source = "start_method"
     if chosen is None:
@@ -197,9 +197,9 @@ def _rank_main(rank: int, size: int, port: int, backend: str, use_cuda: bool, pg
 
 
 class _StragglerWatch:
-    """The parent's view of where its ranks are and how they progress (harness.progress): names a rank behind the
-    collective its peers have waited in for launch.stuck_s() once its own progress stopped for as long, instead of
-    waiting out the task's time limit; a rank that computes is never named."""
+    """The parent's view of where its ranks are and how they progress (harness.process.progress): names a rank
+    behind the collective its peers have waited in for launch.stuck_s() once its own progress stopped for as long,
+    instead of waiting out the task's time limit; a rank that computes is never named."""
 
     def __init__(self, size: int, pids: list[int], work: list[Any]):
         self.size = size
@@ -454,7 +454,7 @@ class World:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
 
         ``fn`` must be a module-level function (it is pickled by reference). The registered carried contexts
-        (harness.carried) are captured now, travel with the task and are re-entered in each rank.
+        (harness.process.carried) are captured now, travel with the task and are re-entered in each rank.
         """
         if not self.alive:
             raise WorldError(f"world of {self.size} ranks is not running (start it, or it was torn down)")
@@ -547,7 +547,7 @@ class World:
                       timeout_s: float) -> list[Any]:
         """Under torchrun: run the task on this rank, agree on every rank's outcome, then share the results.
 
-        Every rank raises within launch.fault_bound() of a peer raising, stopping or dying (harness.launch).
+        Every rank raises within launch.fault_bound() of a peer raising, stopping or dying (harness.process.launch).
         """
         statuses, result = launch.run_task(fn, args, kwargs, timeout_s)
         ordered = [RankOutcome(rank, status, stable_error(error), trace)

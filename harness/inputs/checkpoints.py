@@ -1,6 +1,6 @@
 """What kind of checkpoint a path holds, read from its files, and how to load it offline.
 
-The kinds are registrations, not a list here: ``harness.plugins.CHECKPOINT_KINDS`` holds one
+The kinds are registrations, not a list here: ``harness.plugins.entry_points.CHECKPOINT_KINDS`` holds one
 ``CheckpointKind`` per kind (the suite's own through ``register`` below, an installed package's
 through the same entry-point group), each naming the path it feeds, the class names it answers to
 and where those names are read (``SOURCES``). Anything no registered kind recognises is a clear
@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
-from harness import device_map as device_maps
-from harness import plugins, progress_lines
+from harness.inputs import device_map as device_maps
 from harness.paths import PATHS
-from harness.plugins import CheckpointKind
+from harness.plugins import entry_points as plugins
+from harness.plugins.entry_points import CheckpointKind
+from harness.process import progress_lines
 
 __all__ = ["KINDS", "SHIPPED_KINDS", "SOURCES", "TRUST_FLAG", "Checkpoint", "CheckpointError", "detect",
            "kind_for_family", "load_model", "not_a_file", "null_fields", "refuse_null_fields", "register",
@@ -64,7 +65,7 @@ SHIPPED_KINDS = (
 def register(registry: ModuleType) -> None:
     """Entry point ``checkpoints``: the suite's own checkpoint kinds (idempotent: the same objects)."""
     for kind in SHIPPED_KINDS:
-        registry.CHECKPOINT_KINDS.register(kind.name, kind, origin="harness.checkpoints")
+        registry.CHECKPOINT_KINDS.register(kind.name, kind, origin="harness.inputs.checkpoints")
 
 
 class CheckpointError(ValueError):
@@ -74,7 +75,8 @@ class CheckpointError(ValueError):
 def _validate(kind: Any, origin: str) -> CheckpointKind:
     where = f"checkpoint kind {getattr(kind, 'name', kind)!r} (registered by {origin or 'unknown origin'})"
     if not isinstance(kind, CheckpointKind):
-        raise CheckpointError(f"{where}: expected a harness.plugins.CheckpointKind, got {type(kind).__name__}")
+        raise CheckpointError(f"{where}: expected a harness.plugins.entry_points.CheckpointKind, "
+                              f"got {type(kind).__name__}")
     if kind.feeds not in FEEDS:
         raise CheckpointError(f"{where}: feeds must be one of {list(FEEDS)}, got {kind.feeds!r}")
     if kind.source not in SOURCES:
@@ -111,7 +113,8 @@ def supported() -> str:
     kinds = registered_kinds()
     listed = "; ".join(_describe(k) for k in kinds) or "none"
     return (f"registered checkpoint kinds: {listed}. A package adds one by registering a "
-            f"harness.plugins.CheckpointKind in CHECKPOINT_KINDS from its {plugins.ENTRY_POINT_GROUP!r} entry point")
+            f"harness.plugins.entry_points.CheckpointKind in CHECKPOINT_KINDS from its "
+            f"{plugins.ENTRY_POINT_GROUP!r} entry point")
 
 
 class _Kinds(Mapping[str, str]):
@@ -421,7 +424,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device 
     """Load a model checkpoint offline in ``dtype`` on ``device``; failures name the path.
 
     ``device_map`` (text or DeviceMap; default: the run's --device-map, else one device where the weights
-    fit) places the model through accelerate instead (harness.device_map). A checkpoint that ships its own
+    fit) places the model through accelerate instead (harness.inputs.device_map). A checkpoint that ships its own
     modeling code loads only when ``trust_remote_code`` (default: the run's --trust-remote-code) allows it.
     """
     require_trust(checkpoint, trust_remote_code)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.testing._comparison import default_tolerances
 
-from harness.floors import StockFloor
+from harness.judging.floors import StockFloor
 from harness.paths import path_of
 
 __all__ = [

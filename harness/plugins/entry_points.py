@@ -95,7 +95,7 @@ def load_plugins(entry_points: Callable[[], Any] | None = None) -> list[str]:
     newly = []
     _LOADING = True
     try:
-        import harness.plugins as plugins_module
+        import harness.plugins.entry_points as plugins_module
 
         for point in sorted(found, key=lambda p: (p.name, p.value)):
             key = f"{point.name}={point.value}"

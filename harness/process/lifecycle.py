@@ -39,6 +39,19 @@ _REQUESTED: list[str] = []  # the signals that asked this run to stop, first one
 _RELAYED: list[int] = []  # signals the watch thread sent the main thread again (not a second request)
 HANDLER_WITHIN_S = 0.2  # how long the main thread gets to run the handler before the watch thread interrupts it
 _STOP_WATCH = 0  # the byte that ends the watch thread (no signal is numbered 0)
+_WATCHING: list[bool] = []  # non-empty while install()'s handlers and wakeup fd are in place
+
+
+def _forked_child() -> None:
+    """In any process forked from this one: its signals are its own, not this run's (a fork shares the wakeup fd's
+    pipe, so a signal to the child would otherwise read as one to the run), and it started no rank."""
+    _CHILDREN.clear()
+    if _WATCHING:
+        with contextlib.suppress(ValueError):  # forked from a thread other than the main one: nothing was shared
+            signal.set_wakeup_fd(-1)
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 class StopRequested(KeyboardInterrupt):
@@ -100,8 +113,10 @@ def install() -> Callable[[], None]:
     watch = threading.Thread(target=_watch_signals, args=(read_end, threading.main_thread().ident),
                              name="parity-stop-signals", daemon=True)
     watch.start()
+    _WATCHING.append(True)
 
     def restore() -> None:
+        _WATCHING.clear()
         signal.set_wakeup_fd(previous_fd)
         with contextlib.suppress(OSError):
             os.write(write_end, bytes([_STOP_WATCH]))

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from harness.compare import Verdict, noise_floor
+from harness.judging.compare import Verdict, noise_floor
 
 __all__ = ["GROWTH_BUDGET", "GROWTH_K_MAX", "GROWTH_K_MIN", "MIN_GROWTH_STEPS", "first_departure", "growth_ratio",
            "judge_growth"]

@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from harness import ablation, checks
+from harness.judging import ablation, checks
 
 __all__ = ["ABLATION_MODULES", "CHECK_MODULES", "load", "loaded"]
 

@@ -2,7 +2,7 @@
 
 Ranks forked before a patch do not see it, and a spawned rank starts with nothing, so the state a task runs
 under (an applied ablation, an implementation under test) must travel with the task. The process layer
-(``harness.dist``) knows nothing of that state: any module registers a ``Carried`` here, and a world asks every
+(``harness.process.dist``) knows nothing of that state: any module registers a ``Carried`` here, and a world asks every
 registered one to ``capture`` its state when it sends a task, ``enter`` it around the task inside the rank,
 and ``absorb`` what the rank ``tally``-ed (calls made there, say) when the answer comes back. ``reset`` drops
 what a forked rank inherited before its first task.

@@ -7,7 +7,7 @@ Standard library only (matplotlib, where installed, draws the HTML's picture): i
 ``--md`` writes what a pull request changed for its job summary: the verdicts that changed, the largest margin
 moves and charts of both reports' margins that GitHub draws itself; ``--html`` the same with an SVG of the moves.
 
-    python -m harness.report_diff A.json B.json [--top N] [--md OUT.md] [--html OUT.html]   (scripts/compare-reports)
+    python -m harness.reports.report_diff A.json B.json [--top N] [--md OUT.md] [--html OUT.html]   (scripts/compare-reports)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import report_pictures
+from harness.reports import report_pictures
 
 __all__ = ["Comparison", "compare", "load", "main", "render_html", "render_markdown"]
 

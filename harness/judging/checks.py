@@ -2,7 +2,7 @@
 
 A check is a callable ``fn(ctx) -> Verdict`` or ``fn() -> Verdict`` registered once, with the policy it is
 judged under, under an id that reads ``path.case.what`` (``decode.t37.w8.bitexact``; built from the
-catalogue's case objects, harness.checkid). The runner passes the run's ``CheckContext`` only to a check
+catalogue's case objects, harness.judging.checkid). The runner passes the run's ``CheckContext`` only to a check
 whose signature takes it (a parameter left unbound), so a check that needs no device, world or capture
 declares none. parity/, mutation/ and gpu/ all generate their tests from this one registry, so a check id
 is the way in: one search finds the function that defines it.
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from harness.checkid import CheckId
-from harness.compare import Policy, Verdict
+from harness.judging.checkid import CheckId
+from harness.judging.compare import Policy, Verdict
 from harness.paths import path_of
 from harness.registry import Registry
 
@@ -44,12 +44,12 @@ class CheckContext:
     checkpoint: str | None = None
     capture_dir: str | None = None
     task_timeout_s: float = 120.0
-    worlds: Any = None  # harness.dist.WorldPool, set by the plugin
+    worlds: Any = None  # harness.process.dist.WorldPool, set by the plugin
     cache: dict[str, Any] = field(default_factory=dict)
 
     def world(self, size: int):
         if self.worlds is None:
-            from harness.dist import WorldPool
+            from harness.process.dist import WorldPool
 
             self.worlds = WorldPool(device=self.device)
         return self.worlds.get(size)

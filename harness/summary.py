@@ -1,0 +1,87 @@
+"""The end of a run: its exit status, the report written and its section in the terminal summary."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from harness.given_inputs import IDLE_KEY, idle_inputs
+from harness.placement import reporting_rank, summarise_placement
+from harness.plugins.conformance_run import NOT_JUDGED_KEY, OWN_TESTS_KEY, never_ran, not_judged_lines
+from harness.process import lifecycle
+from harness.reports import report
+from harness.session import SESSION_KEY
+
+__all__ = ["finish", "interrupted_line", "write_summary"]
+
+def finish(session: pytest.Session) -> None:
+    """The run's exit status and report: checks that never called the implementation under test, inputs nothing ran
+    on, an interrupt, a report that could not be written; the report is built once, by the reporting rank."""
+    parity = session.config.stash.get(SESSION_KEY, None)
+    if parity is None:
+        return
+    problems = never_ran(session.config, {v.path for v in parity.verdicts.values()})
+    if problems:
+        parity.conformance_problems = problems
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    # an input no check ran on judged nothing: exit 1 like a failed check, not 5 ("no tests collected"), which
+    # lanes often tolerate, and items were collected; a run already failing keeps its own status
+    idle = session.config.stash[IDLE_KEY] = idle_inputs(session.config)
+    if idle and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if reporting_rank() and (parity.verdicts or parity.kills or parity.unfinished or parity.pairs_unfinished or idle
+                             or parity.benchmarks):
+        parity.report_data = parity.report()
+        if idle:
+            parity.report_data["nothing_ran"] = idle
+        if session.exitstatus == pytest.ExitCode.INTERRUPTED:
+            parity.report_data["interrupted"] = interrupted_line()
+        for path in session.config.getoption("parity_report") or []:
+            try:
+                parity.written.append(os.fspath(report.write(parity.report_data, path)))
+            except OSError as err:  # checked at configure; the disk may still fill up or go away
+                parity.write_errors.append(f"--parity-report {path}: not written ({type(err).__name__}: "
+                                           f"{err.strerror or err})")
+        if parity.write_errors:
+            session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
+    parity.exitstatus = int(session.exitstatus)
+
+
+def interrupted_line() -> str:
+    """What a report of an interrupted run says first: which signal stopped it, and that it covers only part."""
+    asked = lifecycle.requested()
+    how = "by Ctrl-C" if asked in ("", "SIGINT") else f"by {asked}"
+    return (f"INTERRUPTED {how}: the run stopped before every item ran; this report holds only what finished, and "
+            "the run is not green")
+
+
+def write_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The report's terminal section: the table, what failed outside it, what a conformance run left unjudged."""
+    session = config.stash.get(SESSION_KEY, None)
+    idle = config.stash.get(IDLE_KEY, [])
+    if session is not None and session.benchmarks and reporting_rank():
+        terminalreporter.section("fastpath-parity benchmarks")
+        for line in session.benchmarks.lines():
+            terminalreporter.write_line(line)
+    if session is None or (session.report_data is None and not idle):
+        return
+    judged = session.report_data is not None and bool(session.report_data["checks"] or session.report_data["ablations"]
+                                                      or not session.benchmarks)  # a bench-only run judged nothing
+    if not (judged or idle or session.written or session.write_errors):
+        return
+    terminalreporter.section("fastpath-parity report")
+    if judged:
+        terminalreporter.write_line(report.render_terminal(session.report_data))
+    for problem in session.conformance_problems:
+        terminalreporter.write_line(f"FAILED {problem}", red=True)
+    for line in idle:
+        terminalreporter.write_line(f"FAILED {line}", red=True)
+    for line in not_judged_lines(config.stash.get(NOT_JUDGED_KEY, {}), config.stash.get(OWN_TESTS_KEY, {})):
+        terminalreporter.write_line(line, yellow=True)
+    for written in session.written:
+        terminalreporter.write_line(f"parity report written to {written}")
+    for problem in session.write_errors:
+        terminalreporter.write_line(f"ERROR {problem}", red=True)
+    summarise_placement(terminalreporter)
