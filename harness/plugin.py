@@ -112,6 +112,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     given_inputs.watch_items(session)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    lifecycle.raise_if_requested()  # a stop whose own raise was lost (harness.process.lifecycle) starts no item
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     rep = yield
@@ -159,9 +163,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     checkpoints.trust_remote_code(False)
     launch.set_fault_bound(None)
     progress_lines.restore(config.stash.get(PROGRESS_KEY, ([], {}, [])))
-    config.stash.get(SIGNALS_KEY, lambda: None)()
     # a torchrun rank asked to stop may have a task thread inside a collective its peers never finish
     given_up = launch.lost() or (launch.joined() is not None and lifecycle.requested())
+    config.stash.get(SIGNALS_KEY, lambda: None)()
     placement.release_placement()
     if given_up:
         # a step of the launcher's group never finished on some rank: a thread still sits in its collective,

@@ -134,15 +134,13 @@ def slower_before_gather(rank: int, rounds: int, factor: int, modules: bool) -> 
 
 
 def slowed(decoder, seconds: float):
-    """``decoder`` with each call repeated for about ``seconds`` of real work (the first call measures one)."""
-    repeats: list[int] = []
+    """``decoder`` with each call repeated until ``seconds`` have passed: real work for that long, however fast or
+    loaded the machine (a count measured on a first, cold call would not be)."""
 
     def decode(tile: torch.Tensor) -> torch.Tensor:
-        began = time.perf_counter()
+        until = time.perf_counter() + seconds
         out = decoder(tile)
-        if not repeats:
-            repeats.append(max(1, round(seconds / max(time.perf_counter() - began, 1e-3))))
-        for _ in range(repeats[0] - 1):
+        while time.perf_counter() < until:
             out = decoder(tile)
         return out
 

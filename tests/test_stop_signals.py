@@ -2,12 +2,14 @@
 processes it started and raises the interrupt pytest reports, and a report of a stopped run says so first.
 tests/test_lifecycle.py stops whole runs (forked and under torchrun) and counts what they leave."""
 
+import contextlib
 import signal
 import subprocess
 
 import pytest
 
 from harness.process import lifecycle
+from harness.process.dist import World
 from harness.reports import report
 from harness.session import OUTCOME_ERRORS
 from tests.dist_tasks import alive
@@ -16,10 +18,25 @@ pytestmark = pytest.mark.cpu
 
 
 @pytest.fixture
-def installed():
+def installed(monkeypatch):
+    """The stop handlers of a run of its own, whose adopted children are only this test's (the session's worlds'
+    ranks are not in them)."""
+    monkeypatch.setattr(lifecycle, "_CHILDREN", set())
     restore = lifecycle.install()
     yield
     restore()
+
+
+def test_a_request_made_inside_an_inner_run_ends_with_it(monkeypatch):
+    """An in-process run inside a run (pytester) that was asked to stop leaves the outer run's request as it was."""
+    monkeypatch.setattr(lifecycle, "_CHILDREN", set())
+    restore = lifecycle.install()
+    with contextlib.suppress(lifecycle.StopRequested):
+        lifecycle._on_stop_signal(signal.SIGHUP, None)
+    assert lifecycle.requested() == "SIGHUP"
+    restore()
+    assert lifecycle.requested() == ""
+    lifecycle.raise_if_requested()  # nothing to raise
 
 
 def test_the_stop_handlers_go_in_and_come_out_whole():
@@ -67,3 +84,16 @@ def test_a_report_of_a_stopped_run_says_so_before_anything_else():
     assert data["interrupted"] in report.render_html(data)
     del data["interrupted"]
     assert "INTERRUPTED" not in report.render_terminal(data) + report.render_markdown(data)
+
+
+def test_a_stop_whose_raise_was_lost_is_raised_by_the_next_wait(installed):
+    """A signal that lands inside code whose exceptions Python only reports (an at-fork callback: a world forking its
+    ranks is inside one at every fork) loses the handler's raise; the request stands, and the next world start
+    raises it before forking anything."""
+    with contextlib.suppress(lifecycle.StopRequested):  # what the at-fork callback's reporting does with it
+        lifecycle._on_stop_signal(signal.SIGTERM, None)
+    assert lifecycle.requested() == "SIGTERM"
+    world = World(2)
+    with pytest.raises(lifecycle.StopRequested, match="SIGTERM: the run was asked to stop"):
+        world.start()
+    assert not world.alive and set() == lifecycle._CHILDREN

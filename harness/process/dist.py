@@ -341,6 +341,7 @@ class World:
         ctx = mp.get_context(self.start_method)
         port = _free_port()
         for rank in range(self.size):
+            lifecycle.raise_if_requested()  # a stop taken inside the last fork's callbacks was not raised there
             parent_end, child_end = ctx.Pipe(duplex=True)
             work = ctx.Value("Q", 0, lock=False)
             proc = ctx.Process(target=_rank_main, name=f"parity-rank{rank}", daemon=True,
@@ -356,9 +357,12 @@ class World:
         failures: list[RankOutcome] = []
         deadline = time.monotonic() + self.start_timeout_s
         while pending:
-            ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+            lifecycle.raise_if_requested()
+            ready = wait(list(pending.values()), timeout=max(0.0, min(deadline - time.monotonic(), STOP_POLL_S)))
             if not ready:
-                break
+                if time.monotonic() >= deadline:
+                    break
+                continue
             for conn in ready:
                 rank = self._conns.index(conn)
                 del pending[rank]
@@ -483,6 +487,7 @@ class World:
         stopped: dict[int, float] = {}  # rank -> since when its process has been stopped (SIGSTOP)
         watch = _StragglerWatch(self.size, [proc.pid for proc in self._procs], self._work)
         while pending:
+            lifecycle.raise_if_requested()
             ready = wait(list(pending.values()), timeout=max(0.0, min(deadline - time.monotonic(), STOP_POLL_S)))
             watch.sample(pending)
             if not ready:

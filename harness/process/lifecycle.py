@@ -29,7 +29,7 @@ from collections.abc import Callable
 from types import FrameType
 
 __all__ = ["STOP_SIGNALS", "StopRequested", "adopt", "as_rank", "die_with_parent", "disown", "install",
-           "kill_children", "requested"]
+           "kill_children", "raise_if_requested", "requested"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -80,6 +80,16 @@ def requested() -> str:
     return _REQUESTED[0] if _REQUESTED else ""
 
 
+def raise_if_requested() -> None:
+    """Raise the stop where a wait can take it. The handler's own raise is lost when the signal lands inside code
+    whose exceptions Python only reports (an at-fork callback, a finalizer): a world starting its ranks is in one
+    at every fork. Waits that outlast a signal call this, so the run still stops."""
+    if _REQUESTED:
+        name = _REQUESTED[0]
+        raise StopRequested(f"{'Ctrl-C' if name == 'SIGINT' else name}: the run was asked to stop; every rank process "
+                            "it started was killed")
+
+
 def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
     name = signal.Signals(signum).name
     if _RELAYED and _REQUESTED:  # the watch thread's nudge of a request already being handled
@@ -91,8 +101,7 @@ def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(128 + signum)
-    what = "Ctrl-C" if signum == signal.SIGINT else name
-    raise StopRequested(f"{what}: the run was asked to stop; every rank process it started was killed")
+    raise_if_requested()
 
 
 def install() -> Callable[[], None]:
@@ -105,22 +114,28 @@ def install() -> Callable[[], None]:
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     for signum in STOP_SIGNALS:
         signal.signal(signum, _on_stop_signal)
+    outer = list(_REQUESTED)  # an enclosing run's request (an in-process run inside a run), put back at restore
     _REQUESTED.clear()
     _RELAYED.clear()
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    watch = threading.Thread(target=_watch_signals, args=(read_end, threading.main_thread().ident),
+    active = threading.Event()
+    active.set()
+    watch = threading.Thread(target=_watch_signals, args=(read_end, threading.main_thread().ident, active),
                              name="parity-stop-signals", daemon=True)
     watch.start()
     _WATCHING.append(True)
 
     def restore() -> None:
-        _WATCHING.clear()
-        signal.set_wakeup_fd(previous_fd)
+        active.clear()  # first: a watch thread between a signal and its nudge must not nudge the enclosing run
         with contextlib.suppress(OSError):
             os.write(write_end, bytes([_STOP_WATCH]))
-        watch.join(timeout=1.0)
+        watch.join(timeout=2 * HANDLER_WITHIN_S + 1.0)
+        _WATCHING.clear()
+        _REQUESTED[:] = outer
+        _RELAYED.clear()
+        signal.set_wakeup_fd(previous_fd)
         for fd in (read_end, write_end):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -131,7 +146,7 @@ def install() -> Callable[[], None]:
     return restore
 
 
-def _watch_signals(read_end: int, main_thread: int | None) -> None:
+def _watch_signals(read_end: int, main_thread: int | None, active: threading.Event) -> None:
     """The wakeup fd's reader: on a stop signal, kill the ranks now and make sure the main thread hears of it."""
     stops = {int(s) for s in STOP_SIGNALS}
     while True:
@@ -139,14 +154,14 @@ def _watch_signals(read_end: int, main_thread: int | None) -> None:
             got = os.read(read_end, 64)
         except OSError:
             return
-        if not got or _STOP_WATCH in got:
+        if not got or _STOP_WATCH in got or not active.is_set():
             return
         for signum in (b for b in got if b in stops):
             kill_children()
             if _REQUESTED or _RELAYED:  # already being handled (or this is the nudge coming back)
                 continue
             threading.Event().wait(HANDLER_WITHIN_S)
-            if not _REQUESTED and main_thread is not None:  # the main thread sits in a wait: wake it once
+            if not _REQUESTED and main_thread is not None and active.is_set():  # the main thread sits in a wait
                 _RELAYED.append(signum)
                 with contextlib.suppress(OSError, ValueError):
                     signal.pthread_kill(main_thread, signum)
