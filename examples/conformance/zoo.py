@@ -22,7 +22,6 @@ Run from the repository root, with ``examples/conformance`` importable (``exampl
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import importlib
 import json
@@ -163,11 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="what each run collects (default: the check catalogue, parity/test_parity.py)")
     parser.add_argument("--markdown", help="write the table here too")
     parser.add_argument("--json", help="write every outcome here")
-    parser.add_argument("--jobs", type=int, default=1, metavar="N",
-                        help="judge N implementations at once (each run is its own pytest; the table keeps the order)")
     args, extra = parser.parse_known_args(argv)
-    if args.jobs < 1:
-        parser.error(f"--jobs {args.jobs}: expected at least 1")
     sys.path[:0] = [str(Path(__file__).resolve().parent), os.getcwd()]  # the zoo modules; the suite's checkout
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
                                                              os.environ.get("PYTHONPATH")]))
@@ -175,29 +170,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         todo = [e for e in todo if f"{e.path}:{e.name}" in args.only]
     outcomes: list[Outcome] = []
-    firsts: dict[tuple[str, Any], Entry] = {}  # one run per key: a report re-created as a zoo bug shares its run
+    runs: dict[tuple[str, Any], Outcome] = {}
     for entry in todo:
-        firsts.setdefault(entry.run_key, entry)
-    for path in sorted({entry.path for entry in todo}):
-        catalogue(path)  # the catalogue loads here, once, before the runs are judged side by side
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        pending = {key: pool.submit(judge, entry, args.tests, extra) for key, entry in firsts.items()}
-        runs: dict[tuple[str, Any], Outcome] = {}
-        for entry in todo:
-            first = runs.get(entry.run_key)
-            if first is None:
-                outcome = runs[entry.run_key] = pending[entry.run_key].result()
-            else:
-                outcome = dataclasses.replace(first, entry=entry, shared_with=first.entry.spec)
-            outcomes.append(outcome)
-            mark = "ok" if outcome.as_expected else "UNEXPECTED"
-            took = f"the run of {outcome.shared_with}" if outcome.shared_with else f"{outcome.seconds:.0f} s"
-            print(f"zoo: {entry.spec}: {outcome.verdict} ({len(outcome.failing)} failing of {len(outcome.judged)} "
-                  f"judged, {took}) [{mark}]", flush=True)
-            if outcome.unmet:
-                print(f"zoo: {entry.spec}: declared checks not failed: {', '.join(outcome.unmet)}", file=sys.stderr)
-            if not outcome.as_expected:
-                print(outcome.output, file=sys.stderr)
+        first = runs.get(entry.run_key)
+        if first is None:
+            outcome = runs[entry.run_key] = judge(entry, args.tests, extra)
+        else:
+            outcome = dataclasses.replace(first, entry=entry, shared_with=first.entry.spec)
+        outcomes.append(outcome)
+        mark = "ok" if outcome.as_expected else "UNEXPECTED"
+        took = f"the run of {outcome.shared_with}" if outcome.shared_with else f"{outcome.seconds:.0f} s"
+        print(f"zoo: {entry.spec}: {outcome.verdict} ({len(outcome.failing)} failing of {len(outcome.judged)} "
+              f"judged, {took}) [{mark}]", flush=True)
+        if outcome.unmet:
+            print(f"zoo: {entry.spec}: declared checks not failed: {', '.join(outcome.unmet)}", file=sys.stderr)
+        if not outcome.as_expected:
+            print(outcome.output, file=sys.stderr)
     text = table(outcomes)
     print(text)
     if args.markdown:
