@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from harness import given_inputs, options, placement, session, summary, validation
+from harness import given_inputs, invocation, options, placement, session, summary, validation
 from harness.inputs import checkpoints
 from harness.judging import catalogue, checks
 from harness.judging.items import keep_parity_item
@@ -35,6 +35,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    invocation.rerun_with_project_config(config)  # first: a run configured from elsewhere starts again as typed
     for name, text in options.MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     conformance_run.apply_impls(config)

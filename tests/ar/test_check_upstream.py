@@ -120,6 +120,28 @@ def test_the_summary_reads_verdicts_kills_and_the_named_routing_cause() -> None:
     assert (by_fact["passed"], by_fact["margin"], by_fact["why"]) == (False, "fact", routing)
 
 
+@pytest.mark.cpu
+def test_a_failed_checks_note_carries_its_reason_never_a_bare_name() -> None:
+    """A check that raised: the exception's first line; one failed by its numbers: the metric with its value and
+    bound; one failed by a fact: the fact (each note once read "None" or a metric's bare name)."""
+    raised = {"id": "attention.gpu.denoise.decomposed[gen2_moe_captures-fp32]", "passed": False,
+              "margin": None, "headline": None, "metrics": {},
+              "error": {"type": "RuntimeError", "message": "shape mismatch at layer 1\nTraceback ...", "ranks": []}}
+    numbers = {"id": "replay.gpu.cfg2.log_probs[gen2_moe-fp32]", "passed": False, "margin": 3.5,
+               "headline": "max_relative_to_local", "tolerance": 0.002, "metrics": {"max_relative_to_local": 0.007}}
+    fact = {"id": "replay.gpu.cfg2.latents[gen2_moe-fp32]", "passed": False, "margin": 0.5, "headline": "max_abs",
+            "violated": ["every row's image span is its own"], "metrics": {"max_abs": 0.0}}
+    assert check_upstream.failure_reason(raised) == "raised RuntimeError: shape mismatch at layer 1"
+    assert check_upstream.failure_reason(numbers) == "max_relative_to_local = 0.007 > bound 0.002 (margin 3.5)"
+    assert check_upstream.failure_reason(fact) == "fact failed: every row's image span is its own"
+    rows = check_upstream.summarize({"checks": [raised], "ablations": []}, "attention")
+    assert rows[("gen2_moe_captures", "fp32")]["why"] == "denoise.decomposed: raised RuntimeError: shape " \
+                                                          "mismatch at layer 1"
+    rows = check_upstream.summarize({"checks": [numbers], "ablations": []}, "replay")
+    assert rows[("gen2_moe", "fp32")]["why"] == ("cfg2.log_probs: max_relative_to_local = 0.007 > bound 0.002 "
+                                                 "(margin 3.5)")
+
+
 @pytest.mark.launch
 def test_the_cpu_patches_apply_from_outside() -> None:
     """In a fresh interpreter (seconds: ``launch``): the stand-in imports in place of a torchvision that does not,
