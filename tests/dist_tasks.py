@@ -19,6 +19,13 @@ def raise_on(rank: int) -> int:
     return dist.get_rank()
 
 
+def raise_before_gather(rank: int) -> torch.Tensor:
+    """``rank`` raises before the all-gather every other rank enters."""
+    if dist.get_rank() == rank:
+        raise ValueError(f"injected failure on rank {rank} before the gather")
+    return all_gather_ranks(1.0)
+
+
 def hang_on(rank: int) -> int:
     if dist.get_rank() == rank:
         time.sleep(3600)
@@ -133,12 +140,14 @@ def slower_before_gather(rank: int, rounds: int, factor: int, modules: bool) -> 
     return entered
 
 
-def slowed(decoder, seconds: float):
-    """``decoder`` with each call repeated until ``seconds`` have passed: real work for that long, however fast or
-    loaded the machine (a count measured on a first, cold call would not be)."""
+def slowed(decoder, seconds: float, calls: int | None = None):
+    """``decoder`` with each call (or only its first ``calls``) repeated until ``seconds`` have passed: real work
+    for that long, however fast or loaded the machine (a count measured on a first, cold call would not be)."""
+    made = [0]
 
     def decode(tile: torch.Tensor) -> torch.Tensor:
-        until = time.perf_counter() + seconds
+        made[0] += 1
+        until = time.perf_counter() + (seconds if calls is None or made[0] <= calls else 0.0)
         out = decoder(tile)
         while time.perf_counter() < until:
             out = decoder(tile)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness.process import dist as dist_mod
-from harness.process.dist import World, WorldPool, WorldTaskError, WorldTimeout
+from harness.process.dist import ERROR_GRACE_S, World, WorldPool, WorldTaskError, WorldTimeout
 from tests import dist_tasks
 from tests.dist_tasks import alive as _alive
 
@@ -41,6 +41,25 @@ def test_raise_on_one_rank_lists_every_rank(world8):
     assert "--- rank 3 traceback ---" in text
     # the world survives a task that every rank answered
     assert world8.run(dist_tasks.all_gather_ranks, 1.0)[0].tolist() == list(range(8))
+
+
+def test_ranks_left_in_a_collective_by_a_rank_that_raised_fail_at_once_not_after_the_grace():
+    """Rank 2 raises before the gather its peers wait in: nothing can bring them out, so the task fails as soon
+    as the parent knows it, with no grace period waited out, each peer named with the collective it waits in."""
+    world = World(4).start()
+    try:
+        pids = world.run(dist_tasks.pid)
+        began = time.monotonic()
+        with pytest.raises(WorldTaskError) as info:
+            world.run(dist_tasks.raise_before_gather, 2, timeout_s=120.0)
+        took = time.monotonic() - began
+    finally:
+        world.close()
+    assert [o.status for o in info.value.outcomes] == ["blocked", "blocked", "raised", "blocked"], str(info.value)
+    assert "rank 0: blocked: waits in all_gather #1, which rank(s) [2] left the task without entering" in str(
+        info.value)
+    assert took < ERROR_GRACE_S, f"failed after {took:.1f} s: the grace period ({ERROR_GRACE_S:g} s) was waited out"
+    assert dist_tasks.alive(pids) == []
 
 
 def test_pool_reuses_and_restarts_worlds():

@@ -16,6 +16,7 @@ from harness.process.progress import (
     WorkCounter,
     abandoned,
     begin,
+    deserted,
     end,
     peers_cpu_s,
     stalled,
@@ -92,6 +93,19 @@ def test_a_rank_whose_group_returned_without_its_collective_waits_there_alone():
     reached = {0: Position({WORLD: 2}, None, "x"), 2: _waiting(WORLD, 2)}
     assert abandoned(reached, {0, 1, 3}, 4) == []  # rank 0 entered it: a transport matter, not a protocol break
 
+
+
+def test_a_rank_waiting_in_a_collective_that_a_finished_peer_never_entered_can_never_return():
+    """One member gone without entering is enough (abandoned needs all of them, and a bound of time)."""
+    positions = {0: _waiting(WORLD, 1), 1: _waiting(WORLD, 1), 3: Position({}, None, "x")}
+    assert deserted(positions, {3}, 4) == {
+        0: "waits in all_gather #1, which rank(s) [3] left the task without entering",
+        1: "waits in all_gather #1, which rank(s) [3] left the task without entering"}
+    assert deserted(positions, set(), 4) == {}  # rank 3 may still come
+    entered = {**positions, 3: Position({WORLD: 1}, None, "x")}
+    assert deserted(entered, {3}, 4) == {}  # it entered before it left: the others may still get their data
+    other_group = {0: _waiting((0, 1), 1), 3: Position({}, None, "x")}
+    assert deserted(other_group, {3}, 4) == {}  # rank 3 is no member of the group rank 0 waits in
 
 # ----------------------------------------------------------------------------------------------- pace
 

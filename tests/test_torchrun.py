@@ -233,8 +233,8 @@ SLOW_BOUND = 6.0  # stuck after 4 s (two 1 s graces below it)
 @pytest.mark.launch
 @pytest.mark.skipif(compat.path_unavailable("decode") is not None, reason=str(compat.path_unavailable("decode")))
 def test_a_rank_three_times_slower_is_waited_for_under_torchrun(tmp_path):
-    """Four ranks decode the tiny VAE, every decoder call repeated for 2.5 s of real work, rank 1's for three times as
-    long: its peers wait in the probe exchange longer than the stuck time, and the decode still succeeds
+    """Four ranks decode the tiny VAE, the first decoder call repeated for 2.5 s of real work, rank 1's for three
+    times as long: its peers wait in the probe exchange longer than the stuck time, and the decode still succeeds
     on every rank (a wall-clock bound would have named rank 1), and the launch leaves nothing behind."""
     seen = run_fault("slow", tmp_path, bound=SLOW_BOUND, extra_env={"PARITY_TEST_SLOW_S": "2.5"})
     detail = f"{json.dumps(seen['ranks'], indent=1)}\n{seen['output'][-4000:]}"

@@ -12,8 +12,8 @@ test to judge. The faults:
 - stuck: the rank sleeps in its first decoder call (alive, its heartbeat beating, as in a deadlock or a stuck
   data loader) and never reaches the probe exchange its peers wait in;
 - spin: the rank loops in Python in its first decoder call (alive, its CPU busy, computing nothing);
-- slow: not a fault: every rank repeats each decoder call for about PARITY_TEST_SLOW_S seconds of real work, and
-  the rank three times as long, so its peers wait in the probe exchange for longer than the bound's stuck time;
+- slow: not a fault: every rank repeats its first decoder call for about PARITY_TEST_SLOW_S seconds of real work,
+  the faulting rank three times as long, so its peers wait in the probe exchange for longer than the bound's stuck time;
   the decode must succeed on every rank, nobody named.
 """
 
@@ -89,8 +89,10 @@ def _fault_here():
 
 
 def slow_decode_task(job: decode_tasks.TinyDecodeJob) -> tuple[str, float]:
-    """Every rank decodes with each decoder call slowed to about SLOW_S seconds, FAULT_RANK to three times that:
-    (the video's shape, when this rank reached the probe exchange)."""
+    """Every rank decodes with its first decoder call slowed to about SLOW_S seconds, FAULT_RANK's to three times
+    that, so FAULT_RANK reaches the probe exchange at least 2 SLOW_S after its peers (the calls after the first
+    run at full speed: the wait is what the check is about, not the whole decode): (the video's shape, when this
+    rank reached the probe exchange)."""
     vae = job.build_vae()
     z = job.build_latents(torch.device("cpu"))
     seconds = SLOW_S * (3 if dist.get_rank() == FAULT_RANK else 1)
@@ -103,7 +105,7 @@ def slow_decode_task(job: decode_tasks.TinyDecodeJob) -> tuple[str, float]:
 
     exchange.exchange_probes = exchange_probes
     try:
-        with torch.no_grad(), serve.bound(vae, "decoder", dist_tasks.slowed(vae.decoder, seconds)):
+        with torch.no_grad(), serve.bound(vae, "decoder", dist_tasks.slowed(vae.decoder, seconds, calls=1)):
             video = sharded.sharded_decode(vae, z, None)
     finally:
         exchange.exchange_probes = original

@@ -17,12 +17,21 @@ checks) and exits 1 when any implementation does not do what it should.
     python examples/conformance/zoo.py --only ar:ignores_eos  # one implementation
 
 Run from the repository root, with ``examples/conformance`` importable (``examples/run-examples`` sets it).
+
+Each run is a fresh pytest session in a process forked from this one, so the runs share the start-up a
+fresh interpreter would repeat (about a third of a short run): after the first run, this process imports
+the third-party modules that run used (torch, transformers, diffusers, ...) and every later run inherits
+them. Nothing of the suite itself is imported here before a fork (entry-point plugins register families
+that its catalogue modules read at import), so each run's session starts from what a fresh interpreter
+would have. ``--fresh`` runs each in a new interpreter instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -30,7 +39,11 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import warnings
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,6 +121,7 @@ def entries(paths: list[str], corpus: bool = False) -> list[Entry]:
 
 
 def catalogue(path: str) -> list[str]:
+    """The ids of ``path``'s CPU checks, read in this process."""
     from harness.judging import catalogue as catalogue_mod
     from harness.judging import checks
 
@@ -115,24 +129,145 @@ def catalogue(path: str) -> list[str]:
     return sorted(c.id for c in checks.all_checks("cpu", path=path))
 
 
-def judge(entry: Entry, tests: list[str], extra: list[str]) -> Outcome:
+def catalogue_forked(path: str) -> list[str]:
+    """``catalogue(path)`` read in a forked child: the suite's catalogue is never imported into the zoo's
+    process, which later runs are forked from."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out, log = Path(tmp) / "catalogue.json", Path(tmp) / "catalogue.log"
+        code = fork(functools.partial(_write_catalogue, path, out), log)
+        if code != 0:
+            raise RuntimeError(f"reading the {path} catalogue failed (exit {code}): "
+                               f"{log.read_text(errors='replace')[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def _write_catalogue(path: str, out: Path) -> int:
+    out.write_text(json.dumps(catalogue(path)))
+    return 0
+
+
+FIRST_PARTY = ("harness", "parity", "fixtures", "tests", "mutation", "gpu", "conftest", "zoo", "corpus",
+               "parity_plugin_example", "__main__", "__mp_main__")
+
+
+# pytest and its plugins keep state that a session sets up (hypothesis counts its initialisation): each run's
+# session imports them itself, as a fresh interpreter would
+SESSION_PACKAGES = ("pytest", "_pytest", "pluggy", "hypothesis", "_hypothesis_globals", "_hypothesis_pytestplugin",
+                    "pytest_benchmark", "anyio", "xdist", "pytest_randomly", "typeguard")
+
+
+def third_party(modules: list[str]) -> list[str]:
+    """The modules a run imported that are neither the suite's, the examples' nor pytest's: safe to import
+    before a fork."""
+    def shared(name: str) -> bool:
+        top = name.split(".")[0]
+        return top not in FIRST_PARTY and top not in SESSION_PACKAGES and not top.startswith(("zoo_", "pytest_"))
+
+    return sorted(filter(shared, modules))
+
+
+def preload(modules: list[str]) -> int:
+    """Import ``modules`` here, so every later forked run inherits them; one that fails to import is skipped
+    (the run imports it itself, as a fresh interpreter would)."""
+    imported = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in modules:
+            try:
+                importlib.import_module(name)
+                imported += 1
+            except Exception:  # noqa: BLE001 - an optional backend a library probes for; the run imports what it needs
+                continue
+    return imported
+
+
+CATALOGUE_PACKAGES = ("parity", "mutation", "gpu")  # imported by a run's session only, after its plugins load
+
+
+def fork(work: Callable[[], int], log: Path) -> int:
+    """``work()`` in a child forked from this process, its output to ``log``; its exit code."""
+    imported = [name for name in CATALOGUE_PACKAGES if name in sys.modules]
+    if imported:  # a run forked now would skip its session's own import order (plugins first, then catalogue)
+        raise RuntimeError(f"the suite's catalogue ({', '.join(imported)}) was imported into the zoo's process")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        _own_exit_handlers()
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            code = work()
+            atexit._run_exitfuncs()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _own_exit_handlers() -> None:
+    """At its exit a forked child runs only the exit handlers it registered itself: one it inherited (a
+    TemporaryDirectory's finalizer) would remove what this process still uses."""
+    atexit._clear()
+    weakref.finalize._registered_with_atexit = False  # the child's own finalizers register anew
+    for info in list(weakref.finalize._registry.values()):
+        info.atexit = False
+
+
+def _pytest_session(args: list[str], modules: Path | None) -> int:
+    """``pytest.main(args)``; with ``modules``, the names of every module it had imported are written there."""
+    import pytest
+
+    code = int(pytest.main(args))
+    if modules is not None:
+        modules.write_text(json.dumps(sorted(sys.modules)))
+    return code
+
+
+@dataclass
+class Runner:
+    """Runs one pytest session per implementation: forked from this process (sharing the start-up, see the
+    module docstring) or, with ``fresh``, in a new interpreter."""
+
+    fresh: bool = False
+    preloaded: bool = False
+
+    def run(self, args: list[str], tmp: Path) -> tuple[int, str]:
+        if threading.active_count() > 1 and not self.fresh:  # a lock another thread holds at a fork stays held
+            print(f"zoo: {threading.active_count() - 1} thread(s) besides the main one: each run now starts a "
+                  "fresh interpreter", file=sys.stderr)
+            self.fresh = True
+        if self.fresh:
+            done = subprocess.run([sys.executable, "-m", "pytest", *args], capture_output=True, text=True,
+                                  check=False)
+            return done.returncode, f"{done.stdout}\n{done.stderr}"
+        log, modules = tmp / "pytest.log", tmp / "modules.json"
+        code = fork(functools.partial(_pytest_session, args, None if self.preloaded else modules), log)
+        if not self.preloaded and modules.exists():
+            preload(third_party(json.loads(modules.read_text())))
+            self.preloaded = True
+        return code, log.read_text(errors="replace") if log.exists() else ""
+
+
+def judge(entry: Entry, tests: list[str], extra: list[str], runner: Runner) -> Outcome:
     """One conformance run of ``entry``'s implementation over its path's catalogue."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        command = [sys.executable, "-m", "pytest", "-m", "cpu", "-q", "-rf", "-p", "no:cacheprovider",
-                   "--impl", f"{entry.path}={entry.spec}", f"--parity-report={report}", *tests, *extra]
+        args = ["-m", "cpu", "-q", "-rf", "-p", "no:cacheprovider", "--impl", f"{entry.path}={entry.spec}",
+                f"--parity-report={report}", *tests, *extra]
         began = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        code, output = runner.run(args, Path(tmp))
         seconds = time.perf_counter() - began
         data = json.loads(report.read_text()) if report.exists() else {"checks": []}
     failing = {c["id"] for c in data["checks"] if not c["passed"]}
-    failing |= {m.group(1) for line in done.stdout.splitlines() if (m := FAILED_ITEM.match(line))}
+    failing |= {m.group(1) for line in output.splitlines() if (m := FAILED_ITEM.match(line))}
     judged = sorted({c["id"] for c in data["checks"]} | failing)
     not_judged = sorted(data.get("not_judged", {}))
-    outcome = Outcome(entry, done.returncode, judged, sorted(failing), not_judged, seconds=seconds,
-                      output=f"{done.stdout[-6000:]}\n{done.stderr[-3000:]}")
-    outcome.missing = sorted(set(catalogue(entry.path)) - set(judged) - set(not_judged))
-    return outcome
+    return Outcome(entry, code, judged, sorted(failing), not_judged, seconds=seconds, output=output[-9000:])
 
 
 def table(outcomes: list[Outcome]) -> str:
@@ -162,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="what each run collects (default: the check catalogue, parity/test_parity.py)")
     parser.add_argument("--markdown", help="write the table here too")
     parser.add_argument("--json", help="write every outcome here")
+    parser.add_argument("--fresh", action="store_true",
+                        help="run each implementation in a new interpreter, not in a process forked from this one")
     args, extra = parser.parse_known_args(argv)
     sys.path[:0] = [str(Path(__file__).resolve().parent), os.getcwd()]  # the zoo modules; the suite's checkout
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
@@ -171,12 +308,17 @@ def main(argv: list[str] | None = None) -> int:
         todo = [e for e in todo if f"{e.path}:{e.name}" in args.only]
     outcomes: list[Outcome] = []
     runs: dict[tuple[str, Any], Outcome] = {}
+    runner = Runner(fresh=args.fresh)
+    ids: dict[str, set[str]] = {}  # path -> its CPU checks' ids
     for entry in todo:
         first = runs.get(entry.run_key)
         if first is None:
-            outcome = runs[entry.run_key] = judge(entry, args.tests, extra)
+            outcome = runs[entry.run_key] = judge(entry, args.tests, extra, runner)
         else:
             outcome = dataclasses.replace(first, entry=entry, shared_with=first.entry.spec)
+        if entry.path not in ids:
+            ids[entry.path] = set(catalogue_forked(entry.path))
+        outcome.missing = sorted(ids[entry.path] - set(outcome.judged) - set(outcome.not_judged))
         outcomes.append(outcome)
         mark = "ok" if outcome.as_expected else "UNEXPECTED"
         took = f"the run of {outcome.shared_with}" if outcome.shared_with else f"{outcome.seconds:.0f} s"

@@ -486,6 +486,7 @@ class World:
         deadline = time.monotonic() + timeout_s
         stopped: dict[int, float] = {}  # rank -> since when its process has been stopped (SIGSTOP)
         watch = _StragglerWatch(self.size, [proc.pid for proc in self._procs], self._work)
+        deserted: dict[int, str] = {}  # rank -> why it can never return (progress.deserted)
         while pending:
             lifecycle.raise_if_requested()
             ready = wait(list(pending.values()), timeout=max(0.0, min(deadline - time.monotonic(), STOP_POLL_S)))
@@ -523,6 +524,9 @@ class World:
                         LOG.info("task %d, rank %d raised: %s", task_id, rank, error)
             if any(o.status != "ok" for o in outcomes.values()):
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+                deserted = progress.deserted(watch.positions, set(outcomes), self.size)
+                if pending and pending.keys() <= deserted.keys():  # no grace can help: nobody left will answer
+                    break
             elif pending and watch.overdue(set(outcomes)):
                 break
         name = getattr(fn, "__qualname__", repr(fn))
@@ -533,7 +537,8 @@ class World:
         failed = any(o.status != "ok" for o in outcomes.values())
         for rank in pending:
             outcomes[rank] = RankOutcome(rank, "blocked" if failed else "hung",
-                                         "no result within the grace period after another rank failed" if failed
+                                         (deserted.get(rank, "no result within the grace period after another rank "
+                                                                "failed")) if failed
                                          else f"no result within {timeout_s:g} s")
         ordered = [outcomes[r] for r in range(self.size)]
         if pending or any(o.status == "died" for o in ordered):

@@ -158,6 +158,25 @@ def abandoned(positions: Mapping[int, Position], finished: set[int] | frozenset[
     return found
 
 
+def deserted(positions: Mapping[int, Position], finished: set[int] | frozenset[int], world_size: int
+             ) -> dict[int, str]:
+    """Ranks inside a collective that some rank of its group left the task without entering (it raised or
+    returned first), with why: that rank will never enter it, so the waiting rank can never return. Certain,
+    not timed: a rank's positions reach its parent before its outcome does."""
+    found = {}
+    for rank in sorted(positions):
+        inside = positions[rank].inside
+        if inside is None or rank in finished:
+            continue
+        group, number, name = inside
+        gone = [r for r in group if r != rank and r in finished
+                and positions.get(r, Position()).entered.get(group, 0) < number]
+        if gone:
+            found[rank] = (f"waits in {describe(group, number, name, world_size)}, which rank(s) {gone} left the "
+                           "task without entering")
+    return found
+
+
 # ----------------------------------------------------------------------------------------------- pace
 
 
