@@ -65,7 +65,6 @@ __all__ = [
     "causal_generation_mask",
     "layer_value",
     "masked_attention",
-    "require_inputs",
     "rope_table",
     "text_rope_table",
 ]
@@ -197,14 +196,6 @@ def causal_generation_mask(inputs_tensor: torch.Tensor, row_slices: list[list[sl
         for span in row_slices[row]:
             mask[row, span, span] = True
     return mask[:, None]
-
-
-def require_inputs(condition: bool, target: str, **inputs: Any) -> None:
-    """Upstream's input checks: when ``condition`` holds, every named input must be given; the first missing one is
-    an AssertionError naming it and ``target`` (the situation that needs it)."""
-    if condition:
-        for name, value in inputs.items():
-            assert value is not None, f"gen_image input `{name}` is missing: it is required {target}"
 
 
 def layer_value(value: Any, layer_idx: int) -> Any:
@@ -415,6 +406,16 @@ class HunyuanTextModel(HunyuanImage3PreTrainedModel):
             for name, module in image_parts(config).items():
                 setattr(self, name, module)
         self.post_init()
+
+    @staticmethod
+    def _check_inputs(cond: bool, target: str, check_list: list[tuple[str, Any]]) -> None:
+        """Upstream's input check, by its name, place (a static method of the model class), signature and message:
+        when ``cond`` holds, every named input must be given (an AssertionError naming the first missing one and
+        ``target``, the situation that needs it). Frameworks patch this method, to raise their own error or to relax
+        a check, so the forward calls it through the class exactly where upstream does, never inline."""
+        if cond:
+            for name, item in check_list:
+                assert item is not None, f"`{name}` should be provided when `{target}`."
 
     @property
     def device(self) -> torch.device:

@@ -39,7 +39,6 @@ from .ar_hunyuan_common import (
     build_batch_2d_rope,
     carry_cache_and_positions,
     causal_generation_mask,
-    require_inputs,
 )
 
 # transformers 4.x copies only the modules a checkpoint's modeling file imports itself: its helpers' too
@@ -107,12 +106,13 @@ class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
                 gen_timestep_scatter_index: torch.Tensor | None = None, cond_vae_images: Any = None,
                 cond_timestep: Any = None, cond_vae_image_mask: torch.Tensor | None = None,
                 cond_timestep_scatter_index: torch.Tensor | None = None, **kwargs: Any):
-        require_inputs(mode == "gen_image", "in `gen_image` mode", images=images, timestep=timestep,
-                       gen_timestep_scatter_index=gen_timestep_scatter_index)
-        require_inputs(mode == "gen_image" and bool(first_step), "in `gen_image` mode at the first step",
-                       image_mask=image_mask)
-        require_inputs(cond_vae_images is not None, "`cond_vae_images` is provided", cond_timestep=cond_timestep,
-                       cond_vae_image_mask=cond_vae_image_mask, cond_timestep_scatter_index=cond_timestep_scatter_index)
+        self._check_inputs(mode == "gen_image", "in `gen_image` mode", [
+            ("images", images), ("timestep", timestep), ("gen_timestep_scatter_index", gen_timestep_scatter_index)])
+        self._check_inputs(mode == "gen_image" and first_step, "in `gen_image` mode at the first step", [
+            ("image_mask", image_mask)])
+        self._check_inputs(cond_vae_images is not None, "`cond_vae_images` is provided", [
+            ("cond_timestep", cond_timestep), ("cond_vae_image_mask", cond_vae_image_mask),
+            ("cond_timestep_scatter_index", cond_timestep_scatter_index)])
         cos, sin = custom_pos_emb  # upstream's get_pos_emb: no default
         cos = real_batched_index_select(cos, dim=1, idx=position_ids)
         sin = real_batched_index_select(sin, dim=1, idx=position_ids)

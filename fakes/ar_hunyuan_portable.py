@@ -39,7 +39,6 @@ from .ar_hunyuan_common import (
     build_batch_2d_rope,
     carry_cache_and_positions,
     causal_generation_mask,
-    require_inputs,
 )
 
 # transformers 4.x copies only the modules a checkpoint's modeling file imports itself: its helpers' too
@@ -126,11 +125,12 @@ class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
                 cond_timesteps: Any = None, cond_timesteps_index: Any = None, first_step: bool | None = None,
                 use_cache: bool | None = None, gen_timestep_scatter_index: torch.Tensor | None = None,
                 **kwargs: Any):
-        require_inputs(mode == "gen_image", "in `gen_image` mode", images=images, timesteps=timesteps)
-        require_inputs(mode == "gen_image" and bool(first_step), "in `gen_image` mode at the first step",
-                       image_mask=image_mask, timesteps_index=timesteps_index)
-        require_inputs(cond_vae_images is not None, "`cond_vae_images` is provided", cond_timesteps=cond_timesteps,
-                       cond_vae_image_mask=cond_vae_image_mask, cond_timesteps_index=cond_timesteps_index)
+        self._check_inputs(mode == "gen_image", "in `gen_image` mode", [("images", images), ("timesteps", timesteps)])
+        self._check_inputs(mode == "gen_image" and first_step, "in `gen_image` mode at the first step", [
+            ("image_mask", image_mask), ("timesteps_index", timesteps_index)])
+        self._check_inputs(cond_vae_images is not None, "`cond_vae_images` is provided", [
+            ("cond_timesteps", cond_timesteps), ("cond_vae_image_mask", cond_vae_image_mask),
+            ("cond_timesteps_index", cond_timesteps_index)])
         if input_ids is None and images is None:
             raise ValueError("either input_ids or images must be given")
         seq_len = self.config.max_position_embeddings  # inference: the whole table, as upstream

@@ -12,6 +12,7 @@ from harness.inputs.ledger import InputLedger
 from harness.judging import checks
 from harness.judging.items import parity_item
 from harness.paths import path_of
+from harness.plugins import conformance
 from harness.plugins.conformance_run import IMPLS_KEY
 from harness.process import launch
 from harness.session import SESSION_KEY, first_line
@@ -48,10 +49,14 @@ def item_inputs(config: pytest.Config, item: pytest.Item) -> list[str]:
     capture = config.getoption("capture_dir")
     if capture is not None and checks.exists(found.check) and "capture_dir" in checks.get(found.check).reads:
         used.append(f"--capture-dir={capture}")
-    path = path_of(found.check)
-    spec = (config.stash.get(IMPLS_KEY, None) or {}).get(path)
-    if spec is not None and not found.ablation:
-        used.append(f"--impl {path}={spec}")
+    impls = config.stash.get(IMPLS_KEY, None) or {}
+    if impls and not found.ablation and any(key.partition(".")[0] == path_of(found.check) for key in impls):
+        path = path_of(found.check)
+        # the implementation that drives it (per family or path-wide); one it cannot call counts against the
+        # path-wide one, so a run where nothing could call it says why
+        key = conformance.judgement(found.check).key or path
+        if key in impls:
+            used.append(f"--impl {key}={impls[key]}")
     return used
 
 

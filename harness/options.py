@@ -38,9 +38,13 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption("--capture-dir", default=None, metavar="DIR",
                     help="attention captures (call0_rank0.npz style) to run the attention checks on "
                          "(pytest's own --capture is taken)")
-    group.addoption("--impl", action="append", default=None, metavar="PATH=MODULE:CALLABLE",
+    group.addoption("--impl", action="append", default=None, metavar="PATH[.SUBJECT]=MODULE:CALLABLE",
                     help="run PATH's checks against your own implementation (conformance mode); repeatable. "
-                         "Signatures: " + "; ".join(f"{p}: {sig}" for p, sig in conformance.SIGNATURES.items()))
+                         "PATH.SUBJECT gives one for a single replay family, ar model or decode VAE "
+                         "(--impl replay.sd3=my_trainer.stages:sd3_replay); checks of a subject no given "
+                         "implementation declares are not judged, with the reason. The callable's 'declares' "
+                         "attribute (harness.plugins.declarations) says what it drives and supports. Signatures: "
+                         + "; ".join(f"{p}: {sig}" for p, sig in conformance.SIGNATURES.items()))
     group.addoption("--parity-list", nargs="?", const="*", default=None, metavar="PATTERN",
                     help="list the checks (id, module:qualname, tier, policy, killers) whose id matches the "
                          "fnmatch PATTERN (default: all), then exit without running tests")

@@ -18,7 +18,7 @@ from harness.judging.checks import CheckContext
 from harness.judging.compare import Verdict
 from harness.judging.items import parity_item
 from harness.plugins import conformance
-from harness.plugins.conformance_run import NOT_JUDGED_KEY, ImplementationWatch
+from harness.plugins.conformance_run import GUARDED_KEY, NOT_JUDGED_KEY, ImplementationWatch
 from harness.process import launch
 from harness.process.dist import WorldTaskError, stable_error
 from harness.reports import bench, report
@@ -82,14 +82,34 @@ class ParitySession:
         try:
             skip_unavailable_path(check_id)
             if key not in self.verdicts:
-                watch = ImplementationWatch(checks.get(check_id).path)
-                verdict = watch.require_ran(checks.run_check(check_id, ctx or self.context()))
+                verdict = self._judge(check_id, ctx or self.context())
                 self.verdicts[key] = dataclasses.replace(verdict, check_id=key) if label else verdict
         except OUTCOME_ERRORS as err:
             self.unfinished[key] = unfinished(key, err)
             raise
         self.unfinished.pop(key, None)
         return self.verdicts[key]
+
+    def _judge(self, check_id: str, ctx: CheckContext) -> Verdict:
+        """Run one check; under ``--impl`` on the implementation that drives it, held to having called it, and
+        under the guard contract where it feeds an input class that implementation declares unsupported."""
+        path = checks.get(check_id).path
+        found = conformance.select(check_id) if conformance.given() else None
+        conformance.reset_outcomes(path)
+        watch = ImplementationWatch(path)
+        if found is None or found.mode != conformance.GUARDED:
+            return watch.require_ran(checks.run_check(check_id, ctx))
+        verdict, error = None, None
+        try:
+            verdict = checks.run_check(check_id, ctx)
+        except Exception as err:  # noqa: BLE001 - a refusal is how the guard contract may be met
+            error = err
+        made = conformance.outcomes(path)
+        if error is not None and made.refused == 0:
+            raise error  # the check failed on its own, not by a refusal of the implementation under test
+        every_rank = not isinstance(error, WorldTaskError) or all(o.status == "raised" for o in error.outcomes)
+        guarded = conformance.guard_verdict(path, found.reason, made, verdict, error, every_rank)
+        return watch.require_ran(dataclasses.replace(guarded, check_id=guarded.check_id or check_id))
 
     def kill(self, ablation_name: str, check_id: str, ctx: CheckContext | None = None,
              label: str | None = None) -> KillResult:
@@ -143,6 +163,13 @@ class ParitySession:
         not_judged = self.config.stash.get(NOT_JUDGED_KEY, {})
         if not_judged:  # conformance mode: the checks deselected because they cannot call the user's code
             data["not_judged"] = dict(sorted(not_judged.items()))
+        guarded = self.config.stash.get(GUARDED_KEY, {})
+        if guarded:  # conformance mode: the checks judged under the guard contract, and why
+            data["guarded"] = dict(sorted(guarded.items()))
+        declared = {key: declared.describe() for key, (_, declared) in conformance.given().items()
+                    if not declared.describe().endswith("()")}
+        if declared:
+            data["declarations"] = declared
         return data
 
     def close(self) -> None:

@@ -9,7 +9,14 @@ import pytest
 
 from harness.given_inputs import IDLE_KEY, idle_inputs
 from harness.placement import reporting_rank, summarise_placement
-from harness.plugins.conformance_run import NOT_JUDGED_KEY, OWN_TESTS_KEY, never_ran, not_judged_lines
+from harness.plugins.conformance_run import (
+    GUARDED_KEY,
+    NOT_JUDGED_KEY,
+    OWN_TESTS_KEY,
+    guarded_lines,
+    never_ran,
+    not_judged_lines,
+)
 from harness.process import lifecycle
 from harness.reports import report
 from harness.session import SESSION_KEY
@@ -79,6 +86,8 @@ def write_summary(terminalreporter: Any, config: pytest.Config) -> None:
     for line in idle:
         terminalreporter.write_line(f"FAILED {line}", red=True)
     for line in not_judged_lines(config.stash.get(NOT_JUDGED_KEY, {}), config.stash.get(OWN_TESTS_KEY, {})):
+        terminalreporter.write_line(line, yellow=True)
+    for line in guarded_lines(config.stash.get(GUARDED_KEY, {})):
         terminalreporter.write_line(line, yellow=True)
     for written in session.written:
         terminalreporter.write_line(f"parity report written to {written}")

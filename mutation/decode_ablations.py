@@ -456,7 +456,7 @@ ablation(
 
 def _default_group(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def decode_across_group(vae: Any, z: torch.Tensor, *, group: Any, **options: Any) -> torch.Tensor:
-        return original(vae, z, group=None, **options)
+        return original(vae, z, group=dist.group.WORLD, **options)
 
     return decode_across_group
 

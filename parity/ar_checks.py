@@ -25,7 +25,7 @@ from fixtures import ar_models
 from fixtures.ar_cases import CASES, EXTRA, ARCase, eos_for_one_stop, eos_for_stops, stopped_at_eos
 from harness.ar import comparisons, judge, loop
 from harness.ar import policies as ar_policies
-from harness.judging import floors
+from harness.judging import floors, space
 from harness.judging.checkid import CheckId
 from harness.judging.checks import register
 from harness.judging.compare import Verdict, close
@@ -216,6 +216,11 @@ for _case in (ARCase("missing_b1", (9,), decode_steps=2, seed=31), ARCase("missi
 
 # the right-padded layout's checks (every ar check the left-padded catalogue does not claim more specifically)
 conformance.judges_layout("ar.*", "ar", "right")
+# where each check sits in the ar input space (harness.judging.space): the model it rolls out and the padding side
+space.at("ar.*", padding_side="right")
+space.at("ar.missing_real_pos.*", model="fake")
+for _model in MODELS:
+    space.at(f"ar.{_model}.*", model=_model)
 
 _AR_CEILING = ("8 sqrt(K) fp32 ulps of the same magnitude, K = the model's Linear fan-ins plus the keys plus the "
                "vocabulary's log-sum-exp")

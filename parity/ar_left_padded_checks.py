@@ -27,6 +27,7 @@ from fixtures.ar_models import PAD_ID
 from harness.ar import comparisons
 from harness.ar import policies as ar_policies
 from harness.ar.left_padded import LeftPaddedBatch, left_padded_batch
+from harness.judging import space
 from harness.judging.checkid import CheckId
 from harness.judging.checks import register
 from harness.judging.compare import Verdict, close
@@ -128,3 +129,4 @@ for _model in MODELS:
                  f"{_model}")(functools.partial(_growth, _model))
 
 conformance.judges_layout(f"ar.*.{LEFT}.*", "ar", "left")
+space.at(f"ar.*.{LEFT}.*", padding_side="left")

@@ -26,7 +26,7 @@ from fixtures import attention_captures as seeds
 from harness.attention import capture as capture_io
 from harness.attention import contract, judge, kernels, masks
 from harness.attention.layout import PHASES
-from harness.judging import floors
+from harness.judging import floors, space
 from harness.judging.checkid import CheckId
 from harness.judging.checks import CheckContext, register
 from harness.judging.compare import UNSTAMPED, Verdict, holds
@@ -293,3 +293,6 @@ for _phase, _kernel in OTHER_BLOCK_CASES:
 floors.declare("attention.*", "1 ulp of the compared dtype at the output's magnitude (max|d|), or of 1 (rel L2)",
                "8 sqrt(K) ulps, K = the head dim plus twice the keys (q.k, the softmax's sum, the weighted sum of "
                "values); the control is the reference's own fp32-vs-fp64 error")
+# where each check sits in the attention input space (harness.judging.space): the dtype its inputs arrive in
+space.at("attention.*", dtype="float32")
+space.at("attention.bf16.*", dtype="bfloat16")

@@ -25,7 +25,7 @@ import torch
 from fixtures import decode_models, decode_tasks
 from harness.decode import judge, oracle
 from harness.decode.judge import RankDecode
-from harness.judging import checks
+from harness.judging import checks, space
 from harness.judging.checkid import CheckId
 from harness.judging.compare import UNSTAMPED, Verdict, exact
 from harness.plugins import conformance
@@ -136,7 +136,10 @@ for _case in CASES:
     checks.register(_case.check_id, policy=exact())(functools.partial(_decode_check, _case))
     if _case.not_judged:
         conformance.not_judged(_case.check_id, _case.not_judged)
-
+    # where it sits in the decode input space (harness.judging.space): the VAE, the transport, slicing
+    space.at(_case.check_id, vae=_case.family or "minimax_h3", transport=_case.transport,
+             slicing="on" if _case.slicing else "off")
+space.at("decode.*", vae="minimax_h3", transport="all_gather", slicing="off")  # repeats, a dtype switch, faults
 
 # --------------------------------------------------------------------------------------------- repeats, dtypes
 

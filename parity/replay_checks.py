@@ -30,7 +30,7 @@ from fixtures.replay_cases import (
 )
 from fixtures.replay_families import QUANTITIES, family_names
 from fixtures.replay_models import tiny_model
-from harness.judging import floors
+from harness.judging import floors, space
 from harness.judging.checks import register
 from harness.judging.compare import Verdict, exact, holds, raises
 from harness.plugins import conformance
@@ -504,3 +504,21 @@ for _pattern in ("replay.*.log_probs", "replay.*.prev_sample_means", "replay.*.g
     floors.declare(_pattern, *_REPLAY_FLOOR)
 floors.declare("replay.*.cfg2.pipeline_combine", "4 fp32 ulps of the local magnitude",
                "8 ulps (K = 1: the same elementwise combine on the pipeline's own branch outputs, no model runs)")
+
+# Where each check sits in the replay input space (harness.judging.space): the family it drives, its CFG layout,
+# combine and factor, and whether guidance arrives as one scale or a per-step schedule. The fake problems replay
+# under a schedule (constant over the targets, different everywhere else); a family's tiny model under one scale.
+space.at("replay.*", guidance="schedule", cfg="2")
+for _pattern, _layout in (("replay.cfg1.*", "fused_cond_first"), ("replay.cfg2.*", "fused_cond_first"),
+                          ("replay.uncond_first.*", "uncond_first"), ("replay.guard.*", "fused_cond_first"),
+                          ("replay.tiling.*", "fused_cond_first")):
+    space.at(_pattern, family="fake", cfg_layout=_layout, combine="standard", payload="tensor")
+space.at("replay.cfg1.*", cfg="1")
+space.at("replay.cfg2.list_payloads", payload="list")
+for _family in FAMILIES:
+    _adapter_class = get_family(_family).adapter_class
+    space.at(f"replay.{_family}.*", family=_family, cfg_layout=_adapter_class.cfg_layout,
+             combine=str(_adapter_class.cfg_combine), guidance="scale")
+    space.at(f"replay.{_family}.cfg1.*", cfg="1")
+    space.at(f"replay.{_family}.growth.*", cfg="1")
+    space.at(f"replay.{_family}.guard.*", guidance="schedule")

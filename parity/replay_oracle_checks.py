@@ -27,7 +27,7 @@ from fixtures.replay_families import family_names
 from fixtures.replay_models import tiny_model
 from harness.judging import growth
 from harness.judging.checks import register
-from harness.judging.compare import Close, Verdict, close, holds, max_abs_diff, noise_floor
+from harness.judging.compare import Close, Verdict, close, exact, holds, max_abs_diff, noise_floor
 from harness.judging.floors import StockFloor, reduction_ceiling_ulps
 from harness.judging.floors import declare as declare_floor
 from harness.judging.growth import growth_ratio
@@ -36,7 +36,15 @@ from harness.replay.conditions import Conditions, payload_rows, slice_rows
 from harness.replay.controls import fast_shape_serial, measure_batch_shape_control, replay_terms
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
 from harness.replay.families import get_family
-from harness.replay.judge import ReplayRun, judge_result, require_fast_path, run_batched, run_both
+from harness.replay.judge import (
+    ReplayRun,
+    declared_output_dtype,
+    judge_result,
+    require_fast_path,
+    run_batched,
+    run_both,
+)
+from harness.replay.policies import ulp_of
 from harness.replay.problem import ReplayProblem, make_problem
 from harness.replay.replay import replay_serial
 from harness.replay.rollout import flow_sigmas, rollout
@@ -374,6 +382,15 @@ def pi_old_vs_rollout(problem: ReplayProblem, floors: tuple[float, float, float]
     result, forwards = run_batched(problem)
     if result is None:
         return holds(False, "batched replay returned a result for pi_old")
+    rounded = declared_output_dtype("log_probs", result.log_probs.dtype, problem.segment.dtype)
+    if rounded is not None:  # log-probs in the trajectory dtype by the declared convention: the record rounded alike
+        recorded = recorded.to(rounded)
+        rounding = float(ulp_of(recorded.abs().max(), rounded))
+        policy = close(atol=atol + rounding, rtol=0.0, reason=f"{policy.reason}, + 1 {rounded} ulp of max |log-prob| "
+                                                              f"{rounding:.2e} (log-probs returned in {rounded}, the "
+                                                              "declared trajectory dtype)")
+    elif result.log_probs.dtype != recorded.dtype:
+        return judge_result(policy, result.log_probs, recorded, problem.target, "log_probs", problem.segment.dtype)
     ratio = torch.exp(result.log_probs.double() - recorded.double())
     verdict = judge_result(policy, ratio, torch.ones_like(ratio), problem.target, "pi_old ratio")
     verdict = verdict.require(math.isfinite(stock.value), "stock floor of the pi_old ratio measured (finite)",
@@ -439,9 +456,16 @@ def resolution_curve(family: str = "sd3") -> tuple[float, ...]:
 
 
 def error_curves(problem: ReplayProblem, family: str = "sd3") -> tuple[ReplayRun, torch.Tensor | None, torch.Tensor]:
-    """(run, batched-vs-serial per-step error of the means or None on a fallback, stock per-step floor)."""
+    """(run, batched-vs-serial per-step error of the means or None on a fallback, stock per-step floor). Means an
+    implementation returns in the trajectory dtype by its declared convention are compared with serial's rounded
+    the same way."""
     run = run_both(problem)
-    curve = None if run.batched is None else _per_step(run.batched.prev_sample_means, run.serial.prev_sample_means)
+    curve = None
+    if run.batched is not None:
+        serial = run.serial.prev_sample_means
+        if declared_output_dtype("prev_sample_means", run.batched.prev_sample_means.dtype, problem.segment.dtype):
+            serial = serial.to(run.batched.prev_sample_means.dtype)
+        curve = _per_step(run.batched.prev_sample_means, serial)
     return run, curve, torch.tensor(stock_floor_curve(family), dtype=torch.float64)
 
 
@@ -463,7 +487,16 @@ def error_growth(family: str) -> Verdict:
     run, curve, floor = error_curves(problem, family)
     if curve is None:
         return holds(False, "batched replay returned a result (no silent fallback)")
-    verdict = growth.judge_growth(curve, floor, torch.tensor(resolution_curve(family), dtype=torch.float64),
+    resolution = torch.tensor(resolution_curve(family), dtype=torch.float64)
+    means = run.batched.prev_sample_means
+    if declared_output_dtype("prev_sample_means", means.dtype, problem.segment.dtype):
+        # judged in the declared output dtype: below one of its ulps at a step's magnitude, a difference is rounding
+        magnitude = means.double().abs().transpose(0, 1).reshape(means.shape[1], -1).mean(dim=1)
+        resolution = torch.maximum(resolution, ulp_of(magnitude, means.dtype))
+    elif means.dtype != torch.float32:
+        return judge_result(exact(), means, run.serial.prev_sample_means, problem.target, "prev_sample_means",
+                            problem.segment.dtype)
+    verdict = growth.judge_growth(curve, floor, resolution,
                                   control=f"stock serial at B rows vs serial with every forward at the fast path's "
                                           f"{problem.batched_rows}-row shape, mean |d| of the means per step")
     stock = growth_stock_floor(family)

@@ -22,7 +22,7 @@ def long_decode_task(job: decode_tasks.TinyDecodeJob, seconds: float) -> str:
     z = job.build_latents(torch.device("cpu"))
     (NOTES / f"rank{dist.get_rank()}.pid").write_text(str(os.getpid()))
     with torch.no_grad(), serve.bound(vae, "decoder", dist_tasks.slowed(vae.decoder, seconds)):
-        video = sharded.sharded_decode(vae, z, None)
+        video = sharded.sharded_decode(vae, z, dist.group.WORLD)
     return str(tuple(video.shape))
 
 

@@ -179,8 +179,9 @@ def test_a_right_implementation_passes_and_the_report_names_it(suite):
     assert data["not_judged"] == {"attention.cdemo.stock_only": "compares the stock path with itself"}
     result.stdout.fnmatch_lines(["not judged: 1 attention tests of the suite's own implementation (property, fault "
                                  "and unit tests beside the catalogue, deselected: only the checks judge yours)",
-                                 "not judged: 1 checks cannot call the implementation under test (deselected, not "
-                                 "passed):", "  attention.cdemo.stock_only: compares the stock path with itself"])
+                                 "not judged: 1 checks cannot call the implementation under test (deselected, neither "
+                                 "passed nor failed):",
+                                 "  attention.cdemo.stock_only: compares the stock path with itself"])
     assert "**implementation under test for attention**: `user_impl:right`" in (suite.path / "out/r.md").read_text()
     assert conformance.specs() == {}  # the run's specs do not outlive it
 

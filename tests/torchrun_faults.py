@@ -106,7 +106,7 @@ def slow_decode_task(job: decode_tasks.TinyDecodeJob) -> tuple[str, float]:
     exchange.exchange_probes = exchange_probes
     try:
         with torch.no_grad(), serve.bound(vae, "decoder", dist_tasks.slowed(vae.decoder, seconds, calls=1)):
-            video = sharded.sharded_decode(vae, z, None)
+            video = sharded.sharded_decode(vae, z, dist.group.WORLD)
     finally:
         exchange.exchange_probes = original
     return str(tuple(video.shape)), reached[0]
@@ -123,7 +123,7 @@ def faulty_decode_task(job: decode_tasks.TinyDecodeJob) -> str:
         elif where == "confirm":
             exchange.confirm = fault
         with torch.no_grad(), (serve.bound(vae, "decoder", fault) if where == "decoder" else nullcontext()):
-            video = sharded.sharded_decode(vae, z, None)
+            video = sharded.sharded_decode(vae, z, dist.group.WORLD)
     finally:
         exchange.collect, exchange.confirm = saved
     return str(tuple(video.shape))

@@ -71,10 +71,16 @@ class LayoutMismatch(RuntimeError):
     """The implementation raised after handing the model rows padded on the other side than it is judged by."""
 
 
+class DynamicCacheAtBatch(AssertionError):
+    """The implementation raised inside a dynamic cache it handed more than one row: upstream's B == 1 assertion,
+    named (it carries no message of its own)."""
+
+
 def _fast(backend: Any, batch: Batch, max_new_tokens: int, eos: Sequence[int] = ()):
     """The implementation under test under the forward spy: a user's callable that never runs the model's
     forwards at the batch fails the path facts; one that raised after a prefill on rows padded on the other side
-    raises naming that layout mismatch (its own error chained)."""
+    raises naming that layout mismatch, one that raised inside a dynamic cache holding several rows names that
+    (its own error chained either way)."""
     rollout_fn = fast_rollout(_side(batch))
     with ARForwardSpy(backend.model, pad_id=backend.pad_id) as spy:
         try:
@@ -83,6 +89,9 @@ def _fast(backend: Any, batch: Batch, max_new_tokens: int, eos: Sequence[int] = 
             mismatch = judge.layout_mismatch(spy, _side(batch))
             if mismatch:
                 raise LayoutMismatch(mismatch) from err
+            dynamic = judge.dynamic_cache_batch(err)
+            if dynamic:
+                raise DynamicCacheAtBatch(dynamic) from err
             raise
     return rollout, spy
 

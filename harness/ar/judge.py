@@ -44,6 +44,7 @@ __all__ = [
     "compare_case",
     "divergences",
     "dtype_control",
+    "dynamic_cache_batch",
     "flips",
     "format_case_row",
     "growth_ratio",
@@ -209,6 +210,24 @@ def layout_mismatch(spy: ARForwardSpy, padding_side: str) -> str:
                if all(pads[row] == other for row in wrong) else "pad every row on one side")
     return (f"layout mismatch: these checks judge padding_side={padding_side!r} implementations, but the model's "
             f"prefill forward received rows padded otherwise ({found}); {declare}")
+
+
+def dynamic_cache_batch(err: BaseException) -> str:
+    """When ``err`` was raised inside a dynamic cache's ``update`` handed more than one row (upstream's
+    ``HunyuanStaticCache(dynamic=True)`` trims to one row's length and asserts a batch of one): a sentence naming
+    that; "" otherwise. The assertion itself carries no message, so a failing rollout would say nothing of why."""
+    trace = err.__traceback__
+    while trace is not None:
+        frame = trace.tb_frame
+        owner = frame.f_locals.get("self")
+        keys = frame.f_locals.get("key_states")
+        if frame.f_code.co_name == "update" and getattr(owner, "dynamic", False) is True \
+                and isinstance(keys, torch.Tensor) and keys.dim() and int(keys.shape[0]) > 1:
+            return (f"a dynamic cache at B = {int(keys.shape[0])}: {type(owner).__name__}(dynamic=True) trims its KV "
+                    "to one row's length and holds a batch of one only (it asserts B == 1 when it writes); a batched "
+                    "rollout needs the static cache, and dynamic=True only at B == 1")
+        trace = trace.tb_next
+    return ""
 
 
 def require_layout(verdict: Verdict, spy: ARForwardSpy, padding_side: str) -> Verdict:

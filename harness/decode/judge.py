@@ -185,10 +185,10 @@ def judge_decode(results: Sequence[RankDecode], *, sharded: bool,
     if sharded and foreign:
         total = (work.decoder_calls if work is not None else first.pieces) * calls
         counted = decoder if work is not None else [r.clip_calls for r in results]
-        verdict = verdict.require(sum(counted) == total, "each piece decoded exactly once across the world",
-                                  pieces_per_rank=", ".join(map(str, counted)), pieces_total=total)
-        verdict = verdict.require(all(seen), "every rank communicated (a collective ran on every rank)",
-                                  collectives_per_rank="; ".join(str(s or "none") for s in seen))
+        verdict = verdict.require_ran(sum(counted) == total, "each piece decoded exactly once across the world",
+                                      pieces_per_rank=", ".join(map(str, counted)), pieces_total=total)
+        verdict = verdict.require_ran(all(seen), "every rank communicated (a collective ran on every rank)",
+                                      collectives_per_rank="; ".join(str(s or "none") for s in seen))
         holders = [r.rank for r in results if r.output is not None]
         verdict = verdict.require(holders == [r.rank for r in receivers],
                                   f"only the receiving ranks hold the output ({transport}); the others return None",

@@ -61,10 +61,15 @@ def _check_transport(transport: str, dst: int, group: dist.ProcessGroup | None) 
         raise ValueError(f"dst must be a rank of the {world}-rank group, got {dst!r}")
 
 
-def _require_group() -> None:
+def _require_group(group: Any, what: str) -> None:
+    """An initialised torch.distributed and an explicit group: ``None`` would silently mean the default group, which
+    is rarely the sequence-parallel group a trainer decodes in."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("the sharded decode/encode needs an initialised torch.distributed process group; "
                          "decode_video falls back to the stock call without one")
+    if group is None:
+        raise ValueError(f"{what}: group is None; pass the process group whose ranks share the work "
+                         "(torch.distributed.group.WORLD for every rank of the default group)")
 
 
 def stock_decode(vae: Any, z: torch.Tensor) -> torch.Tensor:
@@ -80,17 +85,19 @@ def stock_encode(vae: Any, x: torch.Tensor) -> Any:
     return vae.encode(x).latent_dist
 
 
-def sharded_decode(vae: Any, z: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+def sharded_decode(vae: Any, z: torch.Tensor, group: dist.ProcessGroup, *,
                    transport: str = "all_gather", dst: int = 0, split: str = "auto") -> torch.Tensor | None:
     """Decode ``z`` with the decoder work spread over ``group``.
 
-    Every rank of the group must call this with the same latents. With ``transport="all_gather"``
-    every rank returns the whole video; with ``"gather"`` only rank ``dst`` of the group does and the
-    others return None. ``split`` is "auto" (plan.choose_split), "clips" or "tiles". The library's
-    ``decode`` wrapper (dtype alignment, batch slicing) runs unchanged; only its ``_decode`` is swapped.
+    Every rank of the group must call this with the same latents. ``group`` is the process group whose ranks share
+    the work (``torch.distributed.group.WORLD`` for the default one; None is refused, never read as "the world").
+    With ``transport="all_gather"`` every rank returns the whole video; with ``"gather"`` only the rank whose rank
+    in ``group`` is ``dst`` does and the others return None. ``split`` is "auto" (plan.choose_split), "clips" or
+    "tiles". The library's ``decode`` wrapper (dtype alignment, batch slicing) runs unchanged; only its ``_decode``
+    is swapped.
     """
     _check_inputs(vae, z)
-    _require_group()
+    _require_group(group, "sharded_decode")
     _check_transport(transport, dst, group)
     across = functools.partial(_decode_across_group, vae, group=group, transport=transport, dst=dst, split=split)
     with serve.bound(vae, "_decode", across):
@@ -99,13 +106,13 @@ def sharded_decode(vae: Any, z: torch.Tensor, group: dist.ProcessGroup | None = 
     return video if exchange.receives(dist.get_rank(group), transport, target) else None
 
 
-def sharded_encode(vae: Any, x: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+def sharded_encode(vae: Any, x: torch.Tensor, group: dist.ProcessGroup, *,
                    transport: str = "all_gather", dst: int = 0) -> Any:
     """Encode ``x`` with its `_encode_clip` calls spread over ``group``; the posterior like ``vae.encode(x)``'s
     (None on ranks that receive nothing under ``transport="gather"``)."""
     _check_vae(vae)
     _check_video(x, "videos", vae.config.in_channels, "(batch, channels, frames, height, width)")
-    _require_group()
+    _require_group(group, "sharded_encode")
     _check_transport(transport, dst, group)
     across = functools.partial(_encode_across_group, vae, group=group, transport=transport, dst=dst)
     with serve.bound(vae, "_encode", across):
@@ -123,9 +130,13 @@ def takes_sharded_path(enabled: bool, group: dist.ProcessGroup | None = None) ->
 
 def decode_video(vae: Any, z: torch.Tensor, *, shard_across_group: bool = False,
                  group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The opt-in entry: sharded when ``shard_across_group`` and the group has > 1 rank, else stock."""
+    """The opt-in entry: sharded when ``shard_across_group`` and ``group`` has > 1 rank, else stock. Sharding in an
+    initialised world needs the group named (``torch.distributed.group.WORLD`` for the default one)."""
     if not isinstance(shard_across_group, bool):
         raise TypeError(f"shard_across_group must be a bool, got {type(shard_across_group).__name__}")
+    if shard_across_group and group is None and dist.is_available() and dist.is_initialized():
+        raise ValueError("decode_video(shard_across_group=True): group is None; pass the process group whose ranks "
+                         "share the work (torch.distributed.group.WORLD for every rank of the default group)")
     if takes_sharded_path(shard_across_group, group):
         video = sharded_decode(vae, z, group)
         assert video is not None  # all-gather: every rank holds the video

@@ -66,6 +66,7 @@ class Verdict:
     tolerance: float | None = None
     message: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    ran_facts: tuple[str, ...] = field(default_factory=tuple)  # the required facts that prove the fast path ran
 
     @property
     def path(self) -> str:
@@ -90,6 +91,12 @@ class Verdict:
             message=message,
             notes=(*self.notes, note),
         )
+
+    def require_ran(self, ok: bool, fact: str, **metrics: Any) -> Verdict:
+        """``require`` for a fact that proves the fast path ran (a spy's forward count, the collectives a sharded
+        decode made): the guard contract of a declared-unsupported input accepts the stock answer without them."""
+        verdict = self.require(ok, fact, **metrics)
+        return dataclasses.replace(verdict, ran_facts=(*verdict.ran_facts, fact))
 
     def require_bounded(self, tolerance: float, floor: float | StockFloor, *, k_min: float, k_max: float,
                         what: str = "tolerance") -> Verdict:
@@ -144,6 +151,7 @@ class Verdict:
             tolerance=lead.tolerance,
             message=_join(self.message, other.message),
             notes=(*self.notes, *other.notes),
+            ran_facts=(*self.ran_facts, *other.ran_facts),
         )
 
     def describe(self) -> str:

@@ -12,6 +12,7 @@ seeing real bugs); a policy outside that band fails its check as mis-set.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ __all__ = [
     "local_scale",
     "local_scale_policy",
     "relative_floor",
+    "rounded_to",
+    "ulp_of",
 ]
 
 K_MIN, K_MAX = 2.0, 8.0
@@ -79,6 +82,7 @@ class LocalScaleBound(Policy):
     k: float
     dtype: str = "fp32"
     terms: int = 0  # reduction terms one replayed value accumulates (controls.replay_terms); 0: no ceiling
+    rounded_to: torch.dtype | None = None  # the output dtype both sides are rounded to (a declared convention)
 
     @property
     def effective_floor(self) -> float:
@@ -103,17 +107,24 @@ class LocalScaleBound(Policy):
         return self.k * self.effective_floor
 
     def describe(self) -> str:
+        rounded = (f" + 1 {self.rounded_to} ulp of each element, judged in {self.rounded_to} with stock rounded the "
+                   "same way (the implementation's declared output dtype: two values within the bound round at "
+                   "most one ulp apart)" if self.rounded_to is not None else "")
         return (f"local_scale({self.dtype} {self.what}: |d| <= {self.k:g} x max(floor {self.relative_floor:.2e}, "
-                f"resolution {self.resolution:.2e}) x local |{self.what}|; floor = stock serial at B rows vs "
+                f"resolution {self.resolution:.2e}) x local |{self.what}|{rounded}; floor = stock serial at B rows vs "
                 f"at the fast path's S x cfg x B-row shape, relative to the local magnitude)")
 
     def judge(self, actual, expected, *, dims=None, labels=None, what="output") -> Verdict:
         if actual.shape != expected.shape:
             raise ValueError(f"{what}: shapes {tuple(actual.shape)} and {tuple(expected.shape)} differ")
+        if self.rounded_to is not None:
+            expected = expected.to(self.rounded_to)
         a, b = actual.detach().double(), expected.detach().double()
         diff = (a - b).abs()
         scale = local_scale(b, self.what).expand_as(b)
         allowed = self.relative_bound * scale
+        if self.rounded_to is not None:
+            allowed = allowed + ulp_of(b, self.rounded_to)
         finite = bool(torch.isfinite(a).all() and torch.isfinite(b).all() and math.isfinite(self.relative_floor))
         if not finite:
             ratio, margin, relative_error = diff, math.inf, math.inf
@@ -142,6 +153,24 @@ class LocalScaleBound(Policy):
                           tolerance=self.relative_bound, message=message)
         return verdict.require_bounded(self.relative_bound, self.stock_floor, k_min=K_MIN, k_max=K_MAX,
                                        what=f"relative {self.what} bound")
+
+
+def ulp_of(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` at each of ``values`` (fp64): ``eps x 2^(e - 1)`` for a value in ``[2^(e-1), 2^e)``;
+    at zero, the spacing of the smallest normal."""
+    info = torch.finfo(dtype)
+    magnitude = torch.maximum(values.detach().double().abs(), torch.tensor(info.tiny, dtype=torch.float64))
+    _, exponent = torch.frexp(magnitude)
+    return info.eps * torch.pow(2.0, (exponent - 1).double())
+
+
+def rounded_to(policy: Policy, dtype: torch.dtype) -> Policy:
+    """``policy`` for outputs an implementation returns in ``dtype`` by its declared convention: the stock side
+    rounded the same way, and a local-scale bound widened by one ``dtype`` ulp of each element (two values within
+    the bound round at most one ulp apart). Exact stays exact: bitwise equal fp32 values round alike."""
+    if isinstance(policy, LocalScaleBound):
+        return dataclasses.replace(policy, rounded_to=dtype)
+    return policy
 
 
 def k_for(dtype: torch.dtype) -> float:

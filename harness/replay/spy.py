@@ -14,17 +14,24 @@ __all__ = ["ReplayForwardSpy", "spy_forwards"]
 
 @dataclass
 class ReplayForwardSpy:
-    """Batch size (rows of the first tensor argument) of every forward of one replay transformer."""
+    """Batch size (rows of the first tensor argument) of every forward of one replay transformer, and the
+    row-aligned tensors it was handed (every tensor argument with that many rows, held by reference): what
+    ``harness.replay.diagnosis`` traces a batched forward's rows back to the stock forwards' with."""
 
     batch_sizes: list[int] = field(default_factory=list)
+    row_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
     @property
     def calls(self) -> int:
         return len(self.batch_sizes)
 
     def hook(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        self.batch_sizes.append(int(first.shape[0]) if first is not None and first.dim() else -1)
+        named = {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
+        tensors = {name: a for name, a in named.items() if isinstance(a, torch.Tensor)}
+        first = next(iter(tensors.values()), None)
+        rows = int(first.shape[0]) if first is not None and first.dim() else -1
+        self.batch_sizes.append(rows)
+        self.row_inputs.append({name: t for name, t in tensors.items() if t.dim() and int(t.shape[0]) == rows})
 
 
 @contextlib.contextmanager

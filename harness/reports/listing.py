@@ -1,5 +1,5 @@
-"""``--parity-list``: one line per check, with where it lives, its policy, its stated floor, its killers and whether
-a conformance run judges it."""
+"""``--parity-list``: one line per check, with where it lives, its policy, its stated floor, its point in the path's
+input space, its killers and whether a conformance run judges it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import functools
 from typing import Any
 
 from harness.judging import ablation as ablation_mod
-from harness.judging import checks, floors
+from harness.judging import checks, floors, space
 from harness.plugins.conformance_run import conformance_mark
 
 __all__ = ["parity_list"]
@@ -33,6 +33,9 @@ def parity_list(pattern: str = "*") -> list[str]:
         stated = floors.stated_for(check.id)
         if stated:
             fields.append(f"floor={stated}")
+        where = space.point(check.id)  # its place in the path's input space (harness.judging.space)
+        if where:
+            fields.append(f"point={space.describe(where)}")
         fields.append("killers=" + (", ".join(sorted(killers.get(check.id, []))) or "none"))
         fields.append(conformance_mark(check))
         lines.append("  ".join(fields))

@@ -11,7 +11,11 @@ The JSON shape is a contract for CI tools::
                     "kills": [{"check", "status", "killed", "mode", "declared", "margin", ...}]}],
      "summary": {"checks", "passed", "failed", "skipped", "ablations", "killed",
                  "pairs", "pairs_killed", "pairs_survived", "pairs_failed", "pairs_skipped"},
-     "not_judged": {check_id: reason},               # only in conformance mode: checks that cannot call it
+     "not_judged": {check_id: reason},               # only in conformance mode: checks that cannot call it, or
+                                                     # lie outside what the implementations declare
+     "guarded": {check_id: reason},                  # only in conformance mode: checks fed an input class the
+                                                     # implementation declares unsupported (the guard contract)
+     "declarations": {"path[.subject]": declaration}, # only in conformance mode: what each implementation declares
      "nothing_ran": [line],                          # only when a given --checkpoint, --capture-dir or --impl
                                                      # had no check run on it: one line each, naming why
      "interrupted": line,                            # only when the run was stopped (Ctrl-C, SIGTERM, SIGHUP)
@@ -269,8 +273,31 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _under_test(report: dict[str, Any]) -> list[tuple[str, str]]:
-    """(path, spec) per path whose checks judged a user's implementation instead of the suite's own."""
-    return list(report.get("implementations", {}).items())
+    """(path, spec) per path (or "path.subject") whose checks judged a user's implementation, its declaration
+    beside it."""
+    declared = report.get("declarations", {})
+    return [(key, f"{spec} declaring {declared[key]}" if key in declared else spec)
+            for key, spec in report.get("implementations", {}).items()]
+
+
+def _by_reason(reasons: Mapping[str, str]) -> list[tuple[str, list[str]]]:
+    grouped: dict[str, list[str]] = {}
+    for check_id, reason in sorted(reasons.items()):
+        grouped.setdefault(reason, []).append(check_id)
+    return list(grouped.items())
+
+
+def _conformance_lines(report: dict[str, Any]) -> list[str]:
+    """One line each: how many checks a conformance run excluded and how many it judged under the guard contract."""
+    lines = []
+    if report.get("not_judged"):
+        outside = sum(r.startswith("outside what") for r in report["not_judged"].values())
+        lines.append(f"not judged: {len(report['not_judged'])} checks (deselected, neither passed nor failed"
+                     + (f"; {outside} outside what the implementations declare" if outside else "") + ")")
+    if report.get("guarded"):
+        lines.append(f"guard contract: {len(report['guarded'])} checks feed an input class an implementation declares "
+                     "unsupported (it must refuse it or take the stock path)")
+    return lines
 
 
 def render_terminal(report: dict[str, Any]) -> str:
@@ -283,7 +310,7 @@ def render_terminal(report: dict[str, Any]) -> str:
         lines += _table(["", "check", "headline", "tolerance", "margin"], checks)
     if ablations:
         lines += ["", *_table(["", "ablation", "kill mode", "killed", "smallest kill margin"], ablations)]
-    lines += ["", _summary_line(report["summary"])]
+    lines += ["", _summary_line(report["summary"]), *_conformance_lines(report)]
     if "host" in report:
         lines.append(f"host: {host_summary(report['host'])}")
     return "\n".join(lines)
@@ -310,6 +337,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     pairs = "".join(f", {s[f'pairs_{k}']} pairs {k}" for k in ("survived", "failed", "skipped") if s.get(f"pairs_{k}"))
     lines += [f"**checks** {s['passed']}/{s['checks']} passed{counts} · **ablations** {s['killed']}/{s['ablations']} "
               f"killed{pairs}", ""]
+    lines += [f"**{line.split(':', 1)[0]}**:{line.split(':', 1)[1]}  " for line in _conformance_lines(report)]
     if "host" in report:
         lines += [f"**host** {host_summary(report['host'])}", ""]
     if report.get("nothing_ran"):
@@ -342,6 +370,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     if skipped:
         lines += ["## Skipped", ""]
         lines += [f"- `{c['id']}`: {c['reason']}" for c in skipped]
+        lines.append("")
+    if report.get("guarded"):
+        lines += ["## Judged under the guard contract (declared unsupported: refuse or take the stock path)", ""]
+        lines += [f"- {reason}: " + ", ".join(f"`{i}`" for i in ids) for reason, ids in _by_reason(report["guarded"])]
+        lines.append("")
+    if report.get("not_judged"):
+        lines += ["## Not judged (excluded: neither passed nor failed), by reason", ""]
+        lines += [f"- {reason}: " + ", ".join(f"`{i}`" for i in ids) for reason, ids in _by_reason(report["not_judged"])]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -350,7 +386,7 @@ def render_html(report: dict[str, Any]) -> str:
     checks, ablations = _rows(report)
     lines = [report["interrupted"]] if report.get("interrupted") else []
     lines += [f"implementation under test for {path}: {spec}" for path, spec in _under_test(report)]
-    lines += [_summary_line(report["summary"]), *report.get("nothing_ran", [])]
+    lines += [_summary_line(report["summary"]), *_conformance_lines(report), *report.get("nothing_ran", [])]
     if "host" in report:
         lines.append(f"host: {host_summary(report['host'])}")
     tables = [("Parity checks", ["status", "check", "headline", "tolerance", "margin"], checks),

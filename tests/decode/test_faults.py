@@ -91,12 +91,12 @@ def _outcome(call) -> tuple[str, str]:
 
 
 def _decoded(job: decode_tasks.TinyDecodeJob, vae, z: torch.Tensor) -> dict[str, object]:
-    return {"sharded": lambda: sharded.sharded_decode(vae, z, None, split=job.split),
+    return {"sharded": lambda: sharded.sharded_decode(vae, z, dist.group.WORLD, split=job.split),
             "stock": lambda: sharded.stock_decode(vae, z)}
 
 
 def _encoded(job: decode_tasks.EncodeJob, vae, x: torch.Tensor) -> dict[str, object]:
-    return {"sharded": lambda: sharded.sharded_encode(vae, x, None).parameters,
+    return {"sharded": lambda: sharded.sharded_encode(vae, x, dist.group.WORLD).parameters,
             "stock": lambda: sharded.stock_encode(vae, x).parameters}
 
 
@@ -189,7 +189,7 @@ def raise_after_gather_task(job: decode_tasks.TinyDecodeJob, fault_rank: int) ->
     exchange.collect = patched
     try:
         with torch.no_grad():
-            return compare.sha256(sharded.sharded_decode(vae, z, None))
+            return compare.sha256(sharded.sharded_decode(vae, z, dist.group.WORLD))
     finally:
         exchange.collect = original
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 
 import pytest
@@ -68,7 +69,7 @@ def test_no_initialised_group_takes_the_stock_call_even_with_the_flag_on():
 def test_sharded_decode_without_a_group_is_a_clear_error():
     vae, z = _tiny()
     with pytest.raises(ValueError, match="initialised torch.distributed process group"):
-        sharded.sharded_decode(vae, z)
+        sharded.sharded_decode(vae, z, None)
 
 
 @pytest.mark.parametrize("shard", [True, False])
@@ -93,7 +94,7 @@ def test_world_of_one_and_flag_off_take_the_stock_call_in_a_group(shard, parity_
 )
 def test_bad_latents_are_rejected_naming_what_was_expected(make, match):
     vae, z = _tiny()
-    for entry in (sharded.decode_video, sharded.stock_decode, sharded.sharded_decode):
+    for entry in (sharded.decode_video, sharded.stock_decode, functools.partial(sharded.sharded_decode, group=None)):
         with pytest.raises(ValueError, match=match):
             entry(vae, make(z))
 
@@ -111,7 +112,7 @@ def test_bad_latents_are_rejected_naming_what_was_expected(make, match):
 def test_bad_videos_are_rejected_by_both_encode_entries_before_any_group_check(make, match):
     vae = decode_models.tiny_vae()
     video = torch.zeros(1, vae.config.in_channels, 5, 4, 4)
-    for entry in (sharded.stock_encode, sharded.sharded_encode):
+    for entry in (sharded.stock_encode, functools.partial(sharded.sharded_encode, group=None)):
         with pytest.raises(ValueError, match=match):
             entry(vae, make(video))
 
@@ -121,7 +122,7 @@ def test_sharded_encode_without_a_group_is_a_clear_error():
     video = torch.zeros(1, vae.config.in_channels, 5, 4, 4)
     with pytest.raises(ValueError, match="the sharded decode/encode needs an initialised torch.distributed process "
                                          "group; decode_video falls back"):
-        sharded.sharded_encode(vae, video)
+        sharded.sharded_encode(vae, video, None)
 
 
 def test_a_video_too_short_for_one_clip_is_rejected_by_the_plan():
@@ -248,10 +249,17 @@ def opt_in_task(frames: int) -> dict[str, object]:
     with torch.no_grad():
         stock = sharded.stock_decode(vae, z)
         with _spy_stock_call(vae) as seen:
-            video = sharded.decode_video(vae, z, shard_across_group=True)
-        gathered = sharded.sharded_decode(vae, z, None, transport="gather")
+            video = sharded.decode_video(vae, z, shard_across_group=True, group=dist.group.WORLD)
+        gathered = sharded.sharded_decode(vae, z, dist.group.WORLD, transport="gather")
+        refused = []
+        for call in (lambda: sharded.sharded_decode(vae, z, None),
+                     lambda: sharded.decode_video(vae, z, shard_across_group=True)):
+            try:
+                call()
+            except ValueError as err:
+                refused.append("group is None" in str(err))
     return {"video": video is not None and torch.equal(video, stock), "sharded": seen["clip_under_rebound_decode"],
-            "gathered": None if gathered is None else torch.equal(gathered, stock)}
+            "gathered": None if gathered is None else torch.equal(gathered, stock), "none_refused": refused}
 
 
 def test_the_opt_in_entry_returns_the_whole_video_on_every_rank_and_gather_lands_on_rank_0(parity_ctx):
@@ -261,3 +269,5 @@ def test_the_opt_in_entry_returns_the_whole_video_on_every_rank_and_gather_lands
     assert [r["video"] for r in results] == [True, True]
     assert all(r["sharded"] > 0 for r in results)  # clips decoded under the rebound `_decode`: the sharded path
     assert [r["gathered"] for r in results] == [True, None]
+    # a group of None is never read as "the world": both entries refuse it, naming the argument, on every rank
+    assert [r["none_refused"] for r in results] == [[True, True], [True, True]]

@@ -21,6 +21,8 @@ pytestmark = [pytest.mark.cpu,
 
 CPU = torch.device("cpu")
 
+STAND_IN_GROUP = types.SimpleNamespace(name="a group the patched torch.distributed sizes")
+
 
 def test_every_decoder_dtype_survives_the_probe_round_trip():
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -119,7 +121,7 @@ def test_sharded_entries_check_the_vae_and_the_destination_before_any_collective
     video = torch.zeros(1, vae.config.in_channels, 5, 4, 4)
     partial = types.SimpleNamespace(encode=vae.encode, decode=vae.decode, config=vae.config)
     with pytest.raises(TypeError, match="expected an AutoencoderKLMiniMaxH3"):
-        sharded.sharded_encode(partial, video)
+        sharded.sharded_encode(partial, video, None)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # a 4-rank group, as the entries see it
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
     z = decode_models.latents(decode_models.LatentSpec(12, height=2, width=2))
@@ -127,7 +129,7 @@ def test_sharded_entries_check_the_vae_and_the_destination_before_any_collective
     for dst in (4, -1, True):
         for entry, x in ((sharded.sharded_decode, z), (sharded.sharded_encode, video)):
             with pytest.raises(ValueError, match=f"dst must be a rank of the 4-rank group, got {dst!r}"):
-                entry(vae, x, transport="gather", dst=dst)
+                entry(vae, x, STAND_IN_GROUP, transport="gather", dst=dst)
 
 
 def test_the_encode_clip_server_checks_windows_and_that_every_gathered_moment_was_used():
@@ -240,7 +242,7 @@ def test_an_encode_gathered_without_dst_lands_on_rank_0(monkeypatch):
         answers = []
         for rank in (0, 1):
             _local_group(monkeypatch, rank, 2)
-            answers.append(sharded.sharded_encode(vae, x, transport="gather"))
+            answers.append(sharded.sharded_encode(vae, x, STAND_IN_GROUP, transport="gather"))
     assert serve.same_bits(answers[0].parameters, stock) and answers[1] is None
 
 
@@ -252,4 +254,5 @@ def test_a_one_and_a_two_frame_video_encode_as_the_stock_call_does(frames, monke
     x = decode_tasks.EncodeJob(frames=frames).build_video(CPU)
     _local_group(monkeypatch, 0, 2)
     with torch.no_grad():
-        assert serve.same_bits(sharded.sharded_encode(vae, x).parameters, sharded.stock_encode(vae, x).parameters)
+        assert serve.same_bits(sharded.sharded_encode(vae, x, STAND_IN_GROUP).parameters,
+                               sharded.stock_encode(vae, x).parameters)

@@ -9,6 +9,7 @@ there. The real code imports modules transformers 5 removed, so those tests run 
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -49,6 +50,27 @@ def test_the_fakes_meet_the_gen_image_contract(generation):
         pytest.skip(f"the fake of HunyuanImage-3 generation {generation} imports transformers.modeling_attn_mask_utils,"
                     f" as upstream's does: transformers 4.x only")
     assert _rows_failed(tiny_hunyuan_image3(0, generation)) == []
+
+
+def test_an_input_check_asserted_inline_instead_of_through_the_class_fails_row_12(monkeypatch):
+    """Row 12 holds the fakes to upstream's patchable ``_check_inputs``: a model that asserts a missing input inline
+    (as the fakes once did) ignores a framework's patch of the class method, and the row says so."""
+    model = tiny_hunyuan_image3(0, "portable")
+    cls = type(model)
+    original = cls.forward
+
+    @functools.wraps(original)  # the family reads the forward's signature to tell the generation
+    def inline(self, *args, **kwargs):
+        if kwargs.get("mode") == "gen_image":
+            assert kwargs.get("images") is not None, "images missing (an inline assert)"
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "forward", inline)
+    (row,) = gen_image_contract.run_gen_image_contract(model, (12,))
+    assert not row.passed and "AssertionError" in row.measured and "expected the patched check" in row.measured
+    monkeypatch.undo()
+    (row,) = gen_image_contract.run_gen_image_contract(model, (12,))
+    assert row.passed, row.measured
 
 
 def test_the_family_knows_its_layout():
