@@ -105,7 +105,8 @@ class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
                 image_mask: torch.Tensor | None = None, timestep: Any = None,
                 gen_timestep_scatter_index: torch.Tensor | None = None, cond_vae_images: Any = None,
                 cond_timestep: Any = None, cond_vae_image_mask: torch.Tensor | None = None,
-                cond_timestep_scatter_index: torch.Tensor | None = None, **kwargs: Any):
+                cond_timestep_scatter_index: torch.Tensor | None = None, cond_vit_images: Any = None,
+                cond_vit_image_mask: torch.Tensor | None = None, vit_kwargs: Any = None, **kwargs: Any):
         self._check_inputs(mode == "gen_image", "in `gen_image` mode", [
             ("images", images), ("timestep", timestep), ("gen_timestep_scatter_index", gen_timestep_scatter_index)])
         self._check_inputs(mode == "gen_image" and first_step, "in `gen_image` mode at the first step", [
@@ -113,6 +114,10 @@ class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
         self._check_inputs(cond_vae_images is not None, "`cond_vae_images` is provided", [
             ("cond_timestep", cond_timestep), ("cond_vae_image_mask", cond_vae_image_mask),
             ("cond_timestep_scatter_index", cond_timestep_scatter_index)])
+        self._check_inputs(cond_vit_images is not None, "`cond_vit_images` is provided", [
+            ("cond_vit_image_mask", cond_vit_image_mask), ("vit_kwargs", vit_kwargs)])
+        if cond_vit_images is not None:
+            raise NotImplementedError("this fake has no ViT encoder: it takes conditional images as VAE latents only")
         cos, sin = custom_pos_emb  # upstream's get_pos_emb: no default
         cos = real_batched_index_select(cos, dim=1, idx=position_ids)
         sin = real_batched_index_select(sin, dim=1, idx=position_ids)

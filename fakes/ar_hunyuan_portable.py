@@ -124,13 +124,17 @@ class HunyuanImage3ForCausalMM(HunyuanTextModel, GenerationMixin):
                 cond_vae_images: Any = None, cond_vae_image_mask: torch.Tensor | None = None,
                 cond_timesteps: Any = None, cond_timesteps_index: Any = None, first_step: bool | None = None,
                 use_cache: bool | None = None, gen_timestep_scatter_index: torch.Tensor | None = None,
-                **kwargs: Any):
+                cond_vit_images: Any = None, cond_vit_image_mask: torch.Tensor | None = None, **kwargs: Any):
         self._check_inputs(mode == "gen_image", "in `gen_image` mode", [("images", images), ("timesteps", timesteps)])
         self._check_inputs(mode == "gen_image" and first_step, "in `gen_image` mode at the first step", [
             ("image_mask", image_mask), ("timesteps_index", timesteps_index)])
         self._check_inputs(cond_vae_images is not None, "`cond_vae_images` is provided", [
             ("cond_timesteps", cond_timesteps), ("cond_vae_image_mask", cond_vae_image_mask),
             ("cond_timesteps_index", cond_timesteps_index)])
+        self._check_inputs(cond_vit_images is not None, "`cond_vit_images` is provided", [
+            ("cond_vit_image_mask", cond_vit_image_mask)])
+        if cond_vit_images is not None:
+            raise NotImplementedError("this fake has no ViT encoder: it takes conditional images as VAE latents only")
         if input_ids is None and images is None:
             raise ValueError("either input_ids or images must be given")
         seq_len = self.config.max_position_embeddings  # inference: the whole table, as upstream

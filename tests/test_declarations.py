@@ -293,6 +293,22 @@ def test_a_declaration_or_key_naming_what_the_catalogue_does_not_drive_is_a_usag
     assert message in result.stderr.str()
 
 
+def test_a_declaration_naming_an_unknown_capability_is_a_usage_error_listing_the_known_ones(demo):
+    demo.makepyfile(ddemo_bad="""
+from harness.plugins.declarations import ReplayDeclaration
+
+
+def replay(adapter, conditions, segment, strategy, target, guidance=None, config=None):
+    return None
+
+
+replay.declares = ReplayDeclaration(cfg_layouts=("interleaved",))
+""")
+    result = demo.runpytest("-p", "harness.plugin", "-m", "cpu", "--impl", "replay=ddemo_bad:replay")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert ("unknown cfg_layout 'interleaved'; known: uncond_first, fused_cond_first" in result.stderr.str())
+
+
 def test_one_family_under_test_twice_is_a_usage_error(demo):
     result = demo.runpytest("-p", "harness.plugin", "--impl", "replay.alpha=ddemo_user:right",
                             "--impl", "replay.alpha=ddemo_user:refuses_schedules")
@@ -305,3 +321,56 @@ def test_the_help_shows_the_per_family_form(demo):
     text = " ".join(result.stdout.str().split())
     assert "--impl=PATH[.SUBJECT]=MODULE:CALLABLE" in text
     assert "PATH.SUBJECT gives one for a single replay family, ar model or decode VAE" in text
+
+
+# ------------------------------------------------------------------------------------------ the guard contract
+
+REASON = "declared unsupported: guidance 'schedule' (declares scale)"
+
+
+def _verdict(passed: bool, margin: float | None, fast_path_violated: bool = False):
+    from harness.judging.compare import Verdict
+
+    made = Verdict("replay.x.y", passed, {"max_abs": 0.0 if passed else 1.0}, "exact (bitwise)", margin,
+                   headline="max_abs")
+    return made.require_ran(not fast_path_violated, "one forward of S*B rows")
+
+
+@pytest.mark.parametrize(("found", "every_rank", "passed", "guard"), [
+    (conformance.Outcomes(refused=2, refusal="ValueError: one scale"), True, True, "refused: ValueError: one scale"),
+    (conformance.Outcomes(none=1), True, True, "returned None: the caller takes the serial loop"),
+    (conformance.Outcomes(none=1, refused=1, refusal="ValueError: x"), True, True,
+     "refused or declined (1 raised, 1 returned None)"),
+    (conformance.Outcomes(refused=3, refusal="ValueError: x"), False, False,
+     "raised (not on every rank: the others were left waiting): RuntimeError: boom"),
+    (conformance.Outcomes(answered=1, refused=1, refusal="ValueError: x"), True, False, "raised: RuntimeError: boom"),
+])
+def test_the_guard_contract_accepts_refusals_and_declines_on_every_rank_only(found, every_rank, passed, guard):
+    error = RuntimeError("boom")
+    verdict = conformance.guard_verdict("replay", REASON, found, None, error, every_rank)
+    assert verdict.passed is passed and verdict.metrics["guard"] == guard
+    assert verdict.policy.startswith(f"guard contract ({REASON})")
+
+
+def test_the_guard_contract_accepts_the_stock_answer_not_another_one():
+    answered = conformance.Outcomes(answered=1)
+    same = conformance.guard_verdict("replay", REASON, answered, _verdict(True, 0.0), None)
+    assert same.passed and same.metrics["guard"] == "the stock answer"
+    stock_way = conformance.guard_verdict("replay", REASON, answered, _verdict(True, 0.0, fast_path_violated=True),
+                                          None)
+    assert stock_way.passed, "the stock answer by the stock path: the fast path's own facts do not apply"
+    other = conformance.guard_verdict("replay", REASON, answered, _verdict(False, 3.0), None)
+    assert not other.passed and other.metrics["guard"] == "a different answer"
+    assert other.message.startswith(f"returned a different answer on an input class it declares unsupported ({REASON})")
+
+
+def test_none_is_a_decline_only_where_the_contract_says_so():
+    """decode returns None on every rank but the destination of a gather: there it is an answer, not a decline."""
+    none = conformance.Outcomes(none=2)
+    assert not conformance.guard_verdict("decode", REASON, none, _verdict(False, 5.0), None).passed
+    assert conformance.guard_verdict("replay", REASON, none, _verdict(False, 5.0), None).passed
+
+
+def test_outcomes_count_every_call_of_a_check():
+    found = conformance.Outcomes(answered=2, none=1, refused=4)
+    assert found.calls == 7

@@ -32,12 +32,18 @@ NAMED = {
 }
 
 
-def _named(component: str, order: tuple[str, ...], branches: Sequence[str]) -> str:
-    text = NAMED.get((component, order))
+NOUNS = {"branch": "CFG branches", "step": "steps", "sample": "samples"}
+SHOWN = 8  # rows a generic description shows
+
+
+def _named(component: str, order: tuple[str, ...] | None, got: Sequence[int], want: Sequence[int],
+           labels: Sequence[str]) -> str:
+    """What ``component`` does wrong across the rows: a named nesting bug, else its first rows beside the stack's."""
+    text = NAMED.get((component, order)) if order is not None else None
     if text is not None:
-        return text.format(b0=branches[0], b1=branches[-1])
-    return (f"the {component}s follow a {order[0]}-major, {order[1]}, {order[2]}-minor nesting where the stack is "
-            "branch-major, step, sample-minor")
+        return text.format(b0=labels[0], b1=labels[-1])
+    return (f"the {NOUNS[component]} run {', '.join(labels[v] for v in got[:SHOWN])}, ... where the stack holds "
+            f"{', '.join(labels[v] for v in want[:SHOWN])}, ...")
 
 
 def _signature(tensors: Mapping[str, torch.Tensor], row: int) -> str:
@@ -84,15 +90,17 @@ def row_layout(serial: Sequence[Mapping[str, torch.Tensor]], batched: Mapping[st
     expected = _nested(ORDER, sizes)
     if got == expected:
         return None
+    labels = {"branch": list(branches), "step": [f"step {t}" for t in target],
+              "sample": [f"sample {k}" for k in range(batch)]}
     named = []
     for component in ORDER:
         sequence = [place[component] for place in got]
-        if sequence == [place[component] for place in expected]:
+        want = [place[component] for place in expected]
+        if sequence == want:
             continue
         other = next((order for order in itertools.permutations(ORDER)
                       if sequence == [place[component] for place in _nested(order, sizes)]), None)
-        named.append(_named(component, other, branches) if other is not None else
-                     f"the {component}s are out of place")
+        named.append(_named(component, other, sequence, want, labels[component]))
     wrong = [(r, place) for r, (place, want) in enumerate(zip(got, expected, strict=True)) if place != want][:3]
     shown = "; ".join(f"row {r} holds {branches[p['branch']]} step {target[p['step']]} sample {p['sample']}"
                       for r, p in wrong)

@@ -50,7 +50,8 @@ REPO = Path(__file__).resolve().parents[2]
 PATHS: dict[str, list[str]] = {
     "replay": ["harness/replay"], "ar": ["harness/ar"], "decode": ["harness/decode"],
     "attention": ["harness/attention"], "compare": ["harness/judging/compare.py", "harness/judging/growth.py"],
-    "suite": ["harness/inputs/checkpoints.py", "harness/plugins/conformance.py"],
+    "suite": ["harness/inputs/checkpoints.py", "harness/plugins/conformance.py", "harness/plugins/declarations.py",
+              "harness/judging/space.py"],
 }
 ROOTS = ("harness", "fakes", "fixtures", "parity", "mutation", "gpu", "tests")
 DEFAULT_PYTEST = ["-m", "cpu", "-q"]
