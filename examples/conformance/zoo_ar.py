@@ -30,7 +30,7 @@ from harness.ar.backends import UpstreamBackend
 from harness.ar.batch import ARBatch, right_padded_batch
 from harness.ar.loop import Rollout, init_state
 
-__all__ = ["BUGS", "CORRECT", "LEFT", "MORE_CORRECT", "fast_left_rollout", "fast_rollout",
+__all__ = ["BUGS", "CORRECT", "LEFT", "MORE_CORRECT", "block_aligned_cache", "fast_left_rollout", "fast_rollout",
            "finished_rows_keep_sampling", "finished_rows_keep_writing_kv", "first_logits_at_the_padded_tail",
            "infers_lengths_from_pads", "left_decode_mask_dropped", "left_pad_keys_visible", "left_padding_undeclared",
            "left_positions_from_shared_cache_position", "left_positions_not_shifted", "no_decode_mask",
@@ -54,6 +54,7 @@ class Flaws:
     left: bool = False  # the loop left-pads its prefill rows (and declares padding_side = "left")
     unshifted_positions: bool = False  # left: prefill positions are the column index, not shifted by the pad count
     declares_other_side: bool = False  # the callable declares the padding side it does not pad on
+    block_slots: int = 0  # not a flaw: a static cache allocated in whole blocks of this many slots (block kernels)
 
 
 def _real_pos(batch: Any, flaws: Flaws) -> torch.Tensor:
@@ -125,6 +126,11 @@ def _rollout(backend: Any, batch: Any, max_new_tokens: int, eos: Sequence[int], 
     device = batch.input_ids.device
     # the state the backend's hooks read (its cache, buffers and empty outputs), for the lengths decided above
     state = init_state(backend, replace(batch, real_pos=real_pos[:, None]), max_new_tokens, eos)
+    if flaws.block_slots and rows > 1:  # a static cache of whole blocks: more slots than width + new tokens
+        blocks = -(-(width + max_new_tokens) // flaws.block_slots)
+        state.max_cache_len = blocks * flaws.block_slots
+        state.cache = backend.new_cache(rows, state.max_cache_len, dynamic=False)
+        backend.begin(state)
     cache = state.cache
     stop_ids = torch.tensor(tuple(eos), dtype=torch.long, device=device)
     everyone = torch.arange(rows, device=device)
@@ -305,9 +311,12 @@ CORRECT = Flaws()
 fast_rollout = _implementation(CORRECT, "Right: per-row first logits, token columns, decode masks, EOS, KV freeze.")
 LEFT = replace(CORRECT, left=True)
 # right implementations of the other layout (zoo.py judges each like ``CORRECT``: every check judged or not judged)
-MORE_CORRECT = {"fast_left_rollout": (LEFT, "right, left-padded (declares padding_side = 'left')")}
+MORE_CORRECT = {"fast_left_rollout": (LEFT, "right, left-padded (declares padding_side = 'left')"),
+                "block_aligned_cache": (replace(CORRECT, block_slots=64),
+                                        "right, its static cache allocated in whole blocks of 64 slots")}
 fast_left_rollout = _implementation(LEFT, "Right, left-padded: positions from the mask, first logits at the last "
                                           "column, pads masked at every step, EOS, KV freeze.")
+block_aligned_cache = _implementation(*MORE_CORRECT["block_aligned_cache"])
 BUGS = {
     "finished_rows_keep_sampling": (replace(CORRECT, ignore_eos=True), "rows keep sampling after their EOS"),
     "finished_rows_keep_writing_kv": (replace(CORRECT, write_after_eos=True),

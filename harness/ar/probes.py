@@ -28,7 +28,7 @@ from harness.ar.batch import ARBatch
 from harness.ar.loop import Rollout, fast_rollout, real_positions
 from harness.ar.spy import ARForwardSpy
 
-__all__ = ["ProbedRun", "dead_slots", "footprint_rollout", "nan_probe_rollout"]
+__all__ = ["ProbedRun", "capacity", "dead_slots", "footprint_rollout", "nan_probe_rollout"]
 
 RolloutFn = Callable[..., Rollout]
 
@@ -85,10 +85,21 @@ def _static(cache: Any) -> bool:
     return cache is not None and not ar_cache.is_dynamic(cache)
 
 
+def capacity(cache: Any, batch: ARBatch, max_new_tokens: int) -> int:
+    """The slots the rollout's cache holds per row: any number from the batch's width plus its new tokens up (a
+    cache allocated in whole blocks, or once at a maximum length, holds more); fewer is a ValueError naming both."""
+    slots = int(ar_cache.layer_buffers(cache)[0][0].shape[2])
+    needed = batch.width + max_new_tokens
+    if slots < needed:
+        raise ValueError(f"the rollout's {type(cache).__name__} holds {slots} slots per row; a batch of width "
+                         f"{batch.width} with {max_new_tokens} new tokens needs at least {needed}")
+    return slots
+
+
 def nan_probe_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = (),
                       rollout: RolloutFn = fast_rollout) -> ProbedRun:
-    """Run ``rollout`` with NaN in every unused and dead slot; count non-finite logits of emitting rows."""
-    max_cache_len = batch.width + max_new_tokens
+    """Run ``rollout`` with NaN in every unused and dead slot, whatever the cache's capacity; count non-finite logits
+    of emitting rows."""
     poisoned = [0]
 
     def before(cache: Any) -> None:
@@ -98,7 +109,8 @@ def nan_probe_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Se
 
     def after(cache: Any) -> None:
         if _static(cache):
-            poisoned[0] = ar_cache.fill_slots(cache, dead_slots(backend, batch, max_cache_len), float("nan"))
+            slots = capacity(cache, batch, max_new_tokens)
+            poisoned[0] = ar_cache.fill_slots(cache, dead_slots(backend, batch, slots), float("nan"))
 
     spy = ARForwardSpy(backend.model, pad_id=getattr(backend, "pad_id", None))
     with spy, _around_prefill(backend.model, before, after) as seen:

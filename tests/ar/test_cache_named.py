@@ -1,4 +1,5 @@
-"""A rollout that hands upstream's dynamic cache more than one row crashes on a bare assertion; the judge names it."""
+"""What a rollout does with its KV cache, named: upstream's dynamic cache handed several rows (it crashes on a bare
+assertion), and a cache of another capacity than the probes assumed (any from width plus new tokens up is right)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,22 @@ def test_a_rollout_that_keeps_the_dynamic_cache_at_b4_fails_naming_it(monkeypatc
         comparisons.compare_batched("tokens", ar_models.backend("fake"), case.batch(), case.max_new_tokens, None, None)
     assert isinstance(raised.value, AssertionError)  # still upstream's assertion, for whoever catches that
     assert isinstance(raised.value.__cause__, AssertionError)
+
+
+def test_the_probes_read_any_capacity_from_width_plus_new_tokens_up_and_name_a_smaller_one():
+    from types import SimpleNamespace
+
+    from harness.ar import probes
+
+    case = next(c for c in CASES if c.batch_size > 1)
+    batch, needed = case.batch(), case.batch().width + case.max_new_tokens
+
+    def cache(slots: int) -> SimpleNamespace:
+        keys = torch.zeros(batch.batch_size, 2, slots, 4)
+        return SimpleNamespace(layers=[SimpleNamespace(keys=keys, values=keys.clone())])
+
+    assert probes.capacity(cache(needed), batch, case.max_new_tokens) == needed
+    assert probes.capacity(cache(64 * -(-needed // 64)), batch, case.max_new_tokens) == 64 * -(-needed // 64)
+    with pytest.raises(ValueError, match=f"holds {needed - 1} slots per row; a batch of width {batch.width} with "
+                                         f"{case.max_new_tokens} new tokens needs at least {needed}"):
+        probes.capacity(cache(needed - 1), batch, case.max_new_tokens)
