@@ -253,9 +253,11 @@ def run_fault(world, job: decode_tasks.DecodeJob, kind: str, fault_rank: int,
     """Inject ``kind`` (on ``fault_rank``, or on every rank for a group fault) and judge the behaviour: every rank
     raises within the bound and none hangs, the injected exception survives in what was raised, and the group
     still works afterwards: an all-gather over every rank completes (no rank left inside a collective or out of
-    step), and the same decode without the fault is bit-exact again (so raising on every call cannot pass)."""
+    step), and the same decode without the fault is bit-exact again (so raising on every call cannot pass). A decode
+    that is not bit-exact again heads the verdict with its numbers: that is the fast path's arithmetic, not its fault
+    handling."""
     bound = min(timeout_s, FAULT_BOUND_S)
-    outcomes, statuses = None, []
+    outcomes, statuses, numbers = None, [], None
     try:
         outcomes = world.run(decode_tasks.fault_task, job, fault_rank, kind, timeout_s=bound)
     except WorldTaskError as err:
@@ -266,10 +268,13 @@ def run_fault(world, job: decode_tasks.DecodeJob, kind: str, fault_rank: int,
             world.run(decode_tasks.group_alive_task, timeout_s=ALIVE_TIMEOUT_S)
             again = world.run(decode_tasks.decode_task, job, timeout_s=bound)
             group_error = follow_up_error(again)
+            if group_error is not None:
+                numbers = judge.judge_decode(again, sharded=True, what="the decode without the fault")
         except WorldTaskError as err:
             group_error = str(err).splitlines()[0][:240]
-    return judge.judge_fault(world.size, fault_rank, bound, outcomes, statuses,
-                             decode_tasks.RAISING.get(kind, ""), group_error)
+    verdict = judge.judge_fault(world.size, fault_rank, bound, outcomes, statuses,
+                                decode_tasks.RAISING.get(kind, ""), group_error)
+    return verdict if numbers is None else numbers.merge(verdict)
 
 
 def follow_up_error(again: Sequence[RankDecode]) -> str | None:

@@ -211,9 +211,15 @@ class RowScaledFloor(Policy):
         finite = bool(torch.isfinite(actual).all()) and bool(torch.isfinite(expected).all())
         metrics = {"max_abs": max_abs_diff(actual, expected), "rel_l2": rel_l2(actual, expected),
                    "relative_control": self.control.relative, "control_row": self.control.worst_row, "k": self.k}
-        if not finite:
-            return Verdict(UNSTAMPED, False, metrics, self.describe(), math.inf, headline="row_ratio",
-                           tolerance=1.0, message=f"{what}: non-finite values; NaN/Inf never pass")
+        if not finite:  # the headline counts them: a ratio of inf says nothing of how many rows went NaN
+            bad = ~torch.isfinite(actual)
+            rows = int(bad.reshape(*bad.shape[:-1], -1).any(dim=-1).sum()) if bad.dim() else int(bad)
+            metrics.update(nonfinite=int(bad.sum()), nonfinite_rows=rows,
+                           nonfinite_expected=int((~torch.isfinite(expected)).sum()))
+            return Verdict(UNSTAMPED, False, metrics, self.describe(), math.inf, headline="nonfinite",
+                           tolerance=1.0, message=f"{what}: {int(bad.sum())} non-finite output values in {rows} query "
+                                                  f"rows ({metrics['nonfinite_expected']} in the reference); NaN/Inf "
+                                                  "never pass")
         ratio = torch.where(bound > 0, error / bound, torch.where(error > 0, math.inf, 0.0))
         at = int(ratio.reshape(-1).argmax()) if ratio.numel() else 0
         margin = float(ratio.reshape(-1)[at]) if ratio.numel() else 0.0

@@ -55,13 +55,16 @@ def test_the_row_bound_is_inclusive(error, passed):
     assert (verdict.passed, verdict.margin, verdict.message == "") == (passed, error, passed)
 
 
-@pytest.mark.parametrize("where", ["actual", "expected"])
-def test_nan_never_passes_the_row_bound(where):
-    values = {"actual": [[1.0, 2.0]], "expected": [[1.0, 2.0]]}
-    values[where] = [[1.0, float("nan")]]
+@pytest.mark.parametrize(("where", "counts"), [("actual", "2 non-finite output values in 1 query rows (0 in the "
+                                                          "reference)"),
+                                               ("expected", "0 non-finite output values in 0 query rows (1 in the "
+                                                            "reference)")])
+def test_nan_never_passes_the_row_bound_and_the_headline_counts_it(where, counts):
+    values = {"actual": [[1.0, 2.0], [3.0, 4.0]], "expected": [[1.0, 2.0], [3.0, 4.0]]}
+    values[where] = [[1.0, float("nan")], [3.0, 4.0]] if where == "expected" else [[1.0, 2.0], [float("nan")] * 2]
     verdict = _judge(values["actual"], values["expected"])
-    assert (verdict.passed, verdict.margin, verdict.tolerance, verdict.headline) == (False, math.inf, 1.0, "row_ratio")
-    assert verdict.message == "out: non-finite values; NaN/Inf never pass"
+    assert (verdict.passed, verdict.margin, verdict.tolerance, verdict.headline) == (False, math.inf, 1.0, "nonfinite")
+    assert verdict.message == f"out: {counts}; NaN/Inf never pass"
 
 
 def test_no_query_rows_pass_with_zero_margin():

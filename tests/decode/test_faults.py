@@ -227,3 +227,17 @@ def test_a_follow_up_decode_that_is_not_bit_exact_says_so_not_that_the_group_bro
     assert follow_up_error(off) == ("the decode without the fault is not bit-exact with the stock decode on ranks "
                                     "[2] (the fast path's numbers, not its fault handling: see the decode bitexact "
                                     "checks)")
+
+
+def test_a_numeric_bug_that_also_fails_the_follow_up_decode_is_headed_by_its_numbers(parity_ctx):
+    """A decode that is simply wrong (its cross-fade skipped) still raises on every rank under a fault; the decode
+    run again afterwards is not bit-exact, and the verdict leads with those numbers, not with "the group works"."""
+    from harness.judging import ablation, catalogue, checks
+
+    catalogue.load()
+    with ablation.get("decode.crossfade_skipped").apply():
+        verdict = checks.run_check(str(decode_checks.fault_id("decoder_raises")), parity_ctx)
+    assert not verdict.passed
+    assert verdict.headline == "parity" and verdict.metrics["parity"].startswith("max|d| ")
+    assert verdict.message.startswith("the decode without the fault: "), verdict.message
+    assert verdict.metrics["outcome"] == "8/8 ranks raise"  # the fault handling itself held
