@@ -100,3 +100,25 @@ ablation(
          "column is a pad or a token inside the prompt; only unpadded rows are read right."),
     kill_mode="tolerance",
 )
+
+
+def _pad_queries_admit_nothing(attention_mask: torch.Tensor, slots: torch.Tensor, key_length: int) -> torch.Tensor:
+    bsz, width = attention_mask.shape
+    causal = torch.ones(width, width, dtype=torch.bool, device=attention_mask.device).tril()
+    by_column = causal[None] & attention_mask[:, None, :] & attention_mask[:, :, None]
+    out = torch.zeros(bsz, width, max(key_length, width), dtype=torch.bool, device=attention_mask.device)
+    out.scatter_(2, slots[:, None, :].expand(bsz, width, width), by_column)
+    return out[..., :key_length][:, None]
+
+
+_PADDED = _ids(MODELS, ("unequal_real_pos", "length_skew", "all_padded"), ("tokens",))
+ablation(
+    "ar.left.pad_queries_admit_nothing", "harness.ar.left_padded:prefill_mask", _pad_queries_admit_nothing,
+    kills=_PADDED,
+    why=("a pad's query row of the prefill mask admits no key: torch's SDPA gives such a row zeros, so the numbers "
+         "here pass, but an eager -inf softmax (and some fused kernels) turns it to NaN, which the next layer writes "
+         "into the pad's KV, where a masked-out read still multiplies it in. The fact on the mask the model received "
+         "catches it whatever the kernel."),
+    kill_mode="fact",
+    fact="every query row of the prefill mask admits a key",
+)

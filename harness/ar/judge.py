@@ -247,9 +247,15 @@ def require_layout(verdict: Verdict, spy: ARForwardSpy, padding_side: str) -> Ve
 
 def require_path(verdict: Verdict, spy: ARForwardSpy, batch_size: int, padding_side: str | None = None) -> Verdict:
     """Prove the path that ran: every forward at the full batch, static cache at B > 1, dynamic at B == 1; with
-    ``padding_side``, the prefill rows padded on that side (``require_layout``)."""
+    ``padding_side``, the prefill rows padded on that side (``require_layout``), and for the left-padded layout, whose
+    prefill mask the implementation builds from the rows' 2-D mask, no query row of it without a key."""
     if padding_side is not None:
         verdict = require_layout(verdict, spy, padding_side)
+    empty = spy.prefill_empty_queries
+    if padding_side == "left" and empty is not None:  # a right-padded batch's mask is the caller's; a left one's not
+        verdict = verdict.require(empty == 0, "every query row of the prefill mask admits a key (an all-False row is "
+                                              "NaN under an eager -inf softmax, and its KV poisons the rows that read "
+                                              "it)", empty_prefill_query_rows=empty)
     sizes = spy.batch_sizes
     verdict = verdict.require(bool(sizes) and all(s == batch_size for s in sizes),
                               f"every forward ran at batch size {batch_size}", forward_batch_sizes=sizes,

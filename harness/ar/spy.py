@@ -16,7 +16,7 @@ import torch
 
 from harness.ar import cache as ar_cache
 
-__all__ = ["ARForwardSpy", "ForwardCall", "row_padding"]
+__all__ = ["ARForwardSpy", "ForwardCall", "empty_query_rows", "row_padding"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,15 @@ class ForwardCall:
     cache: str  # class name, "none" without a cache
     dynamic: bool | None  # None without a cache
     pads: tuple[str, ...] = ()  # per row of a multi-token forward, where its pads sit (``row_padding``)
+    empty_queries: int | None = None  # query rows of a 4-D bool mask that admit no key (None: no such mask)
+
+
+def empty_query_rows(mask: Any) -> int | None:
+    """How many query rows of a bool ``[B, 1, Q, K]`` mask admit no key: under an eager ``-inf`` softmax each is a
+    NaN row, whose KV then poisons every row that reads it; None for any other mask (2-D, additive, none)."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
+        return None
+    return int((~mask.any(dim=-1)).sum())
 
 
 def row_padding(input_ids: torch.Tensor, pad_id: int) -> tuple[str, ...]:
@@ -59,7 +68,8 @@ class ARForwardSpy:
             batch=int(ids.shape[0]), queries=queries,
             cache="none" if cache is None else type(cache).__name__,
             dynamic=None if cache is None else ar_cache.is_dynamic(cache),
-            pads=row_padding(ids, self.pad_id) if self.pad_id is not None and queries > 1 else ()))
+            pads=row_padding(ids, self.pad_id) if self.pad_id is not None and queries > 1 else (),
+            empty_queries=empty_query_rows(kwargs.get("attention_mask")) if queries > 1 else None))
 
     def __enter__(self) -> ARForwardSpy:
         self.calls.clear()
@@ -81,6 +91,11 @@ class ARForwardSpy:
     @property
     def dynamic(self) -> bool:
         return bool(self.calls) and all(c.dynamic is True for c in self.calls)
+
+    @property
+    def prefill_empty_queries(self) -> int | None:
+        """Query rows of the prefill's bool 4-D mask that admit no key; None when it handed the model no such mask."""
+        return next((c.empty_queries for c in self.calls if c.queries > 1), None)
 
     @property
     def prefill_pads(self) -> tuple[str, ...]:
