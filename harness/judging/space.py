@@ -14,12 +14,22 @@ the catalogue's checks name (the registered families, models and VAEs, installed
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+import hashlib
+import itertools
+import os
+import random
+import re
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from allpairspy import AllPairs
 
 from harness.paths import path_of
 
-__all__ = ["AXES", "Axis", "at", "axis", "describe", "forget", "point", "subject_axis", "values_named"]
+__all__ = ["AXES", "FULL_SPACE_ENV", "Axis", "at", "axis", "commit_seed", "covering", "describe", "forget", "label",
+           "point", "subject_axis", "values_named"]
 
 
 @dataclass(frozen=True)
@@ -126,3 +136,50 @@ def describe(values: Mapping[str, str]) -> str:
 def forget(prefix: str) -> None:
     """Drop the points declared for patterns starting with ``prefix`` (the machinery's own tests declare demos)."""
     _POINTS[:] = [(pattern, values) for pattern, values in _POINTS if not pattern.startswith(prefix)]
+
+
+# ------------------------------------------------------------------------------------------ covering the space
+
+FULL_SPACE_ENV = "PARITY_SPACE"  # "full": every point of every generated space (the nightly run); else pairwise
+
+
+def commit_seed(root: Path | None = None) -> int:
+    """A per-commit seed: the first 64 bits of the SHA-256 of ``git rev-parse HEAD`` in ``root`` (the suite's
+    checkout), so each commit draws its own points and a run of one commit always draws the same; 0 outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root or Path(__file__).resolve().parents[2],
+                              capture_output=True, text=True, timeout=30)
+        commit = head.stdout.strip() if head.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    if not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", commit):
+        return 0
+    return int(hashlib.sha256(commit.encode()).hexdigest()[:16], 16)
+
+
+def covering(axes: Mapping[str, Sequence[str]], *, seed: int, extra: int = 0,
+             allowed: Callable[[dict[str, str]], bool] | None = None) -> list[dict[str, str]]:
+    """Points that hold every pair of values of any two axes at least once (a pairwise covering array, from
+    allpairspy, over the points ``allowed`` admits), then ``extra`` more drawn from the whole space with ``seed``;
+    with ``PARITY_SPACE=full``, every allowed point. Deterministic for a seed."""
+    names = list(axes)
+    valid = allowed or (lambda _: True)
+
+    def admits(row: Sequence[str]) -> bool:
+        return valid(dict(zip(names[:len(row)], row, strict=True))) if len(row) == len(names) else True
+
+    if os.environ.get(FULL_SPACE_ENV) == "full":
+        every = [dict(zip(names, row, strict=True)) for row in itertools.product(*axes.values())]
+        return [p for p in every if valid(p)]
+    core = [dict(zip(names, row, strict=True)) for row in AllPairs([list(v) for v in axes.values()],
+                                                                  filter_func=admits)]
+    chosen = {tuple(p.values()) for p in core}
+    rest = [row for row in itertools.product(*axes.values()) if row not in chosen and valid(dict(zip(names, row,
+                                                                                                     strict=True)))]
+    drawn = random.Random(seed).sample(rest, min(extra, len(rest)))
+    return core + [dict(zip(names, row, strict=True)) for row in sorted(drawn)]
+
+
+def label(point: Mapping[str, str]) -> str:
+    """A point as one id segment: its values in axis order, joined by dashes (``bf16-none-negate-fused``)."""
+    return "-".join(point.values())

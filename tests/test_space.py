@@ -1,0 +1,63 @@
+"""The points a generated space check runs at: every pair of values of any two axes at least once, the points a
+constraint forbids never, a per-commit seeded draw on top, every point with PARITY_SPACE=full; ids that name them."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+
+import pytest
+
+from harness.judging import space
+
+pytestmark = pytest.mark.cpu
+
+AXES = {"dtype": ("bf16", "fp16", "fp32"), "config": ("on", "none", "off"), "velocity": ("identity", "negate"),
+        "layout": ("uncond_first", "fused"), "steps": ("s2", "s5")}
+
+
+def _pairs(points: list[dict[str, str]]) -> set[tuple[str, str, str, str]]:
+    return {(a, p[a], b, p[b]) for p in points for a, b in itertools.combinations(AXES, 2)}
+
+
+def test_every_pair_of_values_is_covered_by_fewer_points_than_the_whole_space():
+    points = space.covering(AXES, seed=1)
+    every = {(a, x, b, y) for a, b in itertools.combinations(AXES, 2) for x in AXES[a] for y in AXES[b]}
+    assert _pairs(points) == every
+    assert len(points) < len(list(itertools.product(*AXES.values()))) / 4
+
+
+def test_the_seeded_draw_adds_other_points_the_same_for_one_seed():
+    core = space.covering(AXES, seed=1)
+    drawn = space.covering(AXES, seed=1, extra=3)
+    assert drawn[:len(core)] == core and len(drawn) == len(core) + 3
+    assert space.covering(AXES, seed=1, extra=3) == drawn
+    assert {space.label(p) for p in drawn[len(core):]}.isdisjoint({space.label(p) for p in core})
+    assert space.covering(AXES, seed=2, extra=3)[len(core):] != drawn[len(core):]
+
+
+def test_a_constraint_keeps_its_points_out_and_the_pairs_it_allows_in():
+    def allowed(point):
+        return not (point["config"] == "none" and point["velocity"] == "negate")
+
+    points = space.covering(AXES, seed=1, extra=5, allowed=allowed)
+    assert all(allowed(p) for p in points)
+    assert ("config", "none", "velocity", "identity") in _pairs(points)
+
+
+def test_the_full_space_on_demand(monkeypatch):
+    monkeypatch.setenv(space.FULL_SPACE_ENV, "full")
+    assert len(space.covering(AXES, seed=1, extra=3)) == 3 * 3 * 2 * 2 * 2
+
+
+def test_a_label_is_one_id_segment_in_axis_order():
+    assert space.label({"dtype": "bf16", "config": "none", "velocity": "negate"}) == "bf16-none-negate"
+
+
+def test_the_commit_seed_follows_the_checked_out_commit(tmp_path):
+    assert space.commit_seed(tmp_path) == 0  # not a git checkout
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "--allow-empty", "-m", "x"],
+                   cwd=tmp_path, check=True)
+    seed = space.commit_seed(tmp_path)
+    assert seed != 0 and seed == space.commit_seed(tmp_path)
