@@ -251,8 +251,8 @@ def require_path(verdict: Verdict, spy: ARForwardSpy, batch_size: int, padding_s
     prefill mask the implementation builds from the rows' 2-D mask, no query row of it without a key."""
     if padding_side is not None:
         verdict = require_layout(verdict, spy, padding_side)
-    empty = spy.prefill_empty_queries
-    if padding_side == "left" and empty is not None:  # a right-padded batch's mask is the caller's; a left one's not
+    empty = spy.prefill_empty_queries if padding_side == "left" else None  # a right-padded batch's mask is the caller's
+    if empty is not None:
         verdict = verdict.require(empty == 0, "every query row of the prefill mask admits a key (an all-False row is "
                                               "NaN under an eager -inf softmax, and its KV poisons the rows that read "
                                               "it)", empty_prefill_query_rows=empty)

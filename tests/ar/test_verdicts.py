@@ -11,6 +11,7 @@ import torch
 from fixtures import ar_models
 from harness.ar import judge
 from harness.ar import policies as ar_policies
+from harness.ar import spy as ar_spy
 from harness.ar.loop import Rollout
 from harness.ar.spy import ARForwardSpy
 from harness.judging.compare import close, exact
@@ -83,6 +84,23 @@ def test_require_path_needs_every_forward_at_the_batch_size() -> None:
     assert judge.require_path(base, _spy([2, 1, 2]), 2).violated_facts == [fact]
     assert judge.require_path(base, _spy([]), 2).violated_facts == [fact]
     assert judge.require_path(base, _spy([1], static=False, dynamic=True), 1).violated_facts == []
+
+
+def test_a_left_padded_prefill_mask_with_a_query_row_that_admits_nothing_fails_a_fact() -> None:
+    ref = _pair()[1]
+    base = judge.judge_logp(ref, ref, close(atol=0.0, rtol=0.0))
+    fact = ("every query row of the prefill mask admits a key (an all-False row is NaN under an eager -inf softmax, "
+            "and its KV poisons the rows that read it)")
+    spy = SimpleNamespace(batch_sizes=[2, 2], static=True, dynamic=False, prefill_pads=("left", "none"),
+                          prefill_empty_queries=3)
+    assert judge.require_path(base, spy, 2, padding_side="left").violated_facts == [fact]
+    assert judge.require_path(base, spy, 2, padding_side="left").metrics["empty_prefill_query_rows"] == 3
+    assert judge.require_path(base, SimpleNamespace(**{**vars(spy), "prefill_empty_queries": 0}), 2,
+                              padding_side="left").violated_facts == []
+    right = SimpleNamespace(**{**vars(spy), "prefill_pads": ("right", "none")})
+    assert judge.require_path(base, right, 2, padding_side="right").violated_facts == []  # the caller's mask
+    assert ar_spy.empty_query_rows(torch.tensor([[[[True, False], [False, False]]]])) == 1
+    assert ar_spy.empty_query_rows(torch.ones(2, 3, dtype=torch.bool)) is None  # a 2-D mask has no query rows
 
 
 @pytest.mark.parametrize(("pad_id", "vocab"), [(0, 3), (1, 3), (1, 2)])
