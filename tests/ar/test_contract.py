@@ -81,6 +81,50 @@ def test_rope_plumbing(generation: int | str) -> None:
     assert out.logits.shape == (2, 2, 96) and bool(torch.isfinite(out.logits).all())
 
 
+def _vectorised_gather(wrong: bool):
+    """A RoPE gather written as one vectorised ``gather``: it broadcasts a single shared table over every row (where
+    upstream refuses one), at each row's own positions, or (``wrong``) gathers a shared table once, at row 0's
+    positions, and hands that to every row."""
+    def gather(table: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        rows = position_ids.shape[0]
+        where = position_ids[:1].expand(rows, -1) if wrong and table.shape[0] == 1 else position_ids
+        return table.expand(rows, -1, -1).gather(1, where[..., None].expand(-1, -1, table.shape[-1]))
+    return gather
+
+
+def _plant_vectorised_gather(model, monkeypatch: pytest.MonkeyPatch, wrong: bool) -> None:
+    module = sys.modules[type(model).__module__]
+    gather = _vectorised_gather(wrong)
+    if "custom_pos_emb" in inspect.signature(model.forward).parameters:  # generation 1: the caller's tables
+        monkeypatch.setattr(module, "real_batched_index_select", lambda t, dim, idx: gather(t, idx))
+        return
+
+    def cached(seq_len, device, rope_image_info, position_ids):
+        cos, sin = module.build_batch_2d_rope(seq_len, model.config.attention_head_dim, rope_image_info, device,
+                                              model.config.rope_theta)
+        return gather(cos, position_ids), gather(sin, position_ids)
+
+    monkeypatch.setattr(model, "cached_rope", cached)  # generation 2: tables built inside, gathered at positions
+
+
+@GENERATIONS
+def test_the_rope_row_judges_what_the_code_computes_not_how_it_refuses(generation, monkeypatch) -> None:
+    """A vectorised gather that stops refusing one shared table for a 2-row batch computes what the per-row input
+    computes (equal on every input upstream accepts): the row passes. One that gathers row 0's positions for every row
+    computes something else: the row fails naming the rows. Upstream's own refusal passes."""
+    backend = _backend(generation)
+    refused = run_contract(backend, (1,))[0]
+    assert refused.passed and "refused: " in refused.measured, refused
+    _plant_vectorised_gather(backend.model, monkeypatch, wrong=False)
+    computed = run_contract(backend, (1,))[0]
+    assert computed.passed and "computed, equal to the per-row input bitwise" in computed.measured, computed
+    monkeypatch.undo()
+    backend = _backend(generation)
+    _plant_vectorised_gather(backend.model, monkeypatch, wrong=True)
+    wrong = run_contract(backend, (1,))[0]
+    assert not wrong.passed and "neither refused nor the per-row result: logits of rows [1]" in wrong.measured, wrong
+
+
 # ---------------------------------------------------------------------------------- cache kwarg name per major
 @GENERATIONS
 def test_cache_kwarg_name_per_major(generation: int | str) -> None:
