@@ -44,6 +44,10 @@ for _what in replay.GPU_CHECKS:
              policy=exact() if _what == "replay_determinism" else replay.replay_policy)(
         functools.partial(replay.replay_check, _what))
 
+register(replay.ORACLE_ID, tier="gpu", policy=replay.ORACLE_POLICY,
+         doc="the family's adapter held to the checkpoint's own sampling loop (the pipeline oracle)")(
+    replay.oracle_check)
+
 register(ar.CHECK_ID, tier="gpu", doc="batched right-padded AR vs B=1 on the real causal LM", policy=ar.POLICY)(
     ar.ar_check)
 register(ar.LEFT_CHECK_ID, tier="gpu", doc="batched left-padded AR vs B=1 on the real causal LM", policy=ar.POLICY)(

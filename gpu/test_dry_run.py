@@ -20,6 +20,7 @@ import torch
 from fixtures import checkpoints as tiny_checkpoints
 from gpu import checks as gpu_checks
 from gpu import decode as gpu_decode
+from gpu import replay as gpu_replay
 from harness.inputs import compat
 from harness.inputs import device_map as device_maps
 from harness.inputs.checkpoints import KINDS, CheckpointError, detect, load_model
@@ -90,6 +91,27 @@ def test_an_installed_kind_is_written_from_its_own_writer_or_named(tmp_path, mon
     assert {detect(path).kind for path in written.values()} == {"sd3_transformer"}
 
 
+def fp32_only_on(check_id: str, path) -> bool:
+    """Whether a gpu check judges this checkpoint in fp32 only (its bf16 item skips, saying why): the decode check
+    whose fp16 autocast runs over fp32 weights, and the pipeline oracle of a diffusers pipeline."""
+    if check_id in gpu_decode.FP32_ONLY_CHECKS:
+        return True
+    return check_id == gpu_replay.ORACLE_ID and gpu_replay.oracle_skip_reason(str(path), torch.bfloat16) is not None
+
+
+@pytest.mark.cpu
+def test_the_pipeline_oracle_judges_fp32_on_diffusers_pipelines_and_any_dtype_on_hunyuan_image3(tiny_dir):
+    """The gpu tier's pipeline oracle runs where its family's oracle judges the dtype: a diffusers pipeline in fp32
+    (its bf16 item skips, naming the reason), HunyuanImage-3's own loop in any dtype."""
+    sd3 = str(tiny_dir["sd3_transformer"])
+    assert gpu_replay.oracle_skip_reason(sd3, torch.float32) is None
+    reason = gpu_replay.oracle_skip_reason(sd3, torch.bfloat16)
+    assert reason and "replay family 'sd3'" in reason and "judges float32" in reason
+    hunyuan = [path for kind, path in tiny_dir.items() if kind.startswith("hunyuan_image3")]
+    assert hunyuan and all(gpu_replay.oracle_skip_reason(str(path), dtype) is None for path in hunyuan
+                           for dtype in (torch.float32, torch.bfloat16))
+
+
 @pytest.mark.launch
 def test_gpu_tier_dry_run_over_every_checkpoint_kind(tiny_dir, tmp_path):
     report = tmp_path / "gpu.json"
@@ -105,19 +127,17 @@ def test_gpu_tier_dry_run_over_every_checkpoint_kind(tiny_dir, tmp_path):
     assert mapped == in_process, f"loaded through the device map: {sorted(mapped)}, expected {sorted(in_process)}"
     data = json.loads(report.read_text())
     catalogue.load()  # the ablation catalogue, which loads the checks first
-    expected = set()
+    expected, fp32_only = set(), set()
     for check in checks.all_checks("gpu"):
         for kind, path in tiny_dir.items():
             if check.path in (detect(path).feeds, *gpu_checks.also_feeds(detect(path))):
-                dtypes = ("fp32",) if check.id in gpu_decode.FP32_ONLY_CHECKS else ("fp32", "bf16")
-                expected |= {f"{check.id}[{kind}-{dtype}]" for dtype in dtypes}
+                expected.add(f"{check.id}[{kind}-fp32]")
+                (fp32_only if fp32_only_on(check.id, path) else expected).add(f"{check.id}[{kind}-bf16]")
     ran = {c["id"] for c in data["checks"] if c["status"] != "skipped"}
     assert ran == expected, f"missing: {sorted(expected - ran)}; unexpected: {sorted(ran - expected)}"
     assert all(c["passed"] for c in data["checks"] if c["status"] != "skipped")
     # an fp32-only check's bf16 item is reported as skipped with its reason, never as a pass
     skipped = {c["id"] for c in data["checks"] if c["status"] == "skipped"}
-    fp32_only = {f"{check_id}[{kind}-bf16]" for check_id in gpu_decode.FP32_ONLY_CHECKS for kind, path in
-                 tiny_dir.items() if detect(path).feeds == "decode"}
     assert skipped == fp32_only, f"skipped: {sorted(skipped)}; expected {sorted(fp32_only)}"
     assert data["summary"]["passed"] == len(expected)
     assert data["summary"]["skipped"] == len(fp32_only)

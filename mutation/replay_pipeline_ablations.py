@@ -1,5 +1,6 @@
 """Ablations only the pipeline oracle can catch: bugs in how an adapter translates a pipeline step, which
-stock and batched replay share. Each claims the pipeline oracle of every registered replay family."""
+stock and batched replay share. Each claims the pipeline oracle of every registered replay family, and the gpu
+tier's oracle on a real checkpoint."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from harness.judging.ablation import ablation
 from harness.judging.checkid import CheckId
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
 
-ORACLE = [str(check) for check in CheckId.grid("replay", ("oracle",), ("pipeline",), family_names())]
+# the CPU tier's oracle of every registered family, and the gpu tier's on a real checkpoint's own loop
+ORACLE = [*(str(check) for check in CheckId.grid("replay", ("oracle",), ("pipeline",), family_names())),
+          "replay.gpu.oracle.pipeline"]
 
 
 def _units_swapped(original):

@@ -15,11 +15,18 @@ same latents and sigma and holds it to the loop, step by step:
   on the adapter's inputs with its rows regrouped (each CFG branch alone), a batch-shape control on stock code,
   held under its ceiling; so a later step's cached forward and the adapter's full one may differ by rounding only;
 - the family's combine of the loop's own branch predictions equals what the loop handed its scheduler.
+
+Any dtype: the loop runs the model under ``torch.autocast`` (upstream's names CUDA in bf16; for a low-precision model
+on another device the oracle enters that device's autocast in the model's dtype, without which the loop's fp32
+latents cannot meet its weights), the hook records the autocast each forward ran under, and the adapter's forward and
+the control run under the same one: the oracle compares how the adapter translates a step, in the arithmetic the loop
+used. Floors are counted in ulps of that arithmetic's dtype.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from collections.abc import Iterator
@@ -34,27 +41,92 @@ from harness.replay import pipeline_oracle as oracle
 from harness.replay.families.base import ModelAdapter, Prompts, ReplayFamily
 from harness.replay.pipeline_oracle import Forward, OracleError, PipelineRecord, PipelineStep
 
-__all__ = ["FLOW_SHIFT", "ORACLE", "HunyuanPipelineOracle", "record_image_forwards"]
+__all__ = ["DTYPES", "FLOW_SHIFT", "ORACLE", "HunyuanPipelineOracle", "ImageForward", "record_image_forwards"]
 
 FLOW_SHIFT = 3.0  # the schedule's time shift when the checkpoint's generation config names none
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the model dtypes this oracle judges (module docstring)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageForward(Forward):
+    """A model call and the autocast dtype it ran under on its device (None: no autocast)."""
+
+    autocast: torch.dtype | None = None
+
+
+def _autocast_of(device: torch.device) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """The autocast a recorded forward ran under, entered again (nothing when it ran under none)."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def record_image_forwards(module: torch.nn.Module) -> Iterator[list[Forward]]:
+def record_image_forwards(module: torch.nn.Module, autocast: torch.dtype | None = None) -> Iterator[list[Forward]]:
     """Every forward of ``module`` while the block runs: its arguments bound to ``forward``'s signature (defaults
-    applied) and a copy of its ``diffusion_prediction``."""
+    applied), a copy of its ``diffusion_prediction`` and the autocast it ran under (``autocast`` when the caller
+    entered one inside the call, ``forward_under_autocast``: the innermost one)."""
     calls: list[Forward] = []
 
     def hook(mod, args, kwargs, output) -> None:
         bound = inspect.signature(mod.forward).bind(*args, **kwargs)
         bound.apply_defaults()
-        calls.append(Forward(dict(bound.arguments), output["diffusion_prediction"].detach().clone()))
+        prediction = output["diffusion_prediction"]
+        calls.append(ImageForward(dict(bound.arguments), prediction.detach().clone(),
+                                  autocast if autocast is not None else _autocast_of(prediction.device)))
 
     handle = module.register_forward_hook(hook, with_kwargs=True)
     try:
         yield calls
     finally:
         handle.remove()
+
+
+class _LoopEnded(Exception):
+    """Raised where the loop hands its latents to its VAE: every model call and scheduler step is behind it."""
+
+
+@contextlib.contextmanager
+def _ends_at_the_vae(pipe: Any) -> Iterator[None]:
+    """The loop stopped where it decodes (both generations decode whatever ``output_type`` asks, under a CUDA-only
+    autocast): what follows makes no model call or scheduler step, so the record is whole there, in any dtype."""
+    vae = getattr(pipe, "vae", None)
+    if vae is None or not hasattr(vae, "decode"):
+        yield
+        return
+
+    def decode(*args: Any, **kwargs: Any) -> Any:
+        raise _LoopEnded
+
+    vae.decode = decode
+    try:
+        yield
+    finally:
+        del vae.decode
+
+
+@contextlib.contextmanager
+def forward_under_autocast(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """``model``'s forward run under its device's autocast in ``dtype`` while the block runs (nothing for None): the
+    scope upstream's loop gives its own (CUDA) autocast, the model call alone, so the loop's VAE and scheduler keep
+    their own dtypes."""
+    if dtype is None:
+        yield
+        return
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(model.device.type, dtype=dtype):
+            return original(*args, **kwargs)
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        del model.forward
 
 
 def _rows(value: Any, lo: int, hi: int) -> Any:
@@ -96,16 +168,22 @@ def _pick(value: Any, index: list[int]) -> Any:
 class HunyuanPipelineOracle:
     """``PipelineSpec.oracle`` of the HunyuanImage-3 family (module docstring)."""
 
+    dtypes = DTYPES  # the model dtypes it judges
+
     # ------------------------------------------------------------------ running the loop
     def run_pipeline(self, family: ReplayFamily, adapter: ModelAdapter, prompts: Prompts, latents: torch.Tensor,
                      guidance: float, steps: int = oracle.ORACLE_STEPS) -> PipelineRecord:
         """The model's own loop for ``steps`` steps from ``prompts`` (upstream's model kwargs, fused CFG batch) and
-        ``latents``; its scheduler's schedule shifted by the generation config's ``flow_shift`` (``FLOW_SHIFT``
-        when the config names none)."""
+        fp32 ``latents``; its scheduler's schedule shifted by the generation config's ``flow_shift`` (``FLOW_SHIFT``
+        when the config names none). A low-precision model off CUDA runs under its device's autocast in its dtype
+        (module docstring)."""
         model = adapter.module
-        dtypes = sorted({str(p.dtype) for p in model.parameters()} | {str(latents.dtype)})
-        if dtypes != [str(torch.float32)]:
-            raise OracleError(f"the pipeline oracle judges fp32 loops; the model and latents hold {dtypes}")
+        weights = sorted({str(p.dtype) for p in model.parameters()})
+        if latents.dtype != torch.float32 or len(weights) != 1 or model.dtype not in DTYPES:
+            raise OracleError(f"the pipeline oracle judges a model of one dtype of {[str(d) for d in DTYPES]} from "
+                              f"fp32 latents; the model holds {weights}, the latents {latents.dtype}")
+        device = latents.device
+        own_autocast = model.dtype if model.dtype != torch.float32 and device.type != "cuda" else None
         if getattr(model.generation_config, "flow_shift", None) is None:
             model.generation_config.flow_shift = FLOW_SHIFT
         pipe = model.pipeline
@@ -124,10 +202,13 @@ class HunyuanPipelineOracle:
 
         pipe.scheduler.step = recording_step
         try:
-            with torch.no_grad(), record_image_forwards(model) as calls:
+            with (torch.no_grad(), forward_under_autocast(model, own_autocast), _ends_at_the_vae(pipe),
+                  record_image_forwards(model, own_autocast) as calls):
                 pipe(batch_size=batch, image_size=[h * int(factor[0]), w * int(factor[1])],
                      num_inference_steps=steps, guidance_scale=guidance, latents=latents.clone(),
                      model_kwargs=kwargs, output_type="latent")
+        except _LoopEnded:
+            pass
         finally:
             del pipe.scheduler.step
         if len(scheduled) != steps or len(calls) != steps:
@@ -171,7 +252,9 @@ class HunyuanPipelineOracle:
         batch = conditions.batch
         x = step.latents
         sigmas = step.sigma.expand(batch)
-        with torch.no_grad(), record_image_forwards(adapter.module) as calls:
+        autocast = getattr(step.forwards[0], "autocast", None)
+        arithmetic = autocast or adapter.module.dtype  # the dtype the loop's forward computed in
+        with torch.no_grad(), _autocast(x.device, autocast), record_image_forwards(adapter.module) as calls:
             velocity = denoiser.predict_velocity(adapter, x, sigmas, conditions, guidance)
         rows = [int(c.output.shape[0]) for c in calls]
         ran = holds(rows == [2 * batch], f"{label}: the denoiser ran one forward of both CFG branches "
@@ -200,12 +283,14 @@ class HunyuanPipelineOracle:
                                             bool(step.forwards[0].arguments.get("first_step")))
         verdict = verdict.require(not mismatched, f"{label}: every other model input equals the loop's, row by row",
                                   **{f"input_{k}": v for k, v in mismatched.items()})
-        regrouped = self._regrouped(adapter, mine, batch)
+        with _autocast(x.device, autocast):
+            regrouped = self._regrouped(adapter, mine, batch)
         terms = module_reduction_terms(adapter.module, sequence=int(mine.arguments["input_ids"].shape[1]))
         floor = oracle._rounding_floor(float(oracle.relative_error(regrouped, mine.output).max()), terms,
-                                       "the model's first-step forward on the adapter's inputs, each CFG branch alone")
+                                       "the model's first-step forward on the adapter's inputs, each CFG branch alone",
+                                       arithmetic)
         reference = step.model_output
-        own = oracle._combined(adapter, aligned.output, order, guidance, x, sigmas)
+        own = oracle._combined(adapter, aligned.output.float(), order, guidance, x, sigmas)  # the loop guides in fp32
         verdict = verdict.merge(oracle.judge_combine(
             f"{label} combine", own, reference,
             f"the family's {adapter.cfg_combine} combine and {adapter.velocity_transform} velocity of the loop's own "
@@ -213,12 +298,14 @@ class HunyuanPipelineOracle:
         verdict = verdict.merge(oracle._within(f"{label} branch outputs", mine.output, aligned.output, floor, 0.0,
                                                "each branch's prediction vs the loop's"))
         combined_floor = oracle._rounding_floor(
-            float(oracle.relative_error(oracle._combined(adapter, regrouped, order, guidance, x, sigmas),
-                                        oracle._combined(adapter, mine.output, order, guidance, x, sigmas)).max()),
-            terms + adapter.latent_shape[0], "the family's combine of those control outputs")
+            float(oracle.relative_error(oracle._combined(adapter, regrouped.float(), order, guidance, x, sigmas),
+                                        oracle._combined(adapter, mine.output.float(), order, guidance, x,
+                                                         sigmas)).max()),
+            terms + adapter.latent_shape[0], "the family's combine of those control outputs", arithmetic)
         verdict = verdict.merge(oracle._within(f"{label} velocity", velocity, reference, combined_floor, 0.0,
                                                "the denoiser's velocity vs what the loop handed its scheduler"))
-        return verdict.with_metrics(**{f"{label}_timestep_loop": scale, f"{label}_branch_floor": floor.measured,
+        return verdict.with_metrics(**{f"{label}_arithmetic": str(arithmetic).removeprefix("torch."),
+                                       f"{label}_timestep_loop": scale, f"{label}_branch_floor": floor.measured,
                                        f"{label}_branch_floor_ceiling": floor.ceiling,
                                        f"{label}_velocity_floor": combined_floor.measured})
 

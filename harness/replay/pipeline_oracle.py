@@ -339,9 +339,9 @@ def judge_combine(what: str, actual: torch.Tensor, expected: torch.Tensor, reaso
                                                                     "runs"), 0.0, reason)
 
 
-def _rounding_floor(measured: float, terms: int, source: str) -> StockFloor:
-    """A relative floor (magnitude 1) of RESOLUTION's ulps, its ceiling a reduction of ``terms`` terms."""
-    return StockFloor(measured, 1.0, RESOLUTION / FP32_EPS, source=source,
+def _rounding_floor(measured: float, terms: int, source: str, dtype: torch.dtype = torch.float32) -> StockFloor:
+    """A relative floor (magnitude 1) of RESOLUTION's ulps of ``dtype``, its ceiling a reduction of ``terms`` terms."""
+    return StockFloor(measured, 1.0, RESOLUTION / FP32_EPS, dtype=dtype, source=source,
                       ceiling_ulps=max(reduction_ceiling_ulps(terms), RESOLUTION / FP32_EPS),
                       ceiling_reason=f"K = {terms}: the transformer's Linear/Conv fan-ins and the tokens it attends "
                                      "over")

@@ -5,8 +5,9 @@ The JSON shape is a contract for CI tools::
     {"host": {...},                                   # where it ran: torch, CPU capability, MKL/oneDNN, threads
      "implementations": {path: "module:callable"},   # only in conformance mode (--impl)
      "remote_code": {"trusted": bool, "ran": [dir]},  # only when the run passed --trust-remote-code
-     "checks": [{"id", "path", "where", "status", "passed", "metrics", "policy", "margin", "violated",
-                 "error": {"type", "message", "ranks"} | "reason": str}],   # error: failed with no verdict
+     "checks": [{"id", "path", "where", "status", "passed", "metrics", "policy", "margin", "violated", "message",
+                 "error": {"type", "message", "ranks"} | "reason": str}],   # error: failed with no verdict;
+                                                     # message: what failed, in the verdict's words ("" on a pass)
      "ablations": [{"name", "path", "kill_mode", "status",
                     "kills": [{"check", "status", "killed", "mode", "declared", "margin", ...}]}],
      "summary": {"checks", "passed", "failed", "skipped", "ablations", "killed",
@@ -103,7 +104,7 @@ def _check_row(v: Verdict | Unfinished) -> dict[str, Any]:
                 "headline": None, "tolerance": None, **v.fields()}
     return {**row, "status": "passed" if v.passed else "failed", "passed": v.passed, "metrics": _plain(v.metrics),
             "policy": v.policy, "margin": _plain(v.margin), "headline": v.headline, "tolerance": _plain(v.tolerance),
-            "violated": v.violated_facts}
+            "violated": v.violated_facts, "message": "" if v.passed else v.message}
 
 
 def _kill_row(r: KillResult | Unfinished, declared: str) -> dict[str, Any]:

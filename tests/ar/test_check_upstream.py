@@ -142,6 +142,54 @@ def test_a_failed_checks_note_carries_its_reason_never_a_bare_name() -> None:
                                                  "(margin 3.5)")
 
 
+@pytest.mark.cpu
+def test_the_oracle_has_a_row_of_its_own_whose_failure_names_the_step_and_the_numbers() -> None:
+    """The pipeline oracle's gpu check reads as its own row beside replay's, with its kills; a failure by numbers
+    reads as the verdict's message does (what failed, at which step, measured against its bound)."""
+    message = ("step 0 combine (relative): max_abs 9.1e+00 exceeds 4 x control 4.768e-07 + floor 0.0 = 1.907e-06; "
+               "worst element at row 0, element (2, 1, 0)\nstep 1 combine (relative): ...")
+    data = {"checks": [
+        {"id": "replay.gpu.oracle.pipeline[gen1_dense-bf16]", "passed": False, "margin": 9.1e5,
+         "headline": "max_abs", "tolerance": 1.9e-6, "metrics": {"max_abs": 9.1}, "violated": [], "message": message},
+        {"id": "replay.gpu.cfg2.log_probs[gen1_dense-bf16]", "passed": True, "margin": 0.1, "headline": "max_abs",
+         "metrics": {"max_abs": 1e-6}}],
+        "ablations": [{"name": "replay.timestep_units_wrong", "kills": [
+            {"check": "replay.gpu.oracle.pipeline[gen1_dense-fp32]", "killed": True, "margin": 5.2e5,
+             "mode": "tolerance"}]}]}
+    assert check_upstream.table_path("replay.gpu.oracle.pipeline[gen1_dense-bf16]") == "oracle"
+    oracle = check_upstream.summarize(data, "oracle")
+    assert set(oracle) == {("gen1_dense", "bf16"), ("gen1_dense", "fp32")}
+    row = oracle[("gen1_dense", "bf16")]
+    assert not row["passed"] and row["why"] == ("oracle.pipeline: step 0 combine (relative): max_abs 9.1e+00 exceeds 4 "
+                                                "x control 4.768e-07 + floor 0.0 = 1.907e-06; worst element at row 0, "
+                                                "element (2, 1, 0) (margin 9.1e+05)")
+    assert oracle[("gen1_dense", "fp32")]["kills"] == [("replay.timestep_units_wrong", True, 5.2e5, "tolerance")]
+    assert set(check_upstream.summarize(data, "replay")) == {("gen1_dense", "bf16")}  # replay's row stays replay's
+    shown = check_upstream.parser().format_help()  # what --help prints
+    assert "pipeline oracle" in shown and "gen<G>_<kind>:oracle" in shown, shown
+
+
+@pytest.mark.cpu
+def test_a_row_whose_contract_rows_fail_reads_fail_whatever_its_checks_did() -> None:
+    """A bug only the contract rows see (the prediction read at row 0's image positions: batched and serial replay
+    and the oracle agree with each other on such code) turns the row's check column FAIL, naming the contract row;
+    the row's own failure follows it."""
+    passing = {"passed": True, "headline": "log_probs", "margin": 0.1,
+               "kills": [("replay.nesting_swapped", True, 40.0, "tolerance")]}
+    line, note, green = check_upstream.table_line("gen2_dense:replay", "fp32", passing, (11, 11))
+    assert green and " PASS " in line and " 11/11 " in line and note == ""
+    line, note, green = check_upstream.table_line("gen2_dense:replay", "fp32", passing, (10, 11),
+                                                  ["contract row 7 (rows independent) failed"])
+    assert not green and " FAIL " in line and " 10/11 " in line and " PASS " not in line
+    assert note == "contract row 7 (rows independent) failed" and note in line
+    failing = {**passing, "passed": False, "why": "cfg2.log_probs: max_abs = 1 > bound 0.1 (margin 10)"}
+    _, note, _ = check_upstream.table_line("gen2_dense:replay", "fp32", failing, (10, 11),
+                                           ["contract row 7 (rows independent) failed"])
+    assert note == "contract row 7 (rows independent) failed; cfg2.log_probs: max_abs = 1 > bound 0.1 (margin 10)"
+    line, _, green = check_upstream.table_line("gen2_dense:oracle", "bf16", {"kills": []}, None)
+    assert not green and line.split()[2:4] == ["-", "-"]  # nothing judged: no contract cell, no verdict
+
+
 @pytest.mark.launch
 def test_the_cpu_patches_apply_from_outside() -> None:
     """In a fresh interpreter (seconds: ``launch``): the stand-in imports in place of a torchvision that does not,

@@ -198,11 +198,13 @@ def test_the_real_code_meets_the_contract_and_replays(package, generation, real_
         record = pipeline_oracle.run_pipeline(family, adapter, prompts, latents, 4.5)
         return pipeline_oracle.judge_family(family, adapter, record)
 
-    assert oracle().passed
+    verdict = oracle()
+    assert verdict.passed, verdict.describe()  # what failed, at which step, the numbers against their bound
     catalogue.load()
     for name in ORACLE_ABLATIONS:
         with ablation.get(name).apply():
-            assert not oracle().passed, f"{name} survived the pipeline oracle on the real code"
+            killed = oracle()
+        assert not killed.passed, f"{name} survived the pipeline oracle on the real code:\n{killed.describe()}"
     recorded = capture_model(model)
     assert [check_formula(item) for item in recorded] == [None] * len(recorded)
     assert {item.phase for item in recorded} == {"prefill", "denoise"}

@@ -4,6 +4,7 @@ what it refuses, and its helpers on hand-built inputs."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -242,16 +243,84 @@ def test_a_loop_whose_scheduler_steps_outnumber_its_model_calls_is_refused(setup
         ORACLE.run_pipeline(FAMILY, setup.adapter, setup.prompts, setup.latents, GUIDANCE)
 
 
-def test_latents_in_another_dtype_than_the_model_are_refused_naming_both(setup):
-    with pytest.raises(OracleError, match=r"judges fp32 loops; .* hold \['torch.float32', 'torch.float64'\]"):
+def test_latents_other_than_fp32_are_refused_naming_both(setup):
+    with pytest.raises(OracleError, match=r"from fp32 latents; the model holds \['torch.float32'\], the latents "
+                                          r"torch.float64"):
         ORACLE.run_pipeline(FAMILY, setup.adapter, setup.prompts, setup.latents.double(), GUIDANCE)
 
 
-def test_a_model_with_parameters_in_another_dtype_is_refused(setup):
+def test_a_model_with_parameters_in_two_dtypes_is_refused(setup):
     module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).to(torch.bfloat16))
     adapter = type("Adapter", (), {"module": module})()
-    with pytest.raises(OracleError, match=r"hold \['torch.bfloat16', 'torch.float32'\]"):
+    with pytest.raises(OracleError, match=r"holds \['torch.bfloat16', 'torch.float32'\]"):
         ORACLE.run_pipeline(FAMILY, adapter, setup.prompts, setup.latents, GUIDANCE)
+
+
+# ------------------------------------------------------------------------------ low precision and autocast
+
+
+def test_a_bf16_model_is_judged_in_the_autocast_its_loop_needs(setup):
+    """Off CUDA the loop's fp32 latents meet bf16 weights only under the device's autocast (upstream's own names
+    CUDA): the model call runs under it and the record says so; the adapter's forward and the control run under the
+    same (without it they cannot even meet the weights), floors in bf16 ulps; a timestep in the wrong units still
+    fails by orders of magnitude."""
+    model = copy.deepcopy(setup.model).to(torch.bfloat16)
+    adapter = FAMILY.adapter(model)
+    record = ORACLE.run_pipeline(FAMILY, adapter, setup.prompts, setup.latents, GUIDANCE)
+    assert [step.forwards[0].autocast for step in record.steps] == [torch.bfloat16] * 2
+    verdict = ORACLE.judge_family(FAMILY, adapter, record)
+    assert verdict.passed, verdict.describe()
+    assert verdict.metrics["step 0_arithmetic"] == "bfloat16" and verdict.metrics["floor_minimum"] == 4 * 2.0 ** -7
+    original = denoiser.model_timestep
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(denoiser, "model_timestep", lambda adapter, sigma: original(adapter, sigma) / 1000.0)
+        wrong = ORACLE.judge_family(FAMILY, adapter, record)
+    assert not wrong.passed and wrong.margin > 1e4 and "step 0 timestep" in wrong.message
+    unreplayed = tuple(dataclasses.replace(step, forwards=tuple(dataclasses.replace(f, autocast=None)
+                                                                for f in step.forwards)) for step in record.steps)
+    with pytest.raises(RuntimeError, match="should be the same"):
+        ORACLE.judge_family(FAMILY, adapter, dataclasses.replace(record, steps=unreplayed))
+
+
+# ------------------------------------------------------------------------------ bugs in the model's own loop
+
+
+def _plant_loop_bug(bug: str, model, monkeypatch) -> None:
+    """One bug in the fake upstream's own sampling loop (never in the adapter): its CFG halves swapped, guidance
+    applied from the cond branch, or the loop handing its model t / 1000."""
+    from fakes import hunyuan_image_pipeline as loop
+
+    guide = loop.ClassifierFreeGuidance.__call__
+    if bug == "cfg_halves_swapped":
+        monkeypatch.setattr(loop.ClassifierFreeGuidance, "__call__",
+                            lambda self, cond, uncond, scale, step: guide(self, uncond, cond, scale, step))
+    elif bug == "guidance_from_cond":
+        monkeypatch.setattr(loop.ClassifierFreeGuidance, "__call__",
+                            lambda self, cond, uncond, scale, step: cond + scale * (cond - uncond))
+    else:
+        prepare = model.prepare_inputs_for_generation
+
+        def thousandth(*args, **kwargs):
+            kwargs["timesteps"] = kwargs["timesteps"] / 1000.0
+            return prepare(*args, **kwargs)
+
+        monkeypatch.setattr(model, "prepare_inputs_for_generation", thousandth)
+
+
+@pytest.mark.parametrize(("bug", "failing"), [("cfg_halves_swapped", "step 0 combine (relative)"),
+                                              ("guidance_from_cond", "step 0 combine (relative)"),
+                                              ("timestep_over_1000", "step 0 timestep")])
+def test_a_bug_in_the_models_own_loop_fails_the_oracle_naming_the_step_and_the_numbers(setup, monkeypatch, bug,
+                                                                                          failing):
+    """What the pipeline oracle is for beside parity: the replay family and its batched path agree with each other
+    whatever the loop does, so a loop that guides the wrong way or feeds its model other timesteps is caught only
+    here, and the failure reads like any verdict: what failed, at which step, the numbers and their bound."""
+    _plant_loop_bug(bug, setup.model, monkeypatch)
+    verdict = ORACLE.judge_family(FAMILY, setup.adapter, ORACLE.run_pipeline(FAMILY, setup.adapter, setup.prompts,
+                                                                            setup.latents, GUIDANCE))
+    assert not verdict.passed and verdict.margin > 1e3, verdict.describe()
+    first = verdict.message.splitlines()[0]
+    assert first.startswith(failing) and (" exceeds " in first or " allowed)" in first), verdict.message
 
 
 # ------------------------------------------------------------------------------ judging a step

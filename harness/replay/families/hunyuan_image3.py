@@ -15,7 +15,8 @@ are the same in both branches, so they are one B-row field the harness uses once
 generation 1 takes ``custom_pos_emb`` tables the caller builds (a ``[N, 2, L, D]`` row field, cos and sin
 stacked), generation 2 builds them inside from ``rope_image_info`` (a list payload, one ``[(slice, (h, w)), ...]``
 per row). ``position_ids = arange(L)`` is every row's, a shared field. The pipeline's timestep is ``1000 sigma``
-and its scheduler steps on the combined prediction as it is (``uncond + g (cond - uncond)``).
+and its scheduler steps on the combined prediction as it is (``uncond + g (cond - uncond)``), in fp32: the loop casts
+the prediction to fp32 before guiding, and so does the adapter's forward.
 
 The generation is told from what the loaded model's ``forward`` takes (``custom_pos_emb``: 1; ``rope_image_info``:
 2); a model with no ``gen_image`` forward, or without an input this family hands it, is refused naming it
@@ -275,7 +276,8 @@ class HunyuanImage3Adapter(ModelAdapter):
         self.require_patches(hidden, tuple(hidden.shape[-2:]), self.patch_size)
         self.require_image_span(hidden, conditions.rows["image_mask"])
         self.as_generate_sets(conditions.rows["image_mask"])
-        return self.module(**self.forward_kwargs(hidden, timestep, conditions))["diffusion_prediction"]
+        prediction = self.module(**self.forward_kwargs(hidden, timestep, conditions))["diffusion_prediction"]
+        return prediction.float()  # upstream's loop guides and steps on the prediction in fp32
 
     def forward_kwargs(self, hidden: torch.Tensor, timestep: torch.Tensor, conditions: Conditions) -> dict[str, Any]:
         """The first-step ``forward(mode="gen_image")`` arguments of this generation for the rows of
