@@ -1,4 +1,6 @@
-"""GPU tier of attention: the structured-mask kernels on real captures, fp32 and bf16, at block 128 and 64.
+"""GPU tier of attention: the structured-mask kernels on real captures, fp32 and bf16, at block 128 and 64, on every
+capture file of the phase and every row of each, each row at its own layout (harness.attention.rows: the one recorded
+beside it, else its mask's); a failing one is named by file and row.
 
 fp32: each kernel within 4 x masked SDPA's own fp32-vs-fp64 error on the same capture (the CPU
 tier's policy). Low precision: per query row, within k x the worst relative error that stock masked
@@ -12,18 +14,13 @@ import functools
 
 import torch
 
-from harness.attention.capture import Capture, load_capture, phase_capture_path
+from harness.attention.capture import Capture, load_capture, phase_captures
 from harness.attention.judge import compare_kernel
-from harness.attention.policies import (
-    RowScaledFloor,
-    floor_control,
-    floor_policy,
-    in_dtype,
-    low_precision_policy,
-    reference_output,
-)
+from harness.attention.layout import AttentionLayout
+from harness.attention.policies import floor_control, floor_policy, in_dtype, low_precision_policy, reference_output
+from harness.attention.rows import capture_rows
 from harness.judging.checks import CheckContext
-from harness.judging.compare import Verdict
+from harness.judging.compare import Verdict, holds
 
 __all__ = ["KERNELS", "PHASES", "POLICY", "kernel_check"]
 
@@ -35,20 +32,14 @@ POLICY = ("fp32: noise_floor(max|d| <= k x the reference's fp32-vs-fp64 error on
 
 
 @functools.cache
-def _capture(directory: str, phase: str, device: str) -> Capture:
-    return load_capture(phase_capture_path(directory, phase)).to(device)
-
-
-@functools.cache
-def _reference(directory: str, phase: str, device: str, dtype: torch.dtype) -> torch.Tensor:
-    return reference_output(_capture(directory, phase, device), dtype)
-
-
-@functools.cache
-def _low_precision(directory: str, phase: str, device: str, dtype: torch.dtype) -> RowScaledFloor:
-    """The row-scaled policy of one capture and dtype, measured once (stock masked SDPA in ``dtype`` vs fp64)."""
-    truth = _reference(directory, phase, device, torch.float64)
-    return low_precision_policy(_capture(directory, phase, device), dtype, truth)
+def _rows(directory: str, phase: str, device: str) -> tuple[tuple[Capture, AttentionLayout | None, str], ...]:
+    """Every row of every ``phase`` capture: (the row on ``device``, its layout, why no layout fits it or "")."""
+    found = []
+    for path in phase_captures(directory, phase):
+        for row in capture_rows(load_capture(path)):
+            problem = row.problem or (f"its mask admits {row.past_keys} pairs past its keys" if row.past_keys else "")
+            found.append((row.capture.to(device), None if problem else row.layout, problem))
+    return tuple(found)
 
 
 def _kernel_and_block(name: str) -> tuple[str, int]:
@@ -56,16 +47,38 @@ def _kernel_and_block(name: str) -> tuple[str, int]:
     return kernel, int(block) if block else 128
 
 
+@functools.cache
+def _reference(directory: str, phase: str, device: str, index: int, dtype: torch.dtype) -> torch.Tensor:
+    """Masked SDPA of one row in ``dtype`` (fp32: the fp32 reference; fp64: the truth), computed once per row."""
+    return reference_output(_rows(directory, phase, device)[index][0], dtype)
+
+
+@functools.cache
+def _low_precision(directory: str, phase: str, device: str, index: int, dtype: torch.dtype):
+    """The row-scaled policy of one row and dtype, measured once (stock masked SDPA in ``dtype`` vs fp64)."""
+    capture = _rows(directory, phase, device)[index][0]
+    return low_precision_policy(capture, dtype, _reference(directory, phase, device, index, torch.float64))
+
+
+def _row_check(kernel: str, block: int, where: tuple[str, str, str, int], dtype: torch.dtype) -> Verdict:
+    capture, layout, problem = _rows(*where[:3])[where[3]]
+    if layout is None:
+        return holds(False, f"{capture.name}: a structured layout fits it (see its capture's contract)",
+                     layout_problem=problem)
+    if dtype == torch.float32:
+        reference = _reference(*where, torch.float32)
+        control = floor_control(capture, reference)
+        return compare_kernel(kernel, capture, floor_policy(control), block=block, layout=layout, expected=reference,
+                              floor=control)
+    return compare_kernel(kernel, in_dtype(capture, dtype), _low_precision(*where, dtype), block=block, layout=layout,
+                          expected=_reference(*where, torch.float64))
+
+
 def kernel_check(kernel: str, phase: str, ctx: CheckContext) -> Verdict:
-    """``kernel`` against masked SDPA on the capture directory's ``phase`` capture, in ctx.dtype."""
+    """``kernel`` against masked SDPA on every row of the capture directory's ``phase`` captures, in ctx.dtype."""
     directory, device = str(ctx.checkpoint), str(ctx.device)
     kernel, block = _kernel_and_block(kernel)
-    capture = _capture(directory, phase, device)
-    if ctx.dtype == torch.float32:
-        reference = _reference(directory, phase, device, torch.float32)
-        control = floor_control(capture, reference)
-        return compare_kernel(kernel, capture, floor_policy(control), block=block, expected=reference,
-                              floor=control)
-    truth = _reference(directory, phase, device, torch.float64)
-    policy = _low_precision(directory, phase, device, ctx.dtype)
-    return compare_kernel(kernel, in_dtype(capture, ctx.dtype), policy, block=block, expected=truth)
+    count = len(_rows(directory, phase, device))
+    verdict = functools.reduce(Verdict.merge, (_row_check(kernel, block, (directory, phase, device, i), ctx.dtype)
+                                               for i in range(count)))
+    return verdict.with_metrics(captures_judged=count)

@@ -2,10 +2,12 @@
 
 Contract checks judge the harness's mask builder on the seed layouts against the seed's formula
 and numbers. Capture checks read capture files (``ctx.capture_dir``, the plugin's --capture-dir;
-without it the synthetic seed captures written to a temp dir in the seed's npz format). Kernel
-checks run each kernel on the seed's exact Q/KV lengths against masked SDPA on the capture's mask
-(1 head on CPU, all 8 on CUDA; see fixtures.attention_captures), under a noise-floor policy measured
-on that capture. The block-tiled kernels (flex, block_padded) run at the seed's 128 and again at 64
+without it the synthetic seed captures written to a temp dir in the seed's npz format): every file of
+the phase and every row of each (harness.attention.rows: a row at the layout recorded beside it, else
+read from its mask), a failing one named by file and row. Kernel checks run each kernel on the seed's
+exact Q/KV lengths (with --capture-dir: on every row of every file of the phase) against masked SDPA on
+the capture's mask (1 head on CPU, all 8 on CUDA; see fixtures.attention_captures), under a noise-floor
+policy measured on that capture. The block-tiled kernels (flex, block_padded) run at the seed's 128 and again at 64
 (``attention.{phase}.{kernel}.block64.vs_sdpa``): numbers and launch proofs at each block size. A kernel
 check runs only on a capture whose mask its detected layout reproduces (else it fails, pointing at the
 capture's contract check, instead of judging against a misread layout).
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 from fixtures import attention_captures as seeds
 from harness.attention import capture as capture_io
-from harness.attention import contract, judge, kernels, masks
+from harness.attention import contract, judge, kernels, masks, rows
 from harness.attention.layout import PHASES
 from harness.judging import floors, space
 from harness.judging.checkid import CheckId
@@ -82,8 +84,15 @@ def _device(ctx: CheckContext) -> str:
     return str(ctx.device)
 
 
-def _inputs(ctx: CheckContext, phase: str) -> seeds.PhaseInputs:
-    return seeds.phase_inputs(ctx.capture_dir, phase, _device(ctx))
+def _inputs(ctx: CheckContext, phase: str) -> tuple[seeds.PhaseInputs, ...]:
+    """Every capture row of ``phase`` the checks judge (the synthetic seed capture without --capture-dir)."""
+    return seeds.capture_inputs(ctx.capture_dir, phase, _device(ctx))
+
+
+def _each(inputs: tuple[seeds.PhaseInputs, ...], judge_one) -> Verdict:
+    """One verdict over every capture row: each judged, all must pass, the worst leads."""
+    verdict = functools.reduce(Verdict.merge, (judge_one(one) for one in inputs))
+    return verdict if len(inputs) == 1 else verdict.with_metrics(captures_judged=len(inputs))
 
 
 # ------------------------------------------------------------------------------------- contract
@@ -144,30 +153,29 @@ for _phase in PHASES:
 
 
 def _capture_contract(phase: str, ctx: CheckContext) -> Verdict:
-    """A capture file follows the contract and the mask builder reproduces it.
+    """Every capture file of ``phase`` follows the contract, row by row, and the mask builder reproduces each row.
 
-    Without --capture-dir the synthetic seed capture goes through the seed's file format and must
-    come back bit for bit, with the seed's layout detected.
+    A row is judged at the spans recorded beside it when the file holds them (harness.attention.rows), else at the
+    spans its mask shows. Without --capture-dir the synthetic seed capture goes through the seed's file format and
+    must come back bit for bit, with the seed's layout detected.
     """
     directory = ctx.capture_dir or str(seeds.seed_capture_dir())
-    path = capture_io.phase_capture_path(directory, phase)
-    loaded = capture_io.load_capture(path)
-    report = contract.verify_mask(loaded.mask)
-    try:
-        # the earlier image spans too (a capture of an image-conditioned prompt holds several)
-        layout = contract.layout_for(report.q_len, report.kv_len, report.detected_span, report.detected_images)
-    except ValueError as err:  # the mask left the structured family: a failed check, not a crash
-        return holds(False, f"{path.name} follows the structured layout", error=str(err))
-    verdict = judge.formula_verdict(report).merge(judge.builder_verdict(loaded.mask, layout))
-    histogram = str(report.histogram) if len(report.histogram) <= 8 else f"{len(report.histogram)} distinct counts"
-    verdict = verdict.with_metrics(file=path.name, layout=layout.describe(), histogram=histogram,
-                                   q_len=report.q_len, kv_len=report.kv_len)
+    paths = capture_io.phase_captures(directory, phase)
+    captured = [rows.capture_rows(capture_io.load_capture(path)) for path in paths]
+    verdict = functools.reduce(Verdict.merge, (rows.row_contract(row) for found in captured for row in found))
+    first = captured[0][0]
+    histogram = contract.visibility_histogram(first.capture.mask)
+    verdict = verdict.with_metrics(files=len(paths), rows=sum(map(len, captured)), file=paths[0].name,
+                                   layout=first.layout.describe() if first.layout else "none",
+                                   histogram=str(histogram) if len(histogram) <= 8 else
+                                   f"{len(histogram)} distinct counts", q_len=first.capture.q_len,
+                                   kv_len=first.capture.kv_len)
     if ctx.capture_dir is None:
-        written = seeds.seed_capture(phase)
+        written, loaded = seeds.seed_capture(phase), capture_io.load_capture(paths[0])
         same = all(getattr(written, name).equal(getattr(loaded, name)) for name in capture_io.CAPTURE_ARRAYS)
         verdict = verdict.require(same, "the npz round trip returns query/key/value/mask bit for bit")
-        verdict = verdict.require(layout == seeds.SEED_LAYOUTS[phase], "the seed layout is detected in the file",
-                                  detected=layout.describe())
+        verdict = verdict.require(first.layout == seeds.SEED_LAYOUTS[phase], "the seed layout is detected in the file",
+                                  detected=first.layout.describe() if first.layout else "none")
     return verdict
 
 
@@ -183,7 +191,7 @@ for _phase in PHASES:
 def _compare(kernel: str, inputs: seeds.PhaseInputs, block: int = kernels.BLOCK) -> Verdict:
     """The kernel policy: max|d| and relative L2 each within 4 x the reference's own fp32-vs-fp64 error."""
     if inputs.misread is not None:
-        return holds(False, "the capture's mask is its detected layout's (see attention.capture.*.contract)",
+        return holds(False, f"{inputs.capture.name}: its mask is its layout's (see attention.capture.*.contract)",
                      misread=inputs.misread, capture=inputs.capture.name)
     return judge.compare_kernel(kernel, inputs.capture, judge.floor_policy(inputs.control), block=block,
                                  layout=inputs.layout, expected=inputs.expected,
@@ -191,13 +199,11 @@ def _compare(kernel: str, inputs: seeds.PhaseInputs, block: int = kernels.BLOCK)
 
 
 def _kernel_vs_sdpa(phase: str, kernel: str, ctx: CheckContext) -> Verdict:
-    inputs = _inputs(ctx, phase)
-    return _compare(kernel, inputs)
+    return _each(_inputs(ctx, phase), functools.partial(_compare, kernel))
 
 
 def _kernel_at_block(phase: str, kernel: str, block: int, ctx: CheckContext) -> Verdict:
-    inputs = _inputs(ctx, phase)
-    return _compare(kernel, inputs, block)
+    return _each(_inputs(ctx, phase), lambda inputs: _compare(kernel, inputs, block))
 
 
 def _gqa_vs_sdpa(kernel: str, ctx: CheckContext) -> Verdict:
@@ -263,9 +269,9 @@ def mask_free_detected(ctx: CheckContext) -> Verdict:
     """Masked SDPA on the layout reproduces the capture while is_causal only misses it by far, both phases."""
     verdicts = []
     for phase in PHASES:
-        inputs = _inputs(ctx, phase)
-        verdicts.append(_compare("sdpa", inputs))
-        verdicts.append(_detection(phase, _compare("mask_free", inputs)))
+        for inputs in _inputs(ctx, phase):
+            verdicts.append(_compare("sdpa", inputs))
+            verdicts.append(_detection(phase, _compare("mask_free", inputs)))
     return functools.reduce(Verdict.merge, verdicts)
 
 

@@ -6,6 +6,12 @@ bf16 activations converted to float32, so the synthetic generator rounds through
 Its mask comes from the contract's formula (the model's ground truth), never from the builder under
 test.
 
+A recorder that knows how the model laid each row out stores it beside the arrays (``LAYOUT_ARRAYS``, both or
+neither): ``positions`` (B, Q) integers, the absolute position of each query row, and ``spans`` (B, N, 2) integers,
+each row's image spans ``[a, b)`` in order, the generated image's last. A row's keys are then ``[0, last position
++ 1)``; the checks judge its mask against these spans (harness.attention.rows), never against spans read back from
+the mask itself, which a mask that lost a span would agree with.
+
 Capture files are untrusted data: they are read with ``allow_pickle=False`` only, and anything that is
 not an npz archive of the four plain arrays (garbage, a truncated or corrupted archive, object arrays)
 is a ValueError naming the file, never advice to load it another way. ``validate_directory`` checks every
@@ -32,15 +38,19 @@ __all__ = [
     "CAPTURE_ARRAYS",
     "CAPTURE_GLOB",
     "CAPTURE_KIND",
+    "LAYOUT_ARRAYS",
     "SEED_CALLS",
     "Capture",
     "capture_name",
+    "check_layout_shapes",
+    "check_layout_values",
     "check_shapes",
     "find_captures",
     "load_capture",
     "not_a_file",
     "peek_shapes",
     "phase_capture_path",
+    "phase_captures",
     "save_capture",
     "synthetic_capture",
     "validate_directory",
@@ -48,6 +58,7 @@ __all__ = [
 ]
 
 CAPTURE_ARRAYS = ("query", "key", "value", "mask")
+LAYOUT_ARRAYS = ("positions", "spans")  # optional, together: each row's layout as the model laid it out
 SEED_CALLS = {"prefill": 0, "denoise": 32}  # call0 is the prefill pass, call32 a denoise pass
 _NAME = re.compile(r"^call(\d+)_rank(\d+)\.npz$")
 # A directory of capture files feeds the attention path (matched on file names, not a model config). The
@@ -57,7 +68,8 @@ CAPTURE_KIND = next(kind for kind in SHIPPED_KINDS if kind.feeds == "attention")
 
 @dataclass(frozen=True, eq=False)
 class Capture:
-    """q/k/v in the capture's (B, S, H, D) layout plus the (B, 1, Q, KV) mask."""
+    """q/k/v in the capture's (B, S, H, D) layout plus the (B, 1, Q, KV) mask; with the layout the model recorded,
+    each row's query ``positions`` (B, Q) and image ``spans`` (B, N, 2) (module docstring)."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -65,6 +77,8 @@ class Capture:
     mask: torch.Tensor
     scale: float = SEED_SCALE
     name: str = "synthetic"
+    positions: torch.Tensor | None = None
+    spans: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         for field_name in ("query", "key", "value"):
@@ -90,6 +104,21 @@ class Capture:
         if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != expected:
             raise ValueError(f"capture {self.name}: mask must be bool of shape (B, 1, Q, KV) = {expected}, got "
                              f"{getattr(m, 'dtype', type(m).__name__)} {tuple(getattr(m, 'shape', ()))}")
+        if (self.positions is None) != (self.spans is None):
+            raise ValueError(f"capture {self.name}: a recorded layout holds both {list(LAYOUT_ARRAYS)}, or neither")
+        if self.positions is not None:
+            for name, t in (("positions", self.positions), ("spans", self.spans)):
+                if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                    raise TypeError(f"capture {self.name}: {name} must be an integer tensor, got "
+                                    f"{getattr(t, 'dtype', type(t).__name__)}")
+            check_layout_shapes(self.name, tuple(q.shape), tuple(k.shape), tuple(self.positions.shape),
+                                tuple(self.spans.shape))
+            check_layout_values(self.name, self.positions, self.spans, k.shape[1])
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the recorder stored each row's layout beside the arrays."""
+        return self.positions is not None
 
     @property
     def q_len(self) -> int:
@@ -134,10 +163,14 @@ def capture_name(call: int, rank: int = 0) -> str:
 
 
 def save_capture(capture: Capture, path: str | Path) -> Path:
-    """Write the seed's npz format (uncompressed, float32 q/k/v, bool mask)."""
+    """Write the seed's npz format (uncompressed, float32 q/k/v, bool mask; int64 positions and spans when the
+    capture holds its recorded layout)."""
     path = Path(path)
     arrays = {name: getattr(capture, name).detach().cpu().contiguous() for name in CAPTURE_ARRAYS}
     arrays = {name: (t.float() if name != "mask" else t).numpy() for name, t in arrays.items()}
+    if capture.recorded:
+        arrays.update({name: getattr(capture, name).detach().cpu().to(torch.int64).contiguous().numpy()
+                       for name in LAYOUT_ARRAYS})
     with path.open("wb") as fh:
         np.savez(fh, **arrays)
     return path
@@ -187,7 +220,7 @@ def load_capture(path: str | Path, scale: float = SEED_SCALE) -> Capture:
             if missing:
                 raise ValueError(f"capture {path.name}: missing arrays {missing}; the format holds "
                                  f"{list(CAPTURE_ARRAYS)}")
-            arrays = {name: z[name] for name in CAPTURE_ARRAYS}
+            arrays = {name: z[name] for name in (*CAPTURE_ARRAYS, *LAYOUT_ARRAYS) if name in z.files}
     except _Unreadable:
         raise
     except ValueError as err:
@@ -201,7 +234,11 @@ def load_capture(path: str | Path, scale: float = SEED_SCALE) -> Capture:
             raise TypeError(f"capture {path.name}: {name} must be float32, got {arrays[name].dtype}")
     if arrays["mask"].dtype != np.bool_:
         raise TypeError(f"capture {path.name}: mask must be bool (True = may attend), got {arrays['mask'].dtype}")
+    for name in LAYOUT_ARRAYS:
+        if name in arrays and not np.issubdtype(arrays[name].dtype, np.integer):
+            raise TypeError(f"capture {path.name}: {name} must be integers, got {arrays[name].dtype}")
     tensors = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+    tensors.update({name: tensors[name].to(torch.int64) for name in LAYOUT_ARRAYS if name in tensors})
     return Capture(**tensors, scale=scale, name=path.name)
 
 
@@ -257,6 +294,16 @@ def validate_file(path: str | Path) -> None:
             raise ValueError(f"capture {path}: mask must be bool (True = may attend), got {headers['mask'][1]}")
         shapes = {name: headers[name][0] for name in CAPTURE_ARRAYS}
         check_shapes(str(path), shapes)
+        layout = [name for name in LAYOUT_ARRAYS if name in headers]
+        if layout:
+            if len(layout) != len(LAYOUT_ARRAYS):
+                raise ValueError(f"capture {path}: a recorded layout holds both {list(LAYOUT_ARRAYS)}, or neither; "
+                                 f"it holds {layout} only")
+            for name in LAYOUT_ARRAYS:
+                if not np.issubdtype(headers[name][1], np.integer):
+                    raise ValueError(f"capture {path}: {name} must be integers, got {headers[name][1]}")
+            check_layout_shapes(str(path), shapes["query"], shapes["key"], headers["positions"][0],
+                                headers["spans"][0])
         for info in archive.infolist():
             _check_data(path, archive, info)
     check_values(path)
@@ -279,6 +326,34 @@ def check_values(path: Path) -> None:
             batch, _, row = (int(i) for i in np.argwhere(~admits)[0])
             raise ValueError(f"capture {path}: mask row {row} of batch {batch} admits no key (all False); every "
                              "query must see at least one key")
+        if "positions" in z.files:
+            check_layout_values(str(path), torch.from_numpy(z["positions"].astype(np.int64)),
+                                torch.from_numpy(z["spans"].astype(np.int64)), int(z["key"].shape[1]))
+
+
+def check_layout_shapes(name: str, query: tuple[int, ...], key: tuple[int, ...], positions: tuple[int, ...],
+                        spans: tuple[int, ...]) -> None:
+    """A recorded layout's shapes: ``positions`` (B, Q), ``spans`` (B, N, 2) with at least one span per row."""
+    if tuple(positions) != (query[0], query[1]):
+        raise ValueError(f"capture {name}: positions must be (B, Q) = {(query[0], query[1])}, got {tuple(positions)}")
+    if len(spans) != 3 or spans[0] != query[0] or spans[1] < 1 or spans[2] != 2:
+        raise ValueError(f"capture {name}: spans must be (B, N, 2) with B = {query[0]} and N >= 1 (each row's image "
+                         f"spans, the generated image's last), got {tuple(spans)}")
+
+
+def check_layout_values(name: str, positions: torch.Tensor, spans: torch.Tensor, keys: int) -> None:
+    """A recorded layout's values: every position a key of the capture, every span ``0 <= a < b <= KV``."""
+    bad = (positions < 0) | (positions >= keys)
+    if bool(bad.any()):
+        row, query = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"capture {name}: positions[{row}, {query}] = {int(positions[row, query])} is no key "
+                         f"position of its {keys} keys")
+    a, b = spans[..., 0], spans[..., 1]
+    bad = (a < 0) | (b <= a) | (b > keys)
+    if bool(bad.any()):
+        row, span = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"capture {name}: spans[{row}, {span}] = [{int(a[row, span])}, {int(b[row, span])}) is no "
+                         f"span of its {keys} keys (0 <= a < b <= KV)")
 
 
 def _check_data(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> None:
@@ -317,13 +392,29 @@ def check_shapes(name: str, shapes: dict[str, tuple[int, ...]]) -> None:
 
 
 def validate_directory(directory: str | Path) -> None:
-    """Every capture file of ``directory`` checked from its headers and byte for byte (a file no check loads is
-    still a malformed input), and one capture per phase present: a ValueError naming the first bad file, before
-    anything runs on them."""
+    """Every capture file of ``directory`` checked from its headers and byte for byte, and one capture per phase
+    present: a ValueError naming the first bad file, before anything runs on them (the checks judge every file)."""
     for path in find_captures(directory):
         validate_file(path)
     for phase in SEED_CALLS:
         phase_capture_path(directory, phase)
+
+
+def phase_captures(directory: str | Path, phase: str) -> list[Path]:
+    """Every capture file of ``phase`` in ``directory`` (Q == KV: prefill), ordered by (call, rank): the checks of a
+    phase judge each one. A ValueError when there is none."""
+    found = [path for path in find_captures(directory) if _phase_of(path) == phase]
+    if not found:
+        raise ValueError(f"capture directory {directory} holds no {phase} capture (mask with Q "
+                         f"{'==' if phase == 'prefill' else '<'} KV)")
+    return found
+
+
+def _phase_of(path: Path) -> str | None:
+    shape = peek_shapes(path).get("mask")
+    if shape is None or len(shape) != 4:
+        return None
+    return "prefill" if shape[2] == shape[3] else "denoise"
 
 
 def peek_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
@@ -349,12 +440,7 @@ def phase_capture_path(directory: str | Path, phase: str, rank: int = 0) -> Path
     seed = Path(directory) / capture_name(SEED_CALLS[phase], rank)
     if seed.is_file():
         return seed
-    for path in find_captures(directory):
-        shape = peek_shapes(path).get("mask")
-        if shape is not None and len(shape) == 4 and (shape[2] == shape[3]) == (phase == "prefill"):
-            return path
-    raise ValueError(f"capture directory {directory} holds no {phase} capture (mask with Q "
-                     f"{'==' if phase == 'prefill' else '<'} KV)")
+    return phase_captures(directory, phase)[0]
 
 
 def synthetic_capture(layout: AttentionLayout, *, heads: int = SEED_HEADS, kv_heads: int | None = None,

@@ -4,15 +4,19 @@ The attention path judges its kernels on captures of the model's SDPA calls (``-
 from a loaded checkpoint, both generations, the way upstream's sampling loop calls the model: one first step
 (``first_step=True``: the whole sequence, text and images: the prefill capture) and one later step (the timestep and
 image tokens over the first step's KV cache: the denoise capture), with the mask upstream's own mask builder makes
-and upstream's own kwargs update between them. At every SDPA call of the chosen layers it records the query, key,
-value and mask in the capture format (``harness.attention.capture``): ``(B, S, H, D)`` float32, key and value at
-their key/value heads (the GQA repeat undone after checking it is one), the mask ``(B, 1, Q, KV)`` bool. A later
-step's keys are the whole cache; those past the image span are masked for every query row (checked), so the capture
-keeps keys ``[0, span end)`` as the format's denoise layout has them.
+and upstream's own kwargs update between them. The batch holds ``BATCH`` samples laid out differently (each row its
+own system-prompt length and conditional image, right-padded to one width), so a mask or a position built from one
+row's layout for every row shows. At every SDPA call of the chosen layers it records the query, key, value and mask
+in the capture format (``harness.attention.capture``): ``(B, S, H, D)`` float32, key and value at their key/value
+heads (the GQA repeat undone after checking it is one), the mask ``(B, 1, Q, KV)`` bool, and beside them the layout
+the model laid each row out with: its query rows' positions (the later step's from the model's own kwargs update)
+and its image spans (the tokenizer output's slices). A later step's keys are the whole cache; the capture keeps keys
+up to the last query position of the longest row, each row's own being ``[0, its last position + 1)``.
 
-Every recorded mask is checked against the contract's formula (``mask[i, j] = j <= i`` or both in one image span:
-the conditional images' and the generated one's) at the spans the sequence was laid out with, not at spans read
-back from the mask; a disagreement is named by query row, its position and the key.
+Every recorded mask is checked row by row against the contract's formula (``mask[i, j] = j <= i`` or both in one
+image span: the conditional images' and the generated one's) at the spans that row was laid out with, not at spans
+read back from the mask (harness.attention.rows); a disagreement is named by row, query row, its position and the
+key.
 
 ``scripts/capture-attention`` (``fixtures.capture_attention``) loads the checkpoint: nothing from its directory runs
 without ``--trust-remote-code``; a checkpoint whose code has no image forward, or lacks an input the sequence needs,
@@ -29,10 +33,12 @@ from typing import Any
 import torch
 
 from harness.attention.capture import Capture, capture_name
-from harness.attention.contract import formula_mask, mask_mismatches
+from harness.attention.rows import capture_rows, formula_problems
 from harness.inputs import compat
 
-__all__ = ["CaptureError", "Recorded", "capture_model", "check_formula"]
+__all__ = ["BATCH", "CaptureError", "Recorded", "capture_model", "check_formula"]
+
+BATCH = 2  # samples per capture: rows laid out differently, so a row judged at another row's layout fails
 
 
 class CaptureError(ValueError):
@@ -41,15 +47,11 @@ class CaptureError(ValueError):
 
 @dataclass(frozen=True)
 class Recorded:
-    """One SDPA call: its capture, the step and layer it came from, the absolute positions of its query rows and
-    the image spans the sequence was laid out with."""
+    """One SDPA call: its capture (each row's layout recorded in it) and the step and layer it came from."""
 
     capture: Capture
     step: int
     layer: int
-    positions: tuple[int, ...]
-    span: tuple[int, int]
-    images: tuple[tuple[int, int], ...]
 
     @property
     def phase(self) -> str:
@@ -93,7 +95,8 @@ def _kv_heads(tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grouped[:, :, 0]
 
 
-def _to_capture(call: tuple[Any, ...], kv_heads: int, keys: int, name: str) -> Capture:
+def _to_capture(call: tuple[Any, ...], kv_heads: int, keys: int, name: str, positions: torch.Tensor | None = None,
+                spans: torch.Tensor | None = None) -> Capture:
     query, key, value, mask = call
     if mask is None or mask.dtype != torch.bool:
         raise CaptureError(f"{name}: SDPA got {'no mask' if mask is None else f'a {mask.dtype} mask'}; the capture "
@@ -102,13 +105,7 @@ def _to_capture(call: tuple[Any, ...], kv_heads: int, keys: int, name: str) -> C
     mask = mask.expand(query.shape[0], 1, query.shape[2], mask.shape[-1])[..., :keys]
     return Capture(query.transpose(1, 2).float().contiguous(), key.transpose(1, 2).float().contiguous(),
                    value.transpose(1, 2).float().contiguous(), mask.contiguous(), scale=query.shape[-1] ** -0.5,
-                   name=name)
-
-
-def _keys_past_span(call: tuple[Any, ...], end: int) -> int:
-    """How many (query row, key) pairs past the span end the mask admits (the capture drops those keys)."""
-    mask = call[3]
-    return int(mask[..., end:].sum()) if mask is not None else 0
+                   name=name, positions=positions, spans=spans)
 
 
 def _on_model(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -122,9 +119,10 @@ def _on_model(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
 
 
 @torch.no_grad()
-def capture_model(model: Any, layers: Sequence[int] | None = None, seed: int = 0) -> list[Recorded]:
-    """The prefill and denoise SDPA calls of ``model``'s image forward at ``layers`` (default: every layer), one
-    sample with a conditional image, through upstream's own mask builder, hooks and cache (module docstring)."""
+def capture_model(model: Any, layers: Sequence[int] | None = None, seed: int = 0, batch: int = BATCH) -> list[Recorded]:
+    """The prefill and denoise SDPA calls of ``model``'s image forward at ``layers`` (default: every layer), ``batch``
+    samples laid out differently, each with a conditional image, through upstream's own mask builder, hooks and
+    cache, each row's layout recorded beside it (module docstring)."""
     from harness.replay.families import get_family
     from harness.replay.families.hunyuan_image3 import TIMESTEP_ARG
 
@@ -135,61 +133,46 @@ def capture_model(model: Any, layers: Sequence[int] | None = None, seed: int = 0
     bad = [layer for layer in chosen if not 0 <= layer < count]
     if bad or not chosen:
         raise CaptureError(f"--layers {list(chosen)}: the model has layers 0..{count - 1}")
-    prompts = adapter.example_prompts(1, 1, torch.Generator().manual_seed(seed))
+    prompts = adapter.example_prompts(batch, 1, torch.Generator().manual_seed(seed))
     output = prompts["tokenizer_output"]
-    span = (output.gen_image_slices[0][0].start, output.gen_image_slices[0][0].stop)
-    images = tuple((s.start, s.stop) for s in output.vae_image_slices[0])
+    spans = torch.tensor([[(s.start, s.stop) for s in (*output.vae_image_slices[b], output.gen_image_slices[b][0])]
+                          for b in range(batch)])
     g = adapter.generation
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     kwargs = {k: _on_model(v, device, dtype) for k, v in prompts.items()}
-    kwargs["past_key_values"] = adapter.new_cache(1, prompts["input_ids"].shape[1])
+    kwargs["past_key_values"] = adapter.new_cache(batch, prompts["input_ids"].shape[1])
     ids = kwargs.pop("input_ids")
     kwargs["attention_mask"] = model._prepare_attention_mask_for_generation(
         ids, model.generation_config, kwargs).to(device)
     adapter.as_generate_sets(prompts["image_mask"])
     gen = torch.Generator().manual_seed(seed + 1)
-    latents = torch.randn(1, *adapter.latent_shape, generator=gen).to(device, dtype)
+    latents = torch.randn(batch, *adapter.latent_shape, generator=gen).to(device, dtype)
     kv_heads = int(getattr(model.config, "num_key_value_heads", 0) or model.config.num_attention_heads)
     width = int(ids.shape[1])
     recorded: list[Recorded] = []
     with _recording(chosen) as first_calls:
         first = model(**model.prepare_inputs_for_generation(
-            ids, images=latents, **{TIMESTEP_ARG[g]: torch.tensor([1000.0], device=device)}, **kwargs),
+            ids, images=latents, **{TIMESTEP_ARG[g]: torch.full((batch,), 1000.0, device=device)}, **kwargs),
             first_step=True)
     carried = compat.remote_code_kwargs(model._update_model_kwargs_for_generation(first, kwargs))
-    later_positions = carried["position_ids"][0].tolist()
+    later_positions = carried["position_ids"].detach().cpu().to(torch.int64)
     later_ids = torch.gather(ids, 1, carried["position_ids"]) if g == 1 else None
     with _recording(chosen) as later_calls:
         model(**model.prepare_inputs_for_generation(
-            later_ids, images=latents * 0.5, **{TIMESTEP_ARG[g]: torch.tensor([500.0], device=device)}, **carried),
-            first_step=False)
-    for step, calls, positions, keys in ((0, first_calls, tuple(range(width)), width),
-                                         (1, later_calls, tuple(later_positions), span[1])):
+            later_ids, images=latents * 0.5, **{TIMESTEP_ARG[g]: torch.full((batch,), 500.0, device=device)},
+            **carried), first_step=False)
+    for step, calls, positions in ((0, first_calls, torch.arange(width)[None].expand(batch, -1)),
+                                   (1, later_calls, later_positions)):
+        keys = int(positions.max()) + 1  # the longest row's; each row's own end is recorded in its positions
         for layer, call in calls:
-            call_number = step * count + layer
-            name = capture_name(call_number)
-            if step == 1 and _keys_past_span(call, span[1]):
-                raise CaptureError(f"{name}: the later step's mask admits {_keys_past_span(call, span[1])} pairs past "
-                                   f"the image span's end {span[1]}: not the contract's denoise layout")
-            capture = _to_capture(call, kv_heads, keys, name)
-            recorded.append(Recorded(capture, step, layer, positions, span, images))
+            name = capture_name(step * count + layer)
+            capture = _to_capture(call, kv_heads, keys, name, positions.contiguous(), spans)
+            recorded.append(Recorded(capture, step, layer))
     return recorded
 
 
 def check_formula(recorded: Recorded) -> str | None:
-    """None when the recorded mask is the contract's formula at the laid-out spans; else where it is not."""
-    capture = recorded.capture
-    q_len, kv_len = capture.q_len, capture.kv_len
-    positions = recorded.positions
-    if list(positions) != list(range(kv_len - q_len, kv_len)):
-        return (f"query rows sit at positions {positions[0]}..{positions[-1]} ({len(positions)} rows), not the last "
-                f"{q_len} of the {kv_len} keys the formula aligns them to")
-    expected = formula_mask(q_len, kv_len, recorded.span, images=recorded.images)
-    for row in range(capture.mask.shape[0]):
-        bad, first = mask_mismatches(capture.mask[row, 0], expected)
-        if bad:
-            q, k = first
-            got = bool(capture.mask[row, 0, q, k])
-            return (f"{bad} of {q_len * kv_len} pairs differ; first at query row {q} (position {positions[q]}), key "
-                    f"{k}: the model's mask says {got}, the formula {not got}")
-    return None
+    """None when every row's mask is the contract's formula at the layout recorded for it; else where it is not
+    (``harness.attention.rows.formula_problems``, each prefixed by its row)."""
+    found = [f"row {row.row}: {problem}" for row in capture_rows(recorded.capture) for problem in formula_problems(row)]
+    return "; ".join(found) or None

@@ -117,4 +117,4 @@ def test_kernel_checks_are_gated_on_the_capture_being_read_right():
     assert misread.misread is not None
     verdict = _compare("decomposed", misread)
     assert not verdict.passed and verdict.violated_facts == [
-        "the capture's mask is its detected layout's (see attention.capture.*.contract)"]
+        "synthetic_call0_rank0.npz: its mask is its layout's (see attention.capture.*.contract)"]

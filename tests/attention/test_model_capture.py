@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from fixtures.ar_checkpoint import write_gen_image_remote_code, write_hunyuan_remote_code
 from fixtures.capture_attention import main
 from harness.attention import capture as capture_io
-from harness.attention import contract, model_capture
+from harness.attention import contract, model_capture, rows
 from harness.attention.model_capture import CaptureError, capture_model, check_formula
 from harness.inputs.checkpoints import TRUST_FLAG, remote_code_ran
 from harness.judging import catalogue, checks
@@ -36,14 +37,20 @@ def captured(checkpoint, tmp_path_factory) -> Path:
 
 
 def test_the_captures_hold_both_phases_in_the_capture_format(captured):
+    """Two rows laid out differently, each row's layout recorded beside it: its spans are where its own mask has
+    them, and a later step's row keeps its own keys, ending at its image span."""
     capture_io.validate_directory(captured)
     prefill = capture_io.load_capture(capture_io.phase_capture_path(captured, "prefill"))
     denoise = capture_io.load_capture(capture_io.phase_capture_path(captured, "denoise"))
     assert [p.name for p in capture_io.find_captures(captured)] == ["call0_rank0.npz", "call1_rank0.npz"]
-    first = contract.detect_layout(prefill.mask)
-    later = contract.detect_layout(denoise.mask)
-    assert first.phase == "prefill" and len(first.images) == 1  # the conditional image's span, then the generated
-    assert later.phase == "denoise" and later.special_len == 1 and later.span == first.span
+    assert prefill.recorded and denoise.recorded and prefill.query.shape[0] == denoise.query.shape[0] == 2
+    assert torch.equal(prefill.spans, denoise.spans) and not torch.equal(prefill.spans[0], prefill.spans[1])
+    for first, later in zip(rows.capture_rows(prefill), rows.capture_rows(denoise), strict=True):
+        assert first.layout.phase == "prefill" and len(first.layout.images) == 1  # the conditional image, then ours
+        assert first.spans == contract.detect_spans(prefill.mask[first.row, 0])  # recorded where the mask has them
+        assert later.layout.phase == "denoise" and later.layout.special_len == 1 and later.layout.span == \
+            first.layout.span
+        assert later.capture.kv_len == later.spans[-1][1] and later.past_keys == 0
     assert prefill.heads == 4 and prefill.kv_heads == 2  # the GQA repeat undone: key/value at their own heads
 
 
@@ -57,19 +64,20 @@ def test_the_attention_checks_judge_the_kernels_on_them(captured):
             assert verdict.passed, verdict
 
 
-def test_a_mask_off_the_formula_is_named_by_position(checkpoint):
+def test_a_mask_off_the_formula_is_named_by_row_and_position(checkpoint):
     from harness.inputs.checkpoints import detect, load_model
 
     model = load_model(detect(checkpoint), torch.float32, "cpu", trust_remote_code=True)
     recorded = capture_model(model)
     assert [check_formula(item) for item in recorded] == [None, None]
     denoise = recorded[1]
+    start = int(denoise.capture.spans[1, -1, 0])
     mask = denoise.capture.mask.clone()
-    mask[0, 0, 0, denoise.span[0]] = True  # the timestep row (just before the span) shown the span's first key
+    mask[1, 0, 0, start] = True  # row 1's timestep row (just before its span) shown the span's first key
     bad = dataclasses.replace(denoise, capture=dataclasses.replace(denoise.capture, mask=mask))
-    position = denoise.positions[0]
-    assert check_formula(bad) == (f"1 of {mask.shape[2] * mask.shape[3]} pairs differ; first at query row 0 (position "
-                                  f"{position}), key {denoise.span[0]}: the model's mask says True, the formula False")
+    position, keys = int(denoise.capture.positions[1, 0]), int(denoise.capture.spans[1, -1, 1])
+    assert check_formula(bad) == (f"row 1: 1 of {mask.shape[2] * keys} pairs differ; first at query row 0 (position "
+                                  f"{position}), key {start}: the model's mask says True, the formula False")
 
 
 def test_nothing_from_the_directory_runs_without_the_flag(checkpoint, tmp_path, capsys):
@@ -153,15 +161,15 @@ def _check_against_sdpa(recorded, calls, layers: int, kv_heads: int, heads: int)
     for item in recorded:
         query, key, value, mask = calls[item.step * layers + item.layer]
         capture = item.capture
-        keys = key.shape[2] if item.step == 0 else item.span[1]
+        keys = key.shape[2] if item.step == 0 else int(capture.spans[:, -1, 1].max())  # the longest row's span end
         assert capture.name == capture_io.capture_name(item.step * layers + item.layer)
         for got in (capture.query, capture.key, capture.value):
             assert got.dtype == torch.float32 and got.is_contiguous()
         assert capture.mask.dtype == torch.bool and capture.mask.is_contiguous()
-        assert capture.query.shape == (1, query.shape[2], heads, query.shape[3])
+        assert capture.query.shape == (model_capture.BATCH, query.shape[2], heads, query.shape[3])
         assert _same(_as_sdpa_got(capture.query), query.float())
         # key and value at their key/value heads: SDPA got each head repeated per query-head group
-        assert capture.key.shape == (1, keys, kv_heads, key.shape[3]) == capture.value.shape
+        assert capture.key.shape == (model_capture.BATCH, keys, kv_heads, key.shape[3]) == capture.value.shape
         group = heads // kv_heads
         assert _same(_as_sdpa_got(capture.key).repeat_interleave(group, dim=1), key[:, :, :keys].float())
         assert _same(_as_sdpa_got(capture.value).repeat_interleave(group, dim=1), value[:, :, :keys].float())
@@ -178,10 +186,12 @@ def test_the_captures_are_what_sdpa_got_at_the_chosen_layers(three_layers, monke
     assert [r.phase for r in recorded] == ["prefill", "prefill", "denoise", "denoise"]
     _check_against_sdpa(recorded, log.calls, 3, kv_heads=2, heads=4)
     assert [check_formula(item) for item in recorded] == [None] * 4
-    later = recorded[2]
-    assert later.capture.kv_len == later.span[1] < log.calls[4][1].shape[2]  # the cache cut at the span's end
-    assert later.positions == tuple(range(later.span[0] - 1, later.span[1]))  # the timestep token, then the image
-    assert all(type(p) is int for item in recorded for p in item.positions)
+    later = recorded[2].capture
+    ends = later.spans[:, -1, 1]
+    assert later.kv_len == int(ends.max()) < log.calls[4][1].shape[2]  # the cache cut at the longest row's span end
+    for b in range(later.query.shape[0]):  # each row: its timestep token, then its image, at its own positions
+        assert later.positions[b].tolist() == list(range(int(later.spans[b, -1, 0]) - 1, int(ends[b])))
+    assert later.positions.dtype == later.spans.dtype == torch.int64
 
 
 def test_every_layer_by_default_and_one_layer_alone(three_layers, monkeypatch):
@@ -250,19 +260,18 @@ def _with_mask(model, monkeypatch, edit) -> None:
                         lambda ids, config, kwargs: edit(build(ids, config, kwargs)), raising=False)
 
 
-def test_a_later_step_attending_past_the_span_is_refused(monkeypatch):
+def test_a_later_step_attending_past_the_span_is_recorded_and_named():
+    """A later step whose mask shows a row a key past its own image span is recorded as it is (the capture keeps
+    the keys up to the longest row's end) and its formula check names the row and the pairs."""
     model = _tiny()
-    span_end = capture_model(model)[1].span[1]
-
-    def admit(mask):  # the image span's last row shown the key just past the span
-        mask = mask.clone()
-        mask[..., span_end - 1, span_end] = True
-        return mask
-
-    _with_mask(model, monkeypatch, admit)
-    with pytest.raises(CaptureError, match=rf"call1_rank0\.npz: the later step's mask admits 1 pairs past the image "
-                                           rf"span's end {span_end}"):
-        capture_model(model)
+    capture = capture_model(model)[1].capture
+    short = int(capture.spans[:, -1, 1].argmin())  # the row whose span ends first has cached keys past its end
+    end = int(capture.spans[short, -1, 1])
+    mask = capture.mask.clone()
+    mask[short, 0, -1, end] = True  # its image span's last row shown the key just past its span
+    bad = model_capture.Recorded(dataclasses.replace(capture, mask=mask), 1, 0)
+    assert check_formula(bad) == (f"row {short}: the mask admits 1 pairs past the row's last query position "
+                                  f"{end - 1}")
 
 
 def test_a_mask_that_is_not_bool_is_refused(monkeypatch):
@@ -302,29 +311,27 @@ def test_check_formula_names_query_rows_off_their_positions(checkpoint):
     from harness.inputs.checkpoints import detect, load_model
 
     model = load_model(detect(checkpoint), torch.float32, "cpu", trust_remote_code=True)
-    denoise = capture_model(model)[1]
-    shifted = tuple(p - 1 for p in denoise.positions)
-    bad = dataclasses.replace(denoise, positions=shifted)
-    q_len, kv_len = denoise.capture.q_len, denoise.capture.kv_len
-    assert check_formula(bad) == (f"query rows sit at positions {shifted[0]}..{shifted[-1]} ({q_len} rows), not the "
-                                  f"last {q_len} of the {kv_len} keys the formula aligns them to")
+    denoise = capture_model(model)[1].capture
+    shifted = denoise.positions.clone()
+    shifted[0, 0] -= 5  # row 0's timestep token recorded five positions before the rest of its query rows
+    bad = model_capture.Recorded(dataclasses.replace(denoise, positions=shifted), 1, 0)
+    moved, first, last, q_len = int(shifted[0, 0]), int(shifted[0, 1]), int(shifted[0, -1]), denoise.q_len
+    assert check_formula(bad) == (f"row 0: query rows sit at positions [{moved}, {first}..{last}] ({q_len} rows), "
+                                  f"not the last {q_len} of the {last + 1} keys the formula aligns them to")
 
 
-def test_check_formula_reads_every_batch_row(checkpoint):
+def test_check_formula_reads_every_batch_row_at_its_own_spans(checkpoint):
+    """Row 1 judged at its own recorded spans: its mask built from row 0's spans (the first sample's layout used
+    for every row) is named by row, query row, position and key."""
     from harness.inputs.checkpoints import detect, load_model
 
     model = load_model(detect(checkpoint), torch.float32, "cpu", trust_remote_code=True)
-    prefill = capture_model(model)[0]
-    c = prefill.capture
-    mask = c.mask.repeat(2, 1, 1, 1)
-    two = dataclasses.replace(c, query=c.query.repeat(2, 1, 1, 1), key=c.key.repeat(2, 1, 1, 1),
-                              value=c.value.repeat(2, 1, 1, 1), mask=mask)
-    assert check_formula(dataclasses.replace(prefill, capture=two)) is None
-    mask = mask.clone()
-    mask[1, 0, 0, 1] = True  # the second row's first query shown the next key
-    bad = dataclasses.replace(prefill, capture=dataclasses.replace(two, mask=mask))
-    assert check_formula(bad) == (f"1 of {c.q_len * c.kv_len} pairs differ; first at query row 0 (position 0), key "
-                                  f"1: the model's mask says True, the formula False")
+    prefill = capture_model(model)[0].capture
+    mask = prefill.mask.clone()
+    mask[1] = mask[0]  # row 1 given row 0's mask
+    bad = model_capture.Recorded(dataclasses.replace(prefill, mask=mask), 0, 0)
+    problem = check_formula(bad)
+    assert problem.startswith("row 1: ") and "pairs differ; first at query row" in problem and "row 0" not in problem
 
 
 def test_an_sdpa_call_in_the_capture_format():
@@ -361,8 +368,8 @@ def test_the_steps_are_upstreams_first_step_then_a_later_one(monkeypatch):
     capture_model(model)
     (first, t0, x0), (later, t1, x1) = seen
     assert first is True and later is False
-    assert t0.tolist() == [1000.0]  # the sampling schedule's start: the latents are pure noise
-    assert 0 < t1.item() < 1000 and x1.shape == x0.shape and not torch.equal(x1, x0)
+    assert t0.tolist() == [1000.0] * model_capture.BATCH  # the sampling schedule's start: the latents are pure noise
+    assert bool(((t1 > 0) & (t1 < 1000)).all()) and x1.shape == x0.shape and not torch.equal(x1, x0)
 
 
 class _Without:
@@ -405,3 +412,111 @@ def test_inputs_go_to_the_model_device_and_dtype_list_payloads_and_their_kind_in
     pair = model_capture._on_model(tuple(images), torch.device("cpu"), torch.float16)
     assert isinstance(pair, tuple) and pair[0].dtype == torch.float16 and torch.equal(pair[1], images[1])
     assert model_capture._on_model("text", torch.device("cpu"), torch.bfloat16) == "text"
+
+
+# ---------------------------------------------------------------------------- every file and row judged
+
+
+def _run(check: str, directory: Path):
+    catalogue.load()
+    return checks.run_check(check, CheckContext(capture_dir=str(directory)))
+
+
+def _copy(captured: Path, target: Path) -> Path:
+    target.mkdir()
+    for path in capture_io.find_captures(captured):
+        (target / path.name).write_bytes(path.read_bytes())
+    return target
+
+
+def _causal(capture: capture_io.Capture, recorded: bool) -> capture_io.Capture:
+    """``capture`` with its mask fully causal (every image span lost), its recorded layout kept or dropped."""
+    causal = torch.ones(capture.q_len, capture.kv_len, dtype=torch.bool).tril()[None, None]
+    layout = {} if recorded else {"positions": None, "spans": None}
+    return dataclasses.replace(capture, mask=causal.expand_as(capture.mask).contiguous(), **layout)
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["seed-format", "recorded-layout"])
+def test_one_more_capture_whose_mask_lost_its_spans_is_judged_and_named(captured, tmp_path, recorded):
+    """Every capture file is judged, not the first of each phase: one more prefill capture, fully causal (its image
+    spans lost), fails the contract check and the kernel checks, each naming the file; with its layout recorded the
+    contract says which spans it lost, without it that no structured layout reads its mask."""
+    directory = _copy(captured, tmp_path / "captures")
+    prefill = capture_io.load_capture(directory / "call0_rank0.npz")
+    capture_io.save_capture(_causal(prefill, recorded), directory / "call2_rank0.npz")
+    capture_io.validate_directory(directory)
+    contract_verdict = _run("attention.capture.prefill.contract", directory)
+    assert not contract_verdict.passed and contract_verdict.metrics["files"] == 2
+    failed = contract_verdict.violated_facts
+    assert failed and all(fact.startswith("call2_rank0.npz row ") for fact in failed), failed
+    if recorded:
+        assert "call2_rank0.npz row 0: its mask is the contract's formula at the spans recorded beside it" in failed[0]
+    else:
+        assert failed == [f"call2_rank0.npz row {b}: its spans make a structured layout" for b in range(2)]
+    kernel = _run("attention.prefill.decomposed.vs_sdpa", directory)
+    assert not kernel.passed and kernel.metrics["captures_judged"] == 4  # two files, two rows each
+    assert all(fact.startswith("call2_rank0.npz row ") for fact in kernel.violated_facts), kernel.violated_facts
+    assert _run("attention.denoise.decomposed.vs_sdpa", directory).passed  # the other phase's files still pass
+
+
+def test_a_mask_that_lost_only_the_generated_images_span_fails_against_the_recorded_spans(captured, tmp_path):
+    """Read back from its own mask, a prefill mask that lost the generated image's span looks like a layout whose
+    only image is the conditional one (mismatches 0); judged at the spans the model recorded beside it, it fails."""
+    directory = _copy(captured, tmp_path / "captures")
+    prefill = capture_io.load_capture(directory / "call0_rank0.npz")
+    mask = prefill.mask.clone()
+    for b in range(mask.shape[0]):
+        a, e = (int(v) for v in prefill.spans[b, -1])
+        mask[b, 0, a:e, a:e] = torch.ones(e - a, e - a, dtype=torch.bool).tril()
+    lost = dataclasses.replace(prefill, mask=mask)
+    unrecorded = rows.capture_rows(dataclasses.replace(lost, positions=None, spans=None))
+    assert all(rows.formula_problems(row) == [] and len(row.spans) == 1 for row in unrecorded)  # agrees with itself
+    capture_io.save_capture(lost, directory / "call0_rank0.npz")
+    verdict = _run("attention.capture.prefill.contract", directory)
+    assert not verdict.passed
+    assert verdict.violated_facts[0].startswith("call0_rank0.npz row 0: its mask is the contract's formula at the "
+                                                "spans recorded beside it")
+
+
+def _plant(model, monkeypatch, bug: str) -> None:
+    """A batch-dependent bug in the fake upstream: its mask builder laying every row out with the first sample's
+    spans, or its cached step putting the timestep token after the image."""
+    module = sys.modules[type(model).__module__]
+    if bug == "first_sample_spans":
+        slices = module.FullAttentionSlices.prepare_full_attn_slices
+        monkeypatch.setattr(module.FullAttentionSlices, "prepare_full_attn_slices",
+                            lambda self, output, batch_idx, with_gen=True: slices(self, output, 0, with_gen))
+        return
+    update = model._update_model_kwargs_for_generation
+
+    def timestep_last(outputs, model_kwargs, *args, **kwargs):
+        updated = update(outputs, model_kwargs, *args, **kwargs)
+        if "tokenizer_output" in model_kwargs:  # right after the first step: the later steps' rows
+            order = [*range(1, updated["position_ids"].shape[1]), 0]
+            updated["position_ids"] = updated["position_ids"][:, order]
+            updated["attention_mask"] = updated["attention_mask"][:, :, order]
+        return updated
+
+    monkeypatch.setattr(model, "_update_model_kwargs_for_generation", timestep_last, raising=False)
+
+
+@pytest.mark.parametrize(("bug", "phase", "found"), [
+    ("first_sample_spans", "prefill", "row 1: "),
+    ("timestep_after_image", "denoise", "row 0: query rows sit at positions ["),
+])
+def test_a_batch_dependent_bug_is_caught_by_the_captures_rows(monkeypatch, tmp_path, bug, phase, found):
+    """Captures of two rows laid out differently: a mask built from the first sample's spans for every row fails
+    row 1 (row 0 is right by luck), a cached step that puts the timestep token after the image fails every row's
+    positions; the recorder names it and the capture's contract check names the file and the row."""
+    model = _tiny()
+    _plant(model, monkeypatch, bug)
+    recorded = [item for item in capture_model(model) if item.phase == phase]
+    problems = [check_formula(item) for item in recorded]
+    assert all(problem and problem.startswith(found) for problem in problems), problems
+    out = tmp_path / "captures"
+    out.mkdir()
+    for item in capture_model(model):
+        capture_io.save_capture(item.capture, out / item.capture.name)
+    verdict = _run(f"attention.capture.{phase}.contract", out)
+    assert not verdict.passed and verdict.violated_facts[0].startswith(f"{recorded[0].capture.name} row "), \
+        verdict.violated_facts

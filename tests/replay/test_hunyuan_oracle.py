@@ -244,15 +244,16 @@ def test_a_loop_whose_scheduler_steps_outnumber_its_model_calls_is_refused(setup
 
 
 def test_latents_other_than_fp32_are_refused_naming_both(setup):
-    with pytest.raises(OracleError, match=r"from fp32 latents; the model holds \['torch.float32'\], the latents "
-                                          r"torch.float64"):
+    with pytest.raises(OracleError, match=r"from fp32 latents; the model's dtype is torch.float32 \(its parameters "
+                                          r"hold \['torch.float32'\]\), the latents torch.float64"):
         ORACLE.run_pipeline(FAMILY, setup.adapter, setup.prompts, setup.latents.double(), GUIDANCE)
 
 
-def test_a_model_with_parameters_in_two_dtypes_is_refused(setup):
+def test_a_model_without_a_dtype_of_its_own_is_refused_naming_its_parameters(setup):
     module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).to(torch.bfloat16))
     adapter = type("Adapter", (), {"module": module})()
-    with pytest.raises(OracleError, match=r"holds \['torch.bfloat16', 'torch.float32'\]"):
+    with pytest.raises(OracleError, match=r"dtype is None \(its parameters hold \['torch.bfloat16', "
+                                          r"'torch.float32'\]\)"):
         ORACLE.run_pipeline(FAMILY, adapter, setup.prompts, setup.latents, GUIDANCE)
 
 
