@@ -477,14 +477,22 @@ class HunyuanTextModel(HunyuanImage3PreTrainedModel):
             hidden = layer(hidden, attention_mask, position_ids, past_key_values, cos, sin)
         patch = int(self.config.patch_size)
         token_h, token_w = images.shape[-2] // patch, images.shape[-1] // patch
+        prediction = self.ragged_final_layer(hidden, image_mask, timesteps, token_h, token_w, first_step,
+                                             num_special_tokens)
+        return CausalMMOutputWithPast(logits=None, diffusion_prediction=prediction,
+                                      **{compat.cache_kwarg_name(): past_key_values})
+
+    def ragged_final_layer(self, hidden: torch.Tensor, image_mask: torch.Tensor | None, timesteps: Any,
+                           token_h: int, token_w: int, first_step: bool | None,
+                           num_special_tokens: int = 1) -> torch.Tensor:
+        """Upstream's method of this name: the prediction read from the image tokens (the ``image_mask`` positions
+        at the first step, what follows the special tokens at a later one) through the final layer."""
         if first_step:
             image_out = hidden.masked_select(image_mask.unsqueeze(-1).bool()).reshape(
                 -1, token_h * token_w, hidden.shape[-1])
         else:
             image_out = hidden[:, num_special_tokens:]
-        prediction = self.final_layer(image_out, self.time_embed_2(timesteps), token_h, token_w)
-        return CausalMMOutputWithPast(logits=None, diffusion_prediction=prediction,
-                                      **{compat.cache_kwarg_name(): past_key_values})
+        return self.final_layer(image_out, self.time_embed_2(timesteps), token_h, token_w)
 
 
 def carry_cache_and_positions(outputs: Any, model_kwargs: dict[str, Any], updated: dict[str, Any],

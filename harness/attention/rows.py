@@ -100,10 +100,13 @@ def row_contract(row: CaptureRow) -> Verdict:
     capture, label = row.capture, row.label
     source = "recorded beside it" if row.recorded else "read back from its mask"
     problems = formula_problems(row)
+    # what failed is kept under the row's own name: a merge over many rows keeps every row's account
+    account = {f"{label} formula": "; ".join(problems)} if problems else {}
     verdict = holds(not problems, f"{label}: its mask is the contract's formula at the spans {source} "
-                                  f"{list(row.spans)}", formula="; ".join(problems) or "agrees")
+                                  f"{list(row.spans)}", **account)
     if row.layout is None:
-        return verdict.require(False, f"{label}: its spans make a structured layout", layout_problem=row.problem)
+        return verdict.require(False, f"{label}: its spans make a structured layout",
+                               **{f"{label} layout": row.problem})
     built, first = contract.mask_mismatches(masks.build_mask(row.layout, device=capture.mask.device), capture.mask)
     return verdict.require(built == 0, f"{label}: build_mask({row.layout.describe()}) reproduces its mask",
                            builder_mismatches=built, builder_first_mismatch=str(first))

@@ -120,6 +120,29 @@ def test_latents_off_the_image_span_are_refused_before_the_model_runs():
         adapter.forward(torch.zeros(2, 4, 3, 4), torch.full((2,), 500.0), conditions)
 
 
+def test_a_prediction_read_at_row_0s_image_positions_fails_the_contract_and_its_rows(monkeypatch):
+    """A bug batched and serial replay share (and the pipeline oracle, which runs the same forward): the prediction
+    read at row 0's image positions for every row. Only the contract rows see it, so check-upstream's replay and
+    oracle rows read FAIL on it, naming the contract row, whatever their checks said."""
+    from fixtures.check_upstream import table_line
+
+    model = tiny_hunyuan_image3()
+    read = model.ragged_final_layer
+
+    def at_row_0(hidden, image_mask, *args, **kwargs):
+        rows_alike = image_mask[:1].expand_as(image_mask) if image_mask is not None else None
+        return read(hidden, rows_alike, *args, **kwargs)
+
+    monkeypatch.setattr(model, "ragged_final_layer", at_row_0)
+    failed = [row for row in gen_image_contract.run_gen_image_contract(model) if not row.passed]
+    assert 7 in [row.number for row in failed], failed  # rows independent: a row alone reads its own positions
+    passing = {"passed": True, "headline": "oracle.pipeline", "margin": 0.0, "kills": [("k", True, 1e5, "tolerance")]}
+    for label in ("gen2_dense:replay", "gen2_dense:oracle"):
+        line, note, green = table_line(label, "fp32", passing, (11 - len(failed), 11),
+                                       [f"contract row {row.number} ({row.point}) failed" for row in failed])
+        assert not green and " FAIL " in line and "contract row 7 (rows independent) failed" in note
+
+
 # ------------------------------------------------------------------------------ the real code (lowest lane)
 
 
