@@ -250,9 +250,11 @@ def test_check_upstream_runs_on_a_code_directory(tmp_path: Path, generation: int
         assert " 13/13 " in left and " PASS " in left and re.search(r" (\d+)/\1 ", left), left
         moe = rows[f"{name}_moe {dtype}"]
         assert (" FAIL " in moe and "MoE routing depends" in moe) == (generation == 2), moe
-        for image_row in (f"{name}_moe:replay {dtype}", f"{name}_dense:replay {dtype}", f"{name}_moe_captures {dtype}"):
-            assert " PASS " in rows[image_row], rows[image_row]  # the image forward: replay, and its captures' kernels
+        for image_row in (f"{name}_moe:replay {dtype}", f"{name}_dense:replay {dtype}", f"{name}_moe_captures {dtype}",
+                          f"{name}_moe:oracle {dtype}", f"{name}_dense:oracle {dtype}"):
+            assert " PASS " in rows[image_row], rows[image_row]  # the image forward: replay, its loop, its captures
         assert " 11/11 " in rows[f"{name}_dense:replay {dtype}"] and " 4/4 " in rows[f"{name}_moe_captures {dtype}"]
+        assert " 11/11 " in rows[f"{name}_dense:oracle {dtype}"] and " 3/3 " in rows[f"{name}_dense:oracle {dtype}"]
     assert (done.returncode == 0) == (generation == 1), done.stdout[-3000:]
     report = json.loads((tmp_path / "run" / "check-upstream.json").read_text())
     assert sum(check["id"].startswith("ar.gpu.batched_vs_b1") for check in report["checks"]) == 4

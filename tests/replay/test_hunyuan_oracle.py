@@ -267,8 +267,8 @@ def test_a_bf16_model_is_judged_in_the_autocast_its_loop_needs(setup):
     fails by orders of magnitude."""
     model = copy.deepcopy(setup.model).to(torch.bfloat16)
     adapter = FAMILY.adapter(model)
-    record = ORACLE.run_pipeline(FAMILY, adapter, setup.prompts, setup.latents, GUIDANCE)
-    assert [step.forwards[0].autocast for step in record.steps] == [torch.bfloat16] * 2
+    record = ORACLE.run_pipeline(FAMILY, adapter, setup.prompts, setup.latents, GUIDANCE, steps=1)
+    assert [step.forwards[0].autocast for step in record.steps] == [torch.bfloat16]
     verdict = ORACLE.judge_family(FAMILY, adapter, record)
     assert verdict.passed, verdict.describe()
     assert verdict.metrics["step 0_arithmetic"] == "bfloat16" and verdict.metrics["floor_minimum"] == 4 * 2.0 ** -7
@@ -317,8 +317,8 @@ def test_a_bug_in_the_models_own_loop_fails_the_oracle_naming_the_step_and_the_n
     whatever the loop does, so a loop that guides the wrong way or feeds its model other timesteps is caught only
     here, and the failure reads like any verdict: what failed, at which step, the numbers and their bound."""
     _plant_loop_bug(bug, setup.model, monkeypatch)
-    verdict = ORACLE.judge_family(FAMILY, setup.adapter, ORACLE.run_pipeline(FAMILY, setup.adapter, setup.prompts,
-                                                                            setup.latents, GUIDANCE))
+    record = ORACLE.run_pipeline(FAMILY, setup.adapter, setup.prompts, setup.latents, GUIDANCE, steps=1)  # step 0
+    verdict = ORACLE.judge_family(FAMILY, setup.adapter, record)
     assert not verdict.passed and verdict.margin > 1e3, verdict.describe()
     first = verdict.message.splitlines()[0]
     assert first.startswith(failing) and (" exceeds " in first or " allowed)" in first), verdict.message
