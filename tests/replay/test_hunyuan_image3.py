@@ -9,6 +9,7 @@ there. The real code imports modules transformers 5 removed, so those tests run 
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from pathlib import Path
@@ -31,6 +32,7 @@ from harness.replay.families.hunyuan_image3 import ImageForwardError, require_im
 from harness.replay.judge import compare_replay
 from harness.replay.policies import local_scale_policy
 from harness.replay.problem import make_problem
+from tests.replay.test_hunyuan_oracle import LOOP_BUGS, plant_loop_bug
 
 pytestmark = pytest.mark.cpu
 
@@ -228,6 +230,15 @@ def test_the_real_code_meets_the_contract_and_replays(package, generation, real_
         with ablation.get(name).apply():
             killed = oracle()
         assert not killed.passed, f"{name} survived the pipeline oracle on the real code:\n{killed.describe()}"
+    for bug in LOOP_BUGS:  # bugs in upstream's own loop: replay shares none of them, the oracle fails each
+        with pytest.MonkeyPatch.context() as patch:
+            plant_loop_bug(bug, model, patch)
+            caught = oracle()
+        assert not caught.passed and caught.margin > 1e3, f"{bug} in the real loop passed the oracle"
+    low = family.adapter(copy.deepcopy(model).to(torch.bfloat16))  # bf16: under the autocast its loop needs
+    record = pipeline_oracle.run_pipeline(family, low, prompts, latents, 4.5)
+    verdict = pipeline_oracle.judge_family(family, low, record)
+    assert verdict.passed and verdict.metrics["step 1_arithmetic"] == "bfloat16", verdict.describe()
     recorded = capture_model(model)
     assert [check_formula(item) for item in recorded] == [None] * len(recorded)
     assert {item.phase for item in recorded} == {"prefill", "denoise"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import sys
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from harness.replay import hunyuan_oracle as ho
 from harness.replay import pipeline_oracle as po
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
 from harness.replay.families import get_family
+from harness.replay.families.hunyuan_image3 import TIMESTEP_ARG
 from harness.replay.pipeline_oracle import Forward, OracleError, PipelineRecord, PipelineStep
 
 pytestmark = pytest.mark.cpu
@@ -286,23 +288,25 @@ def test_a_bf16_model_is_judged_in_the_autocast_its_loop_needs(setup):
 # ------------------------------------------------------------------------------ bugs in the model's own loop
 
 
-def _plant_loop_bug(bug: str, model, monkeypatch) -> None:
-    """One bug in the fake upstream's own sampling loop (never in the adapter): its CFG halves swapped, guidance
-    applied from the cond branch, or the loop handing its model t / 1000."""
-    from fakes import hunyuan_image_pipeline as loop
+LOOP_BUGS = ("cfg_halves_swapped", "guidance_from_cond", "timestep_over_1000")
 
+
+def plant_loop_bug(bug: str, model, monkeypatch) -> None:
+    """One bug in the model's own sampling loop (the fake's, or upstream's real one: never the adapter): its CFG
+    halves swapped, guidance applied from the cond branch, or the loop handing its model t / 1000."""
+    loop = sys.modules[type(model.pipeline).__module__]
     guide = loop.ClassifierFreeGuidance.__call__
     if bug == "cfg_halves_swapped":
         monkeypatch.setattr(loop.ClassifierFreeGuidance, "__call__",
-                            lambda self, cond, uncond, scale, step: guide(self, uncond, cond, scale, step))
+                            lambda self, cond, uncond, scale, step=None: guide(self, uncond, cond, scale, step=step))
     elif bug == "guidance_from_cond":
         monkeypatch.setattr(loop.ClassifierFreeGuidance, "__call__",
-                            lambda self, cond, uncond, scale, step: cond + scale * (cond - uncond))
+                            lambda self, cond, uncond, scale, step=None: cond + scale * (cond - uncond))
     else:
-        prepare = model.prepare_inputs_for_generation
+        prepare, name = model.prepare_inputs_for_generation, TIMESTEP_ARG[FAMILY.adapter(model).generation]
 
         def thousandth(*args, **kwargs):
-            kwargs["timesteps"] = kwargs["timesteps"] / 1000.0
+            kwargs[name] = kwargs[name] / 1000.0
             return prepare(*args, **kwargs)
 
         monkeypatch.setattr(model, "prepare_inputs_for_generation", thousandth)
@@ -316,7 +320,7 @@ def test_a_bug_in_the_models_own_loop_fails_the_oracle_naming_the_step_and_the_n
     """What the pipeline oracle is for beside parity: the replay family and its batched path agree with each other
     whatever the loop does, so a loop that guides the wrong way or feeds its model other timesteps is caught only
     here, and the failure reads like any verdict: what failed, at which step, the numbers and their bound."""
-    _plant_loop_bug(bug, setup.model, monkeypatch)
+    plant_loop_bug(bug, setup.model, monkeypatch)
     record = ORACLE.run_pipeline(FAMILY, setup.adapter, setup.prompts, setup.latents, GUIDANCE, steps=1)  # step 0
     verdict = ORACLE.judge_family(FAMILY, setup.adapter, record)
     assert not verdict.passed and verdict.margin > 1e3, verdict.describe()
