@@ -15,8 +15,10 @@ import functools
 import torch
 
 from harness.attention.capture import Capture, load_capture, phase_captures
+from harness.attention.contract import mask_mismatches
 from harness.attention.judge import compare_kernel
 from harness.attention.layout import AttentionLayout
+from harness.attention.masks import build_mask
 from harness.attention.policies import floor_control, floor_policy, in_dtype, low_precision_policy, reference_output
 from harness.attention.rows import capture_rows
 from harness.judging.checks import CheckContext
@@ -33,11 +35,15 @@ POLICY = ("fp32: noise_floor(max|d| <= k x the reference's fp32-vs-fp64 error on
 
 @functools.cache
 def _rows(directory: str, phase: str, device: str) -> tuple[tuple[Capture, AttentionLayout | None, str], ...]:
-    """Every row of every ``phase`` capture: (the row on ``device``, its layout, why no layout fits it or "")."""
+    """Every row of every ``phase`` capture: (the row on ``device``, its layout, why no layout fits it or "": none
+    reads its mask, it admits keys past its own, or its layout's mask is not its own)."""
     found = []
     for path in phase_captures(directory, phase):
         for row in capture_rows(load_capture(path)):
             problem = row.problem or (f"its mask admits {row.past_keys} pairs past its keys" if row.past_keys else "")
+            if not problem:  # a kernel judged at a layout whose mask is not the capture's judges nothing
+                bad, first = mask_mismatches(build_mask(row.layout), row.capture.mask)
+                problem = f"its mask differs from its layout's at {bad} pairs, first {first}" if bad else ""
             found.append((row.capture.to(device), None if problem else row.layout, problem))
     return tuple(found)
 
