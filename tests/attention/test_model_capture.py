@@ -61,7 +61,7 @@ def test_the_attention_checks_judge_the_kernels_on_them(captured):
         for check in (f"attention.capture.{phase}.contract", f"attention.{phase}.decomposed.vs_sdpa",
                       f"attention.{phase}.block_padded.vs_sdpa"):
             verdict = checks.run_check(check, ctx)
-            assert verdict.passed, verdict
+            assert verdict.passed, verdict.describe()
 
 
 def test_a_mask_off_the_formula_is_named_by_row_and_position(checkpoint):

@@ -215,7 +215,7 @@ def test_the_real_code_meets_the_contract_and_replays(package, generation, real_
     control = measure_batch_shape_control(problem)
     for what in ("log_probs", "prev_sample_means"):
         verdict = compare_replay(problem, local_scale_policy(control, what, torch.float32), what)
-        assert verdict.passed, verdict
+        assert verdict.passed, verdict.describe()
     prompts = adapter.example_prompts(3, 2, torch.Generator().manual_seed(17))
     latents = torch.randn((3, *adapter.latent_shape), generator=torch.Generator().manual_seed(18))
 
@@ -250,4 +250,4 @@ def test_the_real_code_meets_the_contract_and_replays(package, generation, real_
     for phase in ("prefill", "denoise"):
         for check in (f"attention.capture.{phase}.contract", f"attention.{phase}.decomposed.vs_sdpa"):
             verdict = checks.run_check(check, ctx)
-            assert verdict.passed, verdict
+            assert verdict.passed, verdict.describe()
