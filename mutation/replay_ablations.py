@@ -16,7 +16,7 @@ import torch
 from fixtures.replay_families import ROPE_FIELDS, family_ids
 from harness.judging.ablation import ablation
 from harness.judging.checkid import CheckId
-from harness.replay import cfg, tiling
+from harness.replay import tiling
 from harness.replay.conditions import concat_payloads, payload_rows
 from harness.replay.denoiser import guidance_at
 
@@ -326,46 +326,44 @@ ablation(
     kills=family_ids("row_count_refused"),
     why="adapters stop refusing a short row field, so a missing broadcast reaches the model (or is repeated)",
     kill_mode="fact",
-    fact="raises ValueError matching 'the harness broadcas",
+    fact="before the transformer runs",
 )
 
 
-def _no_rescale(cond, uncond, scale, dim):
-    return cfg.standard_cfg(cond, uncond, scale)
-
-
 ablation(
-    "replay.norm_rescale_dropped", "harness.replay.cfg:true_cfg_norm_rescale", _no_rescale,
-    kills=family_ids("cfg2.pipeline_combine", combine=cfg.TRUE_CFG_NORM_RESCALE),
-    why="Qwen-Image's true-CFG loses its norm rescale: the plain combine overshoots the cond norm",
+    "replay.norm_rescale_dropped", "harness.replay.cfg:rescale_to_cond_norm", lambda combined, cond, dim: combined,
+    kills=family_ids("cfg2.pipeline_combine", rescaled=True),
+    why="a true-CFG combine loses its norm rescale (Qwen-Image's, Lumina2's cfg_normalization): the plain combine "
+        "overshoots the cond norm",
     kill_mode="tolerance",
 )
 
 
 def _norm_over_tokens(original):
-    def true_cfg_norm_rescale(cond, uncond, scale, dim):
-        return original(cond, uncond, scale, 1)
-    return true_cfg_norm_rescale
+    def rescale_to_cond_norm(combined, cond, dim):
+        return original(combined, cond, 1)
+    return rescale_to_cond_norm
 
 
 ablation(
-    "replay.norm_over_tokens", "harness.replay.cfg:true_cfg_norm_rescale", _norm_over_tokens, wraps=True,
-    kills=family_ids("cfg2.pipeline_combine", combine=cfg.TRUE_CFG_NORM_RESCALE),
-    why="the true-CFG norms are taken over the token dim of the packed latents instead of the channels",
+    "replay.norm_over_tokens", "harness.replay.cfg:rescale_to_cond_norm", _norm_over_tokens, wraps=True,
+    kills=family_ids("cfg2.pipeline_combine", rescaled=True),
+    why="the true-CFG norms are taken over dim 1 (the tokens of packed latents) instead of the family's channel dim",
     kill_mode="tolerance",
 )
 
 
 def _scale_dropped(original):
-    def combine(kind, cond, uncond, scale, *, channel_dim):
-        return original(kind, cond, uncond, 1.0, channel_dim=channel_dim)
-    return combine
+    def combine_branches(adapter, cond, uncond, guidance_scale):
+        return original(adapter, cond, uncond, 1.0)
+    return combine_branches
 
 
 ablation(
-    "replay.guidance_scale_dropped", "harness.replay.cfg:combine", _scale_dropped, wraps=True,
-    kills=family_ids("cfg2.pipeline_combine"),
-    why="the family's combine never receives g (the old adapter contract): every scale acts as 1",
+    "replay.guidance_scale_dropped", "harness.replay.denoiser:combine_branches", _scale_dropped, wraps=True,
+    kills=[*family_ids("cfg2.pipeline_combine"), "replay.oracle.cfg.fused", "replay.oracle.cfg.uncond_first"],
+    why="the family's combine never receives g (the old adapter contract): every scale acts as 1, whether the "
+        "combine is declared or the adapter's own code",
     kill_mode="tolerance",
 )
 

@@ -1,11 +1,13 @@
 """Ablations only independent references can catch, and the ones the strict fakes make numeric.
 
 The first five break code stock and batched replay share (the SDE log-prob, its std and mean, the
-CFG combine): parity cannot see them, so only the oracle checks claim them, and
+halves the CFG combine receives): parity cannot see them, so only the oracle checks (and the pipeline combine
+checks) claim them, and
 tests/replay/test_oracles.py asserts the parity checks survive them. The rest break the rollout's
 record (caught by pi_old against that record), the cfg_factor duplicate-or-split branch of the tiling
-and the fused_uncond cache (caught by the numbers, now that the fake reads the cache), and add a drift
-that compounds over steps (caught by the error-growth check only).
+and the fused_uncond cache (caught by the numbers, now that the fake reads the cache), and add drifts
+that compound over steps: one in every batched mean (caught by the error-growth checks only), one in the uncond
+half of a two-branch forward (only a growth check at cfg 2 can see it).
 """
 
 from __future__ import annotations
@@ -102,15 +104,18 @@ ablation(
 # --------------------------------------------------------------------------- shared: the CFG combine
 
 
-def _guidance_on_wrong_branch(cond, uncond, scale):
-    """cond + g (uncond - cond): the combine guides away from the prompt, in stock and fast alike."""
-    return cond + scale * (uncond - cond)
+def _halves_swapped(original):
+    def split_branches(layout, out, rows):
+        cond, uncond = original(layout, out, rows)
+        return uncond, cond
+    return split_branches
 
 
 ablation(
-    "replay.guidance_wrong_branch", "harness.replay.cfg:standard_cfg", _guidance_on_wrong_branch,
-    kills=["replay.oracle.cfg.fused", "replay.oracle.cfg.uncond_first"],
-    why="guidance applied to the wrong branch: cond + g (uncond - cond) instead of uncond + g (cond - uncond)",
+    "replay.cfg_halves_swapped", "harness.replay.denoiser:split_branches", _halves_swapped, wraps=True,
+    kills=["replay.oracle.cfg.fused", "replay.oracle.cfg.uncond_first", *family_ids("cfg2.pipeline_combine")],
+    why="the forward's two CFG halves reach the combine swapped (uncond taken as cond): guidance pushes away from "
+        "the prompt, in stock and fast alike, whatever combine the family declares or writes",
     kill_mode="tolerance",
 )
 
@@ -202,3 +207,27 @@ ablation(
         "each step, yet under the single-step tolerance on every step",
     kill_mode="tolerance",
 )
+
+
+def _row_drift(row: int) -> float:
+    """1 + 2^(row - 28) in fp32: exactly 1.0 up to row 4 (every row of one serial step's branch), then doubling."""
+    return float(torch.tensor(1.0 + math.ldexp(1.0, row - 28), dtype=torch.float32))
+
+
+def _uncond_drift(original):
+    def split_branches(layout, out, rows):
+        cond, uncond = original(layout, out, rows)
+        factors = torch.tensor([_row_drift(r) for r in range(int(uncond.shape[0]))], dtype=uncond.dtype)
+        return cond, uncond * factors.reshape(-1, *([1] * (uncond.dim() - 1)))
+    return split_branches
+
+
+ablation(
+    "replay.uncond_drift", "harness.replay.denoiser:split_branches", _uncond_drift, wraps=True,
+    kills=family_ids("cfg2.growth.prev_sample_means"),
+    why="the uncond half of a two-branch forward drifts by a relative 2^(r-28) at its row r: nothing at the rows of "
+        "one serial step, then doubling along the stacked steps of the batched forward; a forward without CFG never "
+        "splits, so only a growth check at cfg 2 sees it",
+    kill_mode="tolerance",
+)
+

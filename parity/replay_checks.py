@@ -384,9 +384,11 @@ def pipeline_combine(family: str) -> Verdict:
         x = adapter.from_pipeline_latents(step.latents)
         got = predict_velocity(recorded, x, step.sigma.expand(conditions.batch), conditions, record.guidance)
         expected = adapter.from_pipeline_latents(step.model_output)
+        declared = denoiser.declared_combine(adapter)
         verdict = pipeline_oracle.judge_combine(f"step {i} velocity from the pipeline's branch outputs", got, expected,
-                                                f"the family's {adapter.cfg_combine} combine and "
-                                                f"{adapter.velocity_transform} velocity vs {family}'s pipeline")
+                                                f"the family's combine ({declared}) and "
+                                                f"{adapter.velocity_transform} velocity vs {family}'s pipeline",
+                                                declared=declared)
         verdicts.append(verdict.require(recorded.calls == [2 * conditions.batch],
                                         f"step {i}: one forward of both CFG branches ({2 * conditions.batch} rows)",
                                         forwards=recorded.calls))
@@ -399,8 +401,13 @@ for _family in FAMILIES:
               doc=f"tiny {_family}: the family's CFG combine and velocity transform are its diffusers pipeline's")
 
 
+ROW_COUNT_POLICY = "fact: a ValueError before the transformer runs (no silent repeat)"
+
+
 def adapter_refuses_rows(family: str) -> Verdict:
-    """An adapter handed a row field with fewer rows than its forward raises (it never repeats rows)."""
+    """An adapter handed a row field with fewer rows than its forward refuses it with a ValueError before its
+    transformer runs (it never repeats rows). Judged by behaviour, not wording: the exception's type, and the
+    transformer's forward spy empty."""
     problem = real_problem(family, 2)
     conditions = problem.conditions
     fused = concat_branches(conditions.negative, conditions) if conditions.negative is not None else conditions
@@ -410,13 +417,20 @@ def adapter_refuses_rows(family: str) -> Verdict:
                        cfg_factor=full.cfg_factor)
     x = problem.segment.latent_at(problem.target[0]).float()
     timestep = problem.adapter.timestep(torch.full((2 * BATCH,), 0.6))
-    return raises(lambda: problem.adapter.forward(torch.cat([x, x]), timestep, short), ValueError,
-                         match="the harness broadcasts row fields")
+    raised: Exception | None = None
+    with spy_forwards(problem.adapter.module) as spy:
+        try:
+            problem.adapter.forward(torch.cat([x, x]), timestep, short)
+        except Exception as err:  # noqa: BLE001 - which exception, if any, is the verdict
+            raised = err
+    return holds(isinstance(raised, ValueError) and spy.calls == 0,
+                 f"a row field {name!r} of {BATCH} rows in a forward of {2 * BATCH} is refused with a ValueError "
+                 "before the transformer runs", raised="nothing" if raised is None else type(raised).__name__,
+                 forwards=str(spy.batch_sizes))
 
 
 for _family in FAMILIES:
-    _register(f"replay.{_family}.row_count_refused", adapter_refuses_rows, _family,
-              policy="fact: raises ValueError naming the broadcast (no silent repeat)",
+    _register(f"replay.{_family}.row_count_refused", adapter_refuses_rows, _family, policy=ROW_COUNT_POLICY,
               doc=f"the {_family} adapter refuses a row field of the wrong row count (no silent repeat)")
 
 

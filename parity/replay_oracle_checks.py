@@ -420,14 +420,15 @@ def flux_pi_old_vs_rollout() -> Verdict:
 
 
 @functools.cache
-def growth_problem(family: str = "sd3") -> ReplayProblem:
-    """A tiny model of a registered family (no CFG), SDE on all T steps, every step replayed at once."""
+def growth_problem(family: str = "sd3", cfg: int = 1) -> ReplayProblem:
+    """A tiny model of a registered family (cfg 1: no CFG; cfg 2: both branches at the default scale), SDE on all
+    T steps, every step replayed at once."""
     registered = get_family(family)
     adapter = registered.adapter(tiny_model(family))
-    conditions = registered.example_conditions(adapter, GROWTH_BATCH, 1, torch.Generator().manual_seed(5))
+    conditions = registered.example_conditions(adapter, GROWTH_BATCH, cfg, torch.Generator().manual_seed(5))
     steps = tuple(range(GROWTH_STEPS))
-    return make_problem(f"{family}.growth", adapter, conditions, seed=21, latent_shape=adapter.latent_shape,
-                        target=steps, sde_indices=steps, steps=GROWTH_STEPS, guidance=1.0)
+    return make_problem(f"{family}.cfg{cfg}.growth", adapter, conditions, seed=21, latent_shape=adapter.latent_shape,
+                        target=steps, sde_indices=steps, steps=GROWTH_STEPS, guidance=1.0 if cfg == 1 else GUIDANCE)
 
 
 def _per_step(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
@@ -437,25 +438,31 @@ def _per_step(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def stock_floor_curve(family: str = "sd3") -> tuple[float, ...]:
-    """The stock per-step floor: serial replay at B rows vs serial replay with every forward at the fast path's
-    shape (all S x B rows, each step's rows at their block)."""
-    problem = growth_problem(family)
+def _stock_runs(family: str, cfg: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(serial replay's means at B rows, the same with every forward at the fast path's shape) of the family's
+    growth problem: the stock side of its growth check, run once."""
+    problem = growth_problem(family, cfg)
     base = replay_serial(*problem.args())
     grown = fast_shape_serial(problem)
-    return tuple(_per_step(grown.prev_sample_means, base.prev_sample_means).tolist())
+    return base.prev_sample_means, grown.prev_sample_means
 
 
-@functools.cache
-def resolution_curve(family: str = "sd3") -> tuple[float, ...]:
+def stock_floor_curve(family: str = "sd3", cfg: int = 1) -> tuple[float, ...]:
+    """The stock per-step floor: serial replay at B rows vs serial replay with every forward at the fast path's
+    shape (all S x cfg x B rows, each step's rows at their block)."""
+    base, grown = _stock_runs(family, cfg)
+    return tuple(_per_step(grown, base).tolist())
+
+
+def resolution_curve(family: str = "sd3", cfg: int = 1) -> tuple[float, ...]:
     """One fp32 ulp at each step's mean |transition mean| (the stock values'): below it, a per-step difference
     is the values' own spacing."""
-    problem = growth_problem(family)
-    means = replay_serial(*problem.args()).prev_sample_means.double().abs()
+    means = _stock_runs(family, cfg)[0].double().abs()
     return tuple((FP32_EPS * means.transpose(0, 1).reshape(means.shape[1], -1).mean(dim=1)).tolist())
 
 
-def error_curves(problem: ReplayProblem, family: str = "sd3") -> tuple[ReplayRun, torch.Tensor | None, torch.Tensor]:
+def error_curves(problem: ReplayProblem, family: str = "sd3",
+                 cfg: int = 1) -> tuple[ReplayRun, torch.Tensor | None, torch.Tensor]:
     """(run, batched-vs-serial per-step error of the means or None on a fallback, stock per-step floor). Means an
     implementation returns in the trajectory dtype by its declared convention are compared with serial's rounded
     the same way."""
@@ -466,7 +473,7 @@ def error_curves(problem: ReplayProblem, family: str = "sd3") -> tuple[ReplayRun
         if declared_output_dtype("prev_sample_means", run.batched.prev_sample_means.dtype, problem.segment.dtype):
             serial = serial.to(run.batched.prev_sample_means.dtype)
         curve = _per_step(run.batched.prev_sample_means, serial)
-    return run, curve, torch.tensor(stock_floor_curve(family), dtype=torch.float64)
+    return run, curve, torch.tensor(stock_floor_curve(family, cfg), dtype=torch.float64)
 
 
 def single_step_policy(problem: ReplayProblem) -> Close:
@@ -480,14 +487,16 @@ def single_step_policy(problem: ReplayProblem) -> Close:
                  reason=f"single-step: max(4 x floor {floor:.2e}, 4 fp32 ulps x {scale:.2e})")
 
 
-def error_growth(family: str) -> Verdict:
-    """A family's tiny model over all T steps: the per-step error of the batched means (mean |batched - serial|)
-    may grow at most GROWTH_BUDGET x as fast as the stock floor (serial at B rows vs at the fast path's shape)."""
-    problem = growth_problem(family)
-    run, curve, floor = error_curves(problem, family)
+def error_growth(family: str, cfg: int) -> Verdict:
+    """A family's tiny model over all T steps at ``cfg``: the per-step error of the batched means (mean |batched -
+    serial|) may grow at most GROWTH_BUDGET x as fast as the stock floor (serial at B rows vs at the fast path's
+    shape). At cfg 2 both branches and the combine run at every step, so a drift in the uncond half (or anything
+    only a two-branch forward does) compounds here, where cfg 1 never looks."""
+    problem = growth_problem(family, cfg)
+    run, curve, floor = error_curves(problem, family, cfg)
     if curve is None:
         return holds(False, "batched replay returned a result (no silent fallback)")
-    resolution = torch.tensor(resolution_curve(family), dtype=torch.float64)
+    resolution = torch.tensor(resolution_curve(family, cfg), dtype=torch.float64)
     means = run.batched.prev_sample_means
     if declared_output_dtype("prev_sample_means", means.dtype, problem.segment.dtype):
         # judged in the declared output dtype: below one of its ulps at a step's magnitude, a difference is rounding
@@ -498,31 +507,32 @@ def error_growth(family: str) -> Verdict:
                             problem.segment.dtype)
     verdict = growth.judge_growth(curve, floor, resolution,
                                   control=f"stock serial at B rows vs serial with every forward at the fast path's "
-                                          f"{problem.batched_rows}-row shape, mean |d| of the means per step")
-    stock = growth_stock_floor(family)
+                                          f"{problem.batched_rows}-row shape (cfg {cfg}), mean |d| of the means per "
+                                          "step")
+    stock = growth_stock_floor(family, cfg)
     verdict = verdict.with_metrics(**stock.metrics()).require(not stock.above_ceiling, stock.ceiling_fact())
     return require_fast_path(verdict, problem, run.batched_forwards, run.serial_forwards)
 
 
 @functools.cache
-def growth_stock_floor(family: str = "sd3") -> StockFloor:
+def growth_stock_floor(family: str = "sd3", cfg: int = 1) -> StockFloor:
     """The growth control's worst element (stock serial at B rows vs at the fast path's shape) under its ceiling:
     the control runs the family's adapter at the fast path's shape, so a stock path that depends on what shares
     its forward would otherwise widen the very curve the batched error is judged against."""
-    problem = growth_problem(family)
-    base = replay_serial(*problem.args())
-    grown = fast_shape_serial(problem)
+    problem = growth_problem(family, cfg)
+    base, grown = _stock_runs(family, cfg)
     terms = max(1, replay_terms(problem))
-    return StockFloor(max_abs_diff(grown.prev_sample_means, base.prev_sample_means),
-                      float(base.prev_sample_means.abs().max()), 1.0,
+    return StockFloor(max_abs_diff(grown, base), float(base.abs().max()), 1.0,
                       source="stock serial at B rows vs at the fast path's shape, every step",
                       ceiling_ulps=reduction_ceiling_ulps(terms),
                       ceiling_reason=f"K = {terms}: the denoiser's Linear/Conv fan-ins and the latent's elements")
 
 
 for _family in family_names():
-    _register(f"replay.{_family}.growth.prev_sample_means", error_growth, _family, policy=GROWTH_POLICY,
-              doc=f"tiny {_family} over all T steps: batched-mean error grows no faster than the stock floor")
+    _register(f"replay.{_family}.growth.prev_sample_means", error_growth, _family, 1, policy=GROWTH_POLICY,
+              doc=f"tiny {_family} at cfg 1 over all T steps: batched-mean error grows no faster than the stock floor")
+    _register(f"replay.{_family}.cfg2.growth.prev_sample_means", error_growth, _family, 2, policy=GROWTH_POLICY,
+              doc=f"tiny {_family} at cfg 2 over all T steps: batched-mean error grows no faster than the stock floor")
 
 declare_floor("replay.oracle.*", f"{ORACLE_FLOOR_ULPS:g} fp32 ulp of the quantity's scale (fp32 vs fp64)",
               "8 sqrt(K) fp32 ulps, K = the formula's elementwise steps or a row's mean over its latent elements")

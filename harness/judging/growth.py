@@ -20,8 +20,8 @@ import torch
 
 from harness.judging.compare import Verdict, noise_floor
 
-__all__ = ["GROWTH_BUDGET", "GROWTH_K_MAX", "GROWTH_K_MIN", "MIN_GROWTH_STEPS", "first_departure", "growth_ratio",
-           "judge_growth"]
+__all__ = ["GROWTH_BUDGET", "GROWTH_K_MAX", "GROWTH_K_MIN", "HEADLINE", "MIN_GROWTH_STEPS", "first_departure",
+           "growth_ratio", "judge_growth"]
 
 # The fast path's error may grow at most GROWTH_BUDGET x as fast as the stock path's own per-step floor grows;
 # a budget outside [GROWTH_K_MIN, GROWTH_K_MAX] x the floor's growth fails the check ("too loose"/"too tight").
@@ -30,6 +30,9 @@ GROWTH_K_MIN, GROWTH_K_MAX = 1.5, 4.0
 # The slowest floor growth a budget is read against: a flat curve (a floor that shrinks is read as flat).
 FLAT_GROWTH = 1.0
 MIN_GROWTH_STEPS = 6  # thirds of at least two steps each
+# a growth verdict's headline: the error curve's growth ratio (mean of its last third over its first third), which
+# a correct fast path reads equal to the stock floor's (margin 1 / GROWTH_BUDGET when the two curves coincide)
+HEADLINE = "error_growth"
 
 
 def growth_ratio(curve: torch.Tensor) -> float:
@@ -80,8 +83,12 @@ def judge_growth(error: torch.Tensor, floor: torch.Tensor, resolution: torch.Ten
         f"{budget:g} x the stock floor's growth {floor_grows:.3f} (read as >= {FLAT_GROWTH:g}); floor curve = "
         f"{control}, {float(floor.min()):.1e}..{float(floor.max()):.1e}; every point of both curves >= the "
         f"values' fp32 resolution ({at_resolution} of {steps} floor points sit at it)"))
-    verdict = policy.judge(torch.tensor([grows], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
-                           what="error growth")
+    judged = policy.judge(torch.tensor([grows], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+                          what="error growth")
+    # the policy judged one ratio: its elementwise metrics (max_abs of one number, a "mismatch" count) are not
+    # what was measured, so the verdict's headline is the growth ratio itself
+    verdict = dataclasses.replace(judged, headline=HEADLINE, metrics={
+        k: v for k, v in judged.metrics.items() if k not in ("max_abs", "mismatched", "total", "rel_l2")})
     if not verdict.passed:  # a scalar has no "worst element": say at which step the error leaves its floor
         verdict = dataclasses.replace(verdict, message=(
             f"error growth {grows:.3g} exceeds {budget:g} x the stock floor's growth {read:.3g} = {policy.bound:.3g}"

@@ -1,11 +1,13 @@
 """The model adapter contract and the CFG step around one transformer forward (docs/contracts.md, replay).
 
 An adapter runs ONE transformer forward over all rows it is given (``forward``), names its CFG
-layout and its CFG combine (harness.replay.cfg). ``predict_velocity`` builds the CFG batch for that
-layout, broadcasts every row field to the forward's row count (the harness's job, never the
-adapter's), calls ``forward`` once, splits the output at the midpoint and hands both branches and
-the guidance scale to the family's combine. Stock and batched replay both go through it, so the
-only difference between them is the batch they hand in.
+layout and declares its CFG combine (harness.replay.cfg). ``predict_velocity`` builds the CFG batch for
+that layout, broadcasts every row field to the forward's row count (the harness's job, never the
+adapter's), calls ``forward`` once, splits the output at the midpoint (``split_branches``) and hands both
+branches and the guidance scale to the family's combine (``combine_branches``). Stock and batched replay both go
+through it, so the only difference between them is the batch they hand in. The seams sit around the family's
+code, on what its forward returns and its combine receives, so an ablation of them reaches an adapter that
+writes its own combine as surely as one that declares it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ __all__ = [
     "DenoiserAdapter",
     "Guidance",
     "WrappedAdapter",
+    "combine_branches",
     "concat_branches",
+    "declared_combine",
     "declared_layout",
     "guidance_at",
     "model_timestep",
@@ -49,14 +53,15 @@ class DenoiserAdapter:
     Subclasses set ``cfg_layout`` and ``module`` (the transformer, which spies hook) and implement
     ``forward(hidden [N, *latent], timestep [N], conditions) -> velocity [N, *latent]`` as exactly one
     transformer call over the N rows; every row field they receive has N rows (check it with
-    ``harness.replay.conditions.require_rows``). ``cfg_combine`` names the family's CFG combine and
-    ``channel_dim`` the latent dim a norm-rescaling combine reduces over. ``velocity`` is what the family's
+    ``harness.replay.conditions.require_rows``). ``cfg_combine`` declares the family's CFG combine (a
+    ``harness.replay.cfg.CfgCombine``: its pipeline's formula over cond, uncond and g, or a known combine's name)
+    and ``channel_dim`` the latent dim a norm-rescaling combine reduces over. ``velocity`` is what the family's
     pipeline does to the (combined) model output before its scheduler steps on it: a negation (Lumina2,
-    HiDream), a scale, a prediction-type conversion; ``velocity_transform`` names it for reports.
+    HiDream, Z-Image), a scale, a prediction-type conversion; ``velocity_transform`` names it for reports.
     """
 
     cfg_layout: str = FUSED_COND_FIRST
-    cfg_combine: str = cfg.STANDARD
+    cfg_combine: cfg.CfgCombine | str = cfg.STANDARD
     channel_dim: int = 1
     velocity_transform: str = "identity"
     module: torch.nn.Module
@@ -70,7 +75,14 @@ class DenoiserAdapter:
         raise NotImplementedError
 
     def combine(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-        """The family's CFG combine of the two branches' velocities at scale ``guidance_scale``."""
+        """The family's CFG combine of the two branches' outputs (``[B, *latent]`` each, in replay's layout) at
+        scale ``guidance_scale``: the declared ``cfg_combine`` evaluated, its rescale over ``channel_dim``.
+
+        Declare the pipeline's formula rather than overriding this. An override is honoured (a combine no formula
+        states: a per-step schedule inside the model, a clamp) and reports name it as the adapter's own code; it
+        still receives its branches and scale through ``combine_branches``, so the suite's ablations of what
+        reaches a combine (a dropped scale, swapped halves) act on it too.
+        """
         return cfg.combine(self.cfg_combine, cond, uncond, guidance_scale, channel_dim=self.channel_dim)
 
     def velocity(self, prediction: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -149,11 +161,29 @@ def declared_layout(adapter: DenoiserAdapter) -> str:
     return adapter.cfg_layout
 
 
+def declared_combine(adapter: DenoiserAdapter) -> str:
+    """The CFG combine an adapter declares, in a report's words: its ``cfg_combine`` formula, or its own
+    ``combine`` override named as such (a wrapping adapter answers for the adapter it wraps)."""
+    while isinstance(adapter, WrappedAdapter):
+        adapter = adapter.inner
+    declared = cfg.resolve(adapter.cfg_combine)
+    if type(adapter).combine is DenoiserAdapter.combine:
+        return str(declared)
+    return f"{type(adapter).__qualname__}.combine (the adapter's own code; its cfg_combine says {declared})"
+
+
 def split_branches(layout: str, out: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(cond, uncond) halves of a two-branch forward's output: ``[uncond; cond]`` uncond-first,
     ``[cond; uncond]`` fused cond-first."""
     first, second = out[:rows], out[rows:]
     return (second, first) if layout == UNCOND_FIRST else (first, second)
+
+
+def combine_branches(adapter: DenoiserAdapter, cond: torch.Tensor, uncond: torch.Tensor,
+                     guidance_scale: float) -> torch.Tensor:
+    """The family's combine of its branch outputs at ``guidance_scale``: what every combine, declared or the
+    adapter's own code, receives and returns."""
+    return adapter.combine(cond, uncond, guidance_scale)
 
 
 def predict_velocity(adapter: DenoiserAdapter, x: torch.Tensor, sigma: torch.Tensor | float,
@@ -162,8 +192,8 @@ def predict_velocity(adapter: DenoiserAdapter, x: torch.Tensor, sigma: torch.Ten
 
     uncond-first: the forward sees ``[uncond; cond]``; fused cond-first: ``[cond; uncond]`` as the
     conditions arrive. Either way it is one forward over row fields broadcast to its row count,
-    split at its midpoint, and the family's combine gets both halves and ``guidance_scale``; the family's
-    ``velocity`` transform of the result is what the scheduler steps on.
+    split at its midpoint, and the family's combine gets both halves and ``guidance_scale``
+    (``combine_branches``); the family's ``velocity`` transform of the result is what the scheduler steps on.
     """
     rows = x.shape[0]
     if rows != conditions.batch:
@@ -178,4 +208,4 @@ def predict_velocity(adapter: DenoiserAdapter, x: torch.Tensor, sigma: torch.Ten
     fused = concat_branches(conditions.negative, conditions) if conditions.negative is not None else conditions
     out = adapter.forward(torch.cat([x, x]), torch.cat([timestep, timestep]), broadcast_rows(fused))
     cond, uncond = split_branches(declared_layout(adapter), out, rows)
-    return model_velocity(adapter, adapter.combine(cond, uncond, guidance_scale), x, sigmas)
+    return model_velocity(adapter, combine_branches(adapter, cond, uncond, guidance_scale), x, sigmas)

@@ -6,25 +6,33 @@ pipeline's step into a model call, so the oracle runs the family's registered pi
 (``ReplayFamily.pipeline``) for ORACLE_STEPS steps from encoded prompts (no text encoder) with
 ``output_type="latent"``, records every transformer forward (its arguments, bound to the forward's
 signature, and its output) and the combined prediction the pipeline hands its scheduler, then runs the
-adapter's denoiser (``predict_velocity``) at the same latents and sigma and holds it to the pipeline:
+adapter's denoiser (``predict_velocity``) at the same latents and sigma and holds it to the pipeline. A row
+argument or output is a tensor whose dim 0 is the row or a list with one item per row (a transformer that takes
+one latent per sample, captions of different lengths with no mask): either is recorded, lined up and compared row
+by row, in the kind the transformer took it.
 
 - inputs, row by row, the pipeline's branches told apart by their prompt rows: the rows the adapter
-  declares cond carry the pipeline's cond inputs (CFG order), masks, pooled embeddings, guidance and
-  latents bitwise; the timestep within TIMESTEP_ULPS fp32 ulps of the pipeline's (the pipeline derives
-  t and sigma from each other through a few fp32 roundings; a wrong unit is off by orders of magnitude);
+  declares cond carry the pipeline's cond inputs (CFG order: a row that carries the other branch's prompt), and
+  every row argument (the prompt, masks, pooled embeddings, guidance, latents) equals the pipeline's bitwise, each
+  row that differs named with its field; the timestep within TIMESTEP_ULPS fp32 ulps of the pipeline's (the
+  pipeline derives t and sigma from each other through a few fp32 roundings; a wrong unit is off by orders of
+  magnitude);
   shared arguments (ids, image shapes) equal;
 - outputs: each branch's transformer output, and the velocity (the family's combine and ``velocity``
   transform), within K_OUTPUT x a floor plus the effect of the timestep's allowed difference. The floor is
   the transformer on the pipeline's own inputs and timestep in one forward of the adapter's rows and
   positions: it differs from the pipeline's calls only in how the rows are grouped, so it is rounding, held
   under its ceiling (harness.judging.floors: K = the transformer's Linear/Conv fan-ins and the tokens attended
-  over); at least RESOLUTION (4 fp32 ulps) of the local magnitude (per row). The timestep allowance is the
-  same forward at the adapter's own timestep against it: exactly what the allowed timestep difference does,
-  zero when the two timesteps agree bitwise;
-- the family's combine and velocity transform applied to the pipeline's own branch outputs equal the
-  pipeline's combined prediction (only the arithmetic's rounding, RESOLUTION, may differ). A velocity that
-  is the exact negation of the pipeline's (relative error 2) is named a sign flip: the pipeline
-  post-processes the model output and the family's ``velocity`` does not say so.
+  over); at least RESOLUTION (4 fp32 ulps) of the local magnitude (per row). The velocity's floor is the family's
+  own combine of those outputs against its combine of the pipeline's, so a combine that is not the pipeline's
+  fails the combine part below, never this floor's ceiling. The timestep allowance is the same forward at the
+  adapter's own timestep against it: exactly what the allowed timestep difference does, zero when the two
+  timesteps agree bitwise;
+- the family's declared combine and velocity transform applied to the pipeline's own branch outputs equal the
+  pipeline's combined prediction (only the arithmetic's rounding, RESOLUTION, may differ); a failure names the
+  declared combine and the samples where it differs. A velocity that is the exact negation of the pipeline's
+  (relative error 2) is named a sign flip: the pipeline post-processes the model output and the family's
+  ``velocity`` does not say so.
 
 A family whose pipeline is not a diffusers class (HunyuanImage-3's loop ships in its remote code) registers its own
 oracle on its ``PipelineSpec`` (``oracle``); ``run_pipeline``, ``align_family`` and ``judge_family`` hand such a
@@ -72,7 +80,6 @@ TIMESTEP_ULPS = 16.0  # the pipeline's t and sigma meet through its scheduler's 
 RESOLUTION = 4 * FP32_EPS  # the least relative bound of an output: 4 fp32 ulps of its local magnitude
 K_OUTPUT, K_MIN, K_MAX = 4.0, 2.0, 8.0
 PROMPT_KEY, NEGATIVE_KEY = "prompt_embeds", "negative_prompt_embeds"
-OTHER = {"cond": "uncond", "uncond": "cond"}
 
 
 class OracleError(ValueError):
@@ -81,10 +88,11 @@ class OracleError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class Forward:
-    """One transformer call: its arguments bound to ``forward``'s signature (defaults applied) and output."""
+    """One transformer call: its arguments bound to ``forward``'s signature (defaults applied) and output (a
+    tensor, or a list of per-row tensors when the transformer returns lists)."""
 
     arguments: dict[str, Any]
-    output: torch.Tensor
+    output: Any
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,15 +122,34 @@ def _bind(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, A
     return dict(bound.arguments)
 
 
+def _copied(value: Any) -> Any:
+    """A copy of a forward's output as it was when the forward returned: tensors cloned, lists item by item (a
+    module may reuse its output buffers on its next call)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(item) for item in value)
+    return value
+
+
+def model_output(output: Any) -> Any:
+    """The prediction in what a diffusers transformer returns: the first item of its ``return_dict=False`` tuple,
+    the ``sample`` of its output object, or the value itself (a tensor, or a list of per-row tensors)."""
+    if isinstance(output, tuple):
+        return output[0]
+    if not isinstance(output, (torch.Tensor, list)) and hasattr(output, "sample"):
+        return output.sample
+    return output
+
+
 @contextlib.contextmanager
 def record_forwards(module: torch.nn.Module) -> Iterator[list[Forward]]:
-    """Every forward of ``module`` while the block runs: bound arguments and first output (callers run it under
-    ``torch.no_grad()``, so the outputs carry no graph)."""
+    """Every forward of ``module`` while the block runs: bound arguments and a copy of its prediction
+    (``model_output``)."""
     calls: list[Forward] = []
 
     def hook(mod, args, kwargs, output) -> None:
-        out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
-        calls.append(Forward(_bind(mod, args, kwargs), out.clone()))
+        calls.append(Forward(_bind(mod, args, kwargs), _copied(model_output(output))))
 
     handle = module.register_forward_hook(hook, with_kwargs=True)
     try:
@@ -219,8 +246,27 @@ def _count(value: Any) -> int | None:
     return len(value) if isinstance(value, (list, tuple)) else None
 
 
-def _stack(rows: Sequence[Any]) -> Any:
-    return torch.stack(list(rows)) if isinstance(rows[0], torch.Tensor) else list(rows)
+def _gathered(like: Any, rows: Sequence[Any]) -> Any:
+    """``rows`` in the kind of the value they came from: a tensor's rows stacked into a tensor, the items of a
+    list (or tuple) kept as a list, so rows of different shapes (ragged captions) never meet in a stack."""
+    return torch.stack(list(rows)) if isinstance(like, torch.Tensor) else list(rows)
+
+
+def row_list(value: Any) -> list[torch.Tensor]:
+    """The per-row tensors of a row value: a tensor's rows, or a list's (tuple's) items."""
+    if isinstance(value, torch.Tensor) and value.dim():
+        return list(value.unbind(0))
+    if isinstance(value, (list, tuple)) and all(isinstance(item, torch.Tensor) for item in value):
+        return list(value)
+    raise OracleError(f"expected a tensor of rows or a list of per-row tensors, got {type(value).__name__}")
+
+
+def _negated(value: Any) -> Any:
+    return -value if isinstance(value, torch.Tensor) else [-row for row in row_list(value)]
+
+
+def _shape(value: Any) -> str:
+    return str(tuple(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def adapter_order(layout: str, batch: int) -> list[tuple[str, int]]:
@@ -232,12 +278,13 @@ def adapter_order(layout: str, batch: int) -> list[tuple[str, int]]:
 @dataclass(frozen=True, eq=False)
 class AlignedStep:
     """The pipeline's forwards of one step rearranged into the adapter's rows: every row argument (and the
-    output) stacked in ``order``, the shared arguments as the pipeline passed them."""
+    output) in ``order``, each in the kind the transformer took it (a tensor's rows stacked, a list's items
+    listed), the shared arguments as the pipeline passed them."""
 
     order: list[tuple[str, int]]
     rows: dict[str, Any]
     shared: dict[str, Any]
-    output: torch.Tensor
+    output: Any
 
 
 def align(step: PipelineStep, prompts: Prompts, prompt_arg: str, order: list[tuple[str, int]]) -> AlignedStep:
@@ -264,9 +311,10 @@ def align(step: PipelineStep, prompts: Prompts, prompt_arg: str, order: list[tup
                  if all(_count(f.arguments.get(name)) == n for f, n in zip(step.forwards, counts, strict=True))]
 
     def pick(name: str) -> Any:
-        return _stack([step.forwards[where[key][0]].arguments[name][where[key][1]] for key in order])
+        return _gathered(step.forwards[0].arguments[name],
+                         [step.forwards[where[key][0]].arguments[name][where[key][1]] for key in order])
 
-    output = torch.stack([step.forwards[where[key][0]].output[where[key][1]] for key in order])
+    output = _gathered(step.forwards[0].output, [step.forwards[where[key][0]].output[where[key][1]] for key in order])
     shared = {k: v for k, v in step.forwards[0].arguments.items() if k not in row_names}
     return AlignedStep(order, {name: pick(name) for name in row_names}, shared, output)
 
@@ -282,8 +330,23 @@ def align_family(family: ReplayFamily, step: PipelineStep, prompts: Prompts,
     return align(step, prompts, spec.prompt_arg, order)
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """|actual - expected| per element over the local magnitude (max |expected| of its row), fp64."""
+def relative_error(actual: Any, expected: Any) -> torch.Tensor:
+    """|actual - expected| per element over the local magnitude (max |expected| of its row), fp64. Either side may
+    be a list of per-row tensors: rows of one shape are stacked; ragged rows are flattened, each padded with zero
+    errors to the longest row (``[N, elements]``)."""
+    if not (isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)):
+        mine, theirs = row_list(actual), row_list(expected)
+        if len(mine) != len(theirs):
+            raise OracleError(f"{len(mine)} rows and {len(theirs)} rows differ")
+        shapes = [(tuple(a.shape), tuple(e.shape)) for a, e in zip(mine, theirs, strict=True)]
+        unequal = [f"row {r}: {a} vs {e}" for r, (a, e) in enumerate(shapes) if a != e]
+        if unequal:
+            raise OracleError(f"shapes differ ({'; '.join(unequal)})")
+        if len({a for a, _ in shapes}) == 1:
+            return relative_error(torch.stack(mine), torch.stack(theirs))
+        flat = [relative_error(a[None], e[None]).flatten() for a, e in zip(mine, theirs, strict=True)]
+        width = max(row.numel() for row in flat)
+        return torch.stack([torch.nn.functional.pad(row, (0, width - row.numel())) for row in flat])
     a, e = actual.detach().double(), expected.detach().double()
     if a.shape != e.shape:
         raise OracleError(f"shapes {tuple(a.shape)} and {tuple(e.shape)} differ")
@@ -295,13 +358,16 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor
 SIGN_FLIP_ROOM = 1e-3  # how far from the exact negation a sign flip may sit: rounding plus a step's floor
 
 
-def sign_flipped(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+def sign_flipped(actual: Any, expected: Any) -> bool:
     """True when ``actual`` is ``-expected`` to within SIGN_FLIP_ROOM of each row's magnitude, ``expected`` not
     zero: a relative error of 2, the signature of a sign the pipeline applies and the family does not."""
-    a, e = actual.detach().double(), expected.detach().double()
-    if a.shape != e.shape or not bool((e != 0).any()):
+    try:
+        negated = relative_error(_negated(actual), expected)
+    except OracleError:  # another shape: not a sign
         return False
-    return bool((relative_error(-a, e) <= SIGN_FLIP_ROOM).all())
+    if not any(bool((row != 0).any()) for row in row_list(expected)):
+        return False
+    return bool((negated <= SIGN_FLIP_ROOM).all())
 
 
 SIGN_FLIP = ("is the exact negation of the pipeline's (relative error 2): a sign flip. The pipeline post-processes "
@@ -309,10 +375,11 @@ SIGN_FLIP = ("is the exact negation of the pipeline's (relative error 2): a sign
              "declare the pipeline's transform there")
 
 
-def _within(what: str, actual: torch.Tensor, expected: torch.Tensor, floor: StockFloor, allowance: float,
-            reason: str) -> Verdict:
+def _within(what: str, actual: Any, expected: Any, floor: StockFloor, allowance: float, reason: str,
+            rows: Sequence[str] | None = None) -> Verdict:
     """Relative error within K_OUTPUT x the floor (never below RESOLUTION) plus ``allowance``, the bound held
-    within [K_MIN, K_MAX] x the floor and the floor under its ceiling. A sign flip is named first."""
+    within [K_MIN, K_MAX] x the floor and the floor under its ceiling. A sign flip is named first; ``rows`` names
+    each row where the worst element is located (default: its index)."""
     flipped = sign_flipped(actual, expected)
     lead = holds(not flipped, f"{what}: not a sign flip of the pipeline's",
                  **({"sign_flip": f"{what} {SIGN_FLIP}"} if flipped else {}))
@@ -320,7 +387,8 @@ def _within(what: str, actual: torch.Tensor, expected: torch.Tensor, floor: Stoc
                          reason=f"{reason}: {floor.describe()}; plus {allowance:.2e}, what the timestep's allowed "
                                 "difference does to it")
     rel = relative_error(actual, expected)
-    verdict = policy.judge(rel, torch.zeros_like(rel), dims=("row",), what=f"{what} (relative)")
+    labels = {"row": list(rows)} if rows is not None else None
+    verdict = policy.judge(rel, torch.zeros_like(rel), dims=("row",), labels=labels, what=f"{what} (relative)")
     if flipped:  # a floor measured against a negated reference is the sign, not rounding: the flip is the cause
         return lead.merge(verdict.require_bounded(K_OUTPUT * floor.value, floor.value, k_min=K_MIN, k_max=K_MAX,
                                                   what=f"{what} bound"))
@@ -332,11 +400,22 @@ COMBINE_POLICY = (f"relative error <= {K_OUTPUT:g} x {RESOLUTION / FP32_EPS:g} f
                   "a sign flip")
 
 
-def judge_combine(what: str, actual: torch.Tensor, expected: torch.Tensor, reason: str) -> Verdict:
+def judge_combine(what: str, actual: torch.Tensor, expected: torch.Tensor, reason: str,
+                  declared: str | None = None) -> Verdict:
     """The family's combine and velocity of branch outputs the pipeline computed, against what the pipeline handed
-    its scheduler: no model runs, so only RESOLUTION of rounding (and never a sign) may differ."""
-    return _within(what, actual, expected, _rounding_floor(0.0, 1, "the pipeline's own branch outputs: no model "
-                                                                    "runs"), 0.0, reason)
+    its scheduler: no model runs, so only RESOLUTION of rounding (and never a sign) may differ. A failure that is
+    not a sign flip names the ``declared`` combine and the samples where the two differ."""
+    floor = _rounding_floor(0.0, 1, "the pipeline's own branch outputs: no model runs")
+    samples = [f"sample {b}" for b in range(int(actual.shape[0]))]
+    verdict = _within(what, actual, expected, floor, 0.0, reason, rows=samples)
+    if verdict.passed or sign_flipped(actual, expected) or declared is None:
+        return verdict
+    bound = K_OUTPUT * floor.value
+    worst = relative_error(actual, expected).flatten(1).amax(dim=1)
+    differ = [name for name, error in zip(samples, worst.tolist(), strict=True) if not error <= bound]
+    return verdict.require(False, f"{what}: the family's declared CFG combine ({declared}) gives the prediction the "
+                                  "pipeline handed its scheduler", samples_differing=", ".join(differ),
+                           declared_combine=declared)
 
 
 def _rounding_floor(measured: float, terms: int, source: str, dtype: torch.dtype = torch.float32) -> StockFloor:
@@ -347,36 +426,42 @@ def _rounding_floor(measured: float, terms: int, source: str, dtype: torch.dtype
                                      "over")
 
 
-def to_replay(adapter: ModelAdapter, transformer_out: torch.Tensor) -> torch.Tensor:
-    """Transformer outputs in replay's layout; a learned-sigma head's second half of the channels is cut, as the
-    pipelines cut it."""
+def to_replay(adapter: ModelAdapter, transformer_out: Any) -> torch.Tensor:
+    """Transformer outputs (rows in the adapter's order, a tensor or a list of per-row tensors) in replay's layout,
+    through the adapter's ``from_pipeline_latents``; a learned-sigma head's second half of the channels is cut, as
+    the pipelines cut it."""
     out = adapter.from_pipeline_latents(transformer_out)
+    if not isinstance(out, torch.Tensor):
+        raise OracleError(f"{type(adapter).__name__}.from_pipeline_latents returned {type(out).__name__}: it receives "
+                          f"the transformer's outputs as the transformer returns them (here {_shape(transformer_out)})"
+                          " and returns them as one tensor [N, *latent_shape]")
     channels = adapter.latent_shape[0]
     if out.shape[1] == 2 * channels:  # replay's layout is channels-first: (B, C, ...)
         out = out[:, :channels]
     return out
 
 
-def _combined(adapter: ModelAdapter, out: torch.Tensor, order: list[tuple[str, int]], guidance: float,
+def _combined(adapter: ModelAdapter, out: Any, order: list[tuple[str, int]], guidance: float,
               x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """The family's combine of the cond and uncond rows of ``out`` (rows in ``order``), then its velocity
-    transform at latents ``x`` and per-row ``sigma``: what the scheduler steps on, in replay layout."""
+    """The family's combine of the cond and uncond rows of ``out`` (transformer outputs, rows in ``order``), then
+    its velocity transform at latents ``x`` and per-row ``sigma``: what the scheduler steps on, in replay layout.
+    It goes through the same seams as ``predict_velocity`` (``combine_branches``, ``model_velocity``)."""
     branch = {key: i for i, key in enumerate(order)}
     batch = len(order) // 2
-    cond = out[[branch[("cond", b)] for b in range(batch)]]
-    uncond = out[[branch[("uncond", b)] for b in range(batch)]]
-    combined = adapter.combine(to_replay(adapter, cond), to_replay(adapter, uncond), guidance)
-    return denoiser.model_velocity(adapter, combined, x, sigma)
+    rows = to_replay(adapter, out)
+    cond = rows[[branch[("cond", b)] for b in range(batch)]]
+    uncond = rows[[branch[("uncond", b)] for b in range(batch)]]
+    return denoiser.model_velocity(adapter, denoiser.combine_branches(adapter, cond, uncond, guidance), x, sigma)
 
 
-def _forward_output(adapter: ModelAdapter, arguments: Mapping[str, Any]) -> torch.Tensor:
+def _forward_output(adapter: ModelAdapter, arguments: Mapping[str, Any]) -> Any:
     with torch.no_grad(), record_forwards(adapter.module) as calls:
         adapter.module(**arguments)
     return calls[0].output
 
 
 def _control_outputs(adapter: ModelAdapter, aligned: AlignedStep, timestep_arg: str,
-                     timestep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     timestep: torch.Tensor) -> tuple[Any, Any]:
     """The transformer on the pipeline's own inputs in one forward of the adapter's rows and positions: at the
     pipeline's timestep (the floor: only the grouping of rows differs from the pipeline's calls) and at the
     adapter's ``timestep`` (against the first, what the timestep's allowed difference does)."""
@@ -392,7 +477,11 @@ def _tokens(aligned: AlignedStep, prompt_arg: str, adapter: ModelAdapter) -> int
     """The tokens one attention may reduce over: the prompt's plus the latent grid's positions (an upper count:
     a patchified grid has fewer, which only raises the ceiling)."""
     prompt = aligned.rows[prompt_arg]
-    text = int(prompt.shape[1]) if isinstance(prompt, torch.Tensor) and prompt.dim() > 2 else 0
+    if isinstance(prompt, torch.Tensor):
+        text = int(prompt.shape[1]) if prompt.dim() > 2 else 0
+    else:  # one item per row, [tokens, channels] each (ragged captions): the longest
+        text = max((int(item.shape[0]) for item in prompt if isinstance(item, torch.Tensor) and item.dim() > 1),
+                   default=0)
     height, width = adapter.latent_size
     return text + height * width
 
@@ -413,23 +502,20 @@ def judge_step(family: ReplayFamily, adapter: ModelAdapter, step: PipelineStep, 
         return ran
     mine = calls[0]
     order = adapter_order(denoiser.declared_layout(adapter), batch)
+    names = [f"{branch}[{b}]" for branch, b in order]
     aligned = align(step, prompts, spec.prompt_arg, order)
-    prompt_rows, pipeline_rows = mine.arguments[spec.prompt_arg], aligned.rows[spec.prompt_arg]
-    flipped = {(branch, b): r for r, (branch, b) in enumerate(order)}
-    cfg_order = all(_same(prompt_rows[r], pipeline_rows[r]) for r in range(2 * batch))
-    backwards = all(_same(prompt_rows[r], pipeline_rows[flipped[(OTHER[branch], b)]])
-                    for r, (branch, b) in enumerate(order))
+    crossed = _branch_crossings(mine.arguments[spec.prompt_arg], aligned.rows[spec.prompt_arg], order)
     mismatched = _input_mismatches(mine, aligned, spec.timestep_arg, order)
     t_pipe = aligned.rows[spec.timestep_arg].double()
     t_mine = torch.as_tensor(mine.arguments[spec.timestep_arg]).expand_as(t_pipe)  # judged in fp64
     scale = float(t_pipe.abs().max())
     verdict = close(atol=TIMESTEP_ULPS * FP32_EPS * scale, rtol=0.0,
                     reason=f"timestep in the pipeline's units: within {TIMESTEP_ULPS:g} fp32 ulps of its "
-                           f"magnitude {scale:.4g}").judge(t_mine, t_pipe, dims=("row",),
+                           f"magnitude {scale:.4g}").judge(t_mine, t_pipe, dims=("row",), labels={"row": names},
                                                            what=f"{label} timestep")
-    verdict = verdict.require(cfg_order, f"{label}: CFG order: the rows the adapter declares cond carry the "
-                                         "pipeline's prompt, the uncond rows its negative prompt",
-                              cfg_order_backwards=backwards)
+    verdict = verdict.require(not crossed, f"{label}: CFG order: the rows the adapter declares cond carry the "
+                                           "pipeline's prompt, the uncond rows its negative prompt",
+                              cfg_order_backwards=len(crossed) == len(order), cfg_order_crossed=", ".join(crossed))
     verdict = verdict.require(not mismatched, f"{label}: every other transformer input equals the pipeline's, "
                                               "row by row", **{f"input_{k}": v for k, v in mismatched.items()})
     at_pipeline, at_adapter = _control_outputs(adapter, aligned, spec.timestep_arg,
@@ -441,29 +527,57 @@ def judge_step(family: ReplayFamily, adapter: ModelAdapter, step: PipelineStep, 
     branch_allowance = float(relative_error(at_adapter, at_pipeline).max())
     reference = adapter.from_pipeline_latents(step.model_output)
     own = _combined(adapter, aligned.output, order, guidance, x, sigmas)
-    combined_floor = _rounding_floor(
-        float(relative_error(_combined(adapter, at_pipeline, order, guidance, x, sigmas), reference).max()),
-        terms + adapter.latent_shape[0], "the family's combine and velocity of those control outputs")
+    at_pipeline_combined = _combined(adapter, at_pipeline, order, guidance, x, sigmas)
+    # the family's combine on both sides: a combine that is not the pipeline's fails the combine part, not this floor
+    combined_floor = _rounding_floor(float(relative_error(at_pipeline_combined, own).max()),
+                                     terms + adapter.latent_shape[0],
+                                     "the family's combine and velocity of those control outputs vs of the "
+                                     "pipeline's own")
     combined_allowance = float(relative_error(_combined(adapter, at_adapter, order, guidance, x, sigmas),
-                                              _combined(adapter, at_pipeline, order, guidance, x, sigmas)).max())
+                                              at_pipeline_combined).max())
+    declared = denoiser.declared_combine(adapter)
     # the combine first: a sign or combine mismatch there explains a velocity that fails after it
     verdict = verdict.merge(judge_combine(f"{label} combine", own, reference,
-                                    f"the family's {adapter.cfg_combine} combine and {adapter.velocity_transform} "
-                                    "velocity of the pipeline's own branch outputs vs its combined prediction"))
+                                          f"the family's combine ({declared}) and {adapter.velocity_transform} "
+                                          "velocity of the pipeline's own branch outputs vs its combined prediction",
+                                          declared=declared))
     verdict = verdict.merge(_within(f"{label} branch outputs", mine.output, aligned.output, branch_floor,
-                                    branch_allowance, "each branch's transformer output vs the pipeline's"))
+                                    branch_allowance, "each branch's transformer output vs the pipeline's", names))
     verdict = verdict.merge(_within(f"{label} velocity", velocity, reference, combined_floor, combined_allowance,
-                                    "the denoiser's velocity vs the pipeline's combined prediction"))
+                                    "the denoiser's velocity vs the pipeline's combined prediction",
+                                    [f"sample {b}" for b in range(batch)]))
     return verdict.with_metrics(**{f"{label}_timestep_pipeline": scale,
                                    f"{label}_branch_floor": branch_floor.measured,
                                    f"{label}_branch_floor_ceiling": branch_floor.ceiling,
                                    f"{label}_timestep_allowance": combined_allowance,
-                                   f"{label}_velocity_floor": combined_floor.measured})
+                                   f"{label}_velocity_floor": combined_floor.measured,
+                                   "declared_combine": declared})
+
+
+def _branch_crossings(mine: Any, pipeline: Any, order: list[tuple[str, int]]) -> list[str]:
+    """The adapter's prompt rows that carry the OTHER branch's prompt of the pipeline: a CFG order the adapter
+    declares backwards (or a branch its conditions swap), each named ``cond[b] carries uncond[b']``. A row that
+    matches no pipeline row is not a branch crossing: ``_input_mismatches`` names it."""
+    crossings = []
+    for r, (branch, b) in enumerate(order):
+        if _count(mine) != len(order) or _same(mine[r], pipeline[r]):
+            continue
+        hits = [(other, c) for j, (other, c) in enumerate(order) if other != branch and _same(mine[r], pipeline[j])]
+        crossings += [f"{branch}[{b}] carries {other}[{c}]" for other, c in hits[:1]]
+    return crossings
+
+
+def _row_difference(mine: Any, pipeline: Any) -> str:
+    """How one row of an argument differs from the pipeline's: its shape, or its values."""
+    if isinstance(mine, torch.Tensor) and isinstance(pipeline, torch.Tensor) and mine.shape != pipeline.shape:
+        return f"shape {tuple(mine.shape)} vs the pipeline's {tuple(pipeline.shape)}"
+    return "values"
 
 
 def _input_mismatches(mine: Forward, aligned: AlignedStep, timestep_arg: str,
                       order: list[tuple[str, int]]) -> dict[str, str]:
-    """Transformer arguments (other than the timestep) where the adapter's call differs from the pipeline's."""
+    """Transformer arguments (other than the timestep) where the adapter's call differs from the pipeline's: for a
+    row argument, each row that differs (in the adapter's order) and how."""
     found = {}
     for name in sorted(set(mine.arguments) | set(aligned.rows) | set(aligned.shared)):
         if name == timestep_arg:
@@ -473,8 +587,8 @@ def _input_mismatches(mine: Forward, aligned: AlignedStep, timestep_arg: str,
             if _count(value) != len(order):
                 found[name] = f"{_count(value)} rows, expected {len(order)}"
                 continue
-            bad = [f"{branch}[{b}]" for r, (branch, b) in enumerate(order)
-                   if not _same(value[r], aligned.rows[name][r])]
+            bad = [f"{branch}[{b}] ({_row_difference(value[r], aligned.rows[name][r])})"
+                   for r, (branch, b) in enumerate(order) if not _same(value[r], aligned.rows[name][r])]
             if bad:
                 found[name] = "rows " + ", ".join(bad)
         elif not _same(value, aligned.shared.get(name)):

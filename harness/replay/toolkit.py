@@ -5,8 +5,9 @@ apart, the CFG combine its pipeline uses, a checkpoint kind and the pipeline it 
 the ones the shipped families are built from; ``docs/extending.md`` walks through a family made of them.
 
 - ``ModelAdapter``, ``ReplayFamily``, ``PipelineSpec``, ``CheckpointKind``: what a family registers;
-- ``UNCOND_FIRST`` / ``FUSED_COND_FIRST`` (``cfg_layout``) and ``STANDARD`` / ``TRUE_CFG_NORM_RESCALE``
-  (``cfg_combine``): the two CFG layouts and the combines their pipelines use;
+- ``UNCOND_FIRST`` / ``FUSED_COND_FIRST`` (``cfg_layout``): the two CFG layouts; ``CfgCombine`` (``cfg_combine``):
+  a pipeline's CFG combine declared as its formula over cond, uncond and g, and the ones the suite's families use,
+  ``STANDARD``, ``COND_ANCHORED`` and ``TRUE_CFG_NORM_RESCALE``;
 - ``padded_prompts``, ``distinct_lengths``, ``padding_mask``, ``check_cfg``: seeded example prompts whose rows
   and branches differ (the harness refuses example conditions that do not);
 - ``uncond_first_conditions`` and ``fused_cond_first_conditions``: conditions in either layout from those
@@ -20,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from harness.plugins.entry_points import CheckpointKind
-from harness.replay.cfg import STANDARD, TRUE_CFG_NORM_RESCALE
+from harness.replay.cfg import COND_ANCHORED, STANDARD, TRUE_CFG_NORM_RESCALE, CfgCombine
 from harness.replay.conditions import Conditions, concat_payloads, payload_rows
 from harness.replay.denoiser import FUSED_COND_FIRST, UNCOND_FIRST
 from harness.replay.families import flow_match_scheduler
@@ -36,9 +37,9 @@ from harness.replay.families.base import (
     uncond_first_conditions,
 )
 
-__all__ = ["FUSED_COND_FIRST", "STANDARD", "TRUE_CFG_NORM_RESCALE", "UNCOND_FIRST", "CheckpointKind", "Conditions",
-           "ModelAdapter", "PipelineSpec", "Prompts", "ReplayFamily", "check_cfg", "distinct_lengths",
-           "flow_match_scheduler", "fused_cond_first_conditions", "padded_prompts", "padding_mask",
+__all__ = ["COND_ANCHORED", "FUSED_COND_FIRST", "STANDARD", "TRUE_CFG_NORM_RESCALE", "UNCOND_FIRST", "CfgCombine",
+           "CheckpointKind", "Conditions", "ModelAdapter", "PipelineSpec", "Prompts", "ReplayFamily", "check_cfg",
+           "distinct_lengths", "flow_match_scheduler", "fused_cond_first_conditions", "padded_prompts", "padding_mask",
            "uncond_first_conditions"]
 
 

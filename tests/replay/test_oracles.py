@@ -22,7 +22,7 @@ catalogue.load()
 from parity import replay_oracle_checks as roc  # noqa: E402 - registered by the catalogue load above
 
 SHARED = ("replay.log_prob_sign_flipped", "replay.log_prob_floor_div", "replay.std_off_by_sqrt2",
-          "replay.mean_drops_one_minus_sigma", "replay.guidance_wrong_branch")
+          "replay.mean_drops_one_minus_sigma", "replay.cfg_halves_swapped")
 # Checks judged against the log-probs a CACHED rollout recorded before the ablation was applied: a bug in
 # the shared SDE code then differs from a record the same bug would have produced in a real rollout.
 STALE_RECORD = ("replay.cfg1.pi_old_ratio", "replay.cfg2.pi_old_ratio", "replay.uncond_first.pi_old_ratio",
@@ -33,6 +33,7 @@ REAL_SAMPLE = ("replay.sd3.cfg2.log_probs", "replay.sd3.cfg2.prev_sample_means",
                "replay.flux.cfg2.prev_sample_means", "replay.flux.cfg2.pi_old_vs_rollout")
 REAL_FAMILIES = tuple(f"replay.{name}." for name in family_names())
 GROWTH = tuple(f"replay.{name}.growth.prev_sample_means" for name in family_names())
+GROWTH_CFG2 = tuple(f"replay.{name}.cfg2.growth.prev_sample_means" for name in family_names())
 
 
 def _parity_ids() -> list[str]:
@@ -139,9 +140,10 @@ def baselines(parity_session, parity_ctx):
 @pytest.mark.parametrize("name", SHARED)
 def test_parity_survives_a_bug_in_shared_code(name, baselines, parity_ctx):
     """Stock and batched replay share the SDE step and the CFG combine: parity cannot see these bugs,
-    which is why only oracle checks claim them."""
+    which is why only oracle checks (and the checks that hold a family's combine to its pipeline) claim them."""
     item = ablation.get(name)
-    assert all(c.startswith("replay.oracle.") for c in item.kills), f"{name} claims a non-oracle check"
+    assert all(c.startswith("replay.oracle.") or c.endswith(".cfg2.pipeline_combine") for c in item.kills), \
+        f"{name} claims a parity check"
     ids = [i for i in _parity_ids() if not i.startswith(REAL_FAMILIES) or i in REAL_SAMPLE]
     if name == "replay.log_prob_floor_div":
         # floor division is discontinuous: on a model with a nonzero fp32 batch-shape floor, a mean that
@@ -161,8 +163,21 @@ def test_compounding_drift_is_caught_by_error_growth_and_nothing_else(baselines,
     assert item.kills == GROWTH
     verdicts = {check_id: ablation.run_under(item, check_id, parity_ctx) for check_id in baselines}
     killed = {c: r.how for c, r in verdicts.items() if r.mode != "survived"}
-    assert set(killed) == set(GROWTH), killed
+    assert set(killed) <= {*GROWTH, *GROWTH_CFG2}, killed  # the growth checks, at either cfg, and nothing else
     assert all(verdicts[check_id].killed for check_id in GROWTH)
+
+
+@pytest.mark.cpu
+def test_a_drift_only_a_two_branch_forward_has_fails_growth_at_cfg_2_and_only_there(baselines, parity_ctx):
+    """The uncond half of the batched forward drifts (replay.uncond_drift): at cfg 1 no forward splits, so every
+    cfg 1 growth check passes; at cfg 2 every family's growth check fails on the error's growth ratio."""
+    item = ablation.get("replay.uncond_drift")
+    assert item.kills == GROWTH_CFG2
+    for check_id in GROWTH:
+        assert ablation.run_under(item, check_id, parity_ctx).mode == "survived", check_id
+    for check_id in GROWTH_CFG2:
+        result = ablation.run_under(item, check_id, parity_ctx)
+        assert result.killed and result.headline.startswith("error_growth="), (check_id, result.how, result.headline)
 
 
 @pytest.mark.cpu

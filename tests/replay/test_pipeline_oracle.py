@@ -332,8 +332,9 @@ class SwappedMaskSana(SanaAdapter):
 def test_a_row_input_that_differs_from_the_pipelines_is_named():
     verdict = _one_step_verdict(_variant(SANA, "sana_swapped_mask", SwappedMaskSana))
     assert "step 0: every other transformer input equals the pipeline's, row by row" in verdict.violated_facts
-    assert verdict.metrics["input_encoder_attention_mask"] == "rows uncond[0], uncond[1], cond[0], cond[1]", \
-        verdict.describe()
+    assert verdict.metrics["input_encoder_attention_mask"] == ("rows uncond[0] (values), uncond[1] (values), "
+                                                               "cond[0] (values), cond[1] (values)"), verdict.describe()
+    assert "cfg_order_crossed" in verdict.metrics and not verdict.metrics["cfg_order_crossed"]  # the prompts are right
 
 
 def test_arguments_compare_in_a_normal_form():

@@ -23,13 +23,26 @@ from harness.plugins.entry_points import CheckpointKind
 from harness.registry import load_ref
 from harness.replay import conditions as replay_rows
 from harness.replay import discriminating
+from harness.replay.cfg import CfgCombine
+from harness.replay.cfg import resolve as resolve_combine
 from harness.replay.conditions import Conditions
 from harness.replay.denoiser import DenoiserAdapter
 
-__all__ = ["ModelAdapter", "PipelineSpec", "Prompts", "ReplayFamily", "check_cfg", "distinct_lengths",
-           "padded_prompts", "padding_mask", "uncond_first_conditions"]
+__all__ = ["LatentShapeUnknown", "ModelAdapter", "PipelineSpec", "Prompts", "ReplayFamily", "check_cfg",
+           "distinct_lengths", "padded_prompts", "padding_mask", "uncond_first_conditions"]
 
 Prompts = dict[str, Any]  # pipeline keyword arguments: prompt_embeds, negative_prompt_embeds, masks, ...
+
+
+class LatentShapeUnknown(ValueError):
+    """The default ``latent_shape`` cannot be read from the transformer's config: the adapter must state it."""
+
+
+def _config_value(config: Any, name: str) -> Any:
+    """``config.name`` of a diffusers config (attribute or mapping), None where it has none."""
+    if isinstance(config, Mapping):
+        return config.get(name)
+    return getattr(config, name, None)
 
 
 class ModelAdapter(DenoiserAdapter):
@@ -46,7 +59,11 @@ class ModelAdapter(DenoiserAdapter):
             replay_rows.require_rows(type(self).__name__, name, conditions.rows[name], rows)
 
     def require_shared(self, conditions: Conditions, names: tuple[str, ...]) -> None:
-        """Every named shared field (one value every row of the call uses) is present."""
+        """Every named shared field (one value every row of the call uses: an image size, position ids) is
+        present, refused with a ValueError naming the missing ones otherwise. Call it on every shared field the
+        forward reads, before the model runs: a generated test drops each shared field of the family's example
+        conditions in turn and requires the velocity unchanged (the forward does not read it) or this refusal,
+        never a bare KeyError from inside the model call."""
         missing = [name for name in names if name not in conditions.shared]
         if missing:
             raise ValueError(f"{type(self).__name__}: shared field(s) {missing} missing; got "
@@ -62,8 +79,16 @@ class ModelAdapter(DenoiserAdapter):
     @property
     def latent_shape(self) -> tuple[int, ...]:
         """The per-sample latent shape replay stores and steps (the pipeline's own layout): by default
-        ``[C, H, W]`` at the model's ``in_channels`` and square ``sample_size``."""
+        ``[C, H, W]`` at the model's ``in_channels`` and square ``sample_size``. A model whose config has neither
+        (its pipeline takes the size from the call) overrides this; the default names what it lacks."""
         config = self.module.config
+        missing = [name for name in ("in_channels", "sample_size") if _config_value(config, name) is None]
+        if missing:
+            raise LatentShapeUnknown(
+                f"{type(self).__name__}: the default latent_shape is [in_channels, sample_size, sample_size] from "
+                f"the transformer's config, and {type(self.module).__name__}'s config has no "
+                f"{' and no '.join(repr(name) for name in missing)}: override latent_shape with the per-sample latent "
+                "the pipeline steps (e.g. (C, H, W) of the image size the family is judged at)")
         return (config.in_channels, config.sample_size, config.sample_size)
 
     @property
@@ -76,8 +101,13 @@ class ModelAdapter(DenoiserAdapter):
         """Replay latents ``[N, *latent_shape]`` in the layout the pipeline steps its scheduler on."""
         return x
 
-    def from_pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """The pipeline's latents back in replay's layout (the inverse of ``to_pipeline_latents``)."""
+    def from_pipeline_latents(self, latents: Any) -> torch.Tensor:
+        """What the pipeline holds, in replay's layout ``[N, *latent_shape]``: the inverse of
+        ``to_pipeline_latents``. The pipeline oracle hands it two things: the latents the pipeline steps its
+        scheduler on (and the prediction it hands the scheduler), a tensor in the pipeline's layout; and the
+        transformer's outputs, rows in the adapter's order, as the transformer returns them: a tensor, or a list
+        of per-row tensors when the transformer returns lists (one latent per sample). Both come back as one
+        tensor; a transformer that returns lists needs this override."""
         return latents
 
     def example_prompts(self, batch: int, cfg: int,
@@ -157,8 +187,9 @@ class ReplayFamily:
         return self.adapter_class.cfg_layout
 
     @property
-    def cfg_combine(self) -> str:
-        return self.adapter_class.cfg_combine
+    def cfg_combine(self) -> CfgCombine:
+        """The CFG combine the family's adapter declares."""
+        return resolve_combine(self.adapter_class.cfg_combine)
 
     @property
     def class_names(self) -> tuple[str, ...]:
