@@ -56,6 +56,7 @@ class ParitySession:
         self.write_errors: list[str] = []
         self.exitstatus: int = 0
         self.benchmarks = bench.BenchLog()  # what the run's bench items measured
+        self.other_failures: list[str] = []  # tests that are no parity item and failed: "nodeid (phase: Type)"
 
     def context(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 checkpoint: str | None = None) -> CheckContext:
@@ -260,11 +261,15 @@ def failed_elsewhere(label: str, failed_ranks: list[tuple[int, str]], here: int 
 
 def _record_item(item: pytest.Item, call: pytest.CallInfo[None], rep: pytest.TestReport,
                  failed_ranks: list[tuple[int, str]]) -> None:
-    """A parity item that failed or skipped without its check recording why: the report gets the item's reason."""
-    if not (rep.failed or rep.skipped) or call.when == "teardown":
-        return
+    """A parity item that failed or skipped without its check recording why: the report gets the item's reason. Any
+    other test that failed is named for the report too (it fails the run, and the report must not read green)."""
     session = item.config.stash.get(SESSION_KEY, None)
     found = parity_item(item)
+    if session is not None and found is None and rep.failed:
+        what = call.excinfo.typename if call.excinfo is not None else "failed on another rank"
+        session.other_failures.append(f"{item.nodeid} ({call.when}: {what})")
+    if not (rep.failed or rep.skipped) or call.when == "teardown":
+        return
     if session is None or found is None:
         return
     label, ablation_name = found.report_label, found.ablation

@@ -21,7 +21,7 @@ from harness.process import lifecycle
 from harness.reports import report
 from harness.session import SESSION_KEY
 
-__all__ = ["finish", "interrupted_line", "write_summary"]
+__all__ = ["finish", "interrupted_line", "not_green_line", "write_summary"]
 
 def finish(session: pytest.Session) -> None:
     """The run's exit status and report: checks that never called the implementation under test, inputs nothing ran
@@ -45,6 +45,10 @@ def finish(session: pytest.Session) -> None:
             parity.report_data["nothing_ran"] = idle
         if session.exitstatus == pytest.ExitCode.INTERRUPTED:
             parity.report_data["interrupted"] = interrupted_line()
+        why = not_green_line(int(session.exitstatus), parity.report_data, parity.other_failures,
+                             parity.conformance_problems)
+        if why:
+            parity.report_data["not_green"] = why
         for path in session.config.getoption("parity_report") or []:
             try:
                 parity.written.append(os.fspath(report.write(parity.report_data, path)))
@@ -54,6 +58,29 @@ def finish(session: pytest.Session) -> None:
         if parity.write_errors:
             session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
     parity.exitstatus = int(session.exitstatus)
+
+
+def not_green_line(exitstatus: int, data: dict[str, Any], other_failures: list[str],
+                   conformance_problems: list[str]) -> str | None:
+    """What a report says first when pytest exits non-zero while its own tables read green (every check passed,
+    every pair killed): the exit status and why, e.g. a test outside the parity checks that failed. None when the
+    run is green or the report already shows what failed."""
+    summary = data["summary"]
+    shown = (summary["failed"] or summary["pairs_survived"] or summary["pairs_failed"] or data.get("interrupted")
+             or data.get("nothing_ran"))
+    if exitstatus == pytest.ExitCode.OK or shown:
+        return None
+    why = []
+    if other_failures:
+        why.append(f"{len(other_failures)} test(s) outside the parity checks failed: {', '.join(other_failures)}")
+    why += conformance_problems
+    if not why:
+        why.append("an error outside any test (collection, usage or an internal error: see pytest's own summary)")
+    try:
+        name = f" ({pytest.ExitCode(exitstatus).name.lower().replace('_', ' ')})"
+    except ValueError:  # a status a plugin set that pytest does not name
+        name = ""
+    return f"NOT GREEN: pytest exits {exitstatus}{name}; " + "; ".join(why)
 
 
 def interrupted_line() -> str:

@@ -182,3 +182,31 @@ def test_zz_breaks_the_report_directory():
                                  "parity report written to kept/b.json",
                                  "ERROR --parity-report doomed/a.json: not written (*"])
     assert json.loads((outcomes.path / "kept/b.json").read_text())["summary"]["checks"] == 4
+
+
+def test_a_run_that_fails_outside_its_checks_never_reads_green(outcomes):
+    """Every check passes and every claimed pair is killed, but another test of the run fails: pytest exits 1, and
+    the report says so first (and beside its counts), naming the test, instead of reading all green."""
+    outcomes.makepyfile(test_wording='''
+def test_an_adapter_refusal_judged_by_its_wording():
+    assert "cfg must be 1" in "cfg has to be 1 or 2, got 3"
+''')
+    result = outcomes.runpytest("-p", "harness.plugin", "-k", "(passes and not unrun) or wording",
+                                "--parity-report=out/run.json",
+                                "--parity-report=out/run.md")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    data = json.loads((outcomes.path / "out/run.json").read_text())
+    summary = data["summary"]
+    assert (summary["checks"], summary["passed"], summary["pairs"], summary["pairs_killed"]) == (1, 1, 1, 1)
+    line = ("NOT GREEN: pytest exits 1 (tests failed); 1 test(s) outside the parity checks failed: "
+            "test_wording.py::test_an_adapter_refusal_judged_by_its_wording (call: AssertionError)")
+    assert data["not_green"] == line
+    result.stdout.fnmatch_lines([line, "*", "checks: 1/1 passed; ablations: 1/1 killed all their checks", line])
+    assert (outcomes.path / "out/run.md").read_text().startswith(f"# Parity report\n\n**{line}**\n")
+
+
+def test_a_green_run_says_nothing_of_the_kind(outcomes):
+    result = outcomes.runpytest("-p", "harness.plugin", "-k", "passes and not unrun", "--parity-report=out/green.json")
+    assert result.ret == pytest.ExitCode.OK
+    assert "not_green" not in json.loads((outcomes.path / "out/green.json").read_text())
+    assert "NOT GREEN" not in result.stdout.str()

@@ -513,11 +513,14 @@ def judge_step(family: ReplayFamily, adapter: ModelAdapter, step: PipelineStep, 
                     reason=f"timestep in the pipeline's units: within {TIMESTEP_ULPS:g} fp32 ulps of its "
                            f"magnitude {scale:.4g}").judge(t_mine, t_pipe, dims=("row",), labels={"row": names},
                                                            what=f"{label} timestep")
+    crossing = f"; {', '.join(crossed)}" if crossed else ""  # a violated fact says where it was violated
+    differing = "".join(f"; {name}: {how}" for name, how in mismatched.items())
     verdict = verdict.require(not crossed, f"{label}: CFG order: the rows the adapter declares cond carry the "
-                                           "pipeline's prompt, the uncond rows its negative prompt",
+                                           f"pipeline's prompt, the uncond rows its negative prompt{crossing}",
                               cfg_order_backwards=len(crossed) == len(order), cfg_order_crossed=", ".join(crossed))
     verdict = verdict.require(not mismatched, f"{label}: every other transformer input equals the pipeline's, "
-                                              "row by row", **{f"input_{k}": v for k, v in mismatched.items()})
+                                              f"row by row{differing}",
+                              **{f"input_{k}": v for k, v in mismatched.items()})
     at_pipeline, at_adapter = _control_outputs(adapter, aligned, spec.timestep_arg,
                                                torch.as_tensor(mine.arguments[spec.timestep_arg]))
     terms = module_reduction_terms(adapter.module, sequence=_tokens(aligned, spec.prompt_arg, adapter))

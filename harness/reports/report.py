@@ -21,6 +21,9 @@ The JSON shape is a contract for CI tools::
                                                      # had no check run on it: one line each, naming why
      "interrupted": line,                            # only when the run was stopped (Ctrl-C, SIGTERM, SIGHUP)
                                                      # before every item ran: what stopped it
+     "not_green": line,                              # only when pytest exits non-zero while every check passed
+                                                     # and every pair was killed: the exit status and why (a test
+                                                     # outside the parity checks that failed, say)
      "benchmarks": {table: {"path", "title", "rows": [{"case", "fast_s", "stock_s", "raw_s", "raw_stock_s",
                     "ideal", "ratios", "extra"}]}}}  # only when bench items ran (harness.reports.bench); timings
 
@@ -301,9 +304,15 @@ def _conformance_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _lead(report: dict[str, Any]) -> list[str]:
+    """What a report says before anything else: that the run was interrupted, or is not green though its tables
+    read so."""
+    return [report[key] for key in ("interrupted", "not_green") if report.get(key)]
+
+
 def render_terminal(report: dict[str, Any]) -> str:
     checks, ablations = _rows(report, width=88)
-    lines = [report["interrupted"], ""] if report.get("interrupted") else []
+    lines = [*_lead(report), ""] if _lead(report) else []
     lines += [f"implementation under test for {path}: {spec}" for path, spec in _under_test(report)]
     if lines:
         lines.append("")
@@ -312,6 +321,8 @@ def render_terminal(report: dict[str, Any]) -> str:
     if ablations:
         lines += ["", *_table(["", "ablation", "kill mode", "killed", "smallest kill margin"], ablations)]
     lines += ["", _summary_line(report["summary"]), *_conformance_lines(report)]
+    if report.get("not_green"):  # beside the counts it qualifies, too: the last lines are what a reader sees
+        lines.append(report["not_green"])
     if "host" in report:
         lines.append(f"host: {host_summary(report['host'])}")
     return "\n".join(lines)
@@ -327,8 +338,8 @@ def render_markdown(report: dict[str, Any]) -> str:
 
     s = report["summary"]
     lines = ["# Parity report", ""]
-    if report.get("interrupted"):
-        lines += [f"**{report['interrupted']}**", ""]
+    for lead in _lead(report):
+        lines += [f"**{lead}**", ""]
     lines += [f"**implementation under test for {path}**: `{spec}`  " for path, spec in _under_test(report)]
     remote = report.get("remote_code")
     if remote is not None:
@@ -385,7 +396,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 def render_html(report: dict[str, Any]) -> str:
     """One standalone page: the summary, every picture (text when matplotlib is missing), the two tables."""
     checks, ablations = _rows(report)
-    lines = [report["interrupted"]] if report.get("interrupted") else []
+    lines = _lead(report)
     lines += [f"implementation under test for {path}: {spec}" for path, spec in _under_test(report)]
     lines += [_summary_line(report["summary"]), *_conformance_lines(report), *report.get("nothing_ran", [])]
     if "host" in report:

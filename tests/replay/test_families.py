@@ -16,10 +16,11 @@ from fixtures.replay_families import family_names
 from fixtures.replay_models import LATENT_SHAPE, tiny_flux, tiny_model
 from harness.plugins.entry_points import CheckpointKind
 from harness.replay import cfg, discriminating, families
+from harness.replay import denoiser as denoiser_module
 from harness.replay.conditions import Conditions, broadcast_field, broadcast_rows
 from harness.replay.denoiser import DenoiserAdapter
 from harness.replay.families import COGVIEW4, FLUX, QWEN_IMAGE, SANA, SD3, family_for_class, get_family
-from harness.replay.families.base import distinct_lengths, padded_prompts, uncond_first_conditions
+from harness.replay.families.base import LatentShapeUnknown, distinct_lengths, padded_prompts, uncond_first_conditions
 from harness.replay.families.cogview4 import CogView4Adapter
 from harness.replay.families.flux import FluxAdapter
 from harness.replay.spy import spy_forwards
@@ -409,3 +410,74 @@ def test_sana_timesteps_are_scaled_by_the_config_as_its_pipeline_scales_them(sca
     module.config = types.SimpleNamespace(timestep_scale=scale, in_channels=4, sample_size=8)
     sigma = torch.tensor([1.0, 0.25])
     assert torch.equal(SANA.adapter(module).timestep(sigma), torch.tensor([1000.0, 250.0]) * scale)
+
+
+# ------------------------------------------------------------------ declared combines, latent shapes, spies
+
+
+def test_a_combine_is_declared_as_the_pipeline_s_formula_and_evaluated_as_written():
+    gen = torch.Generator().manual_seed(2)
+    cond, uncond = torch.randn(2, 4, generator=gen), torch.randn(2, 4, generator=gen)
+    anchored = cfg.combine(cfg.COND_ANCHORED, cond, uncond, 4.0, channel_dim=1)
+    assert torch.equal(anchored, cond + 4.0 * (cond - uncond))
+    assert torch.equal(cfg.combine(cfg.COND_ANCHORED, cond, uncond, 0.0, channel_dim=1), cond)  # anchored on cond
+    assert torch.equal(cfg.combine(cfg.STANDARD, cond, uncond, 0.0, channel_dim=1), uncond)
+    own = cfg.CfgCombine("(1 + g) * cond - g * uncond / 1.0")
+    torch.testing.assert_close(own.apply(cond, uncond, 4.0, 1), anchored, rtol=0, atol=1e-6)
+    assert str(cfg.COND_ANCHORED) == "cond_anchored: cond + g * (cond - uncond)"
+    assert str(cfg.TRUE_CFG_NORM_RESCALE).endswith("rescaled to ||cond|| over the channel dim")
+    assert cfg.resolve("cond_anchored") is cfg.COND_ANCHORED and cfg.resolve(own) is own
+
+
+@pytest.mark.parametrize(("formula", "message"), [
+    ("uncond + g * (cond - ", "does not parse as a formula"),
+    ("uncond + scale * (cond - uncond)", r"'scale' is not arithmetic .* of cond, uncond, g"),
+    ("cond ** g", r"'cond \*\* g' is not arithmetic"),
+    ("torch.lerp(uncond, cond, g)", "is not arithmetic"),
+    ("cond + g * cond", "never reads uncond"),
+])
+def test_a_combine_formula_that_is_not_arithmetic_of_both_branches_and_the_scale_is_refused(formula, message):
+    with pytest.raises(ValueError, match=message):
+        cfg.CfgCombine(formula)
+    with pytest.raises(ValueError, match="rescale must be one of"):
+        cfg.CfgCombine("uncond + g * (cond - uncond)", rescale="max_norm")
+
+
+class _OwnCombine(DenoiserAdapter):
+    def combine(self, cond, uncond, guidance_scale):
+        return cond + guidance_scale * (cond - uncond)
+
+
+def test_reports_name_the_declared_combine_or_the_adapter_s_own_code():
+    assert denoiser_module.declared_combine(SD3.adapter(tiny_model("sd3"))) == str(cfg.STANDARD)
+    assert denoiser_module.declared_combine(_OwnCombine()) == (
+        "_OwnCombine.combine (the adapter's own code; its cfg_combine says standard: uncond + g * (cond - uncond))")
+    wrapped = denoiser_module.WrappedAdapter(SD3.adapter(tiny_model("sd3")))
+    assert denoiser_module.declared_combine(wrapped) == str(cfg.STANDARD)
+
+
+class _DefaultShape(families.ModelAdapter):
+    """An adapter that keeps the base class's latent_shape."""
+
+
+def test_the_default_latent_shape_names_the_config_field_it_lacks():
+    module = torch.nn.Linear(1, 1)
+    module.config = types.SimpleNamespace(in_channels=16)  # Z-Image's config: no sample_size, the call sizes it
+    with pytest.raises(LatentShapeUnknown, match=r"_DefaultShape: the default latent_shape is \[in_channels, "
+                                                 r"sample_size, sample_size\] .* Linear's config has no "
+                                                 "'sample_size': override latent_shape"):
+        _ = _DefaultShape(module).latent_shape
+    module.config = {"in_channels": 4, "sample_size": 8}  # a diffusers FrozenDict is a mapping
+    assert SANA.adapter(module).latent_shape == (4, 8, 8)
+
+
+def test_the_forward_spy_counts_the_rows_of_a_transformer_that_takes_lists():
+    class Lists(torch.nn.Module):
+        def forward(self, x, t, captions):
+            return [item * 2 for item in x]
+
+    module = Lists()
+    with spy_forwards(module) as spy:
+        module([torch.ones(1)] * 5, torch.zeros(5), [torch.ones(2)] * 5)
+        module(torch.ones(3, 2), torch.tensor(0.0), None)
+    assert spy.batch_sizes == [5, 3]

@@ -14,7 +14,7 @@ import torch
 from fixtures.replay_models import tiny_model
 from harness.judging.compare import exact
 from harness.plugins.entry_points import CheckpointKind
-from harness.replay import denoiser, pipeline_oracle
+from harness.replay import cfg, denoiser, pipeline_oracle
 from harness.replay.conditions import Conditions, broadcast_rows
 from harness.replay.controls import measure_batch_shape_control
 from harness.replay.denoiser import FUSED_COND_FIRST, concat_branches, predict_velocity
@@ -331,7 +331,8 @@ class SwappedMaskSana(SanaAdapter):
 
 def test_a_row_input_that_differs_from_the_pipelines_is_named():
     verdict = _one_step_verdict(_variant(SANA, "sana_swapped_mask", SwappedMaskSana))
-    assert "step 0: every other transformer input equals the pipeline's, row by row" in verdict.violated_facts
+    assert ("step 0: every other transformer input equals the pipeline's, row by row; encoder_attention_mask: rows "
+            "uncond[0] (values), uncond[1] (values), cond[0] (values), cond[1] (values)") in verdict.violated_facts
     assert verdict.metrics["input_encoder_attention_mask"] == ("rows uncond[0] (values), uncond[1] (values), "
                                                                "cond[0] (values), cond[1] (values)"), verdict.describe()
     assert "cfg_order_crossed" in verdict.metrics and not verdict.metrics["cfg_order_crossed"]  # the prompts are right
@@ -360,3 +361,97 @@ def test_a_learned_sigma_heads_second_half_of_the_channels_is_cut() -> None:
     assert torch.equal(pipeline_oracle.to_replay(adapter, doubled), doubled[:, :4])
     plain = doubled[:, :4]
     assert pipeline_oracle.to_replay(adapter, plain) is plain
+
+
+# ------------------------------------------------------------------ list-valued and ragged rows
+
+
+def _ragged_step() -> tuple[pipeline_oracle.PipelineStep, dict]:
+    """One pipeline step that called its transformer once per branch with list-valued rows: one latent per sample
+    and captions of different lengths (no mask), as ZImagePipeline does (there in one call of both branches)."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = {"prompt_embeds": [torch.randn(n, 3, generator=gen) for n in (2, 4)],
+               "negative_prompt_embeds": [torch.randn(n, 3, generator=gen) for n in (1, 5)]}
+    forwards = []
+    for branch in ("negative_prompt_embeds", "prompt_embeds"):  # the pipeline runs uncond first here
+        latents = [torch.full((4, 1, 2, 2), float(i)) for i in range(2)]
+        forwards.append(pipeline_oracle.Forward(
+            {"x": latents, "t": torch.tensor([0.5, 0.5]), "cap_feats": list(prompts[branch]), "patch_size": 2},
+            [caption.sum() * torch.ones(4, 1, 2, 2) for caption in prompts[branch]]))
+    step = pipeline_oracle.PipelineStep(torch.tensor(0.5), torch.zeros(2, 4, 2, 2), torch.zeros(2, 4, 2, 2),
+                                        tuple(forwards))
+    return step, prompts
+
+
+def test_list_valued_and_ragged_rows_are_lined_up_row_by_row_in_the_kind_the_transformer_took_them():
+    step, prompts = _ragged_step()
+    order = pipeline_oracle.adapter_order(FUSED_COND_FIRST, 2)  # cond rows first
+    aligned = pipeline_oracle.align(step, prompts, "cap_feats", order)
+    assert isinstance(aligned.rows["cap_feats"], list) and isinstance(aligned.output, list)
+    assert [tuple(c.shape) for c in aligned.rows["cap_feats"]] == [(2, 3), (4, 3), (1, 3), (5, 3)]
+    assert aligned.rows["t"].tolist() == [0.5] * 4 and aligned.shared == {"patch_size": 2}
+    assert [float(o[0, 0, 0, 0]) for o in aligned.output] == [float(c.sum()) for c in aligned.rows["cap_feats"]]
+
+
+def test_the_relative_error_of_ragged_rows_is_taken_row_by_row():
+    expected = [torch.tensor([2.0, -4.0]), torch.tensor([1.0, 1.0, 8.0])]
+    actual = [torch.tensor([2.0, -3.0]), torch.tensor([1.0, 1.0, 8.0])]
+    assert pipeline_oracle.relative_error(actual, expected).tolist() == [[0.0, 0.25, 0.0], [0.0, 0.0, 0.0]]
+    same_shape = pipeline_oracle.relative_error([torch.ones(2, 2)], [torch.ones(2, 2)])
+    assert same_shape.shape == (1, 2, 2)  # rows of one shape keep their shape (where an element sits is named)
+    with pytest.raises(pipeline_oracle.OracleError, match=r"shapes differ \(row 1: \(2,\) vs \(3,\)\)"):
+        pipeline_oracle.relative_error([torch.ones(2), torch.ones(2)], [torch.ones(2), torch.ones(3)])
+    assert pipeline_oracle.sign_flipped([-row for row in expected], expected)
+    assert not pipeline_oracle.sign_flipped(expected, [torch.ones(2), torch.ones(2)])  # another shape: no sign
+
+
+class _ListModel(torch.nn.Module):
+    """Returns one prediction per sample, in a list, inside diffusers' return_dict=False tuple."""
+
+    def forward(self, x: list, scale: float = 2.0) -> tuple:
+        return ([scale * item for item in x],)
+
+
+def test_a_transformer_that_returns_lists_is_recorded_as_it_returned_them():
+    module, rows = _ListModel(), [torch.ones(2), torch.zeros(3)]
+    with pipeline_oracle.record_forwards(module) as calls:
+        module(rows)
+    (call,) = calls
+    assert [r.tolist() for r in call.output] == [[2.0, 2.0], [0.0, 0.0, 0.0]] and call.arguments["scale"] == 2.0
+
+
+def test_a_from_pipeline_latents_that_leaves_a_list_is_named():
+    from types import SimpleNamespace
+
+    adapter = SimpleNamespace(latent_shape=(4, 2, 2), from_pipeline_latents=lambda out: out)
+    with pytest.raises(pipeline_oracle.OracleError, match=r"from_pipeline_latents returned list: it receives the "
+                                                          r"transformer's outputs as the transformer returns them"):
+        pipeline_oracle.to_replay(adapter, [torch.zeros(4, 2, 2)])
+
+
+def test_a_prompt_row_is_a_cfg_order_crossing_only_when_it_carries_the_other_branch_s_prompt():
+    order = pipeline_oracle.adapter_order(FUSED_COND_FIRST, 2)
+    pipeline = [torch.full((n,), float(n)) for n in (1, 2, 3, 4)]  # cond[0], cond[1], uncond[0], uncond[1]
+    swapped = [pipeline[2], pipeline[3], pipeline[0], pipeline[1]]
+    assert pipeline_oracle._branch_crossings(swapped, pipeline, order) == [
+        "cond[0] carries uncond[0]", "cond[1] carries uncond[1]", "uncond[0] carries cond[0]",
+        "uncond[1] carries cond[1]"]
+    truncated = [row[:1] for row in pipeline]
+    assert pipeline_oracle._branch_crossings(truncated, pipeline, order) == []  # no row is another branch's
+    assert pipeline_oracle._branch_crossings(pipeline, pipeline, order) == []
+
+
+class CondAnchoredSana(SanaAdapter):
+    """Declares a cond-anchored combine, which SanaPipeline does not compute."""
+
+    cfg_combine = cfg.COND_ANCHORED
+
+
+def test_a_combine_that_is_not_the_pipeline_s_is_named_with_its_formula_never_as_a_batch_composition():
+    verdict = _one_step_verdict(_variant(SANA, "sana_cond_anchored", CondAnchoredSana))
+    assert not verdict.passed
+    assert verdict.violated_facts == ["step 0 combine: the family's declared CFG combine (cond_anchored: cond + g * "
+                                      "(cond - uncond)) gives the prediction the pipeline handed its scheduler"], \
+        verdict.describe()
+    assert "batch composition" not in verdict.message and "CFG order" not in verdict.message
+    assert verdict.metrics["samples_differing"] == "sample 0, sample 1"

@@ -82,14 +82,15 @@ class ModelAdapter(DenoiserAdapter):
         ``[C, H, W]`` at the model's ``in_channels`` and square ``sample_size``. A model whose config has neither
         (its pipeline takes the size from the call) overrides this; the default names what it lacks."""
         config = self.module.config
-        missing = [name for name in ("in_channels", "sample_size") if _config_value(config, name) is None]
+        channels, size = (_config_value(config, name) for name in ("in_channels", "sample_size"))
+        missing = [name for name, value in (("in_channels", channels), ("sample_size", size)) if value is None]
         if missing:
             raise LatentShapeUnknown(
                 f"{type(self).__name__}: the default latent_shape is [in_channels, sample_size, sample_size] from "
                 f"the transformer's config, and {type(self.module).__name__}'s config has no "
                 f"{' and no '.join(repr(name) for name in missing)}: override latent_shape with the per-sample latent "
                 "the pipeline steps (e.g. (C, H, W) of the image size the family is judged at)")
-        return (config.in_channels, config.sample_size, config.sample_size)
+        return (channels, size, size)
 
     @property
     def latent_size(self) -> tuple[int, int]:
