@@ -8,8 +8,9 @@ the ones the shipped families are built from; ``docs/extending.md`` walks throug
 - ``UNCOND_FIRST`` / ``FUSED_COND_FIRST`` (``cfg_layout``): the two CFG layouts; ``CfgCombine`` (``cfg_combine``):
   a pipeline's CFG combine declared as its formula over cond, uncond and g, and the ones the suite's families use,
   ``STANDARD``, ``COND_ANCHORED`` and ``TRUE_CFG_NORM_RESCALE``;
-- ``padded_prompts``, ``distinct_lengths``, ``padding_mask``, ``check_cfg``: seeded example prompts whose rows
-  and branches differ (the harness refuses example conditions that do not);
+- ``padded_prompts``, ``ragged_prompts``, ``distinct_lengths``, ``padding_mask``, ``check_cfg``: seeded example
+  prompts whose rows and branches differ (the harness refuses example conditions that do not), padded with masks
+  or, for a transformer that takes lists, one caption per sample with its padding cut off;
 - ``uncond_first_conditions`` and ``fused_cond_first_conditions``: conditions in either layout from those
   prompts;
 - ``flow_match_scheduler``: the flow-matching Euler scheduler most DiT pipelines step with.
@@ -34,13 +35,14 @@ from harness.replay.families.base import (
     distinct_lengths,
     padded_prompts,
     padding_mask,
+    ragged_prompts,
     uncond_first_conditions,
 )
 
 __all__ = ["COND_ANCHORED", "FUSED_COND_FIRST", "STANDARD", "TRUE_CFG_NORM_RESCALE", "UNCOND_FIRST", "CfgCombine",
            "CheckpointKind", "Conditions", "ModelAdapter", "PipelineSpec", "Prompts", "ReplayFamily", "check_cfg",
            "distinct_lengths", "flow_match_scheduler", "fused_cond_first_conditions", "padded_prompts", "padding_mask",
-           "uncond_first_conditions"]
+           "ragged_prompts", "uncond_first_conditions"]
 
 
 def fused_cond_first_conditions(prompts: Prompts, cfg: int, fields: Mapping[str, str],

@@ -32,6 +32,18 @@ def test_fused_cond_first_conditions_put_cond_rows_first_and_keep_branch_indepen
 
 def test_the_toolkit_exports_every_piece_a_family_is_built_from():
     for name in ("ModelAdapter", "ReplayFamily", "PipelineSpec", "CheckpointKind", "UNCOND_FIRST", "FUSED_COND_FIRST",
-                 "STANDARD", "TRUE_CFG_NORM_RESCALE", "padded_prompts", "distinct_lengths", "uncond_first_conditions",
-                 "fused_cond_first_conditions", "flow_match_scheduler"):
+                 "STANDARD", "COND_ANCHORED", "TRUE_CFG_NORM_RESCALE", "CfgCombine", "padded_prompts",
+                 "ragged_prompts", "distinct_lengths", "uncond_first_conditions", "fused_cond_first_conditions",
+                 "flow_match_scheduler"):
         assert name in toolkit.__all__ and getattr(toolkit, name) is not None
+
+
+def test_ragged_prompts_are_one_caption_per_sample_every_length_different_and_they_tile_row_by_row():
+    prompts = toolkit.ragged_prompts(3, 2, 6, 4, torch.Generator().manual_seed(0))
+    assert set(prompts) == {"prompt_embeds", "negative_prompt_embeds"}
+    lengths = [len(caption) for key in ("prompt_embeds", "negative_prompt_embeds") for caption in prompts[key]]
+    assert len(set(lengths)) == 6 and max(lengths) <= 6
+    conditions = toolkit.fused_cond_first_conditions(prompts, 2, {"captions": "prompt_embeds"}).validate()
+    tiled = tile_conditions(conditions, 2).rows["captions"]
+    assert isinstance(tiled, list) and [len(c) for c in tiled] == lengths[:3] * 2 + lengths[3:] * 2
+    assert set(toolkit.ragged_prompts(2, 1, 6, 4, torch.Generator().manual_seed(0))) == {"prompt_embeds"}

@@ -29,7 +29,7 @@ from harness.replay.conditions import Conditions
 from harness.replay.denoiser import DenoiserAdapter
 
 __all__ = ["LatentShapeUnknown", "ModelAdapter", "PipelineSpec", "Prompts", "ReplayFamily", "check_cfg",
-           "distinct_lengths", "padded_prompts", "padding_mask", "uncond_first_conditions"]
+           "distinct_lengths", "padded_prompts", "padding_mask", "ragged_prompts", "uncond_first_conditions"]
 
 Prompts = dict[str, Any]  # pipeline keyword arguments: prompt_embeds, negative_prompt_embeds, masks, ...
 
@@ -229,22 +229,44 @@ def padding_mask(lengths: list[int], tokens: int) -> torch.Tensor:
     return (torch.arange(tokens)[None, :] < torch.tensor(lengths)[:, None]).long()
 
 
-def padded_prompts(batch: int, cfg: int, tokens: int, channels: int, generator: torch.Generator, mask_key: str,
-                   zero_padding: bool = False) -> Prompts:
-    """Seeded ``prompt_embeds [B, tokens, channels]`` and their padding masks under ``mask_key`` (cfg=2: the
-    ``negative_`` ones too), the real lengths different per row and per branch; ``zero_padding`` zeroes the
-    embeddings of the padded tokens, as a text encoder's masked output is."""
+def _branch_prompts(batch: int, cfg: int, tokens: int, generator: torch.Generator,
+                    draw: Callable[[str, list[int]], Prompts]) -> Prompts:
+    """Prompts of each branch (the ``negative_`` ones at cfg=2) from ``draw(prefix, lengths)``, the real lengths
+    drawn different per row and per branch."""
     check_cfg(cfg)
     prompts: Prompts = {}
     taken: tuple[int, ...] = ()
     for prefix in ("", "negative_")[:cfg]:
         lengths = distinct_lengths(batch, tokens, generator, avoid=taken)
         taken = (*taken, *lengths)
+        prompts.update(draw(prefix, lengths))
+    return prompts
+
+
+def padded_prompts(batch: int, cfg: int, tokens: int, channels: int, generator: torch.Generator, mask_key: str,
+                   zero_padding: bool = False) -> Prompts:
+    """Seeded ``prompt_embeds [B, tokens, channels]`` and their padding masks under ``mask_key`` (cfg=2: the
+    ``negative_`` ones too), the real lengths different per row and per branch; ``zero_padding`` zeroes the
+    embeddings of the padded tokens, as a text encoder's masked output is."""
+
+    def draw(prefix: str, lengths: list[int]) -> Prompts:
         mask = padding_mask(lengths, tokens)
         embeds = torch.randn(batch, tokens, channels, generator=generator)
-        prompts[f"{prefix}prompt_embeds"] = embeds * mask[..., None] if zero_padding else embeds
-        prompts[f"{prefix}{mask_key}"] = mask
-    return prompts
+        return {f"{prefix}prompt_embeds": embeds * mask[..., None] if zero_padding else embeds,
+                f"{prefix}{mask_key}": mask}
+
+    return _branch_prompts(batch, cfg, tokens, generator, draw)
+
+
+def ragged_prompts(batch: int, cfg: int, tokens: int, channels: int, generator: torch.Generator) -> Prompts:
+    """Seeded ``prompt_embeds`` as a list of ``[length, channels]`` tensors, one per sample, with no mask: a text
+    encoder's output with its padding cut off, as pipelines whose transformer takes lists hand it (Z-Image). The
+    lengths, at most ``tokens``, differ per row and per branch (cfg=2: the ``negative_`` ones too)."""
+
+    def draw(prefix: str, lengths: list[int]) -> Prompts:
+        return {f"{prefix}prompt_embeds": [torch.randn(n, channels, generator=generator) for n in lengths]}
+
+    return _branch_prompts(batch, cfg, tokens, generator, draw)
 
 
 def uncond_first_conditions(prompts: Prompts, cfg: int, fields: Mapping[str, str],

@@ -40,13 +40,12 @@ from harness.replay.toolkit import (
     PipelineSpec,
     Prompts,
     ReplayFamily,
-    check_cfg,
-    distinct_lengths,
     flow_match_scheduler,
     fused_cond_first_conditions,
+    ragged_prompts,
 )
 
-__all__ = ["CHECKPOINT_KIND", "FAMILY", "PIPELINE", "ZImageAdapter", "caption_lists", "tiny_zimage"]
+__all__ = ["CHECKPOINT_KIND", "FAMILY", "PIPELINE", "ZImageAdapter", "tiny_zimage"]
 
 TEXT_TOKENS = 6  # the longest caption of the example prompts: distinct lengths for both branches up to B = 3
 CAPTION_CHANNELS = 16
@@ -60,19 +59,6 @@ def tiny_zimage(seed: int = 0) -> ZImageTransformer2DModel:
     return ZImageTransformer2DModel(all_patch_size=(PATCH,), all_f_patch_size=(1,), in_channels=4, dim=32,
                                     n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
                                     cap_feat_dim=CAPTION_CHANNELS, axes_dims=[4, 6, 6], axes_lens=[64, 16, 16]).eval()
-
-
-def caption_lists(batch: int, cfg: int, tokens: int, channels: int, generator: torch.Generator) -> Prompts:
-    """Seeded captions as a text encoder leaves them for Z-Image: one ``[length, channels]`` tensor per sample,
-    its padding cut off, every length different across rows and branches (cfg=2: the negative ones too)."""
-    check_cfg(cfg)
-    prompts: Prompts = {}
-    taken: tuple[int, ...] = ()
-    for prefix in ("", "negative_")[:cfg]:
-        lengths = distinct_lengths(batch, tokens, generator, avoid=taken)
-        taken = (*taken, *lengths)
-        prompts[f"{prefix}prompt_embeds"] = [torch.randn(n, channels, generator=generator) for n in lengths]
-    return prompts
 
 
 class ZImageAdapter(ModelAdapter):
@@ -114,8 +100,9 @@ class ZImageAdapter(ModelAdapter):
         return self.from_pipeline_latents(out)
 
     def example_prompts(self, batch: int, cfg: int, generator: torch.Generator) -> Prompts:
-        """Seeded ragged captions, no masks (cfg=2: the negative ones too)."""
-        return caption_lists(batch, cfg, TEXT_TOKENS, self.module.config.cap_feat_dim, generator)
+        """Seeded captions of different lengths, one tensor per sample and no mask, as the pipeline's text encoder
+        leaves them (cfg=2: the negative ones too)."""
+        return ragged_prompts(batch, cfg, TEXT_TOKENS, self.module.config.cap_feat_dim, generator)
 
     def conditions_from_prompts(self, prompts: Prompts, cfg: int) -> Conditions:
         """``[cond_B; uncond_B]`` captions in one list (cfg=2), as the pipeline concatenates its two lists."""
