@@ -14,13 +14,26 @@ from harness.judging.checkid import CheckId
 from harness.judging.checks import register
 from harness.judging.compare import exact
 
-__all__ = ["KIND_ALSO_FEEDS", "KIND_KILLS", "also_feeds", "kind_kills"]
+__all__ = ["KIND_ALSO_FEEDS", "KIND_KILLS", "also_feeds", "checkpoint_labels", "kind_kills"]
 
 #: checkpoint kind -> check id -> ablations that kill the check on that kind beyond the check's own claimants
 KIND_KILLS: dict[str, dict[str, tuple[str, ...]]] = {**ar.KIND_KILLS}
 #: checkpoint kind -> the other paths its checkpoints feed: a HunyuanImage-3 checkpoint is an ar model whose image
 #: forward replay drives too (when its config names the image forward's latent channels)
 KIND_ALSO_FEEDS: dict[str, tuple[str, ...]] = {"hunyuan_image3": replay.ALSO_FEEDS}
+
+
+def checkpoint_labels(given) -> dict[str, str]:
+    """What each given checkpoint is called in the report's labels (``check[label-dtype]``), by path: its kind,
+    which says what ran whatever the directory is named; ``kind_1``, ``kind_2``, ... in the order given where
+    several checkpoints of one kind are given."""
+    kinds = [checkpoint.kind for checkpoint in given]
+    labels, seen = {}, {}
+    for checkpoint in given:
+        seen[checkpoint.kind] = seen.get(checkpoint.kind, 0) + 1
+        repeated = kinds.count(checkpoint.kind) > 1
+        labels[str(checkpoint.path)] = f"{checkpoint.kind}_{seen[checkpoint.kind]}" if repeated else checkpoint.kind
+    return labels
 
 
 def also_feeds(checkpoint) -> tuple[str, ...]:

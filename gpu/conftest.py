@@ -1,4 +1,5 @@
-"""The gpu tier's hooks: a HunyuanImage-3 checkpoint dry-run on a CPU gets, by itself, the patches its code needs.
+"""The gpu tier's hooks: a HunyuanImage-3 checkpoint dry-run on a CPU gets, by itself, the patches its code needs;
+``--dry-run-kind KIND`` runs gpu/test_dry_run.py's dry run over one tiny checkpoint kind instead of every kind.
 
 Both generations' remote code assumes a CUDA stack (a torchvision that imports, ``torch.cuda.set_device``, NVTX,
 a CUDA ``torch.empty``); ``fixtures.upstream_cpu`` patches those from outside. A user dry-running the gpu tier on
@@ -37,6 +38,28 @@ def dry_run_on_cpu(device: str) -> bool:
     return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--dry-run-kind", action="append", default=None, metavar="KIND",
+                     help="gpu/test_dry_run.py's gpu tier dry run over this tiny checkpoint kind only (repeatable; "
+                          "default: every kind the stack can load, about 15 minutes on 2 cores)")
+
+
+def dry_run_kinds(config: pytest.Config) -> tuple[str, ...] | None:
+    """The kinds ``--dry-run-kind`` names (None: every kind), each one the dry run can write, or a usage error."""
+    from fixtures import checkpoints as tiny_checkpoints
+
+    asked = config.getoption("dry_run_kind", None)
+    if not asked:
+        return None
+    known = tiny_checkpoints.writers()
+    unknown = sorted(set(asked) - set(known))
+    if unknown:
+        raise pytest.UsageError(f"--dry-run-kind {', '.join(unknown)}: no tiny checkpoint kind of that name; the dry "
+                                f"run writes {', '.join(sorted(known))}")
+    return tuple(dict.fromkeys(asked))
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    dry_run_kinds(config)  # a misspelt kind stops the run before collection
     if dry_run_on_cpu(config.getoption("device")) and hunyuan_checkpoints(config.getoption("checkpoint")):
         upstream_cpu.install()

@@ -1,4 +1,5 @@
 """The gpu tier's code on the CPU: tiny checkpoints of every kind, --device cpu, fp32 and bf16, checks and kills.
+``pytest -m launch gpu/test_dry_run.py --dry-run-kind sd3_transformer`` dry-runs one kind (repeatable) instead.
 
 This is how CI exercises kind detection, offline loading and the gpu checks without a GPU. It runs
 pytest in a subprocess so the inner run has its own registry, session and report. The inner run is
@@ -112,8 +113,23 @@ def test_the_pipeline_oracle_judges_fp32_on_diffusers_pipelines_and_any_dtype_on
                            for dtype in (torch.float32, torch.bfloat16))
 
 
+@pytest.fixture
+def dry_run_dir(request, tmp_path_factory):
+    """The tiny checkpoints the dry run covers: every kind, or only those ``--dry-run-kind`` names (written alone, so
+    a one-kind run does not write the others)."""
+    from gpu.conftest import dry_run_kinds
+
+    kinds = dry_run_kinds(request.config)
+    if kinds is None:
+        return request.getfixturevalue("tiny_dir")
+    return tiny_checkpoints.write_all(tmp_path_factory.mktemp("dry_run"), kinds)
+
+
 @pytest.mark.launch
-def test_gpu_tier_dry_run_over_every_checkpoint_kind(tiny_dir, tmp_path):
+def test_gpu_tier_dry_run_over_every_checkpoint_kind(dry_run_dir, tmp_path):
+    """The gpu tier's items over every tiny checkpoint kind, or over the kinds ``--dry-run-kind`` names: each
+    passes, every claimed kill is killed, and the labels name each checkpoint's kind."""
+    tiny_dir = dry_run_dir
     report = tmp_path / "gpu.json"
     args = [sys.executable, "-m", "pytest", "-m", "gpu", "--device", "cpu", "--dtype", "fp32,bf16", "-q",
             "-p", "no:cacheprovider", f"--parity-report={report}", f"--device-map={CPU_SPLIT}", "gpu/test_gpu.py",
@@ -127,12 +143,15 @@ def test_gpu_tier_dry_run_over_every_checkpoint_kind(tiny_dir, tmp_path):
     assert mapped == in_process, f"loaded through the device map: {sorted(mapped)}, expected {sorted(in_process)}"
     data = json.loads(report.read_text())
     catalogue.load()  # the ablation catalogue, which loads the checks first
+    labels = gpu_checks.checkpoint_labels([detect(path) for path in tiny_dir.values()])
+    assert all(labels[str(path)].startswith(detect(path).kind) for path in tiny_dir.values()), labels
     expected, fp32_only = set(), set()
     for check in checks.all_checks("gpu"):
-        for kind, path in tiny_dir.items():
+        for path in tiny_dir.values():
             if check.path in (detect(path).feeds, *gpu_checks.also_feeds(detect(path))):
-                expected.add(f"{check.id}[{kind}-fp32]")
-                (fp32_only if fp32_only_on(check.id, path) else expected).add(f"{check.id}[{kind}-bf16]")
+                label = labels[str(path)]
+                expected.add(f"{check.id}[{label}-fp32]")
+                (fp32_only if fp32_only_on(check.id, path) else expected).add(f"{check.id}[{label}-bf16]")
     ran = {c["id"] for c in data["checks"] if c["status"] != "skipped"}
     assert ran == expected, f"missing: {sorted(expected - ran)}; unexpected: {sorted(ran - expected)}"
     assert all(c["passed"] for c in data["checks"] if c["status"] != "skipped")
@@ -238,3 +257,14 @@ def test_device_mapped_load_places_the_model_and_changes_no_weight(tiny_dir, kin
     visible = torch.cuda.device_count()
     with pytest.raises(ValueError, match=re.escape(f"GPUs [{visible}] are not visible ({visible} are)")):
         load_model(checkpoint, torch.float32, "cpu", device_map=f'{{"{visible}": "1GiB"}}', trust_remote_code=trusted)
+
+
+@pytest.mark.cpu
+def test_gpu_labels_name_each_checkpoint_by_its_kind_and_number_a_kind_given_twice():
+    from harness.inputs.checkpoints import Checkpoint
+
+    given = [Checkpoint(Path("/models/final-run-7"), "sd3_transformer", "SD3Transformer2DModel"),
+             Checkpoint(Path("/models/qwen3"), "causal_lm", "Qwen3ForCausalLM"),
+             Checkpoint(Path("/models/moe"), "causal_lm", "HunYuanMoEV1ForCausalLM")]
+    assert gpu_checks.checkpoint_labels(given) == {"/models/final-run-7": "sd3_transformer",
+                                                   "/models/qwen3": "causal_lm_1", "/models/moe": "causal_lm_2"}

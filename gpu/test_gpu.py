@@ -1,4 +1,5 @@
-"""The gpu tier: one item per (registered gpu check, checkpoint of the kind it needs, dtype).
+"""The gpu tier: one item per (registered gpu check, checkpoint of the kind it needs, dtype), labelled
+``check[kind-dtype]`` by the checkpoint's kind (``gpu.checks.checkpoint_labels``).
 
 Without CUDA (and without --device cpu) or without --checkpoint every item is skipped with a reason
 (harness.plugin); with them, each check runs on real weights and lands in the parity report. Kill items: every
@@ -26,15 +27,16 @@ def _cases(config) -> list[ParityItem]:
     given = config.stash[SESSION_KEY].checkpoints
     dtypes = parse_dtypes(config.getoption("dtype"))
     cases = []
-    from gpu.checks import also_feeds  # registered by catalogue.load() above
+    from gpu.checks import also_feeds, checkpoint_labels  # registered by catalogue.load() above
 
+    names = checkpoint_labels(given)  # the kind, not the directory's name
     for check in checks.all_checks("gpu"):
         matching = [c for c in given if c.feeds == check.path or check.path in also_feeds(c)]
         if not given:  # nothing to run on: one item per check, skipped by the plugin with a reason
             cases.append(ParityItem(check.id))
         for checkpoint in matching:
             for dtype in dtypes:
-                label = f"{check.id}[{checkpoint.name}-{DTYPE_NAMES[dtype]}]"
+                label = f"{check.id}[{names[str(checkpoint.path)]}-{DTYPE_NAMES[dtype]}]"
                 cases.append(ParityItem(check.id, label=label, checkpoint=str(checkpoint.path), dtype=dtype))
     return cases
 
