@@ -59,7 +59,10 @@ def dry_run_kinds(config: pytest.Config) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(asked))
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    dry_run_kinds(session.config)  # a misspelt kind is a usage error before collection
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    dry_run_kinds(config)  # a misspelt kind stops the run before collection
     if dry_run_on_cpu(config.getoption("device")) and hunyuan_checkpoints(config.getoption("checkpoint")):
         upstream_cpu.install()

@@ -392,7 +392,7 @@ def pipeline_combine(family: str) -> Verdict:
         verdicts.append(verdict.require(recorded.calls == [2 * conditions.batch],
                                         f"step {i}: one forward of both CFG branches ({2 * conditions.batch} rows)",
                                         forwards=recorded.calls))
-    return functools.reduce(Verdict.merge, verdicts)
+    return functools.reduce(Verdict.merge, verdicts).with_metrics(declared_combine=denoiser.declared_combine(adapter))
 
 
 for _family in FAMILIES:

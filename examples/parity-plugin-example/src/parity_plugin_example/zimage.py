@@ -111,6 +111,7 @@ class ZImageAdapter(ModelAdapter):
 
 CHECKPOINT_KIND = CheckpointKind("zimage_example", "replay", ("ZImageTransformer2DModel",), "diffusers",
                                  family="zimage_example")
+# the scheduler of the released Z-Image-Turbo: flow-matching Euler at shift 3, no resolution-dependent shift
 PIPELINE = PipelineSpec("ZImagePipeline", functools.partial(flow_match_scheduler, shift=3.0), prompt_arg="cap_feats",
                         timestep_arg="t")
 FAMILY = ReplayFamily("zimage_example", ZImageAdapter, CHECKPOINT_KIND, pipeline=PIPELINE, tiny_model=tiny_zimage)
