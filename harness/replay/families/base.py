@@ -62,8 +62,8 @@ class ModelAdapter(DenoiserAdapter):
         """Every named shared field (one value every row of the call uses: an image size, position ids) is
         present, refused with a ValueError naming the missing ones otherwise. Call it on every shared field the
         forward reads, before the model runs: a generated test drops each shared field of the family's example
-        conditions in turn and requires the velocity unchanged (the forward does not read it) or this refusal,
-        never a bare KeyError from inside the model call."""
+        conditions in turn and requires the velocity unchanged (the forward does not read it) or a ValueError
+        before the transformer runs, never a bare KeyError from inside the model call."""
         missing = [name for name in names if name not in conditions.shared]
         if missing:
             raise ValueError(f"{type(self).__name__}: shared field(s) {missing} missing; got "
