@@ -268,3 +268,17 @@ def test_gpu_labels_name_each_checkpoint_by_its_kind_and_number_a_kind_given_twi
              Checkpoint(Path("/models/moe"), "causal_lm", "HunYuanMoEV1ForCausalLM")]
     assert gpu_checks.checkpoint_labels(given) == {"/models/final-run-7": "sd3_transformer",
                                                    "/models/qwen3": "causal_lm_1", "/models/moe": "causal_lm_2"}
+
+
+@pytest.mark.cpu
+def test_a_dry_run_kind_that_no_writer_writes_is_a_usage_error_naming_those_it_does():
+    from gpu.conftest import dry_run_kinds
+
+    def config(kinds):
+        return type("Config", (), {"getoption": lambda self, name, default=None: kinds})()
+
+    assert dry_run_kinds(config(None)) is None
+    assert dry_run_kinds(config(["sd3_transformer", "qwen3_lm", "sd3_transformer"])) == ("sd3_transformer", "qwen3_lm")
+    with pytest.raises(pytest.UsageError, match=r"--dry-run-kind sd3: no tiny checkpoint kind of that name; the dry "
+                                                r"run writes .*sd3_transformer"):
+        dry_run_kinds(config(["sd3"]))

@@ -174,6 +174,9 @@ def test_growth_judge(ulps):
         jumped.message, jumped.message
     zero_everything = judge_growth(torch.zeros(9), torch.zeros(9), resolution, control="test")
     assert zero_everything.passed and zero_everything.metrics["error_growth"] == 1.0
+    # the headline is the growth ratio it judged, not an elementwise metric of one number
+    assert zero_everything.headline == "error_growth" and zero_everything.headline_value == 1.0
+    assert not {"max_abs", "mismatched", "total", "rel_l2"} & set(zero_everything.metrics)
 
 
 # ----------------------------------------------------------------------------------------------------- ar

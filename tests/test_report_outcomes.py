@@ -210,3 +210,18 @@ def test_a_green_run_says_nothing_of_the_kind(outcomes):
     assert result.ret == pytest.ExitCode.OK
     assert "not_green" not in json.loads((outcomes.path / "out/green.json").read_text())
     assert "NOT GREEN" not in result.stdout.str()
+
+
+def test_the_not_green_line_says_why_or_that_the_cause_lies_outside_any_test():
+    from harness.summary import not_green_line
+
+    green = {"summary": {"failed": 0, "pairs_survived": 0, "pairs_failed": 0}}
+    assert not_green_line(0, green, [], []) is None
+    assert not_green_line(1, {"summary": {**green["summary"], "failed": 2}}, [], []) is None  # its table says so
+    assert not_green_line(1, green, [], ["replay.x: the implementation under test never ran"]) == (
+        "NOT GREEN: pytest exits 1 (tests failed); replay.x: the implementation under test never ran")
+    assert not_green_line(3, green, [], []) == ("NOT GREEN: pytest exits 3 (internal error); an error outside any "
+                                                "test (collection, usage or an internal error: see pytest's own "
+                                                "summary)")
+    assert not_green_line(77, green, ["t.py::x (setup: OSError)"], []) == (
+        "NOT GREEN: pytest exits 77; 1 test(s) outside the parity checks failed: t.py::x (setup: OSError)")

@@ -424,8 +424,9 @@ def test_a_combine_is_declared_as_the_pipeline_s_formula_and_evaluated_as_writte
     assert torch.equal(anchored, cond + 4.0 * (cond - uncond))
     assert torch.equal(cfg.combine(cfg.COND_ANCHORED, cond, uncond, 0.0, channel_dim=1), cond)  # anchored on cond
     assert torch.equal(cfg.combine(cfg.STANDARD, cond, uncond, 0.0, channel_dim=1), uncond)
-    own = cfg.CfgCombine("(1 + g) * cond - g * uncond / 1.0")
-    torch.testing.assert_close(own.apply(cond, uncond, 4.0, 1), anchored, rtol=0, atol=1e-6)
+    for formula in ("-g * uncond + (1 + g) * cond * 2 / 2.0", "+(g * (cond - uncond)) + cond"):
+        own = cfg.CfgCombine(formula)  # any arithmetic of the three names, unary signs included
+        torch.testing.assert_close(own.apply(cond, uncond, 4.0, 1), anchored, rtol=0, atol=1e-6)
     assert str(cfg.COND_ANCHORED) == "cond_anchored: cond + g * (cond - uncond)"
     assert str(cfg.TRUE_CFG_NORM_RESCALE).endswith("rescaled to ||cond|| over the channel dim")
     assert cfg.resolve("cond_anchored") is cfg.COND_ANCHORED and cfg.resolve(own) is own
@@ -476,10 +477,11 @@ def test_the_default_latent_shape_names_the_config_field_it_lacks():
 def test_the_forward_spy_counts_the_rows_of_a_transformer_that_takes_lists():
     class Lists(torch.nn.Module):
         def forward(self, x, t, captions):
-            return [item * 2 for item in x]
+            return t
 
     module = Lists()
     with spy_forwards(module) as spy:
         module([torch.ones(1)] * 5, torch.zeros(5), [torch.ones(2)] * 5)
         module(torch.ones(3, 2), torch.tensor(0.0), None)
-    assert spy.batch_sizes == [5, 3]
+        module(torch.tensor(0.0), torch.zeros(4), [])  # a 0-d value and an empty list are no rows
+    assert spy.batch_sizes == [5, 3, 4]

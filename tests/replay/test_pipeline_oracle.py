@@ -393,6 +393,15 @@ def test_list_valued_and_ragged_rows_are_lined_up_row_by_row_in_the_kind_the_tra
     assert [float(o[0, 0, 0, 0]) for o in aligned.output] == [float(c.sum()) for c in aligned.rows["cap_feats"]]
 
 
+def test_the_tokens_attended_over_count_the_longest_ragged_caption():
+    from types import SimpleNamespace
+
+    step, prompts = _ragged_step()
+    aligned = pipeline_oracle.align(step, prompts, "cap_feats", pipeline_oracle.adapter_order(FUSED_COND_FIRST, 2))
+    adapter = SimpleNamespace(latent_size=(2, 2))
+    assert pipeline_oracle._tokens(aligned, "cap_feats", adapter) == 5 + 2 * 2
+
+
 def test_the_relative_error_of_ragged_rows_is_taken_row_by_row():
     expected = [torch.tensor([2.0, -4.0]), torch.tensor([1.0, 1.0, 8.0])]
     actual = [torch.tensor([2.0, -3.0]), torch.tensor([1.0, 1.0, 8.0])]
@@ -410,6 +419,18 @@ class _ListModel(torch.nn.Module):
 
     def forward(self, x: list, scale: float = 2.0) -> tuple:
         return ([scale * item for item in x],)
+
+
+def test_the_prediction_is_read_from_a_tuple_an_output_object_or_the_value_itself():
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    rows = [torch.ones(2)]
+    assert pipeline_oracle.model_output((rows, "extra")) is rows
+    assert pipeline_oracle.model_output(Transformer2DModelOutput(sample=rows)) is rows
+    tensor = torch.ones(2)
+    assert pipeline_oracle.model_output(tensor) is tensor and pipeline_oracle.model_output(rows) is rows
+    copied = pipeline_oracle._copied((tensor, [tensor]))
+    assert isinstance(copied, tuple) and copied[0] is not tensor and copied[1][0] is not tensor
 
 
 def test_a_transformer_that_returns_lists_is_recorded_as_it_returned_them():
