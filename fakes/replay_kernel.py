@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from harness.replay.cfg import CfgCombine
 from harness.replay.conditions import Conditions, Payload, concat_payloads, payload_rows, slice_rows
 from harness.replay.denoiser import FUSED_COND_FIRST, DenoiserAdapter
 
@@ -84,9 +85,17 @@ class FakeDenoiser(DenoiserAdapter):
     count (the untiled B rows left on tiled conditions) is a ValueError.
     """
 
-    def __init__(self, layout: str = FUSED_COND_FIRST, latent_shape: Sequence[int] = (4, 4, 4), seed: int = 0):
+    def __init__(self, layout: str = FUSED_COND_FIRST, latent_shape: Sequence[int] = (4, 4, 4), seed: int = 0,
+                 combine: CfgCombine | None = None, negate: bool = False):
         self.cfg_layout = layout
         self.module = FakeKernel(latent_shape, seed)
+        if combine is not None:
+            self.cfg_combine = combine
+        self.negate = negate  # a pipeline that negates the combined prediction (Lumina2, HiDream, Z-Image)
+        self.velocity_transform = "negate" if negate else "identity"
+
+    def velocity(self, prediction: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        return -prediction if self.negate else prediction
 
     @property
     def batch_sizes(self) -> list[int]:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from harness.inputs import checkpoints
+from harness.judging import space
 from harness.options import parse_dtypes
 from harness.process import launch
 from harness.reports import report
@@ -52,6 +53,7 @@ def validate_inputs(config: pytest.Config) -> list[checkpoints.Checkpoint]:
     try:
         launch.set_fault_bound(config.getoption("fault_bound"))
         launch.fault_bound()  # the environment's value is checked too
+        space.space_mode()
     except ValueError as err:
         raise pytest.UsageError(str(err)) from None
     return detected

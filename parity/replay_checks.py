@@ -531,8 +531,9 @@ space.at("replay.cfg1.*", cfg="1")
 space.at("replay.cfg2.list_payloads", payload="list")
 for _family in FAMILIES:
     _adapter_class = get_family(_family).adapter_class
+    _combine = _adapter_class.cfg_combine
     space.at(f"replay.{_family}.*", family=_family, cfg_layout=_adapter_class.cfg_layout,
-             combine=str(_adapter_class.cfg_combine), guidance="scale")
+             combine=getattr(_combine, "name", "") or str(_combine), guidance="scale")
     space.at(f"replay.{_family}.cfg1.*", cfg="1")
     space.at(f"replay.{_family}.growth.*", cfg="1")
     space.at(f"replay.{_family}.guard.*", guidance="schedule")

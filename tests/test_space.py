@@ -61,3 +61,11 @@ def test_the_commit_seed_follows_the_checked_out_commit(tmp_path):
                    cwd=tmp_path, check=True)
     seed = space.commit_seed(tmp_path)
     assert seed != 0 and seed == space.commit_seed(tmp_path)
+
+
+def test_a_misspelt_space_mode_is_an_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(space.FULL_SPACE_ENV, "Full")
+    with pytest.raises(ValueError, match="PARITY_SPACE='Full': expected one of pairwise, full"):
+        space.covering({"a": ("x", "y")}, seed=0)
+    monkeypatch.setenv(space.FULL_SPACE_ENV, "")
+    assert space.space_mode() == "pairwise"

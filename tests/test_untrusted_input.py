@@ -356,6 +356,7 @@ def test_a_capture_directory_without_both_phases_is_refused(tmp_path):
     ([], {"PARITY_START_METHOD": "forkserver"}, "PARITY_START_METHOD='forkserver': expected one of spawn, fork"),
     (["--fault-bound=0"], {}, "--fault-bound='0': expected a number of seconds >= 3"),
     ([], {"PARITY_FAULT_BOUND_S": "soon"}, "PARITY_FAULT_BOUND_S='soon'"),
+    ([], {"PARITY_SPACE": "ful"}, "PARITY_SPACE='ful': expected one of pairwise, full"),
     (["--capture-dir={tmp}/file"], {}, "--capture-dir {tmp}/file is a file; expected a directory of capture files"),
     (["--capture-dir={tmp}/loop"], {}, "--capture-dir {tmp}/loop is a symlink loop; expected a directory"),
 ])

@@ -28,8 +28,8 @@ from allpairspy import AllPairs
 
 from harness.paths import path_of
 
-__all__ = ["AXES", "FULL_SPACE_ENV", "Axis", "at", "axis", "commit_seed", "covering", "describe", "forget", "label",
-           "point", "subject_axis", "values_named"]
+__all__ = ["AXES", "FULL_SPACE_ENV", "SPACE_MODES", "Axis", "at", "axis", "commit_seed", "covering", "describe",
+           "forget", "label", "point", "space_mode", "subject_axis", "values_named"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,13 @@ AXES: dict[str, dict[str, Axis]] = {
         Axis("guidance", "how the guidance arrives: one scale (a float) or a per-step schedule (a sequence)",
              ("scale", "schedule")),
         Axis("payload", "how the row fields are carried: tensors only, or list/tuple payloads", ("tensor", "list")),
+        Axis("trajectory", "the dtype the trajectory's latents are stored in", ("bf16", "fp16", "fp32")),
+        Axis("config", "the replay config handed in: the flag on, none at all, or the flag off", ("on", "none", "off")),
+        Axis("velocity", "what the family's pipeline does to the combined prediction", ("identity", "negate")),
+        Axis("storage", "which latents the segment stores: those replay needs, or every step's", ("sparse", "dense")),
+        Axis("steps", "how many target steps one replay stacks", ("s2", "s4")),
+        Axis("batch", "samples per replayed segment", ("b1", "b3")),
+        Axis("last_step", "whether the schedule's final step (sigma -> 0) is among the targets", ("last", "early")),
     ),
     "ar": _axes(
         Axis("model", "the tiny model (and its backend) the rollout runs on", subject=True),
@@ -141,6 +148,16 @@ def forget(prefix: str) -> None:
 # ------------------------------------------------------------------------------------------ covering the space
 
 FULL_SPACE_ENV = "PARITY_SPACE"  # "full": every point of every generated space (the nightly run); else pairwise
+SPACE_MODES = ("pairwise", "full")
+
+
+def space_mode() -> str:
+    """``PARITY_SPACE``: ``pairwise`` (unset or empty: the default) or ``full``; anything else is a ValueError
+    naming the variable, so a misspelt nightly setting never silently runs the pairwise draw."""
+    value = os.environ.get(FULL_SPACE_ENV, "") or "pairwise"
+    if value not in SPACE_MODES:
+        raise ValueError(f"{FULL_SPACE_ENV}={value!r}: expected one of {', '.join(SPACE_MODES)}")
+    return value
 
 
 def commit_seed(root: Path | None = None) -> int:
@@ -168,7 +185,7 @@ def covering(axes: Mapping[str, Sequence[str]], *, seed: int, extra: int = 0,
     def admits(row: Sequence[str]) -> bool:
         return valid(dict(zip(names[:len(row)], row, strict=True))) if len(row) == len(names) else True
 
-    if os.environ.get(FULL_SPACE_ENV) == "full":
+    if space_mode() == "full":
         every = [dict(zip(names, row, strict=True)) for row in itertools.product(*axes.values())]
         return [p for p in every if valid(p)]
     core = [dict(zip(names, row, strict=True)) for row in AllPairs([list(v) for v in axes.values()],

@@ -18,6 +18,7 @@ __all__ = [
     "fallback_reason",
     "guidance_is_constant",
     "is_stateless_sde",
+    "resolve_config",
 ]
 
 
@@ -26,6 +27,11 @@ class ReplayConfig:
     """Pipeline switches for replay; the batched path is opt-in (off by default)."""
 
     batch_replay_steps: bool = False
+
+
+def resolve_config(config: ReplayConfig | None) -> ReplayConfig:
+    """The switches a call runs under: a caller that passed none gets the defaults, the batched path off."""
+    return config if config is not None else ReplayConfig()
 
 
 def batching_enabled(config: ReplayConfig) -> bool:

@@ -26,6 +26,7 @@ __all__ = ["DEFAULT_GUIDANCE", "DEFAULT_SDE_INDICES", "DEFAULT_STEPS", "ReplayPr
 DEFAULT_STEPS = 8
 DEFAULT_SDE_INDICES = (0, 1, 3, 4, 6)
 DEFAULT_GUIDANCE = 4.5
+BATCHED = ReplayConfig(batch_replay_steps=True)  # the flag on: a check wants the fast path
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,7 +40,7 @@ class ReplayProblem:
     strategy: SDEStrategy
     target: tuple[int, ...]
     guidance: Guidance | None
-    config: ReplayConfig = field(default_factory=lambda: ReplayConfig(batch_replay_steps=True))
+    config: ReplayConfig | None = field(default_factory=lambda: BATCHED)
 
     @property
     def steps(self) -> int:
@@ -66,12 +67,16 @@ class ReplayProblem:
 def make_problem(name: str, adapter: DenoiserAdapter, conditions: Conditions, *, seed: int,
                  latent_shape: Sequence[int], target: Sequence[int] | None = None,
                  sde_indices: Sequence[int] | None = None, steps: int | None = None,
-                 guidance: Guidance | None = None, strategy: SDEStrategy | None = None) -> ReplayProblem:
+                 guidance: Guidance | None = None, strategy: SDEStrategy | None = None,
+                 trajectory_dtype: torch.dtype = torch.bfloat16, dense: bool = False,
+                 config: ReplayConfig | None = None, batched: bool = True) -> ReplayProblem:
     """Roll out a seeded trajectory with the stock path and wrap it as a replay problem.
 
     Left out: T = DEFAULT_STEPS, SDE on DEFAULT_SDE_INDICES, every SDE step replayed (``target`` =
-    ``sde_indices``), CFG scale DEFAULT_GUIDANCE, Flow-GRPO with eta 0.7. The noise comes from its own
-    stream, ``seed + 1000``, so it shares no draws with conditions built from ``seed``.
+    ``sde_indices``), CFG scale DEFAULT_GUIDANCE, Flow-GRPO with eta 0.7, a bf16 trajectory stored sparsely (the
+    latents replay needs), the batched flag on. ``batched=False`` with ``config=None`` hands the replay no config
+    at all (a caller that never set one: the batched path must decline). The noise comes from its own stream,
+    ``seed + 1000``, so it shares no draws with conditions built from ``seed``.
     """
     steps = DEFAULT_STEPS if steps is None else steps
     sde_indices = DEFAULT_SDE_INDICES if sde_indices is None else tuple(sde_indices)
@@ -80,5 +85,7 @@ def make_problem(name: str, adapter: DenoiserAdapter, conditions: Conditions, *,
     strategy = strategy or FlowGRPOSDE(eta=0.7)
     generator = torch.Generator().manual_seed(seed + 1000)
     segment = rollout(adapter, conditions, strategy, flow_sigmas(steps), sde_indices, latent_shape,
-                      generator=generator, guidance=guidance)
-    return ReplayProblem(name, adapter, conditions, segment, strategy, tuple(target), guidance)
+                      generator=generator, guidance=guidance, trajectory_dtype=trajectory_dtype, dense=dense)
+    if config is None and batched:
+        config = BATCHED
+    return ReplayProblem(name, adapter, conditions, segment, strategy, tuple(target), guidance, config)

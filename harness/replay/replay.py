@@ -19,7 +19,8 @@ from harness.replay.guards import ReplayConfig
 from harness.replay.sde import SDEStrategy, sde_step
 from harness.replay.segment import ReplayResult, TrajectorySegment, validate_targets
 
-__all__ = ["replay", "replay_batched", "replay_serial", "step_sigma_vectors", "stored_next_latents"]
+__all__ = ["batched_velocity", "replay", "replay_batched", "replay_serial", "step_sigma_vectors",
+           "stored_next_latents"]
 
 
 def _check_inputs(conditions: Conditions, segment: TrajectorySegment, guidance: Guidance | None,
@@ -65,20 +66,26 @@ def stored_next_latents(segment: TrajectorySegment, steps: Sequence[int]) -> tor
     return tiling.stack_step_major([segment.latent_at(step + 1) for step in steps])
 
 
+def batched_velocity(adapter: DenoiserAdapter, x: torch.Tensor, sigma: torch.Tensor, tiled: Conditions,
+                     guidance_scale: float | None) -> torch.Tensor:
+    """The velocity of the one stacked forward: the family's forward, combine and velocity transform, as stock."""
+    return predict_velocity(adapter, x, sigma, tiled, guidance_scale)
+
+
 def replay_batched(adapter: DenoiserAdapter, conditions: Conditions, segment: TrajectorySegment,
                    strategy: SDEStrategy, target: Sequence[int], guidance: Guidance | None = None,
                    config: ReplayConfig | None = None) -> ReplayResult | None:
     """All S target steps in one forward of S*B (x CFG) rows, or None when a guard declines."""
     steps = validate_targets(segment, target)
     _check_inputs(conditions, segment, guidance, steps)
-    if guards.fallback_reason(config or ReplayConfig(), strategy, steps, guidance) is not None:
+    if guards.fallback_reason(guards.resolve_config(config), strategy, steps, guidance) is not None:
         return None
     count, rows = len(steps), segment.batch
     x = tiling.stack_step_major([segment.latent_at(step) for step in steps]).float()
     prev = stored_next_latents(segment, steps)
     sigma, sigma_next = step_sigma_vectors(segment.sigmas, steps, rows)
     tiled = tiling.tile_conditions(conditions, count)
-    v = predict_velocity(adapter, x, sigma, tiled, guidance_at(guidance, steps[0]))
+    v = batched_velocity(adapter, x, sigma, tiled, guidance_at(guidance, steps[0]))
     out = sde_step(strategy, x, v, sigma, sigma_next, segment.sigma_max, trajectory_dtype=segment.dtype, prev=prev)
     return ReplayResult(tiling.reshape_log_probs(out.log_prob, count, rows),
                         tiling.unstack_step_major(out.mean, count, rows), steps)

@@ -40,10 +40,11 @@ def draw_sde_step(strategy: SDEStrategy, x: torch.Tensor, v: torch.Tensor, sigma
 def rollout(adapter: DenoiserAdapter, conditions: Conditions, strategy: SDEStrategy, sigmas: torch.Tensor,
             sde_indices: Sequence[int], latent_shape: Sequence[int], *, generator: torch.Generator,
             guidance: Guidance | None = None, trajectory_dtype: torch.dtype = torch.bfloat16,
-            device: torch.device | str = "cpu") -> TrajectorySegment:
+            device: torch.device | str = "cpu", dense: bool = False) -> TrajectorySegment:
     """Run T steps from seeded noise: SDE sampling on ``sde_indices``, the flow ODE elsewhere.
 
-    Stores only the latents replay needs (x_i and x_(i+1) of every SDE step). Noise comes from
+    Stores only the latents replay needs (x_i and x_(i+1) of every SDE step), or, ``dense``, the latent entering
+    every step and the final sample (a trainer that keeps the whole trajectory). Noise comes from
     ``generator`` on its own device, so a seed gives the same trajectory whatever ``device`` runs it.
     ``guidance`` (a CFG scale or per-step schedule) may only be left out for conditions without CFG.
     """
@@ -57,7 +58,7 @@ def rollout(adapter: DenoiserAdapter, conditions: Conditions, strategy: SDEStrat
     sigma_max = sigmas[1]
     x = torch.randn((rows, *latent_shape), generator=generator, dtype=torch.float32, device=generator.device)
     x = x.to(device=device, dtype=trajectory_dtype)
-    keep = {s for i in sde for s in (i, i + 1)}
+    keep = set(range(steps + 1)) if dense else {s for i in sde for s in (i, i + 1)}
     stored: dict[int, torch.Tensor] = {0: x} if 0 in keep else {}
     log_probs: dict[int, torch.Tensor] = {}
     strategy.reset()
