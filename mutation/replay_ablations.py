@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from fixtures import replay_space
 from fixtures.replay_families import ROPE_FIELDS, family_ids
 from harness.judging.ablation import ablation
 from harness.judging.checkid import CheckId
@@ -31,6 +32,11 @@ def _ids(cases, *whats) -> list[str]:
 
 def _guard(what: str) -> str:
     return str(CheckId("replay", "", "guard", what))
+
+
+def _space_points(config: str) -> list[str]:
+    """The drawn space points whose config is ``config``: every one of them meets the flag's reading."""
+    return [replay_space.check_id(p) for p in replay_space.POINTS if p["config"] == config]
 
 
 # ---------------------------------------------------------------------------------- the issue's eight
@@ -229,16 +235,18 @@ ablation(
 
 ablation(
     "replay.flag_ignored", "harness.replay.guards:batching_enabled", lambda config: True,
-    kills=[_guard("flag_off")],
+    kills=[_guard("flag_off"), *_space_points("off")],
     why="the batch_replay_steps flag is ignored: the fast path runs even when a recipe leaves it off",
     kill_mode="fact",
-    fact="flag off -> None, no forward",
+    fact={_guard("flag_off"): "flag off -> None, no forward",
+          **{check: "the batched path declines: None, no forward" for check in _space_points("off")}},
 )
 
 ablation(
     "replay.flag_misread", "harness.replay.guards:batching_enabled",
     lambda config: bool(getattr(config, "batch_replay", False)),
-    kills=[*_ids(FAKE, "returns_result", "forward_count"), "replay.cfg2.log_probs", "replay.sd3.cfg2.log_probs"],
+    kills=[*_ids(FAKE, "returns_result", "forward_count"), "replay.cfg2.log_probs", "replay.sd3.cfg2.log_probs",
+           *_space_points("on")],
     why="the flag is read under a misspelt key, so the fast path never runs and serial silently answers",
     kill_mode="fact",
     fact={
@@ -250,6 +258,7 @@ ablation(
         "replay.uncond_first.forward_count": "batched replay ran (flag on, stateless SDE, S >",
         "replay.cfg2.log_probs": "batched replay returned a result (no silent fall",
         "replay.sd3.cfg2.log_probs": "batched replay returned a result (no silent fall",
+        **{check: "batched replay returned a result (no silent fall" for check in _space_points("on")},
     },
 )
 

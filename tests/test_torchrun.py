@@ -63,7 +63,7 @@ def test_gpu_tier_decode_under_torchrun(tiny_vae, tmp_path):
     assert f"ranks: torchrun group of {nproc} (this is rank 0)" in ranks[0]
     data = json.loads(report.read_text())
     (check,) = data["checks"]
-    assert check["id"] == "decode.gpu.bitexact[minimax_h3_vae-fp32]" and check["passed"]
+    assert check["id"] == "decode.gpu.bitexact[video_vae-fp32]" and check["passed"]
     assert f"over {nproc} ranks" in json.dumps(check), "the decode did not run over every launched rank"
     assert data["summary"]["killed"] == data["summary"]["ablations"] == 2
 
