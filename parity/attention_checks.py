@@ -233,10 +233,7 @@ def _input_case(case: str, kernel: str, ctx: CheckContext) -> Verdict:
     """A kernel on one input class of the conformance contract (small layout), at the seed block and at 64."""
     inputs = seeds.case_inputs(case, _device(ctx))
     blocks = (kernels.BLOCK, OTHER_BLOCK) if kernels.get_kernel(kernel).blocked else (kernels.BLOCK,)
-    verdicts = [judge.compare_kernel(kernel, inputs.capture, inputs.policy, block=block,
-                                      layout=inputs.case.layout, expected=inputs.expected,
-                                      max_rel_l2=inputs.max_rel_l2, floor=inputs.floor,
-                                      pass_scale=inputs.case.pass_scale) for block in blocks]
+    verdicts = [inputs.judge(kernel, block) for block in blocks]
     return functools.reduce(Verdict.merge, verdicts).with_metrics(inputs=inputs.case.describe())
 
 

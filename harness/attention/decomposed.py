@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from harness.attention import masks, primitives
+from harness.attention import masks, primitives, reference
 from harness.attention.layout import AttentionLayout
-from harness.attention.reference import check_inputs, resolve_scale
+from harness.attention.reference import check_inputs
 
 __all__ = ["RowBlock", "decomposed", "split_rows"]
 
@@ -67,7 +67,7 @@ def decomposed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layo
                scale: float | None = None) -> torch.Tensor:
     """One SDPA launch per row block, no dense mask, outputs concatenated along the query rows."""
     check_inputs(query, key, value, layout)
-    scale = resolve_scale(query, scale)
+    scale = reference.resolve_scale(query, scale)
     blocks = split_rows(layout)
     _check_partition(blocks, layout)
     outputs = []

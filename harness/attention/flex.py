@@ -13,10 +13,10 @@ from collections.abc import Callable
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from harness.attention import masks, primitives
+from harness.attention import masks, primitives, reference
 from harness.attention.layout import AttentionLayout
 from harness.attention.padded import BLOCK, padded_length
-from harness.attention.reference import check_inputs, resolve_scale
+from harness.attention.reference import check_inputs
 
 __all__ = ["block_mask_for", "blocks_from_dense", "flex_structured", "mask_mod_for", "tile_grids"]
 
@@ -75,4 +75,4 @@ def flex_structured(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """flex_attention under the layout's BlockMask (GQA through enable_gqa)."""
     check_inputs(query, key, value, layout)
     block_mask = block_mask_for(layout, block=block, device=query.device)
-    return primitives.flex(query, key, value, block_mask=block_mask, scale=resolve_scale(query, scale))
+    return primitives.flex(query, key, value, block_mask=block_mask, scale=reference.resolve_scale(query, scale))

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from harness.attention import masks, primitives
+from harness.attention import masks, primitives, reference
 from harness.attention.layout import AttentionLayout
-from harness.attention.reference import check_inputs, resolve_scale
+from harness.attention.reference import check_inputs
 
 __all__ = ["BLOCK", "block_padded", "pad_mask", "padded_length"]
 
@@ -40,7 +40,7 @@ def block_padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
                  scale: float | None = None, block: int = BLOCK) -> torch.Tensor:
     """Zero-pad q/k/v to block multiples, attend under the padded mask, drop the pad rows."""
     check_inputs(query, key, value, layout)
-    scale = resolve_scale(query, scale)
+    scale = reference.resolve_scale(query, scale)
     q_len, kv_len = layout.q_len, layout.kv_len
     q_pad, kv_pad = padded_length(q_len, block), padded_length(kv_len, block)
     q = F.pad(query, (0, 0, 0, q_pad - q_len))

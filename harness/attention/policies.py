@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from harness.attention.capture import Capture
-from harness.attention.reference import attend_masked, expand_kv
+from harness.attention.reference import expand_kv
 from harness.judging.compare import UNSTAMPED, NoiseFloor, Policy, Verdict, locate, max_abs_diff, noise_floor, rel_l2
 from harness.judging.floors import StockFloor, reduction_ceiling_ulps
 
@@ -52,12 +53,15 @@ BF16_K = 4.0  # the same room, per row, against stock bf16 masked SDPA's own rel
 
 
 def reference_output(capture: Capture, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Masked SDPA of the capture under its own mask, (B, H, Q, D), optionally in another dtype."""
+    """Masked SDPA of the capture under its own mask, (B, H, Q, D), optionally in another dtype.
+
+    torch's SDPA is called here directly, not through ``harness.attention.primitives``: the kernels under test
+    launch through those, so a bug there moves a kernel's output and never the reference it is judged against."""
     q, k, v = capture.heads_first()
     if dtype is not None:
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     k, v = expand_kv(k, capture.heads), expand_kv(v, capture.heads)
-    return attend_masked(q, k, v, capture.mask, scale=capture.scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=capture.mask, scale=capture.scale)
 
 
 def in_dtype(capture: Capture, dtype: torch.dtype) -> Capture:

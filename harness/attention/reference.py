@@ -49,6 +49,8 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
 
 
 def resolve_scale(query: torch.Tensor, scale: float | None) -> float:
+    """The scale a kernel computes at: the one passed, else 1 / sqrt(D). A seam: every kernel looks it up through
+    this module at call time."""
     return query.shape[-1] ** -0.5 if scale is None else float(scale)
 
 

@@ -117,3 +117,43 @@ def test_the_launch_spy_keeps_sdpa_s_own_defaults():
         out = primitives.launch_sdpa(q, k, v, scale=0.5, enable_gqa=False)
     assert [launch.mask for launch in launches] == ["none"]
     assert torch.equal(out, full)
+
+
+def test_every_kernel_computes_at_the_scale_the_seam_resolves(monkeypatch):
+    """The kernels look the scale up through ``reference.resolve_scale`` at call time (an ablation there reaches
+    every one), are handed the scale they were called with, and compute at what it returns."""
+    layout = AttentionLayout(10, 24, 2, "prefill", images=((2, 6),))
+    capture = small_capture(layout, heads=4, kv_heads=2, head_dim=8, batch=2, seed=5)
+    q, k, v = capture.heads_first()
+    asked = []
+
+    def resolve_scale(query, scale):
+        asked.append(scale)
+        return 0.7
+
+    monkeypatch.setattr(reference, "resolve_scale", resolve_scale)
+    expected = judge.reference_output(capture.__class__(capture.query, capture.key, capture.value, capture.mask,
+                                                        scale=0.7))
+    for name in ("decomposed", "flex", "block_padded"):
+        asked.clear()
+        out = kernels.get_kernel(name)(q, k, v, layout, scale=0.2)
+        assert asked == [0.2], name
+        verdict = FP32.judge(out, expected, dims=judge.OUTPUT_DIMS, what=f"{name} at the resolved scale")
+        assert verdict.passed, verdict.describe()
+
+
+def test_the_reference_never_launches_through_the_kernels_primitives(monkeypatch):
+    """A bug in the launches the kernels share moves the kernels, never the reference they are judged against."""
+    layout = AttentionLayout(5, 12, 2, "denoise")
+    capture = small_capture(layout, heads=4, kv_heads=2, head_dim=8, batch=2, seed=6)
+    q, k, v = capture.heads_first()
+    kv = reference.expand_kv(k, 4), reference.expand_kv(v, 4)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, *kv, attn_mask=capture.mask, scale=capture.scale)
+
+    def broken(*args, **kwargs):
+        raise AssertionError("the reference went through harness.attention.primitives")
+
+    for seam in ("sdpa", "gqa_operands", "launch_sdpa"):
+        monkeypatch.setattr(primitives, seam, broken)
+    assert torch.equal(judge.reference_output(capture), expected)
+    assert judge.reference_output(capture, torch.float64).dtype == torch.float64
