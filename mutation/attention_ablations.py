@@ -1,8 +1,12 @@
-"""Ablations of the attention path: known bugs re-introduced over its seams (issues 6, 12, 13).
+"""Ablations of the attention path: known bugs re-introduced over its seams.
 
 Kill modes: a bug that changes numbers is caught by the numbers ("tolerance") on every kernel check
 it claims; the contract checks (mask vs formula, density, histogram, span detection) and launch
 proofs (GQA heads at the launch, block-aligned lengths) are facts by nature ("fact").
+
+The input-space bugs (a dropped scale, the batch and head axes flattened apart, a hard-coded GQA group) each hide
+on every input outside one class, so each claims exactly the space checks of its class
+(``fixtures.attention_space``: computed from the drawn points).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import dataclasses
 import torch
 
 from fixtures.attention_captures import INPUT_CASES
+from fixtures.attention_space import ids_where
 from harness.attention import kernels, masks, padded
 from harness.attention.decomposed import RowBlock
 from harness.attention.layout import AttentionLayout
@@ -76,6 +81,40 @@ def _seed_block_always(original):
         return original(length, padded.BLOCK)
 
     return padded_length
+
+
+def _default_scale_always(query: torch.Tensor, scale: float | None) -> float:
+    return query.shape[-1] ** -0.5
+
+
+def _head_major(tensor: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, ...) flattened batch-major, read back head-major: slot (b, g) holds flat row g * B + b."""
+    batch, heads, *rest = tensor.shape
+    return tensor.reshape(batch * heads, *rest).reshape(heads, batch, *rest).transpose(0, 1)
+
+
+def _flattened_apart(original):
+    def gqa_operands(query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        key, value, gqa = original(query, key, value)
+        return _head_major(key), _head_major(value), gqa
+
+    return gqa_operands
+
+
+def _widened_by_two(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """Each key/value head twice (the group the kernel was written for), then tiled up to ``heads``."""
+    wide = tensor.repeat_interleave(2, dim=1)
+    return wide.repeat(1, heads // wide.shape[1], 1, 1)
+
+
+def _group_of_two(original):
+    def launch_sdpa(query, key, value, *, attn_mask=None, is_causal=False, scale, enable_gqa):
+        if enable_gqa:
+            key, value = _widened_by_two(key, query.shape[1]), _widened_by_two(value, query.shape[1])
+        return original(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=False)
+
+    return launch_sdpa
 
 
 def _generated_image_only(original):
@@ -152,8 +191,9 @@ ablation(
            "attention.gpu.prefill.block_padded.block64", "attention.gpu.denoise.block_padded.block64",
            "attention.prefill.block_padded.vs_sdpa", "attention.denoise.block_padded.vs_sdpa",
            "attention.denoise.block_padded.block64.vs_sdpa", "attention.gqa.block_padded.vs_sdpa",
-           "attention.images.block_padded.vs_sdpa"],
-    why="the zero pad keys stay visible to real rows: each row's softmax leaks weight onto padding",
+           "attention.images.block_padded.vs_sdpa", *ids_where(block="unaligned")],
+    why="the zero pad keys stay visible to real rows: each row's softmax leaks weight onto padding (there are pad "
+        "keys only where KV is not a multiple of the block)",
     kill_mode="tolerance",
 )
 ablation(
@@ -206,11 +246,29 @@ ablation(
     "attention.earlier_images_dropped", "harness.attention.masks:image_spans", _generated_image_only, wraps=True,
     kills=["attention.images.decomposed.vs_sdpa", "attention.images.flex.vs_sdpa",
            "attention.images.block_padded.vs_sdpa", "attention.bf16.decomposed.vs_sdpa",
-           "attention.bf16.flex.vs_sdpa", "attention.bf16.block_padded.vs_sdpa"],
+           "attention.bf16.flex.vs_sdpa", "attention.bf16.block_padded.vs_sdpa", *ids_where()],
     why="only the generated image's span is bidirectional: the rows of the prompt's earlier images stay causal and "
         "miss the later keys of their own image",
     kill_mode="tolerance",
 )
+
+
+# name -> (seam, the bug, whether it wraps the seam's function, the axis and value of the only class it shows in, why)
+INPUT_SPACE_BUGS = {
+    "attention.scale_dropped": (
+        "harness.attention.reference:resolve_scale", _default_scale_always, False, ("scale", "custom"),
+        "the kernel computes at 1 / sqrt(D) whatever scale it is passed: right whenever the scale is the default"),
+    "attention.batch_head_flattened_apart": (
+        "harness.attention.primitives:gqa_operands", _flattened_apart, True, ("batch", "b2"),
+        "the query's batch and head axes are flattened head-major (H, B) and key/value's batch-major (B, Hkv), so "
+        "query row (b, h) reads key/value slot (h // group) * B + b of the batch-major order: right whenever B = 1"),
+    "attention.gqa_group_hard_coded": (
+        "harness.attention.primitives:launch_sdpa", _group_of_two, True, ("group", "g4"),
+        "the launch widens key/value by the group 2 it was written for and tiles the rest, so query head h reads "
+        "key/value head (h // 2) mod Hkv: right for groups 1 and 2, wrong for 4"),
+}
+for _name, (_seam, _bug, _wraps, (_axis, _value), _why) in INPUT_SPACE_BUGS.items():
+    ablation(_name, _seam, _bug, wraps=_wraps, kills=ids_where(**{_axis: _value}), why=_why, kill_mode="tolerance")
 
 
 # ------------------------------------------------------------------------------ installed kernels

@@ -25,6 +25,7 @@ CHECK_MODULES: tuple[str, ...] = (
     "parity.ar_left_padded_checks",
     "parity.decode_checks",
     "parity.attention_checks",
+    "parity.attention_space_checks",
     "gpu.checks",
 )
 ABLATION_MODULES: tuple[str, ...] = (

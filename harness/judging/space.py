@@ -82,6 +82,12 @@ AXES: dict[str, dict[str, Axis]] = {
     ),
     "attention": _axes(
         Axis("dtype", "the dtype of query, key and value", ("float32", "bfloat16")),
+        Axis("scale", "the scale the kernel is called with: default (scale=None, meaning 1 / sqrt(D)) or custom "
+                      "(an explicit other scale)", ("default", "custom")),
+        Axis("batch", "the batch: one row, or two rows whose query, key and value differ", ("b1", "b2")),
+        Axis("group", "the GQA group H / Hkv: query head h reads key/value head h // group", ("g1", "g2", "g4")),
+        Axis("block", "the KV length: a multiple of the block a tiled kernel works in, or not",
+             ("aligned", "unaligned")),
     ),
 }
 
