@@ -46,6 +46,26 @@ def test_attend_is_the_reference_and_causal_only_is_not(layout, kv_heads):
     assert not wrong.passed and wrong.metrics["max_abs"] > 1e-3, wrong.describe()
 
 
+@pytest.mark.parametrize(("bug", "inside", "outside"), [
+    ("drops_the_scale", {"scale": 0.0625}, {"scale": None}),
+    ("flattens_heads_apart", {"batch": 2}, {"batch": 1}),
+    ("gqa_group_two", {"heads": 8}, {"heads": 4}),
+])
+def test_each_input_space_bug_is_right_outside_its_class(bug, inside, outside):
+    """The zoo's dropped scale, batch and heads flattened apart and hard-coded GQA group agree with the reference
+    (fp64, summation order only) everywhere but on their one input class."""
+    layout = LAYOUTS[0]
+    policy = close(atol=1e-12, rtol=0.0, reason="fp64: the same masked SDPA, summation order only")
+    for where, agrees in ((outside, True), (inside, False)):
+        shape = {"batch": 2, "heads": 8, "scale": 0.0625, **where}
+        gen = torch.Generator().manual_seed(5)
+        q = torch.randn(shape["batch"], shape["heads"], layout.q_len, 16, generator=gen, dtype=torch.float64)
+        k, v = torch.randn(2, shape["batch"], 2, layout.kv_len, 16, generator=gen, dtype=torch.float64).unbind(0)
+        verdict = policy.judge(getattr(zoo_attention, bug)(q, k, v, layout, scale=shape["scale"]),
+                               masked_sdpa(q, k, v, layout, scale=shape["scale"]))
+        assert verdict.passed == agrees, f"{bug} at {where}: {verdict.describe()}"
+
+
 @pytest.mark.parametrize("name", ["cfg1", "cfg2", "uncond_first", "list_payloads"])
 def test_replay_is_the_suite_replay_and_the_swapped_nesting_is_not_under_cfg(name):
     problem = fake_problem(name)

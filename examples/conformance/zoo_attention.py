@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BUGS", "CORRECT", "attend", "causal_only", "earlier_images_causal", "gqa_tiled",
-           "pads_a_block_when_aligned", "returns_fp32_for_bf16", "scale_none_is_one", "special_rows_see_the_image",
-           "structured_mask"]
+__all__ = ["BUGS", "CORRECT", "attend", "causal_only", "drops_the_scale", "earlier_images_causal",
+           "flattens_heads_apart", "gqa_group_two", "gqa_tiled", "pads_a_block_when_aligned", "returns_fp32_for_bf16",
+           "scale_none_is_one", "special_rows_see_the_image", "structured_mask"]
 
 BLOCK = 128
 
@@ -42,6 +42,9 @@ class Flaws:
     images_one_block: bool = False  # every image token sees every other image's tokens, later images included
     pad_tail_unmasked: bool = False  # KV padded up to the block when not aligned, the pad keys left unmasked
     scale_none_zero: bool = False  # scale=None read as 0 (a "use the default" sentinel applied literally)
+    scale_dropped: bool = False  # a passed scale ignored: always 1 / sqrt(D)
+    flattened_apart: bool = False  # query flattened (H, B), key/value (B, H), for one batched 3-D launch
+    group_two: bool = False  # key/value heads widened by 2, the group it was written for, then tiled up to H
 
 
 def structured_mask(layout, device, flaws: Flaws = Flaws()) -> torch.Tensor:
@@ -76,12 +79,24 @@ def _in_spans(pos: torch.Tensor, spans) -> torch.Tensor:
 
 def _expand(tensor: torch.Tensor, heads: int, flaws: Flaws) -> torch.Tensor:
     group = heads // tensor.shape[1]
+    if flaws.group_two and group > 1:
+        wide = tensor.repeat_interleave(2, dim=1)
+        return wide.repeat(1, heads // wide.shape[1], 1, 1)
     return tensor.repeat(1, group, 1, 1) if flaws.tiled_gqa else tensor.repeat_interleave(group, dim=1)
+
+
+def _flattened_apart(query, key, value, mask, scale) -> torch.Tensor:
+    """One 3-D launch over every (batch, head): the query flattened head-major, key/value batch-major."""
+    batch, heads, q_len, dim = query.shape
+    rows = query.transpose(0, 1).reshape(heads * batch, q_len, dim)
+    key, value = (t.reshape(batch * heads, t.shape[2], dim) for t in (key, value))
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale)
+    return out.reshape(heads, batch, q_len, dim).transpose(0, 1)
 
 
 def _attend(query, key, value, layout, scale, flaws: Flaws) -> torch.Tensor:
     heads, dim = query.shape[1], query.shape[-1]
-    if scale is None:
+    if scale is None or flaws.scale_dropped:
         scale = 1.0 if flaws.scale_none_one else 0.0 if flaws.scale_none_zero else 1.0 / math.sqrt(dim)
     key, value = _expand(key, heads, flaws), _expand(value, heads, flaws)
     mask = structured_mask(layout, query.device, flaws)
@@ -93,6 +108,8 @@ def _attend(query, key, value, layout, scale, flaws: Flaws) -> torch.Tensor:
         pad = BLOCK - layout.kv_len % BLOCK  # zero keys up to the block, every one of them visible
         key, value = F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
         mask = F.pad(mask, (0, pad), value=True)
+    if flaws.flattened_apart:
+        return _flattened_apart(query, key, value, mask, scale)
     if flaws.fp32_output:  # the upcast for accuracy is fine; forgetting to cast back doubles every consumer's memory
         return F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask, scale=scale)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
@@ -121,6 +138,11 @@ BUGS = {
                               "only the generated image is bidirectional; the prompt's earlier images stay causal"),
     "special_rows_see_the_image": (replace(CORRECT, specials_in_span=True),
                                    "the special rows see the image span (at denoise they precede it)"),
+    "drops_the_scale": (replace(CORRECT, scale_dropped=True), "a passed scale ignored: always 1 / sqrt(D)"),
+    "flattens_heads_apart": (replace(CORRECT, flattened_apart=True),
+                             "one 3-D launch: the query flattened (H, B), key/value (B, H); right at B = 1"),
+    "gqa_group_two": (replace(CORRECT, group_two=True),
+                      "key/value heads widened by a hard-coded 2, then tiled up to H: right for groups 1 and 2"),
 }
 causal_only = _kernel(*BUGS["causal_only"])
 gqa_tiled = _kernel(*BUGS["gqa_tiled"])
@@ -129,3 +151,6 @@ scale_none_is_one = _kernel(*BUGS["scale_none_is_one"])
 returns_fp32_for_bf16 = _kernel(*BUGS["returns_fp32_for_bf16"])
 earlier_images_causal = _kernel(*BUGS["earlier_images_causal"])
 special_rows_see_the_image = _kernel(*BUGS["special_rows_see_the_image"])
+drops_the_scale = _kernel(*BUGS["drops_the_scale"])
+flattens_heads_apart = _kernel(*BUGS["flattens_heads_apart"])
+gqa_group_two = _kernel(*BUGS["gqa_group_two"])
