@@ -45,6 +45,21 @@ def test_a_constraint_keeps_its_points_out_and_the_pairs_it_allows_in():
     assert ("config", "none", "velocity", "identity") in _pairs(points)
 
 
+def test_every_pair_a_constraint_allows_is_covered_even_where_allpairs_leaves_one_out():
+    axes = {"grid": ("even", "odd"), "ranks": ("r2", "r3", "r4"), "count": ("few", "many"), "groups": ("one", "two"),
+            "dtype": ("fp32", "bf16")}
+
+    def allowed(point):
+        return point["groups"] == "one" or point["ranks"] == "r4"
+
+    points = space.covering(axes, seed=1, allowed=allowed)
+    every = [dict(zip(axes, row, strict=True)) for row in itertools.product(*axes.values())]
+    wanted = {(a, p[a], b, p[b]) for p in every if allowed(p) for a, b in itertools.combinations(axes, 2)}
+    covered = {(a, p[a], b, p[b]) for p in points for a, b in itertools.combinations(axes, 2)}
+    assert all(allowed(p) for p in points) and wanted <= covered  # ("ranks", "r4", "groups", "one") among them
+    assert len({space.label(p) for p in points}) == len(points)
+
+
 def test_the_full_space_on_demand(monkeypatch):
     monkeypatch.setenv(space.FULL_SPACE_ENV, "full")
     assert len(space.covering(AXES, seed=1, extra=3)) == 3 * 3 * 2 * 2 * 2

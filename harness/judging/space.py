@@ -79,6 +79,15 @@ AXES: dict[str, dict[str, Axis]] = {
         Axis("transport", "how decoded pieces reach the ranks: all_gather (every rank) or gather (to one rank)",
              ("all_gather", "gather")),
         Axis("slicing", "the VAE's use_slicing: one decode per video of the batch", ("off", "on")),
+        Axis("overlaps", "the overlaps of a latent frame's tile grid: equal (8 latent pixels wide: [4, 4] px) or "
+                         "unequal (9 wide: [4, 2] px), where each seam's own overlap is the only right one",
+             ("equal", "unequal")),
+        Axis("world", "ranks in the world that decodes", ("w2", "w3", "w4")),
+        Axis("clips", "clips of the video against the ranks of the group that decodes it: fewer (idle ranks) or "
+                      "more (a rank decodes several)", ("fewer", "more")),
+        Axis("groups", "the group handed in: the whole world (one), or two interleaved subgroups of it, each "
+                       "decoding its own video at once (two)", ("one", "two")),
+        Axis("dtype", "the VAE's dtype, which the decoded video comes back in", ("float32", "bfloat16")),
     ),
     "attention": _axes(
         Axis("dtype", "the dtype of query, key and value", ("float32", "bfloat16")),
@@ -194,13 +203,30 @@ def covering(axes: Mapping[str, Sequence[str]], *, seed: int, extra: int = 0,
     if space_mode() == "full":
         every = [dict(zip(names, row, strict=True)) for row in itertools.product(*axes.values())]
         return [p for p in every if valid(p)]
-    core = [dict(zip(names, row, strict=True)) for row in AllPairs([list(v) for v in axes.values()],
-                                                                  filter_func=admits)]
-    chosen = {tuple(p.values()) for p in core}
-    rest = [row for row in itertools.product(*axes.values()) if row not in chosen and valid(dict(zip(names, row,
-                                                                                                     strict=True)))]
+    allowed_rows = [row for row in itertools.product(*axes.values()) if valid(dict(zip(names, row, strict=True)))]
+    core = [tuple(row) for row in AllPairs([list(v) for v in axes.values()], filter_func=admits)]
+    core += _fill_missing_pairs(core, allowed_rows)
+    chosen = set(core)
+    rest = [row for row in allowed_rows if row not in chosen]
     drawn = random.Random(seed).sample(rest, min(extra, len(rest)))
-    return core + [dict(zip(names, row, strict=True)) for row in sorted(drawn)]
+    return [dict(zip(names, row, strict=True)) for row in [*core, *sorted(drawn)]]
+
+
+def _pairs_of(row: Sequence[str]) -> set[tuple[int, str, int, str]]:
+    return {(i, row[i], j, row[j]) for i, j in itertools.combinations(range(len(row)), 2)}
+
+
+def _fill_missing_pairs(rows: Sequence[tuple[str, ...]],
+                        allowed: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """The allowed points that cover the pairs ``rows`` miss, the one covering most of them first: under a
+    constraint allpairspy can leave out a pair some allowed point holds."""
+    missing = set().union(*map(_pairs_of, allowed)) - set().union(*map(_pairs_of, rows))
+    added: list[tuple[str, ...]] = []
+    while missing:
+        best = max(allowed, key=lambda row: len(_pairs_of(row) & missing))  # the first such in product order
+        added.append(best)
+        missing -= _pairs_of(best)
+    return added
 
 
 def label(point: Mapping[str, str]) -> str:
