@@ -166,6 +166,17 @@ class TilePlan:
     def num_tiles(self) -> int:
         return len(self.y_starts) * len(self.x_starts)
 
+    @property
+    def y_overlaps(self) -> tuple[int, ...]:
+        """Pixels each row of tiles shares with the next, top to bottom: the seams the library's stitcher blends
+        and crops, each by its own overlap (they differ where the grid's slack does not spread evenly)."""
+        return _overlaps(self.y_starts, self.y_lengths)
+
+    @property
+    def x_overlaps(self) -> tuple[int, ...]:
+        """Pixels each column of tiles shares with the next, left to right (see ``y_overlaps``)."""
+        return _overlaps(self.x_starts, self.x_lengths)
+
     def latent_window(self, tile: int) -> tuple[slice, slice]:
         """Latent (row, column) slices of tile ``tile`` (row-major over the grid)."""
         if not 0 <= tile < self.num_tiles:
@@ -174,6 +185,11 @@ class TilePlan:
         y, h = self.y_starts[row] // self.ratio, self.y_lengths[row] // self.ratio
         x, w = self.x_starts[col] // self.ratio, self.x_lengths[col] // self.ratio
         return slice(y, y + h), slice(x, x + w)
+
+
+def _overlaps(starts: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(start + length - following
+                 for start, length, following in zip(starts[:-1], lengths[:-1], starts[1:], strict=True))
 
 
 def plan_tiles(vae: Any, latent_height: int, latent_width: int) -> TilePlan | None:

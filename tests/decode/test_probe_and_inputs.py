@@ -160,6 +160,18 @@ def test_tile_windows_are_row_major_and_refuse_a_tile_past_the_grid():
             tiles.latent_window(outside)
 
 
+def test_tile_overlaps_are_each_seams_own_as_the_library_spreads_the_slack():
+    tiles = plan_mod.TilePlan(ratio=8, y_starts=(0, 48), y_lengths=(64, 32), x_starts=(0, 48, 96),
+                              x_lengths=(64, 64, 16))
+    assert (tiles.y_overlaps, tiles.x_overlaps) == ((16,), (16, 16))
+    vae = decode_models.tiny_vae()  # 8 px tiles, 2 px minimum overlap, spatial ratio 2
+    assert plan_mod.plan_tiles(vae, 4, 8).x_overlaps == (4, 4)  # 16 px: 4 px of slack over two seams
+    unequal = plan_mod.plan_tiles(vae, 4, 9)  # 18 px: the 2 px of slack go to the first seam only
+    assert (unequal.y_overlaps, unequal.x_overlaps) == ((), (4, 2))
+    assert list(unequal.x_overlaps) == type(vae)._split_tiles(vae, 18, vae.tile_sample_min_width,
+                                                               vae.tile_sample_min_overlap_width)[2]
+
+
 @pytest.mark.cpu
 def test_the_split_shards_tiles_only_where_the_busiest_rank_gets_less():
     assert plan_mod.choose_split(4, 1, 2) == "tiles"  # one clip of two tiles: 0.5 of the work vs all of it
