@@ -32,7 +32,7 @@ from harness.plugins import conformance
 from harness.process.dist import WorldTaskError
 
 __all__ = ["CASES", "ENCODE_CASES", "FAULT_BOUND_S", "FAULT_RANK", "FAULT_WORLD", "INSTALLED", "DecodeCase",
-           "EncodeCase", "fault_id", "run_fault"]
+           "EncodeCase", "decode_check", "fault_id", "run_fault"]
 
 FAULT_WORLD = 8
 FAULT_RANK = 3
@@ -61,6 +61,8 @@ class DecodeCase:
     tag: str = ""  # extra id part (bf16, batch2, flag_off, ...)
     what: str = "bitexact"
     family: str = ""  # an installed VAE; the suite's own when empty
+    height: int = 8  # latent pixels of a frame: 3 x 3 tiles of the tiny VAE, overlaps [4, 4] px both ways
+    width: int = 8
 
     @property
     def check_id(self) -> str:
@@ -82,7 +84,8 @@ class DecodeCase:
 
     def job(self) -> decode_tasks.TinyDecodeJob:
         vae = decode_models.VaeSpec(dtype=self.dtype, slicing=self.slicing)
-        return decode_tasks.TinyDecodeJob(decode_models.LatentSpec(self.frames, batch=self.batch), vae, self.shard,
+        latents = decode_models.LatentSpec(self.frames, self.height, self.width, batch=self.batch)
+        return decode_tasks.TinyDecodeJob(latents, vae, self.shard,
                                           self.transport, self.dst, self.split, self.autocast, self.groups,
                                           self.family)
 
@@ -118,7 +121,8 @@ INSTALLED = tuple(replace(case, family=name) for name in decode_models.installed
 CASES = MATRIX + BEYOND + INSTALLED
 
 
-def _decode_check(case: DecodeCase, ctx: checks.CheckContext) -> Verdict:
+def decode_check(case: DecodeCase, ctx: checks.CheckContext) -> Verdict:
+    """Run ``case`` in a world of its size and judge every group's video against its stock decode."""
     sharded = case.shard and case.world > 1
     if not case.groups:
         return judge.compare_sharded_decode(ctx.world(case.world), decode_tasks.decode_task, case.job(),
@@ -133,12 +137,12 @@ def _decode_check(case: DecodeCase, ctx: checks.CheckContext) -> Verdict:
 
 
 for _case in CASES:
-    checks.register(_case.check_id, policy=exact())(functools.partial(_decode_check, _case))
+    checks.register(_case.check_id, policy=exact())(functools.partial(decode_check, _case))
     if _case.not_judged:
         conformance.not_judged(_case.check_id, _case.not_judged)
-    # where it sits in the decode input space (harness.judging.space): the VAE, the transport, slicing
+    # where it sits in the decode input space (harness.judging.space): the VAE, the transport, slicing, the dtype
     space.at(_case.check_id, vae=_case.family or "minimax_h3", transport=_case.transport,
-             slicing="on" if _case.slicing else "off")
+             slicing="on" if _case.slicing else "off", dtype=_case.dtype)
 space.at("decode.*", vae="minimax_h3", transport="all_gather", slicing="off")  # repeats, a dtype switch, faults
 
 # --------------------------------------------------------------------------------------------- repeats, dtypes
@@ -278,15 +282,19 @@ def run_fault(world, job: decode_tasks.DecodeJob, kind: str, fault_rank: int,
 
 
 def follow_up_error(again: Sequence[RankDecode]) -> str | None:
-    """What is wrong with the decode run again without the fault (None: every receiving rank is bit-exact with the
-    stock decode). A decode that differs from stock is said to be so: not bit-exact is the implementation's
-    numbers, not its fault handling."""
+    """What is wrong with the decode run again without the fault (None: every receiving rank holds the stock video,
+    bit-exact, where the stock decode leaves it). A decode that differs from stock is said to be so: not bit-exact,
+    or a CPU copy, is the implementation's numbers and placement, not its fault handling."""
     stock = again[0].stock_sha256
     off = [r.rank for r in again if r.output is not None and r.sha256 != stock]
-    if not off:
-        return None
-    return (f"the decode without the fault is not bit-exact with the stock decode on ranks {off} (the fast path's "
-            f"numbers, not its fault handling: see the decode bitexact checks)")
+    moved = [r.rank for r in again if r.output is not None and (r.moved_by or r.device != r.home)]
+    if off:
+        return (f"the decode without the fault is not bit-exact with the stock decode on ranks {off} (the fast path's "
+                f"numbers, not its fault handling: see the decode bitexact checks)")
+    if moved:
+        return (f"the decode without the fault is not where the stock decode leaves its video on ranks {moved} "
+                f"(another device, or a CPU copy: the fast path's placement, not its fault handling)")
+    return None
 
 
 def _fault_check(kind: str, ctx: checks.CheckContext) -> Verdict:

@@ -54,6 +54,10 @@ class RankDecode:
     received_bytes: int = 0  # bytes of gathered pieces this rank received (memory it held for them)
     decoded: tuple[str, ...] = ()  # fingerprints of this rank's decoder inputs during the call under test
     stock_decoded: tuple[str, ...] = ()  # rank 0: fingerprints of the stock decode's decoder inputs, in call order
+    device: str = ""  # where the call left its output, before the task moved it here ("" without one)
+    home: str = ""  # this rank's latents' device: where the stock decode returns its video
+    stock_device: str = ""  # rank 0: where the stock decode returned it
+    moved_by: str = ""  # the call that moved the returned output to the CPU ("Tensor.cpu()"); "" for none
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,7 @@ def judge_decode(results: Sequence[RankDecode], *, sharded: bool,
         verdict = dataclasses.replace(verdict, metrics={**verdict.metrics, **metrics})
     verdict = verdict.require(bool(hashes) and all(h == stock_sha for h in hashes),
                               "every receiving rank's SHA-256 equals the stock output's")
+    verdict = _require_placement(verdict, receivers, stock, first.stock_device)
     decoder = [r.decoder_calls for r in results]
     seen = [{k: v for k, v in r.collectives.items() if v} for r in results]
     if sharded and foreign:
@@ -223,6 +228,29 @@ def judge_decode(results: Sequence[RankDecode], *, sharded: bool,
         verdict = verdict.require(all(c for c in impl), "the implementation under test ran on every rank",
                                   impl_calls_per_rank=impl)
     return _with_summary(verdict)
+
+
+PLACED = "every receiving rank's output is on the device and in the dtype the stock call returns"
+NOT_MOVED = "no receiving rank's output was moved to the CPU by the call (.cpu(), .to('cpu'))"
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _require_placement(verdict: Verdict, receivers: Sequence[RankDecode], stock: torch.Tensor,
+                       stock_device: str) -> Verdict:
+    """Facts the bytes cannot show: each output stays where the stock call leaves it (on its rank's latents'
+    device, in the stock dtype), and the call did not hand back a CPU copy, which the CPU tier cannot tell from the
+    video by its device (every rank's device is the CPU there by construction)."""
+    held = [(r, r.output) for r in receivers if r.output is not None]
+    wrong = [f"rank {r.rank}: {r.device or '?'} {_dtype_name(out)} (its latents on {r.home or '?'})" for r, out in held
+             if r.device != r.home or out.dtype != stock.dtype]
+    verdict = verdict.require(not wrong, PLACED, **({"placement": "; ".join(wrong),
+                                                     "stock_placement": f"{stock_device} {_dtype_name(stock)}"}
+                                                    if wrong else {}))
+    moved = [f"rank {r.rank}: {r.moved_by}" for r, _ in held if r.moved_by]
+    return verdict.require(not moved, NOT_MOVED, **({"moved_to_cpu": "; ".join(moved)} if moved else {}))
 
 
 def compare_sharded_decode(world: Any, task: Callable[..., Sequence[RankDecode]], job: Any, *,

@@ -50,3 +50,21 @@ def test_the_implementation_under_test_runs_inside_every_rank(spec, passes, pari
     if not passes:
         assert set(verdict.violated_facts) == {"each piece decoded exactly once across the world",
                                                "every rank communicated (a collective ran on every rank)"}
+
+
+def test_the_transfer_spy_names_a_returned_cpu_copy_and_nothing_the_call_only_passed_through_the_cpu():
+    """What ``decode_task`` records as the call's move of its output to the CPU: the output is (a view of) what a
+    ``.cpu()`` or a ``.to("cpu")`` returned meanwhile, a copy as from an accelerator; pieces that travelled through
+    the CPU and were assembled into a new video, a video a copy was only made of, a dtype cast and a move to a
+    device given as an object are not such a move."""
+    video = torch.arange(12.0).reshape(3, 4)
+    with decode_tasks._moves_to_cpu() as moved:
+        copied = video.cpu()
+        viewed = video.to("cpu")[:, :2]
+        cast = video.to(torch.float64)
+        home = video.to(video.device)
+        assembled = torch.cat([piece.cpu() for piece in video.split(2)])
+    assert "cpu" not in torch.Tensor.__dict__ and "to" not in torch.Tensor.__dict__  # inherited again
+    assert [decode_tasks._moved_by(t, moved) for t in (copied, viewed, cast, home, assembled, video)] == [
+        "Tensor.cpu()", "Tensor.to('cpu')", "", "", "", ""]  # the video itself was only sent through a copy
+    assert decode_tasks._moved_by(None, moved) == decode_tasks._moved_by(torch.empty(0), moved) == ""

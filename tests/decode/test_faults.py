@@ -219,14 +219,20 @@ def test_a_follow_up_decode_that_is_not_bit_exact_says_so_not_that_the_group_bro
     from types import SimpleNamespace
 
     follow_up_error = decode_checks.follow_up_error
-    exact_run = [SimpleNamespace(rank=r, output=object(), sha256="a", stock_sha256="a") for r in range(3)]
+    placed = {"device": "cpu", "home": "cpu", "moved_by": ""}
+    exact_run = [SimpleNamespace(rank=r, output=object(), sha256="a", stock_sha256="a", **placed) for r in range(3)]
     assert follow_up_error(exact_run) is None
-    off = [SimpleNamespace(rank=0, output=object(), sha256="a", stock_sha256="a"),
-           SimpleNamespace(rank=1, output=None, sha256="", stock_sha256=""),  # gather: receives nothing
-           SimpleNamespace(rank=2, output=object(), sha256="b", stock_sha256="")]
+    off = [SimpleNamespace(rank=0, output=object(), sha256="a", stock_sha256="a", **placed),
+           SimpleNamespace(rank=1, output=None, sha256="", stock_sha256="", **placed),  # gather: receives nothing
+           SimpleNamespace(rank=2, output=object(), sha256="b", stock_sha256="", **placed)]
     assert follow_up_error(off) == ("the decode without the fault is not bit-exact with the stock decode on ranks "
                                     "[2] (the fast path's numbers, not its fault handling: see the decode bitexact "
                                     "checks)")
+    copied = [*exact_run[:2], SimpleNamespace(rank=2, output=object(), sha256="a", stock_sha256="",
+                                              **{**placed, "moved_by": "Tensor.cpu()"})]
+    assert follow_up_error(copied) == ("the decode without the fault is not where the stock decode leaves its video "
+                                       "on ranks [2] (another device, or a CPU copy: the fast path's placement, not "
+                                       "its fault handling)")
 
 
 def test_a_numeric_bug_that_also_fails_the_follow_up_decode_is_headed_by_its_numbers(parity_ctx):

@@ -43,7 +43,7 @@ def test_sharded_and_stock_runs_report_their_transport_share_and_facts():
     stock = judge.judge_decode(_answers(False), sharded=False)
     assert stock.passed, stock.describe()
     assert (stock.metrics["transport"], stock.metrics["busiest_share"]) == ("stock", 1.0)
-    assert stock.violated_facts == [] and len(stock.notes) == 2
+    assert stock.violated_facts == [] and len(stock.notes) == 4  # bytes, hashes, placement, no move
     # a sharded verdict on a run that decoded everything everywhere fails on the ownership fact
     everywhere = judge.judge_decode(_answers(False), sharded=True)
     assert "each piece decoded exactly once across the world (round-robin ownership)" in everywhere.violated_facts
@@ -82,6 +82,29 @@ def test_wrong_shapes_hashes_and_a_user_run_without_collectives_fail():
     assert verdict.violated_facts == ["every rank communicated (a collective ran on every rank)"]
     assert verdict.metrics["collectives_per_rank"] == "{'all_gather': 8}; none"
     assert (verdict.metrics["pieces_per_rank"], verdict.metrics["pieces_total"]) == ("18, 18", 36)
+
+
+def test_an_output_off_the_stock_device_or_dtype_or_moved_to_the_cpu_fails_its_fact_by_rank():
+    """Equal bytes are not enough: the video must stay where the stock call leaves it, in its dtype, and be no CPU
+    copy the call made (on the CPU tier the device alone cannot show that)."""
+    placed = [dataclasses.replace(a, device="cuda:0", home="cuda:0", stock_device="cuda:0") for a in _answers(True)]
+    assert judge.judge_decode(placed, sharded=True).passed
+    moved_off = [placed[0], dataclasses.replace(placed[1], device="cpu")]
+    verdict = judge.judge_decode(moved_off, sharded=True)
+    assert verdict.violated_facts == [judge.PLACED]
+    assert (verdict.metrics["placement"], verdict.metrics["stock_placement"]) == (
+        "rank 1: cpu float32 (its latents on cuda:0)", "cuda:0 float32")
+    first, second = _answers(True)
+    cast = dataclasses.replace(second, output=second.output.double())  # a dtype the stock call does not return
+    verdict = judge.judge_decode([first, dataclasses.replace(cast, sha256=sha256(cast.output))], sharded=True)
+    assert judge.PLACED in verdict.violated_facts and verdict.metrics["placement"] == "rank 1: ? float64 (its " \
+                                                                                      "latents on ?)"
+    copied = [first, dataclasses.replace(second, moved_by="Tensor.cpu()")]
+    verdict = judge.judge_decode(copied, sharded=True)
+    assert verdict.violated_facts == [judge.NOT_MOVED] and verdict.metrics["moved_to_cpu"] == "rank 1: Tensor.cpu()"
+    gathered = [dataclasses.replace(a, transport="gather") for a in _answers(True)]  # rank 1 receives nothing
+    gathered[1] = dataclasses.replace(gathered[1], output=None, sha256=None, moved_by="Tensor.cpu()")
+    assert judge.NOT_MOVED not in judge.judge_decode(gathered, sharded=True).violated_facts
 
 
 def test_the_plan_oracle_passes_the_plan_and_names_same_shaped_wrong_windows(monkeypatch):
