@@ -10,12 +10,14 @@ W = 2, tiles at 4, 8; t30.w4, t13.w7 and t9.w8 tiles; t13.w3 clips.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fixtures import decode_space
 from fixtures.decode_models import installed_vaes
 from harness.decode import plan as plan_mod
 from harness.decode.exchange import Probe, ProbeStatus, ShardedDecodeError
@@ -495,4 +497,88 @@ ablation(
         "returns a video instead of every rank raising the error it saw",
     kill_mode="fact",
     fact=FAIL_CLOSED,
+)
+
+# ------------------------------------------------------------------ a stitcher cropping by the previous seam's overlap
+
+UNEQUAL_TILED = [decode_space.check_id(p) for p in decode_space.POINTS
+                 if p["overlaps"] == "unequal" and decode_space.split(p) == "tiles"]
+
+
+def _stitch_cropping_by_previous_seam(vae: Any) -> Callable[..., torch.Tensor]:
+    """The tile stitch with one slip: each tile is cropped by the overlap of the seam it was just blended across,
+    not by its own next seam's. Equal overlaps hide it; [4, 2] px crops 4 where 2 belongs."""
+    def stitch(tiles: list[list[torch.Tensor]], height_overlaps: list[int],
+               width_overlaps: list[int]) -> torch.Tensor:
+        rows = []
+        for i, row in enumerate(tiles):
+            kept = []
+            for j, tile in enumerate(row):
+                if i > 0:
+                    tile = vae._blend(tiles[i - 1][j], tile, height_overlaps[i - 1], dim=-2)
+                if j > 0:
+                    tile = vae._blend(row[j - 1], tile, width_overlaps[j - 1], dim=-1)
+                if i < len(tiles) - 1:
+                    tile = tile[..., :-height_overlaps[max(i - 1, 0)], :]
+                if j < len(row) - 1:
+                    tile = tile[..., :-width_overlaps[max(j - 1, 0)]]
+                kept.append(tile)
+            rows.append(torch.cat(kept, dim=-1))
+        return torch.cat(rows, dim=-2)
+
+    return stitch
+
+
+def _served_to_a_stitch_cropping_by_previous_seam(original: Callable[..., Any]) -> Callable[..., Any]:
+    @contextlib.contextmanager
+    def serve_tiles(vae: Any, padded: torch.Tensor, work: plan_mod.WorkPlan,
+                    tiles: Sequence[torch.Tensor]) -> Iterator[Any]:
+        with original(vae, padded, work, tiles) as server, \
+                bound(vae, "_stitch_tiles", _stitch_cropping_by_previous_seam(vae)):
+            yield server
+
+    return serve_tiles
+
+
+ablation(
+    name="decode.stitch_crops_previous_overlap",
+    seam="harness.decode.serve:serve_tiles",
+    replacement=_served_to_a_stitch_cropping_by_previous_seam,
+    wraps=True,
+    kills=UNEQUAL_TILED,
+    why="the served tiles stitched with each tile cropped by the seam behind it: a grid whose overlaps are equal "
+        "stitches right, an unequal one ([4, 2] px over a 9-wide latent frame) loses 2 px per clip; only the space "
+        "points with unequal overlaps whose tiles are served see it",
+    kill_mode="tolerance",
+)
+
+# ------------------------------------------------------------------ the video handed back on the CPU
+
+# every space point (each one shards) and a check of each input form the space leaves out (gather to one rank,
+# fp16 autocast), the rest of the sharded checks unclaimed to spare the gate; the gpu tier's, where the device
+# itself shows it too
+ON_THE_CPU = [*map(decode_space.check_id, decode_space.POINTS), "decode.t22.w2.gather.bitexact",
+              "decode.t22.w4.subgroups_gather_dst1.bitexact", "decode.t22.w2.fp16_autocast.bitexact",
+              "decode.gpu.bitexact"]
+
+
+def _returned_on_the_cpu(original: Callable[..., torch.Tensor | None]) -> Callable[..., torch.Tensor | None]:
+    def sharded_decode(vae: Any, z: torch.Tensor, group: Any, **options: Any) -> torch.Tensor | None:
+        video = original(vae, z, group, **options)
+        return None if video is None else video.cpu()
+
+    return sharded_decode
+
+
+ablation(
+    name="decode.video_returned_on_cpu",
+    seam="harness.decode.sharded:sharded_decode",
+    replacement=_returned_on_the_cpu,
+    wraps=True,
+    kills=ON_THE_CPU,
+    why="the sharded decode hands back video.cpu(): the same bytes, off the device the stock decode returns on. A "
+        "GPU run sees the device; on the CPU tier every device is the CPU, so only the transfer fact (the returned "
+        "video is what a .cpu() made) can tell",
+    kill_mode="fact",
+    fact="was moved to the CPU by the call",
 )

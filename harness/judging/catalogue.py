@@ -24,6 +24,7 @@ CHECK_MODULES: tuple[str, ...] = (
     "parity.ar_checks",
     "parity.ar_left_padded_checks",
     "parity.decode_checks",
+    "parity.decode_space_checks",
     "parity.attention_checks",
     "parity.attention_space_checks",
     "gpu.checks",
