@@ -14,8 +14,10 @@ over fails on the CPU as it would on the real code. Shared here, as both upstrea
 - ``position_ids`` is both the RoPE row index and the KV write index.
 - text-row RoPE tables as upstream's 2-D RoPE builds them (fp32 tables; rotation applied in fp32, then cast).
 - attention through torch's ``scaled_dot_product_attention`` over the whole returned key axis, as upstream calls
-  it (so bf16 results depend on the key length exactly as upstream's do); ``attention_kernel="read_safe"``
-  swaps in a kernel that never reads a masked slot, for the NaN probes only.
+  it (so bf16 results depend on the key length exactly as upstream's do); ``attention_kernel="eager"`` computes it
+  as an eager kernel does (upstream maps ``attn_implementation="eager"`` to its SDPA class; some deployments swap a
+  plain softmax in): a -inf masked softmax, under which a query row that admits no key is NaN;
+  ``attention_kernel="read_safe"`` swaps in a kernel that never reads a masked slot, for the NaN probes only.
 - zero pad embedding, GQA, a dense SwiGLU MLP or a top-k MoE with a shared MLP (``num_experts``, ``moe_topk`` per
   layer or one for all); this base routes every token alone with normalised top-k weights (upstream's
   ``easy_topk``), each generation's subclass reproduces its own deviations (capacity, the single-token path).
@@ -63,13 +65,14 @@ __all__ = [
     "carry_cache_and_positions",
     "carry_image_positions",
     "causal_generation_mask",
+    "eager_attention",
     "layer_value",
     "masked_attention",
     "rope_table",
     "text_rope_table",
 ]
 
-KERNELS = ("sdpa", "read_safe")
+KERNELS = ("sdpa", "eager", "read_safe")
 #: The per-row image-slice lists a real ``tokenizer_output`` carries (text-only rows: empty lists).
 IMAGE_SLICE_FIELDS = ("joint_image_slices", "gen_image_slices", "vae_image_slices", "vit_image_slices")
 
@@ -232,6 +235,19 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return weighted.sum(dim=-2)
 
 
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float | None = None) -> torch.Tensor:
+    """Softmax attention as an eager kernel writes it: -inf on every score the mask forbids, the softmax in fp32,
+    then every value weighted. A query row with no admitted key is NaN (the softmax of -inf alone), and a masked
+    slot holding NaN still reaches the output (0 x NaN), as in SDPA. ``mask`` is bool ``[B, 1, Q, K]`` (True = may
+    attend), an additive float mask (added to the scores, as SDPA takes one) or None."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask if mask.is_floating_point() else scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
+
+
 class HunyuanRMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -332,6 +348,8 @@ class HunyuanImage3SDPAAttention(nn.Module):
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if self.kernel == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=0.0)
+        elif self.kernel == "eager":
+            out = eager_attention(q, k, v, attention_mask)
         else:
             out = masked_attention(q, k, v, attention_mask)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))

@@ -47,7 +47,14 @@ from harness.ar.judge import (
     step_curve,
 )
 from harness.ar.loop import Rollout, fast_rollout, stock_rollout
-from harness.ar.policies import TOLERANCE_K, fp32_policies, stock_prefill_floor
+from harness.ar.policies import (
+    BF16_KL_FLOOR,
+    BF16_KL_K,
+    FLIP_MARGIN,
+    TOLERANCE_K,
+    fp32_policies,
+    stock_prefill_floor,
+)
 from harness.ar.routing import RoutingProbe, probe_routing
 from harness.ar.spy import ARForwardSpy
 from harness.inputs import checkpoints, compat
@@ -63,9 +70,6 @@ __all__ = ["CHECK_ID", "KIND_KILLS", "LEFT_CHECK_ID", "POLICY", "PROMPT_LENGTHS"
 
 PROMPT_LENGTHS = (13, 37, 64, 51)  # the AR issue's repro shape: unequal real_pos, one unpadded row
 NEW_TOKENS = 8
-BF16_KL_K = 8.0  # the AR PR saw mixed-length KL up to ~4.1 x its no-padding control; 2x headroom over that
-BF16_KL_FLOOR = 1e-3  # nats: below this a KL is rounding whatever the control says
-FLIP_MARGIN = 1.0  # a top-1 flip is benign only where B=1's top-1/top-2 log-prob gap is below this (seed: 0.31)
 CHECK_ID = str(CheckId("ar", "gpu", "", "batched_vs_b1"))
 LEFT_CHECK_ID = str(CheckId("ar", "gpu", "left", "batched_vs_b1"))
 POLICY = (f"fp32: tokens exact, log-probs close within {TOLERANCE_K:g} x the stock prefill floor; bf16: per-row "

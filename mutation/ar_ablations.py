@@ -4,6 +4,8 @@ The first six are the AR PR's defects and the AR issue's list (docs/contracts.md
 ``ar.real_pos_fallback`` undo two decisions of the seed's review (B=1 keeps upstream's dynamic cache;
 real_pos is required at every batch size), so the B=1 and missing-real_pos checks have teeth too; the last one
 adds a drift that compounds over decode steps (caught by the error-growth checks only, tests/ar/test_growth.py).
+Two are input classes of the ar space (``fixtures.ar_space``): the log-softmax taken in the model's dtype (only a
+bf16 point sees it) and the generated tokens' KV read back at the wrong slots (only a comparison of that KV sees it).
 Each claims only the checks it was measured to kill; the reasons say why the others survive.
 """
 
@@ -13,6 +15,7 @@ import math
 
 import torch
 
+from fixtures import ar_space
 from fixtures.ar_models import BACKENDS as MODELS
 from harness.ar.batch import pad_seq
 from harness.ar.comparisons import CASE_QUANTITIES
@@ -123,9 +126,10 @@ ablation(
 ablation(
     "ar.first_logits_last_column", "harness.ar.loop:first_logits_column", _last_column,
     kills=["ar.gpu.batched_vs_b1", *_ids(MODELS, _BATCHED, ("tokens", "logp")), *_whole_rollout(MODELS),
-           *_ids(MODELS, ("padded_b1",), ("equals_unpadded",))],
+           *_ids(MODELS, ("padded_b1",), ("equals_unpadded",)), *ar_space.ids(padding_side="right")],
     why=("stock generation reads prefill logits at the last column: a right-padded row's first token is then "
-         "sampled from its pad's logits. Rows with real_pos == L (b1) are unaffected."),
+         "sampled from its pad's logits. Rows with real_pos == L (b1) are unaffected; every right-padded point of "
+         "the ar space pads two of its rows, in either dtype and kernel."),
     kill_mode="tolerance",
 )
 
@@ -159,6 +163,55 @@ ablation(
     why=("the recorded log-prob with its sign flipped, in the one function stock and fast (of both layouts) record "
          "through: the fast-vs-stock logp checks see the same wrong number on both sides; only the fp64 oracle sees "
          "it (rollout_vs_replay, whose replay computes its own log-probs, sees it too)."),
+    kill_mode="tolerance",
+)
+
+
+def _model_dtype(backend) -> torch.dtype:
+    return next(iter(backend.model.parameters())).dtype
+
+
+def _logp_in_model_dtype(original):
+    def recorded_logp(state):
+        """The log-softmax of the logits as the model's dtype holds them, upcast after."""
+        logits = state.logits
+        state.logits = logits.to(_model_dtype(state.backend))
+        try:
+            return original(state).float()
+        finally:
+            state.logits = logits
+    return recorded_logp
+
+
+ablation(
+    "ar.logp_in_model_dtype", "harness.ar.loop:recorded_logp", _logp_in_model_dtype, wraps=True,
+    kills=ar_space.ids(dtype="bfloat16"),
+    why=("the recorded log-prob taken by a log-softmax in the model's dtype, upcast to fp32 after: in bf16 the "
+         "log-sum-exp keeps 8 bits, so each log-prob is off by about a bf16 ulp of its size, far over the fp64 "
+         "oracle of the recorded logits. In fp32 the cast is the identity, so only a bf16 point sees it; a "
+         "comparison with B=1 could not (the error sits under bf16's own batch-shape rounding), the rollout's own "
+         "record against its logits does."),
+    kill_mode="tolerance",
+)
+
+
+def _generated_kv_at_row_slots(self, real_pos: int, width: int, generated: int) -> torch.Tensor:
+    return torch.arange(real_pos + generated)
+
+
+_SPACE_TRANSFORMERS_RIGHT = [check for model in _TRANSFORMERS
+                             for check in ar_space.ids(model=model, padding_side="right")]
+
+ablation(
+    "ar.generated_kv_read_at_row_slots", "harness.ar.backends:TransformersBackend.logical_slots",
+    _generated_kv_at_row_slots,
+    kills=[*_SPACE_TRANSFORMERS_RIGHT, *_ids(_TRANSFORMERS, ("",), ("nan_unused_slots",))],
+    modes=dict.fromkeys(_ids(_TRANSFORMERS, ("",), ("nan_unused_slots",)), "fact"),
+    fact="every valid KV slot finite",
+    why=("the rollout's KV read back with the per-row-slot rule (token k right after the row's prompt) on a "
+         "transformers model, whose cache writes token k in the shared column W + k: a padded row's generated "
+         "tokens' KV is read from its holes. Tokens, log-probs and the prompt's KV are untouched; only a comparison "
+         "of the generated tokens' KV sees it (or the NaN probe, which poisons the holes)."),
     kill_mode="tolerance",
 )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from fixtures import ar_space
 from fixtures.ar_models import BACKENDS as MODELS
 from harness.judging.ablation import ablation
 from harness.judging.checkid import CheckId
@@ -112,12 +113,14 @@ def _pad_queries_admit_nothing(attention_mask: torch.Tensor, slots: torch.Tensor
 
 
 _PADDED = _ids(MODELS, ("unequal_real_pos", "length_skew", "all_padded"), ("tokens",))
+_EAGER = ar_space.ids(padding_side="left", kernel="eager")
 ablation(
     "ar.left.pad_queries_admit_nothing", "harness.ar.left_padded:prefill_mask", _pad_queries_admit_nothing,
-    kills=_PADDED,
+    kills=[*_PADDED, *ar_space.ids(padding_side="left")], modes=dict.fromkeys(_EAGER, "tolerance"),
     why=("a pad's query row of the prefill mask admits no key: torch's SDPA gives such a row zeros, so the numbers "
-         "here pass, but an eager -inf softmax (and some fused kernels) turns it to NaN, which the next layer writes "
-         "into the pad's KV, where a masked-out read still multiplies it in. The fact on the mask the model received "
+         "pass there, but an eager -inf softmax (and some fused kernels) turns it to NaN, which the next layer writes "
+         "into the pad's KV, where a masked-out read still multiplies it in: the left-padded points of the ar space "
+         "under the eager kernel fail in their numbers (NaN logits). The fact on the mask the model received "
          "catches it whatever the kernel."),
     kill_mode="fact",
     fact="every query row of the prefill mask admits a key",

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from harness.ar.loop import ARState
 
 __all__ = ["IMAGE_SLICE_FIELDS", "MODELING_MODULES", "StockRun", "TransformersBackend", "UpstreamBackend",
-           "remote_code_generation", "remote_code_name", "shared_column_inputs", "shared_token_columns",
+           "model_mask", "remote_code_generation", "remote_code_name", "shared_column_inputs", "shared_token_columns",
            "upstream_generation"]
 
 #: The per-row image-slice lists of ``tokenizer_output`` that upstream's mask builders read (empty for text rows).
@@ -55,6 +55,18 @@ def _stack_kv(cache: Any, row: int, slots: torch.Tensor) -> torch.Tensor:
     """Row ``row``'s KV at ``slots`` for every layer -> ``[layers, 2, H, len(slots), hd]``."""
     return torch.stack([torch.stack([k[row][:, slots.to(k.device)], v[row][:, slots.to(v.device)]])
                         for k, v in ar_cache.layer_buffers(cache)])
+
+
+def model_mask(model: Any, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A bool mask (True = may attend) as ``model``'s attention takes it: unchanged, except for transformers' eager
+    attention, which adds its mask to the scores (a bool mask added as 0 and 1 would admit every key): there 0 where
+    a key is admitted and -inf where it is not, in the model's dtype. -inf, not the dtype's lowest value, is what a
+    bool mask means (never attend), so a query row that admits no key is NaN there, as under any eager -inf
+    softmax, instead of an average over keys it was never meant to read."""
+    config = getattr(model, "config", None)
+    if mask is None or mask.dtype != torch.bool or getattr(config, "_attn_implementation", None) != "eager":
+        return mask
+    return torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def _check_row(rows: int, row: int) -> None:
@@ -384,8 +396,8 @@ class TransformersBackend:
         kwargs = {self._cache_kw: cache}
         if slots is not None:
             kwargs.update(compat.write_slot_kwargs(self.model.forward, slots))
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=cache is not None,
-                          **kwargs).logits
+        return self.model(input_ids=ids, attention_mask=model_mask(self.model, mask), position_ids=positions,
+                          use_cache=cache is not None, **kwargs).logits
 
     def begin(self, state: ARState) -> None:
         return None

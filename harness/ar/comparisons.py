@@ -9,7 +9,7 @@ been padded on that side (``judge.require_layout``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +31,9 @@ __all__ = [
     "compare_growth",
     "compare_nan_unused_slots",
     "compare_padded_b1",
+    "compare_point",
     "compare_rollout_vs_replay",
+    "oracle_verdict",
 ]
 
 
@@ -115,9 +117,7 @@ def compare_padded_b1(backend: Any, batch: Batch, max_new_tokens: int,
     if batch.batch_size != 1 or batch.real_pos is None or int(batch.real_pos[0, 0]) >= batch.width:
         raise ValueError("compare_padded_b1 needs one padded row (real_pos < width)")
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
-    verdict = judge.compare_case("tokens", fast, reference, policies)
-    for what in ("logp", "prefill_kv"):
-        verdict = verdict.merge(judge.compare_case(what, fast, reference, policies))
+    verdict = judge.compare_cases(("tokens", "logp", "prefill_kv"), fast, reference, policies)
     return _require_path(verdict, spy, batch)
 
 
@@ -143,8 +143,7 @@ def compare_finished_rows(backend: Any, batch: Batch, max_new_tokens: int, eos: 
     run = probes.footprint_rollout(probe_backend(backend, batch), batch, max_new_tokens, tuple(eos),
                                    rollout=_on(backend, fast_rollout(_side(batch))))
     fast = run.rollout
-    verdict = judge.compare_case("tokens", fast, reference, policies)
-    verdict = verdict.merge(judge.compare_case("logp", fast, reference, policies))
+    verdict = judge.compare_cases(("tokens", "logp"), fast, reference, policies)
     lengths, ref_lengths = fast.lengths.tolist(), reference.lengths.tolist()
     verdict = verdict.require(lengths == ref_lengths, stop_fact(lengths, ref_lengths),
                               lengths=lengths, reference_lengths=ref_lengths)
@@ -204,6 +203,25 @@ def _oracle_errors(rollout: loop.Rollout, eos: Sequence[int]) -> tuple[torch.Ten
     return torch.cat(recorded), torch.cat(oracle), wrong
 
 
+def oracle_verdict(rollouts: dict[str, loop.Rollout], eos: Sequence[int], policy: Policy) -> Verdict:
+    """Each rollout's record against an fp64 softmax of its own logits (``rollouts``: label -> rollout): every
+    recorded log-prob the full-softmax log-prob of its token under ``policy``, every token their argmax, no row
+    going on past its EOS. It holds whatever the model's dtype: the log-prob is taken from the logits as recorded
+    (fp32, which holds bf16 and fp16 exactly), never in the model's dtype."""
+    recorded, oracle, wrong, counts = [], [], [], {}
+    for label, rollout in rollouts.items():
+        rec, orc, steps = _oracle_errors(rollout, eos)
+        recorded.append(rec)
+        oracle.append(orc)
+        wrong.extend(f"{label} {w}" for w in steps)
+        counts[f"{label}_steps_wrong"] = len(steps)
+    verdict = policy.judge(torch.cat(recorded), torch.cat(oracle), dims=("step",),
+                           what="recorded log-prob vs fp64 softmax")
+    shown = "; ".join(wrong[:4]) + (f"; and {len(wrong) - 4} more" if len(wrong) > 4 else "")
+    fact = "every token is the fp64 argmax of its logits, and no row goes on past its EOS"
+    return verdict.require(not wrong, f"{fact} ({shown})" if wrong else fact, **counts)
+
+
 def check_greedy_logp_oracle(backend: Any, batch: Batch, max_new_tokens: int,
                              policy: Policy, eos: Sequence[int] = ()) -> Verdict:
     """Both rollouts' greedy picks and recorded log-probs against an fp64 softmax of their own logits.
@@ -212,15 +230,17 @@ def check_greedy_logp_oracle(backend: Any, batch: Batch, max_new_tokens: int,
     oracle for that shared piece. The stock run is made here, uncached, so an ablation cannot poison a cache."""
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
     stock = loop.stock_rollout(backend, batch.prompts(), max_new_tokens, tuple(eos))
-    fast_rec, fast_oracle, fast_wrong = _oracle_errors(fast, eos)
-    stock_rec, stock_oracle, stock_wrong = _oracle_errors(stock, eos)
-    verdict = policy.judge(torch.cat([fast_rec, stock_rec]), torch.cat([fast_oracle, stock_oracle]),
-                           dims=("step",), what="recorded log-prob vs fp64 softmax")
-    wrong = [f"fast {w}" for w in fast_wrong] + [f"stock {w}" for w in stock_wrong]
-    shown = "; ".join(wrong[:4]) + (f"; and {len(wrong) - 4} more" if len(wrong) > 4 else "")
-    fact = "every token is the fp64 argmax of its logits, and no row goes on past its EOS"
-    verdict = verdict.require(not wrong, f"{fact} ({shown})" if wrong else fact,
-                              fast_steps_wrong=len(fast_wrong), stock_steps_wrong=len(stock_wrong))
+    return _require_path(oracle_verdict({"fast": fast, "stock": stock}, eos, policy), spy, batch)
+
+
+def compare_point(backend: Any, batch: Batch, max_new_tokens: int, eos: Sequence[int], reference: loop.Rollout,
+                  judge_rollout: Callable[[loop.Rollout, loop.Rollout], Verdict], oracle: Policy) -> Verdict:
+    """The batched rollout at one point of the ar input space (a model in a dtype under an attention kernel, a
+    layout, where EOS comes) against per-row B=1 runs of the same backend: ``judge_rollout(fast, reference)`` (the
+    dtype's rule over tokens, log-probs and the KV of every prompt and fed token), the rollout's own record against
+    an fp64 softmax of its logits (``oracle_verdict``) and the path facts."""
+    fast, spy = _fast(backend, batch, max_new_tokens, eos)
+    verdict = judge_rollout(fast, reference).merge(oracle_verdict({"fast": fast}, eos, oracle))
     return _require_path(verdict, spy, batch)
 
 

@@ -1,9 +1,10 @@
 """Turn a batched rollout and its B=1 reference into verdicts, in the AR PR's terms (docs/contracts.md).
 
 Every case verdict carries the AR PR's report row as metrics (``tokens_equal``, ``logp_max_abs``,
-``prefill_kv_max_abs``, ``slot0_max_abs``), whichever quantity it judges, so a kill-matrix report prints the
-table the AR PR printed. Token verdicts read like vLLM's ``check_logprobs_close``: the first divergence per row.
-These functions take the policies as arguments so the GPU tier can reuse them with dtype-specific ones.
+``prefill_kv_max_abs``, ``slot0_max_abs``) and ``generated_kv_max_abs`` (the KV of every token a row fed back),
+whichever quantity it judges, so a kill-matrix report prints the table the AR PR printed. Token verdicts read like
+vLLM's ``check_logprobs_close``: the first divergence per row. These functions take the policies as arguments so the
+GPU tier can reuse them with dtype-specific ones.
 
 fp32 tolerances are TOLERANCE_K x a floor measured on stock code on the same model (harness.ar.policies,
 never below one fp32 eps of the values' magnitude), and a verdict fails when its tolerance leaves
@@ -21,16 +22,16 @@ import contextlib
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from harness.ar.loop import Rollout
-from harness.ar.policies import FP32_EPS, K_MAX, K_MIN, ARPolicies, StockPrefillFloor, model_device
+from harness.ar.policies import FP32_EPS, K_MAX, K_MIN, TOLERANCE_K, ARPolicies, StockPrefillFloor, model_device
 from harness.ar.spy import ARForwardSpy
 from harness.judging import growth
-from harness.judging.compare import Policy, Verdict, max_abs_diff, noise_floor
+from harness.judging.compare import Policy, Verdict, close, max_abs_diff, noise_floor
 from harness.judging.floors import StockFloor, reduction_ceiling_ulps
 from harness.judging.growth import GROWTH_BUDGET, growth_ratio
 
@@ -42,20 +43,27 @@ __all__ = [
     "case_row_metrics",
     "comparable_kl",
     "compare_case",
+    "compare_cases",
     "divergences",
     "dtype_control",
     "dynamic_cache_batch",
+    "fed_kv_rows",
     "flips",
     "format_case_row",
     "growth_ratio",
     "judge_bf16",
+    "judge_generated_kv",
     "judge_growth",
     "judge_logp",
+    "judge_low_precision",
     "judge_prefill_kv",
     "judge_slot0",
     "judge_tokens",
     "kl_rows",
+    "kv_dtype_floor",
+    "kv_spans",
     "layout_mismatch",
+    "require_fed_kv",
     "require_floor_bounds",
     "require_layout",
     "require_path",
@@ -94,15 +102,42 @@ def _common_prefix(actual: torch.Tensor, expected: torch.Tensor) -> list[int]:
     return same.sum(dim=1).tolist()
 
 
-def _padded_prefill_kv(rollout: Rollout) -> torch.Tensor:
-    """``[B, layers, 2, H, max real_pos, hd]``, each row's prefill KV zero-padded on the slot axis."""
-    longest = int(rollout.real_pos.max())
+def _padded_kv(rollout: Rollout, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """``[B, layers, 2, H, longest span, hd]``: row i's KV over its logical slots ``spans[i]``, zero-padded on the
+    slot axis."""
+    longest = max((stop - start for start, stop in spans), default=0)
     rows = []
-    for i in range(rollout.tokens.shape[0]):
-        kv = rollout.prefill_kv(i)
+    for i, (start, stop) in enumerate(spans):
+        kv = rollout.kv[i][..., start:stop, :]
         pad = torch.zeros(*kv.shape[:-2], longest - kv.shape[-2], kv.shape[-1], dtype=kv.dtype)
         rows.append(torch.cat([kv, pad], dim=-2))
     return torch.stack(rows)
+
+
+def _padded_prefill_kv(rollout: Rollout) -> torch.Tensor:
+    """``[B, layers, 2, H, max real_pos, hd]``, each row's prefill KV zero-padded on the slot axis."""
+    return _padded_kv(rollout, [(0, int(n)) for n in rollout.real_pos.tolist()])
+
+
+def kv_spans(fast: Rollout, ref: Rollout, part: str = "generated",
+             fed: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """Per row, the logical slots ``[start, stop)`` of ``part`` that both rollouts hold: ``"generated"`` from the
+    row's prompt length on, ``"all"`` from 0; up to the fewer slots of the two, and with ``fed`` no further than the
+    prompt and the row's first ``fed[i]`` generated tokens (those fed in a context both runs share)."""
+    if part not in ("generated", "all"):
+        raise ValueError(f"kv_spans part must be 'generated' or 'all', got {part!r}")
+    spans = []
+    for i, (a, b) in enumerate(zip(fast.kv, ref.kv, strict=True)):
+        prompt = int(ref.real_pos[i])
+        stop = min(a.shape[-2], b.shape[-2], math.inf if fed is None else prompt + int(fed[i]))
+        start = prompt if part == "generated" else 0
+        spans.append((start, max(start, stop)))
+    return spans
+
+
+def _generated_kv_max_abs(fast: Rollout, ref: Rollout) -> float:
+    spans = kv_spans(fast, ref)
+    return max_abs_diff(_padded_kv(fast, spans), _padded_kv(ref, spans))
 
 
 def _slot0(rollout: Rollout) -> torch.Tensor:
@@ -117,6 +152,7 @@ def case_row_metrics(fast: Rollout, ref: Rollout) -> dict[str, Any]:
         "logp_max_abs": max_abs_diff(fast.logp, ref.logp),
         "prefill_kv_max_abs": max_abs_diff(_padded_prefill_kv(fast), _padded_prefill_kv(ref)),
         "slot0_max_abs": max_abs_diff(_slot0(fast), _slot0(ref)),
+        "generated_kv_max_abs": _generated_kv_max_abs(fast, ref),
     }
 
 
@@ -161,20 +197,51 @@ def judge_slot0(fast: Rollout, ref: Rollout, policy: Policy) -> Verdict:
                         what="cache slot 0")
 
 
+def fed_kv_rows(rollout: Rollout) -> list[str]:
+    """Every row whose KV is not exactly its prompt's and its fed tokens' (each emitted token but the last), in
+    words: ``row 2 holds 19 slots, its prompt and fed tokens 17``."""
+    wrong = []
+    for row, kv in enumerate(rollout.kv):
+        want = int(rollout.real_pos[row]) + max(int(rollout.lengths[row]) - 1, 0)
+        if kv.shape[-2] != want:
+            wrong.append(f"row {row} holds {kv.shape[-2]} slots, its prompt and fed tokens {want}")
+    return wrong
+
+
+def require_fed_kv(verdict: Verdict, rollout: Rollout) -> Verdict:
+    """Each row of ``rollout`` holds the KV of its prompt and of every token it fed back, and no more: a row that
+    goes on writing after its EOS, or drops a token's KV, fails naming its slots."""
+    wrong = fed_kv_rows(rollout)
+    fact = "every row holds the KV of its prompt and of each token it fed, no more"
+    return verdict.require(not wrong, f"{fact} ({'; '.join(wrong)})" if wrong else fact, kv_rows_wrong=len(wrong))
+
+
+def judge_generated_kv(fast: Rollout, ref: Rollout, policy: Policy, fed: Sequence[int] | None = None) -> Verdict:
+    """The KV of every generated token a row fed back, in logical order (token j of row i at slot
+    ``real_pos_i + j``), over the tokens both rollouts fed (with ``fed``, each row's first ``fed[i]`` only), and the
+    fast rollout holding exactly its fed tokens' KV (``require_fed_kv``)."""
+    spans = kv_spans(fast, ref, "generated", fed)
+    verdict = policy.judge(_padded_kv(fast, spans), _padded_kv(ref, spans), dims=(*_KV_DIMS[:4], "token"),
+                           labels=_KV_LABELS, what="generated tokens' KV over [real_pos_i, real_pos_i + fed_i)")
+    return require_fed_kv(verdict, fast)
+
+
 _JUDGES: dict[str, tuple[Callable[[Rollout, Rollout, Policy], Verdict], str]] = {
     "tokens": (judge_tokens, "tokens"),
     "logp": (judge_logp, "logp"),
     "prefill_kv": (judge_prefill_kv, "kv"),
     "slot0": (judge_slot0, "slot0"),
+    "generated_kv": (judge_generated_kv, "kv"),
 }
 
 
 _HEADLINES = {"tokens": "tokens_equal", "logp": "logp_max_abs", "prefill_kv": "prefill_kv_max_abs",
-              "slot0": "slot0_max_abs"}
+              "slot0": "slot0_max_abs", "generated_kv": "generated_kv_max_abs"}
 
 
 def compare_case(what: str, fast: Rollout, ref: Rollout, policies: ARPolicies) -> Verdict:
-    """Judge one quantity (``tokens``, ``logp``, ``prefill_kv``, ``slot0``) of a case; attach the AR PR's row."""
+    """Judge one quantity (``tokens``, ``logp``, ``prefill_kv``, ``slot0``, ``generated_kv``) of a case; attach the
+    AR PR's row."""
     if what not in _JUDGES:
         raise ValueError(f"unknown ar comparison {what!r}; expected one of {sorted(_JUDGES)}")
     if fast.tokens.shape != ref.tokens.shape:
@@ -183,13 +250,24 @@ def compare_case(what: str, fast: Rollout, ref: Rollout, policies: ARPolicies) -
     verdict = judge(fast, ref, getattr(policies, policy_name))
     row = case_row_metrics(fast, ref)
     summary = (f"tokens {'equal' if row['tokens_equal'] else 'DIFFER'}, logp {row['logp_max_abs']:.1e}, "
-               f"prefill-KV {row['prefill_kv_max_abs']:.1e}, slot0 {row['slot0_max_abs']:.1e} (max|d|)")
-    # the row's headline is the quantity this check compares; the other three stand beside it in ``quantities``
+               f"prefill-KV {row['prefill_kv_max_abs']:.1e}, slot0 {row['slot0_max_abs']:.1e}, generated-KV "
+               f"{row['generated_kv_max_abs']:.1e} (max|d|)")
+    # the row's headline is the quantity this check compares; the others stand beside it in ``quantities``
     verdict = dataclasses.replace(verdict, headline=_HEADLINES[what],
                                   metrics={**verdict.metrics, **row, "quantities": summary})
     floor = policies.floor
     if floor is not None and policy_name != "tokens":
         verdict = require_floor_bounds(verdict, verdict.tolerance or 0.0, floor, policy_name)
+    return verdict
+
+
+def compare_cases(whats: Sequence[str], fast: Rollout, ref: Rollout, policies: ARPolicies) -> Verdict:
+    """Several quantities of one case as one verdict (``compare_case`` each, merged: the largest margin leads)."""
+    if not whats:
+        raise ValueError("compare_cases needs at least one quantity")
+    verdict = compare_case(whats[0], fast, ref, policies)
+    for what in whats[1:]:
+        verdict = verdict.merge(compare_case(what, fast, ref, policies))
     return verdict
 
 
@@ -373,22 +451,29 @@ def kl_rows(reference_logits: torch.Tensor, candidate_logits: torch.Tensor) -> t
 
 
 def comparable_kl(reference: Rollout, fast: Rollout) -> tuple[torch.Tensor, list[int]]:
-    """Per row, the largest KL over the steps whose context both runs share: every step of the common token
-    prefix and the first divergent step. Returns the per-row maxima and the common prefixes."""
+    """Per row, the largest KL over the steps whose context both runs share and both emitted: every step of the
+    common token prefix and the first divergent step, none past either run's last token (a finished row's later
+    logits are nobody's). Returns the per-row maxima and the common prefixes."""
     prefix = ((reference.tokens == fast.tokens).long().cumprod(dim=1)).sum(dim=1).tolist()
-    steps = reference.tokens.shape[1]
+    emitted = torch.minimum(reference.lengths.cpu(), fast.lengths.cpu()).clamp_min(1).tolist()
     kl = kl_rows(reference.logits, fast.logits)  # [B, N]
-    worst = torch.stack([kl[row, : min(p + 1, steps)].max() for row, p in enumerate(prefix)])
+    worst = torch.stack([kl[row, : min(p + 1, int(n))].max() for row, (p, n) in enumerate(zip(prefix, emitted,
+                                                                                                strict=True))])
     return worst, prefix
 
 
 def flips(reference: Rollout, prefix: list[int]) -> tuple[list[bool], list[float]]:
-    """At each row's first divergent step: did the top-1 flip, and B=1's top-1/top-2 log-prob margin there."""
+    """At each row's first divergent step: did the top-1 flip, and B=1's top-1/top-2 log-prob margin there. A row
+    that went on after its B=1 run stopped diverged where no near-tie can explain it: an infinite margin."""
     flipped, margins = [], []
     for row, p in enumerate(prefix):
         if p >= reference.tokens.shape[1]:
             flipped.append(False)
             margins.append(float("nan"))
+            continue
+        if p >= int(reference.lengths[row]):
+            flipped.append(True)
+            margins.append(math.inf)
             continue
         top2 = torch.log_softmax(reference.logits[row, p].double(), dim=-1).topk(2).values
         flipped.append(True)
@@ -471,3 +556,51 @@ def judge_bf16(fast: Rollout, reference: Rollout, control: DtypeControl, *, k: f
                            bound_per_row=[float(f"{float(v):.6g}") for v in bounds], worst_row=worst,
                            common_prefix=prefix, diverged=flipped,
                            margin_at_divergence=[round(m, 4) for m in margins], unexplained_flips=bad)
+
+
+@torch.no_grad()
+def kv_dtype_floor(backend: Any, prompts: list[torch.Tensor], reference: Rollout, terms: int) -> StockFloor:
+    """How far the model's dtype alone moves its KV: each unpadded prompt and the tokens its B=1 reference fed,
+    prefilled by stock code at B=1 in the model's dtype and in fp32 on the same weights (``upcast``); the worst
+    |d KV| over every row, layer and slot, at the fp32 KV's magnitude, against its ceiling for ``terms`` reduction
+    terms in the model's dtype. Like ``dtype_control`` it varies the dtype and nothing else."""
+    dtype = next(backend.model.parameters()).dtype
+    runs: dict[str, list[torch.Tensor]] = {"low": [], "high": []}
+    for which in ("low", "high"):
+        with upcast(backend.model) if which == "high" else contextlib.nullcontext():
+            for row, prompt in enumerate(prompts):
+                fed = reference.tokens[row, : max(int(reference.lengths[row]) - 1, 0)].to(prompt.device)
+                runs[which].append(backend.stock_prefill(torch.cat([prompt, fed])[None])[1])
+    measured = max(max_abs_diff(low, high) for low, high in zip(runs["low"], runs["high"], strict=True))
+    magnitude = max(float(high.abs().max()) for high in runs["high"])
+    return StockFloor(measured, magnitude, 1.0, dtype=dtype, control="dtype",
+                      source=f"KV of stock B=1 unpadded prefills of each prompt and its fed tokens in "
+                             f"{str(dtype).removeprefix('torch.')} vs fp32",
+                      ceiling_ulps=reduction_ceiling_ulps(max(terms, 1)),
+                      ceiling_reason=f"K = {terms}: the model's Linear fan-ins and the keys")
+
+
+def judge_low_precision(fast: Rollout, reference: Rollout, control: DtypeControl, kv_floor: StockFloor, *,
+                        k: float, floor: float, flip_margin: float, kv_k: float = TOLERANCE_K) -> Verdict:
+    """A rollout in a low-precision dtype against B=1: ``judge_bf16`` over the logits (each row's KL against its own
+    dtype control, flips only at near-ties) and, over each row's prompt and the tokens fed in a context both runs
+    share (its common token prefix), the KV within ``kv_k`` x the KV's dtype control (``kv_dtype_floor``), that
+    tolerance held in [K_MIN, K_MAX] x the control and the control under its ceiling; every row holding exactly
+    its fed tokens' KV (``require_fed_kv``)."""
+    dtype = kv_floor.dtype
+    verdict = judge_bf16(fast, reference, control, k=k, floor=floor, flip_margin=flip_margin, dtype=dtype)
+    if not (math.isfinite(kv_floor.value) and kv_floor.value > 0):
+        raise ValueError(f"the KV dtype control measured {kv_floor.value!r}: the stock run must be finite to derive "
+                         f"a {dtype} tolerance from it")
+    atol = kv_k * kv_floor.value
+    policy = close(atol=atol, rtol=0.0, reason=f"{str(dtype).removeprefix('torch.')}: {kv_k:g} x the KV's dtype "
+                                                f"control, {kv_floor.describe()}")
+    spans = kv_spans(fast, reference, "all", verdict.metrics["common_prefix"])
+    kv = policy.judge(_padded_kv(fast, spans), _padded_kv(reference, spans), dims=_KV_DIMS, labels=_KV_LABELS,
+                      what="KV of the prompt and of each token fed in a context both runs share")
+    kv = kv.require_bounded(atol, kv_floor, k_min=K_MIN, k_max=K_MAX, what="KV atol")
+    kv_metrics = {f"kv_{name}": value for name, value in kv_floor.metrics().items()}
+    merged = verdict.merge(kv).with_metrics(**control.floor.metrics(), **kv_metrics,
+                                            kv_max_abs=max_abs_diff(_padded_kv(fast, spans),
+                                                                    _padded_kv(reference, spans)))
+    return require_fed_kv(merged, fast)

@@ -32,7 +32,7 @@ import torch
 
 from harness.ar import cache as ar_cache
 from harness.ar import loop
-from harness.ar.backends import UpstreamBackend, shared_column_inputs, shared_token_columns
+from harness.ar.backends import UpstreamBackend, model_mask, shared_column_inputs, shared_token_columns
 from harness.ar.batch import ARBatch
 from harness.inputs import compat
 
@@ -244,8 +244,8 @@ class SharedColumns(_Layout):
     def _run(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache: Any,
              slots: torch.Tensor) -> torch.Tensor:
         kwargs = {self.cache_kwarg: cache, **compat.write_slot_kwargs(self.backend.model.forward, slots)}
-        return self.backend.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                                  **kwargs).logits
+        return self.backend.model(input_ids=ids, attention_mask=model_mask(self.backend.model, mask),
+                                  position_ids=positions, use_cache=True, **kwargs).logits
 
     def prefill_slots(self, positions: torch.Tensor) -> torch.Tensor:
         return torch.arange(positions.shape[1], device=positions.device)[None].expand(positions.shape[0], -1)

@@ -30,11 +30,19 @@ class ForwardCall:
 
 
 def empty_query_rows(mask: Any) -> int | None:
-    """How many query rows of a bool ``[B, 1, Q, K]`` mask admit no key: under an eager ``-inf`` softmax each is a
-    NaN row, whose KV then poisons every row that reads it; None for any other mask (2-D, additive, none)."""
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
+    """How many query rows of a ``[B, 1, Q, K]`` mask admit no key: under an eager ``-inf`` softmax each is a NaN
+    row, whose KV then poisons every row that reads it. A bool mask admits where True, an additive one where its
+    bias lies above half its dtype's lowest value (-inf and the lowest value both forbid); None for any other mask
+    (2-D, none)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
         return None
-    return int((~mask.any(dim=-1)).sum())
+    if mask.dtype == torch.bool:
+        admitted = mask
+    elif mask.is_floating_point():
+        admitted = mask > torch.finfo(mask.dtype).min / 2
+    else:
+        return None
+    return int((~admitted.any(dim=-1)).sum())
 
 
 def row_padding(input_ids: torch.Tensor, pad_id: int) -> tuple[str, ...]:
@@ -94,7 +102,8 @@ class ARForwardSpy:
 
     @property
     def prefill_empty_queries(self) -> int | None:
-        """Query rows of the prefill's bool 4-D mask that admit no key; None when it handed the model no such mask."""
+        """Query rows of the prefill's 4-D mask (bool or additive) that admit no key; None when it handed the model
+        no such mask."""
         return next((c.empty_queries for c in self.calls if c.queries > 1), None)
 
     @property

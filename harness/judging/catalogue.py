@@ -23,6 +23,7 @@ CHECK_MODULES: tuple[str, ...] = (
     "parity.replay_space_checks",
     "parity.ar_checks",
     "parity.ar_left_padded_checks",
+    "parity.ar_space_checks",
     "parity.decode_checks",
     "parity.decode_space_checks",
     "parity.attention_checks",

@@ -73,6 +73,11 @@ AXES: dict[str, dict[str, Axis]] = {
         Axis("model", "the tiny model (and its backend) the rollout runs on", subject=True),
         Axis("padding_side", "how the batch is padded: right (training's layout) or left (generate's)",
              ("right", "left")),
+        Axis("dtype", "the dtype of the model's weights (and so of its logits and KV)", ("float32", "bfloat16")),
+        Axis("kernel", "the model's attention: sdpa, or eager (a -inf masked softmax: a query row that admits no key "
+                       "is NaN)", ("sdpa", "eager")),
+        Axis("eos", "where a row first meets EOS: mid (one row, near the middle of the rollout) or first (a row's "
+                    "first sampled token, read from the prefill)", ("mid", "first")),
     ),
     "decode": _axes(
         Axis("vae", "the VAE family whose tiny model is decoded", subject=True),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 import sys
 import types
 
@@ -20,6 +21,7 @@ from harness.ar.backends import (
     IMAGE_SLICE_FIELDS,
     TransformersBackend,
     UpstreamBackend,
+    model_mask,
     remote_code_generation,
     remote_code_name,
     upstream_generation,
@@ -350,3 +352,49 @@ def test_a_forward_that_takes_write_slots_is_handed_them_and_only_when_there_are
     assert model.handed[0] == {"cache_position": slots, "use_cache": True}
     assert model.handed[1] == {"cache_position": None, "use_cache": False}
 
+
+
+def test_an_eager_model_gets_its_bool_masks_as_minus_infinity_biases_and_every_other_model_as_given() -> None:
+    mask = torch.tensor([[[[True, False, True]]]])
+    eager = ar_models.transformers_model("qwen3", "eager")
+    biased = model_mask(eager, mask)
+    assert biased.dtype == eager.dtype and biased.tolist() == [[[[0.0, -math.inf, 0.0]]]]
+    assert model_mask(ar_models.backend("qwen3", "eager", "bfloat16").model, mask).dtype == torch.bfloat16
+    for model in (ar_models.transformers_model("qwen3"), ar_models.transformers_model("qwen3", "read_safe"), object()):
+        assert model_mask(model, mask) is mask  # SDPA, a kernel that takes bool, a model without a config
+    additive = torch.zeros(1, 1, 1, 3)
+    assert model_mask(eager, additive) is additive and model_mask(eager, None) is None
+
+
+@pytest.mark.parametrize("model", ["qwen3", "hunyuan_moe"])
+def test_an_eager_model_under_the_backends_masks_computes_what_sdpa_does(model: str) -> None:
+    """A right-padded batch through both kernels' backends: bool 0/1 added to eager scores would admit the pads."""
+    batch = right_padded_batch(prompt_ids([4, 7], seed=61), PAD)
+    sdpa = loop.fast_rollout(ar_models.backend(model), batch, 3)
+    eager = loop.fast_rollout(ar_models.backend(model, "eager"), batch, 3)
+    assert torch.equal(sdpa.tokens, eager.tokens) and max_abs_diff(sdpa.logp, eager.logp) < 1e-5
+    with torch.no_grad():
+        raw = ar_models.transformers_model(model, "eager")(input_ids=batch.input_ids,
+                                                           attention_mask=batch.attention_mask).logits
+    assert max_abs_diff(raw[0, 3], sdpa.logits[0, 0]) > 1e-2  # row 0's pads seen: the bool mask taken as 0 / 1
+
+
+@pytest.mark.parametrize("name", ["fake", "qwen3"])
+def test_under_the_eager_kernel_a_query_row_that_admits_no_key_is_nan(name: str) -> None:
+    backend = ar_models.backend(name, "eager")
+    prompt = prompt_ids([4], seed=62)[0]
+    cache = backend.new_cache(1, 4, dynamic=False)
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()[None, None].clone()
+    mask[..., 2, :] = False
+    state = loop.init_state(backend, right_padded_batch([prompt], PAD), 1)
+    state.cache = cache
+    backend.begin(state)
+    with torch.no_grad():
+        logits = backend.prefill(state, mask)
+    # row 2 is NaN after the first layer, and its KV reaches every row in the next: 0 x NaN where masked out
+    assert bool(logits.isnan().all())
+    mask[..., 2, 0] = True
+    with torch.no_grad():
+        state.cache = backend.new_cache(1, 4, dynamic=False)
+        backend.begin(state)
+        assert bool(backend.prefill(state, mask).isfinite().all())

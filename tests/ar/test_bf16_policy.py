@@ -19,16 +19,28 @@ from fixtures import ar_models
 from fixtures.ar_cases import prompt_ids
 from harness.ar.backends import TransformersBackend, UpstreamBackend
 from harness.ar.batch import right_padded_batch
-from harness.ar.judge import DtypeControl, comparable_kl, dtype_control, flips, judge_bf16, kl_rows, upcast
+from harness.ar.judge import (
+    DtypeControl,
+    comparable_kl,
+    dtype_control,
+    flips,
+    judge_bf16,
+    judge_low_precision,
+    kl_rows,
+    kv_dtype_floor,
+    upcast,
+)
 from harness.ar.loop import Rollout, fast_rollout, stock_rollout
 from harness.judging.floors import StockFloor
 
 pytestmark = pytest.mark.cpu
 
 
-def _rollout(tokens: torch.Tensor, logits: torch.Tensor) -> Rollout:
+def _rollout(tokens: torch.Tensor, logits: torch.Tensor, lengths: list[int] | None = None,
+             kv: tuple[torch.Tensor, ...] = ()) -> Rollout:
     bsz, steps = tokens.shape
-    return Rollout(tokens, torch.zeros(bsz, steps), logits, torch.full((bsz,), steps), torch.ones(bsz), ())
+    counts = torch.full((bsz,), steps) if lengths is None else torch.tensor(lengths)
+    return Rollout(tokens, torch.zeros(bsz, steps), logits, counts, torch.ones(bsz, dtype=torch.long), kv)
 
 
 def _kl64(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
@@ -72,6 +84,31 @@ def test_comparable_kl_reads_the_common_prefix_and_the_first_divergent_step() ->
     assert worst.dtype == torch.float64 and worst.shape == (3,)
     # row 0: every step; row 1: steps 0..1 (prefix 1 + the divergent step); row 2: steps 0..2
     torch.testing.assert_close(worst, torch.stack([kl[0, 3], kl[1, 1], kl[2, 2]]), rtol=1e-12, atol=0.0)
+
+
+def test_a_finished_rows_later_logits_are_nobodys() -> None:
+    """Row 1 stopped after step 1 in both runs (its later tokens are the pad in both): the logits the fast loop
+    left there are not compared; the window ends at either run's last token."""
+    reference, fast, kl = _diverging_pair()
+    tokens = torch.tensor([[1, 2, 0, 1], [1, 2, 0, 0], [1, 2, 0, 1]])
+    ref_logits = reference.logits.clone()
+    ref_logits[1, 2:] = 0.0  # what a stopped B=1 run leaves after its EOS
+    stopped_ref = _rollout(tokens, ref_logits, [4, 2, 4])
+    stopped_fast = _rollout(tokens, fast.logits, [4, 2, 1])
+    worst, prefix = comparable_kl(stopped_ref, stopped_fast)
+    assert prefix == [4, 4, 4]
+    torch.testing.assert_close(worst, torch.stack([kl[0].max(), kl[1, :2].max(), kl[2, :1].max()]), rtol=1e-12,
+                               atol=0.0)
+    empty = _rollout(tokens, fast.logits, [0, 0, 0])
+    torch.testing.assert_close(comparable_kl(empty, empty)[0], torch.zeros(3, dtype=torch.float64))  # step 0 only
+
+
+def test_a_row_that_goes_on_after_its_b1_run_stopped_is_no_near_tie() -> None:
+    logits = torch.tensor([[[1.0, 0.0], [0.2, 0.0], [0.0, 0.0]]])
+    reference = _rollout(torch.tensor([[0, 0, 0]]), logits, [2])
+    flipped, margins = flips(reference, [2])
+    assert flipped == [True] and margins == [math.inf]
+    assert flips(reference, [1]) == ([True], [pytest.approx(0.2)])
 
 
 def test_flips_report_the_b1_margin_at_the_divergent_step() -> None:
@@ -239,3 +276,75 @@ def test_upcast_leaves_integer_buffers_and_tensors_already_in_the_dtype_alone() 
         assert module.scale is scale and module.scale.dtype == torch.float32
     assert module.weight.dtype == torch.bfloat16 and module.index.dtype == torch.int64
 
+
+
+def _kv_floor(measured: float, magnitude: float = 4.0) -> StockFloor:
+    return StockFloor(measured, magnitude, 1.0, dtype=torch.bfloat16, control="dtype", ceiling_ulps=80.0,
+                      ceiling_reason="K = 100: test")
+
+
+def _kv_pair(fast_shift: float) -> tuple[Rollout, Rollout]:
+    """Vocab 2, two rows with a 2-token prompt and 3 steps: row 0 agrees everywhere, row 1 diverges at step 1 (a
+    near-tie). KV ``[1, 2, 1, slots, 2]``: the prompt and the fed tokens. The fast run's KV is off by
+    ``fast_shift`` at row 0's first fed token and by 9 at row 1's second, fed after the divergence."""
+    ref_logits = torch.tensor([[[2.0, 0.0], [0.0, 2.0], [2.0, 0.0]], [[2.0, 0.0], [0.01, 0.0], [2.0, 0.0]]])
+    ref_tokens = torch.tensor([[0, 1, 0], [0, 0, 0]])
+    kv = tuple(torch.arange(2 * 4 * 2, dtype=torch.float32).reshape(1, 2, 1, 4, 2) + row for row in range(2))
+    fast_kv = [t.clone() for t in kv]
+    fast_kv[0][..., 2, :] += fast_shift
+    fast_kv[1][..., 3, :] += 9.0
+    ref = Rollout(ref_tokens, torch.zeros(2, 3), ref_logits, torch.tensor([3, 3]), torch.tensor([2, 2]), kv)
+    fast = Rollout(torch.tensor([[0, 1, 0], [0, 1, 0]]), torch.zeros(2, 3), ref_logits + 0.001, torch.tensor([3, 3]),
+                   torch.tensor([2, 2]), tuple(fast_kv))
+    return fast, ref
+
+
+@pytest.mark.parametrize(("shift", "passed"), [(0.3, True), (0.5, False)])
+def test_low_precision_kv_is_judged_over_the_shared_context_against_its_own_control(shift: float,
+                                                                                     passed: bool) -> None:
+    fast, ref = _kv_pair(shift)
+    control = _control(torch.tensor([0.01, 0.01], dtype=torch.float64))
+    verdict = judge_low_precision(fast, ref, control, _kv_floor(0.05), k=8.0, floor=1e-3, flip_margin=1.0)
+    # tolerance 8 x 0.05; row 1's KV after its divergence at step 1 (slot 3) is not compared
+    assert verdict.passed is passed and verdict.metrics["kv_max_abs"] == pytest.approx(shift)
+    assert verdict.metrics["common_prefix"] == [3, 1]
+    assert verdict.metrics["floor_measured"] == 0.01 and verdict.metrics["kv_floor_measured"] == 0.05
+    assert "KV atol within [4, 16] x the stock floor 5.000e-02" in " ".join(verdict.notes)
+    if not passed:
+        assert verdict.headline == "max_abs" and verdict.margin == pytest.approx(shift / 0.4)
+
+
+def test_low_precision_kv_control_above_its_ceiling_or_not_finite_fails() -> None:
+    fast, ref = _kv_pair(0.0)
+    control = _control(torch.tensor([0.01, 0.01], dtype=torch.float64))
+    high = judge_low_precision(fast, ref, control, _kv_floor(0.5, magnitude=0.5), k=8.0, floor=1e-3, flip_margin=1.0)
+    assert not high.passed and any("loses more than rounding" in fact for fact in high.violated_facts)
+    with pytest.raises(ValueError, match="KV dtype control measured nan"):
+        judge_low_precision(fast, ref, control, _kv_floor(math.nan), k=8.0, floor=1e-3, flip_margin=1.0)
+    extra = Rollout(fast.tokens, fast.logp, fast.logits, fast.lengths, fast.real_pos,
+                    (torch.cat([fast.kv[0], fast.kv[0][..., :1, :]], dim=-2), fast.kv[1]))
+    wrote_on = judge_low_precision(extra, ref, control, _kv_floor(0.05), k=8.0, floor=1e-3, flip_margin=1.0)
+    assert wrote_on.violated_facts == ["every row holds the KV of its prompt and of each token it fed, no more "
+                                       "(row 0 holds 5 slots, its prompt and fed tokens 4)"]
+
+
+def test_kv_dtype_floor_is_stock_b1_kv_in_bf16_against_the_same_weights_in_fp32() -> None:
+    backend = bf16_backend("qwen3")
+    prompts = prompt_ids([5, 3], seed=33)
+    reference = stock_rollout(backend, prompts, 3, eos=())
+    stopped = Rollout(reference.tokens, reference.logp, reference.logits, torch.tensor([3, 1]), reference.real_pos,
+                      reference.kv)
+    floor = kv_dtype_floor(backend, prompts, stopped, terms=1000)
+    worst, magnitude = 0.0, 0.0
+    for prompt, fed in zip(prompts, (stopped.tokens[0, :2], stopped.tokens[1, :0]), strict=True):
+        ids = torch.cat([prompt, fed])[None]
+        with torch.no_grad():
+            low = backend.stock_prefill(ids)[1]
+            with upcast(backend.model):
+                high = backend.stock_prefill(ids)[1]
+        assert high.shape[-2] == prompt.numel() + fed.numel()
+        worst, magnitude = max(worst, float((low - high).abs().max())), max(magnitude, float(high.abs().max()))
+    assert (floor.measured, floor.magnitude) == (pytest.approx(worst, rel=1e-12), pytest.approx(magnitude, rel=1e-12))
+    assert floor.measured > 0 and floor.dtype == torch.bfloat16 and floor.control == "dtype"
+    assert not floor.above_ceiling and floor.ceiling_ulps == pytest.approx(8.0 * math.sqrt(1000))
+    assert next(backend.model.parameters()).dtype == torch.bfloat16  # put back

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fakes.ar_hunyuan_common import eager_attention
 from fixtures import ar_models
 from fixtures.ar_cases import prompt_ids
 from harness.ar import loop, masks
@@ -126,6 +127,29 @@ def test_read_safe_kernel_matches_sdpa(model: str) -> None:
     safe = ar_models.backend(model, "read_safe").full_forward(prompt)
     assert max_abs_diff(sdpa, safe) < 1e-5
     assert ar_models.transformers_model(model, "read_safe").config._attn_implementation == ar_models.READ_SAFE
+
+
+@pytest.mark.parametrize("model", ar_models.BACKENDS)
+def test_the_eager_kernel_computes_what_sdpa_does_on_the_same_weights(model: str) -> None:
+    prompt = prompt_ids([9], seed=63)[0]
+    assert max_abs_diff(ar_models.backend(model).full_forward(prompt),
+                        ar_models.backend(model, "eager").full_forward(prompt)) < 1e-5
+
+
+def test_the_fakes_eager_attention_is_a_minus_infinity_softmax() -> None:
+    gen = torch.Generator().manual_seed(64)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=gen) for _ in range(3))
+    mask = torch.tensor([[True, False, False], [True, True, False], [False, False, False]])[None, None]
+    out = eager_attention(q, k, v, mask)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q[..., :2, :], k, v, attn_mask=mask[..., :2, :])
+    torch.testing.assert_close(out[..., :2, :], sdpa)
+    assert bool(out[..., 2, :].isnan().all())  # the row that admits no key
+    bias = torch.zeros(1, 1, 3, 3).masked_fill(~mask, -1e9)
+    torch.testing.assert_close(eager_attention(q, k, v, bias)[..., :2, :], sdpa)  # an additive mask is added
+    torch.testing.assert_close(eager_attention(q, k, v, None, scale=0.5),
+                               torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5))
+    with pytest.raises(ValueError, match="'sdpa', 'eager', 'read_safe'"):
+        ar_models.backend("fake", "flash")
 
 
 @pytest.mark.parametrize("model", ar_models.BACKENDS)

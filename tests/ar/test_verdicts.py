@@ -46,9 +46,73 @@ def test_case_row_metrics_and_divergences() -> None:
     fast, ref = _pair()
     metrics = judge.case_row_metrics(fast, ref)
     assert metrics == {"tokens_equal": False, "common_prefix": [3, 1], "logp_max_abs": pytest.approx(0.25),
-                       "prefill_kv_max_abs": 0.5, "slot0_max_abs": 0.0}
+                       "prefill_kv_max_abs": 0.5, "slot0_max_abs": 0.0, "generated_kv_max_abs": 0.0}
     assert judge.divergences(fast.tokens, ref.tokens) == [
         "row 1 diverges at decode step 1: token 9 vs 6 (step 0 is read from the prefill)"]
+
+
+def _fed_pair() -> tuple[Rollout, Rollout]:
+    """Two rows that hold their prompt's and fed tokens' KV: row 0 a 2-token prompt and 3 tokens emitted (2 fed),
+    row 1 a 3-token prompt stopped after 2 (1 fed). The fast run's KV differs at row 1's one fed token only."""
+    ref = Rollout(torch.tensor([[5, 6, 7], [8, 9, 0]]), torch.zeros(2, 3), torch.zeros(2, 3, 3),
+                  torch.tensor([3, 2]), torch.tensor([2, 3]), (_kv(4, 0.0), _kv(4, 10.0)))
+    bad = _kv(4, 10.0).clone()
+    bad[0, 0, 0, 3, 1] += 0.25
+    return Rollout(ref.tokens, ref.logp, ref.logits, ref.lengths, ref.real_pos, (ref.kv[0], bad)), ref
+
+
+def test_kv_spans_are_the_slots_both_runs_hold_of_each_part() -> None:
+    fast, ref = _fed_pair()
+    assert judge.kv_spans(fast, ref) == [(2, 4), (3, 4)]
+    assert judge.kv_spans(fast, ref, "all") == [(0, 4), (0, 4)]
+    assert judge.kv_spans(fast, ref, "all", fed=[1, 0]) == [(0, 3), (0, 3)]
+    assert judge.kv_spans(fast, ref, "generated", fed=[0, 5]) == [(2, 2), (3, 4)]
+    short = Rollout(ref.tokens, ref.logp, ref.logits, ref.lengths, ref.real_pos, (_kv(3, 0.0), _kv(4, 10.0)))
+    assert judge.kv_spans(short, ref) == judge.kv_spans(ref, short) == [(2, 3), (3, 4)]
+    with pytest.raises(ValueError, match="'generated' or 'all'"):
+        judge.kv_spans(fast, ref, "prefill")
+
+
+def test_generated_kv_verdict_names_the_token_whose_kv_differs() -> None:
+    fast, ref = _fed_pair()
+    verdict = judge.judge_generated_kv(fast, ref, close(atol=0.1, rtol=0.0))
+    assert not verdict.passed and "at row 1, layer 0, kv K, head 0, token 0, element (1,)" in verdict.message
+    assert verdict.metrics["max_abs"] == pytest.approx(0.25) and verdict.metrics["kv_rows_wrong"] == 0
+    assert judge.judge_generated_kv(fast, ref, close(atol=0.25, rtol=0.0)).passed
+    assert judge.judge_generated_kv(fast, ref, close(atol=0.1, rtol=0.0), fed=[2, 0]).passed  # only row 0's
+    assert judge.judge_prefill_kv(fast, ref, exact()).passed
+    assert judge.case_row_metrics(fast, ref)["generated_kv_max_abs"] == pytest.approx(0.25)
+
+
+def test_a_row_holding_more_or_less_than_its_fed_tokens_kv_fails_naming_its_slots() -> None:
+    ref = _fed_pair()[1]
+    fact = "every row holds the KV of its prompt and of each token it fed, no more"
+    assert judge.fed_kv_rows(ref) == [] and judge.require_fed_kv(judge.judge_tokens(ref, ref, exact()), ref).passed
+    wrote_on = Rollout(ref.tokens, ref.logp, ref.logits, ref.lengths, ref.real_pos, (_kv(5, 0.0), _kv(3, 10.0)))
+    assert judge.fed_kv_rows(wrote_on) == ["row 0 holds 5 slots, its prompt and fed tokens 4",
+                                           "row 1 holds 3 slots, its prompt and fed tokens 4"]
+    verdict = judge.judge_generated_kv(wrote_on, ref, close(atol=0.0, rtol=0.0))
+    assert verdict.violated_facts == [f"{fact} (row 0 holds 5 slots, its prompt and fed tokens 4; row 1 holds 3 "
+                                      "slots, its prompt and fed tokens 4)"]
+    assert verdict.metrics["kv_rows_wrong"] == 2 and verdict.margin == 0.0  # the slots both hold agree
+    none_fed = Rollout(ref.tokens[:, :1], ref.logp[:, :1], ref.logits[:, :1], torch.tensor([1, 1]), ref.real_pos,
+                       (_kv(2, 0.0), _kv(3, 0.0)))
+    assert judge.fed_kv_rows(none_fed) == []  # one token emitted, none fed: the prompt alone
+    stopped = Rollout(ref.tokens, ref.logp, ref.logits, torch.tensor([0, 2]), ref.real_pos, (_kv(2, 0.0), ref.kv[1]))
+    assert judge.fed_kv_rows(stopped) == []  # a row that emitted nothing holds its prompt
+
+
+def test_compare_cases_merges_quantities_with_the_largest_margin_leading() -> None:
+    fast, ref = _fed_pair()
+    policies = ar_policies.ARPolicies(exact(), close(atol=1.0, rtol=0.0), close(atol=0.1, rtol=0.0),
+                                      close(atol=0.1, rtol=0.0))
+    verdict = judge.compare_cases(("tokens", "prefill_kv", "generated_kv"), fast, ref, policies)
+    assert not verdict.passed and verdict.headline == "generated_kv_max_abs"
+    assert verdict.metrics["generated_kv_max_abs"] == pytest.approx(0.25) and verdict.margin == pytest.approx(2.5)
+    assert "generated-KV 2.5e-01" in verdict.metrics["quantities"]
+    assert judge.compare_cases(("prefill_kv",), fast, ref, policies).passed
+    with pytest.raises(ValueError, match="at least one"):
+        judge.compare_cases((), fast, ref, policies)
 
 
 def test_format_case_row_rows() -> None:
@@ -101,6 +165,16 @@ def test_a_left_padded_prefill_mask_with_a_query_row_that_admits_nothing_fails_a
     assert judge.require_path(base, right, 2, padding_side="right").violated_facts == []  # the caller's mask
     assert ar_spy.empty_query_rows(torch.tensor([[[[True, False], [False, False]]]])) == 1
     assert ar_spy.empty_query_rows(torch.ones(2, 3, dtype=torch.bool)) is None  # a 2-D mask has no query rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_additive_mask_admits_a_key_where_its_bias_is_above_half_the_lowest_value(dtype: torch.dtype) -> None:
+    low = torch.finfo(dtype).min
+    mask = torch.tensor([[[[0.0, -math.inf], [-math.inf, -math.inf], [low, low], [low / 2, low], [-1e4, low]]]],
+                        dtype=dtype)
+    assert ar_spy.empty_query_rows(mask) == 3  # -inf alone, the lowest value alone, half of it alone
+    assert ar_spy.empty_query_rows(torch.zeros(1, 1, 2, 2, dtype=torch.long)) is None  # neither bool nor additive
+    assert ar_spy.empty_query_rows(None) is None
 
 
 @pytest.mark.parametrize(("pad_id", "vocab"), [(0, 3), (1, 3), (1, 2)])
