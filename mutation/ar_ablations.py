@@ -205,7 +205,8 @@ _SPACE_TRANSFORMERS_RIGHT = [check for model in _TRANSFORMERS
 ablation(
     "ar.generated_kv_read_at_row_slots", "harness.ar.backends:TransformersBackend.logical_slots",
     _generated_kv_at_row_slots,
-    kills=[*_SPACE_TRANSFORMERS_RIGHT, *_ids(_TRANSFORMERS, ("",), ("nan_unused_slots",))],
+    kills=[*_SPACE_TRANSFORMERS_RIGHT, *_ids(_TRANSFORMERS, ("padded_b1",), ("equals_unpadded",)),
+           *_ids(_TRANSFORMERS, ("",), ("nan_unused_slots",))],
     modes=dict.fromkeys(_ids(_TRANSFORMERS, ("",), ("nan_unused_slots",)), "fact"),
     fact="every valid KV slot finite",
     why=("the rollout's KV read back with the per-row-slot rule (token k right after the row's prompt) on a "

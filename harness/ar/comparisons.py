@@ -113,11 +113,12 @@ def compare_batched(what: str, backend: Any, batch: Batch, max_new_tokens: int,
 
 def compare_padded_b1(backend: Any, batch: Batch, max_new_tokens: int,
                       policies: ar_policies.ARPolicies, reference: loop.Rollout, eos: Sequence[int] = ()) -> Verdict:
-    """A padded B=1 prompt through the fast path equals the unpadded prompt's stock run."""
+    """A padded B=1 prompt through the fast path equals the unpadded prompt's stock run: tokens, log-probs and the
+    KV of the prompt and of every fed token."""
     if batch.batch_size != 1 or batch.real_pos is None or int(batch.real_pos[0, 0]) >= batch.width:
         raise ValueError("compare_padded_b1 needs one padded row (real_pos < width)")
     fast, spy = _fast(backend, batch, max_new_tokens, eos)
-    verdict = judge.compare_cases(("tokens", "logp", "prefill_kv"), fast, reference, policies)
+    verdict = judge.compare_cases(("tokens", "logp", "prefill_kv", "generated_kv"), fast, reference, policies)
     return _require_path(verdict, spy, batch)
 
 
@@ -139,11 +140,12 @@ def stop_fact(lengths: Sequence[int], ref_lengths: Sequence[int]) -> str:
 
 def compare_finished_rows(backend: Any, batch: Batch, max_new_tokens: int, eos: Sequence[int],
                           policies: ar_policies.ARPolicies, reference: loop.Rollout) -> Verdict:
-    """Rows that emit EOS stop sampling and stop writing KV; each equals its B=1 run stopped at EOS."""
+    """Rows that emit EOS stop sampling and stop writing KV; each equals its B=1 run stopped at EOS (tokens,
+    log-probs and the KV of every token it fed)."""
     run = probes.footprint_rollout(probe_backend(backend, batch), batch, max_new_tokens, tuple(eos),
                                    rollout=_on(backend, fast_rollout(_side(batch))))
     fast = run.rollout
-    verdict = judge.compare_cases(("tokens", "logp"), fast, reference, policies)
+    verdict = judge.compare_cases(("tokens", "logp", "generated_kv"), fast, reference, policies)
     lengths, ref_lengths = fast.lengths.tolist(), reference.lengths.tolist()
     verdict = verdict.require(lengths == ref_lengths, stop_fact(lengths, ref_lengths),
                               lengths=lengths, reference_lengths=ref_lengths)
