@@ -313,3 +313,20 @@ ablation(
         "forward (pad rows included)",
     kill_mode="fact", fact="the stock path itself depends on the batch composition", stock=True,
 )
+
+
+def _key_axis_of_the_rollout(self) -> int:
+    return self.batch.width + self.max_new_tokens
+
+
+_LONGER_CACHES = [*ar_space.ids(capacity="blocks"), *ar_space.ids(capacity="maximum")]
+
+ablation(
+    "ar.key_axis_sized_to_the_rollout", "harness.ar.loop:ARState.key_slots", _key_axis_of_the_rollout,
+    kills=_LONGER_CACHES,
+    raises=(RuntimeError, ValueError),
+    why=("every forward's mask sized width + new tokens, not the cache's length: right whenever the cache holds "
+         "exactly that, so only a cache allocated in whole blocks or once at a maximum length sees it, where the "
+         "mask no longer spans the keys the cache returns"),
+    kill_mode="raises",
+)

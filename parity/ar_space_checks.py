@@ -1,10 +1,12 @@
 """Parity checks of the ar path over its input space (registered into harness.judging.checks).
 
 One check per point of ``fixtures.ar_space.POINTS``, a pairwise covering of the ar axes plus a draw seeded by the
-commit (``PARITY_SPACE=full``: every point): ``ar.space.<model>-<padding_side>-<dtype>-<kernel>-<eos>.batched_vs_b1``,
-the batched rollout of ``fixtures.ar_space.CASE`` padded on that side, on that model with its weights in that dtype
-under that attention kernel, given EOS ids that stop one row near the middle (``mid``) or one row at its first token
-(``first``), against per-row B=1 runs of the same backend stopped at the same EOS ids:
+commit (``PARITY_SPACE=full``: every point):
+``ar.space.<model>-<padding_side>-<dtype>-<kernel>-<eos>-<capacity>.batched_vs_b1``, the batched rollout of
+``fixtures.ar_space.CASE`` padded on that side, on that model with its weights in that dtype under that attention
+kernel, given EOS ids that stop one row near the middle (``mid``) or one row at its first token
+(``first``), over a static cache of exactly width + new tokens slots per row, of whole 64-slot blocks, or of a
+maximum length (``capacity``), against per-row B=1 runs of the same backend stopped at the same EOS ids:
 
 - float32: tokens exact; log-probs, the prompt's KV and the KV of every token a row fed back within TOLERANCE_K x
   the stock prefill floor at the case's shape (the case checks' policy, ``parity.ar_checks``);
@@ -96,7 +98,7 @@ def _oracle(reference: loop.Rollout) -> Policy:
 
 
 def _check(point: dict[str, str]) -> Verdict:
-    model, side, dtype, kernel, eos = (point[name] for name in ar_space.AXES)
+    model, side, dtype, kernel, eos, _capacity = (point[name] for name in ar_space.AXES)
     backend, reference = _backend(model, kernel, dtype), _reference(model, kernel, dtype, eos)
     if dtype == "float32":
         policies = _fp32_policies(model, kernel)
@@ -112,7 +114,8 @@ def _check(point: dict[str, str]) -> Verdict:
     prompts = CASE.prompts()
     batch = left_padded_batch(prompts, ar_models.PAD_ID) if side == "left" else CASE.batch()
     return comparisons.compare_point(backend, batch, CASE.max_new_tokens, _eos(model, kernel, dtype, eos),
-                                     reference, judged, _oracle(reference))
+                                     reference, judged, _oracle(reference),
+                                     cache_slots=ar_space.cache_slots(point, batch.width, CASE.max_new_tokens))
 
 
 FP32_POLICY = (f"{ar_checks.FP32_POLICY}; the KV of the prompt and of every fed token; the record against an fp64 "
@@ -121,6 +124,10 @@ BF16_POLICY = (f"per row, KL(B=1 || batched) <= {ar_policies.BF16_KL_K:g} x that
                f"{ar_policies.BF16_KL_FLOOR:g}, flips only under a top-1/top-2 margin of {ar_policies.FLIP_MARGIN:g}; "
                f"KV within {ar_policies.TOLERANCE_K:g} x its dtype control; the record against an fp64 softmax "
                f"({ar_checks.ORACLE_ULPS:g} fp32 ulps of max |logit|)")
+NOT_SIZED_BY_THE_CALLER = (
+    "the cache's capacity is the implementation's own choice: the contract passes no capacity, so only the suite's "
+    "rollout is sized here (an implementation's is judged at whatever it allocates, on the exact-capacity points; "
+    "the probes accept any capacity of at least width + new tokens)")
 _BF16_FLOOR = ("1 bf16 ulp of the compared values' magnitude (max |log-prob|, max |KV|), each measured by its dtype "
                "control: stock B=1 in bf16 vs fp32")
 _BF16_CEILING = ("8 sqrt(K) bf16 ulps of the same magnitude, K = the model's Linear fan-ins plus the keys (plus the "
@@ -134,5 +141,7 @@ for _point in ar_space.POINTS:
     space.at(_id, **_point)
     if _point["padding_side"] == "left":
         conformance.judges_layout(_id, "ar", "left")
+    if _point["capacity"] != "exact":
+        conformance.not_judged(_id, NOT_SIZED_BY_THE_CALLER)
     if _bf16:
         floors.declare(_id, _BF16_FLOOR, _BF16_CEILING)

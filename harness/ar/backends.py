@@ -257,7 +257,7 @@ class UpstreamBackend:
     def prefill_key_length(self, state: ARState) -> int:
         if ar_cache.is_dynamic(state.cache):  # upstream trims to row 0's last position + 1
             return int(state.batch.position_ids[0, -1]) + 1
-        return state.max_cache_len
+        return state.key_slots()
 
     def prefill(self, state: ARState, mask: torch.Tensor) -> torch.Tensor:
         return self._forward(state, mask)
@@ -268,7 +268,7 @@ class UpstreamBackend:
     def decode_key_length(self, state: ARState) -> int:
         if ar_cache.is_dynamic(state.cache):
             return int(state.extra["model_kwargs"]["position_ids"][0, -1]) + 1
-        return state.max_cache_len
+        return state.key_slots()
 
     def decode(self, state: ARState, mask: torch.Tensor | None) -> torch.Tensor:
         return self._forward(state, mask)
@@ -403,7 +403,7 @@ class TransformersBackend:
         return None
 
     def prefill_key_length(self, state: ARState) -> int:
-        return state.batch.width if ar_cache.is_dynamic(state.cache) else state.max_cache_len
+        return state.batch.width if ar_cache.is_dynamic(state.cache) else state.key_slots()
 
     def prefill(self, state: ARState, mask: torch.Tensor) -> torch.Tensor:
         slots = torch.arange(state.batch.width, device=state.batch.input_ids.device)
@@ -416,7 +416,7 @@ class TransformersBackend:
     def decode_key_length(self, state: ARState) -> int:
         if ar_cache.is_dynamic(state.cache):
             return state.batch.width + state.step_idx
-        return state.max_cache_len
+        return state.key_slots()
 
     def decode(self, state: ARState, mask: torch.Tensor | None) -> torch.Tensor:
         """Decode step k feeds the token buffer's column ``W + k - 1`` at RoPE position ``real_pos_i + k - 1``."""

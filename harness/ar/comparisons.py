@@ -9,6 +9,7 @@ been padded on that side (``judge.require_layout``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,12 +79,14 @@ class DynamicCacheAtBatch(AssertionError):
     named (it carries no message of its own)."""
 
 
-def _fast(backend: Any, batch: Batch, max_new_tokens: int, eos: Sequence[int] = ()):
+def _fast(backend: Any, batch: Batch, max_new_tokens: int, eos: Sequence[int] = (), cache_slots: int | None = None):
     """The implementation under test under the forward spy: a user's callable that never runs the model's
     forwards at the batch fails the path facts; one that raised after a prefill on rows padded on the other side
     raises naming that layout mismatch, one that raised inside a dynamic cache holding several rows names that
     (its own error chained either way)."""
     rollout_fn = fast_rollout(_side(batch))
+    if cache_slots is not None:
+        rollout_fn = functools.partial(rollout_fn, cache_slots=cache_slots)
     with ARForwardSpy(backend.model, pad_id=backend.pad_id) as spy:
         try:
             rollout = rollout_fn(backend, batch, max_new_tokens, tuple(eos))
@@ -236,13 +239,19 @@ def check_greedy_logp_oracle(backend: Any, batch: Batch, max_new_tokens: int,
 
 
 def compare_point(backend: Any, batch: Batch, max_new_tokens: int, eos: Sequence[int], reference: loop.Rollout,
-                  judge_rollout: Callable[[loop.Rollout, loop.Rollout], Verdict], oracle: Policy) -> Verdict:
+                  judge_rollout: Callable[[loop.Rollout, loop.Rollout], Verdict], oracle: Policy, *,
+                  cache_slots: int | None = None) -> Verdict:
     """The batched rollout at one point of the ar input space (a model in a dtype under an attention kernel, a
     layout, where EOS comes) against per-row B=1 runs of the same backend: ``judge_rollout(fast, reference)`` (the
     dtype's rule over tokens, log-probs and the KV of every prompt and fed token), the rollout's own record against
-    an fp64 softmax of its logits (``oracle_verdict``) and the path facts."""
-    fast, spy = _fast(backend, batch, max_new_tokens, eos)
+    an fp64 softmax of its logits (``oracle_verdict``) and the path facts. ``cache_slots`` sizes the static cache
+    of the suite's own rollout (``harness.ar.loop.init_state``); the contract passes an implementation none."""
+    fast, spy = _fast(backend, batch, max_new_tokens, eos, cache_slots=cache_slots)
     verdict = judge_rollout(fast, reference).merge(oracle_verdict({"fast": fast}, eos, oracle))
+    if cache_slots is not None:
+        seen = sorted({c.slots for c in spy.calls if c.slots is not None})
+        verdict = verdict.require(seen == [cache_slots], f"every forward ran over the {cache_slots}-slot cache",
+                                  cache_slots_seen=str(seen))
     return _require_path(verdict, spy, batch)
 
 

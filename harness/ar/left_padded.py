@@ -254,13 +254,13 @@ class SharedColumns(_Layout):
         width, steps = state.batch.width, state.max_new_tokens
         device = plan.lengths.device
         plan.slots = torch.arange(width + steps, device=device)
-        slots = plan.slots[None, : state.max_cache_len]
+        slots = torch.arange(state.key_slots(), device=device)[None]  # every slot, a longer cache's tail included
         # a prompt column (pads included) is written by the prefill; column W + j once j + 1 tokens were fed
         plan.ranks = torch.where(slots < width, -1, slots - width).expand(state.batch.batch_size, -1)
         plan.pads = slots < (width - plan.lengths)[:, None]
 
     def prefill_key_length(self, state: loop.ARState) -> int:
-        return state.batch.width if ar_cache.is_dynamic(state.cache) else state.max_cache_len
+        return state.batch.width if ar_cache.is_dynamic(state.cache) else state.key_slots()
 
     def prefill(self, state: loop.ARState, plan: _Plan) -> torch.Tensor:
         batch = state.batch
@@ -269,7 +269,7 @@ class SharedColumns(_Layout):
     def decode_key_length(self, state: loop.ARState) -> int:
         if ar_cache.is_dynamic(state.cache):
             return state.batch.width + state.step_idx
-        return state.max_cache_len
+        return state.key_slots()
 
     def decode_write_slots(self, state: loop.ARState) -> torch.Tensor:
         slot = state.batch.width + state.step_idx - 1
@@ -305,7 +305,7 @@ class RowSlots(_Layout):
     def plan(self, state: loop.ARState, plan: _Plan) -> None:
         kwargs = self.backend.model_kwargs(plan.start, state.batch.width, state.cache, state.max_cache_len)
         state.extra["model_kwargs"] = {**kwargs, "position_ids": state.batch.position_ids, "attention_mask": plan.mask}
-        slots = torch.arange(state.max_cache_len, device=plan.lengths.device)[None]
+        slots = torch.arange(state.key_slots(), device=plan.lengths.device)[None]
         plan.ranks = slots - plan.lengths[:, None]  # a slot's offset past its row's prompt
         plan.pads = (plan.ranks >= 0) & (slots < state.batch.width)
 
@@ -352,7 +352,8 @@ def layout_for(backend: Any) -> SharedColumns | RowSlots:
 # --------------------------------------------------------------------------------------------- the loop
 
 
-def init_state(backend: Any, batch: LeftPaddedBatch, max_new_tokens: int, eos: Sequence[int] = ()) -> loop.ARState:
+def init_state(backend: Any, batch: LeftPaddedBatch, max_new_tokens: int, eos: Sequence[int] = (), *,
+               cache_slots: int | None = None) -> loop.ARState:
     """Validate the batch and run ``harness.ar.loop.init_state`` over the prefill's view of it (left-padded ids,
     ``left_positions``, the 2-D mask in every query row, each row's length as ``real_pos``): the cache (dynamic
     only at B == 1), the empty outputs and the layout's plan."""
@@ -363,7 +364,7 @@ def init_state(backend: Any, batch: LeftPaddedBatch, max_new_tokens: int, eos: S
     width = batch.width
     view = ARBatch(batch.input_ids, left_positions(batch.attention_mask),
                    batch.attention_mask[:, None, None, :].expand(-1, 1, width, -1), lengths[:, None], batch.pad_id)
-    return loop.init_state(layout_for(backend), view, max_new_tokens, eos)
+    return loop.init_state(layout_for(backend), view, max_new_tokens, eos, cache_slots=cache_slots)
 
 
 def _sample(state: loop.ARState, views: loop.StepViews, row_logits: torch.Tensor, some_finished: bool) -> bool:
@@ -433,10 +434,11 @@ def _rollout(state: loop.ARState) -> loop.ARState:
 
 
 def fast_left_rollout(backend: Any, batch: LeftPaddedBatch, max_new_tokens: int,
-                      eos: Sequence[int] = ()) -> loop.Rollout:
-    """Decode the whole left-padded batch at once over one cache; the ``Rollout`` the right-padded
-    ``harness.ar.loop.fast_rollout`` returns (``real_pos``: each row's length; KV in logical order)."""
-    return loop.collect(_rollout(init_state(backend, batch, max_new_tokens, eos)))
+                      eos: Sequence[int] = (), *, cache_slots: int | None = None) -> loop.Rollout:
+    """Decode the whole left-padded batch at once over one cache (``cache_slots`` as ``harness.ar.loop.init_state``
+    reads it); the ``Rollout`` the right-padded ``harness.ar.loop.fast_rollout`` returns (``real_pos``: each row's
+    length; KV in logical order)."""
+    return loop.collect(_rollout(init_state(backend, batch, max_new_tokens, eos, cache_slots=cache_slots)))
 
 
 fast_left_rollout.padding_side = "left"  # what a conformance run reads off an implementation (docs/extending.md)

@@ -121,6 +121,12 @@ class ARState:
     def done(self) -> bool:
         return self.step_idx >= self.max_new_tokens or finished_rows(self)[1]
 
+    def key_slots(self) -> int:
+        """The key axis of a forward over the static cache: every slot it holds, those past the rollout's last
+        token included (a cache sized in whole blocks, or at a maximum length, holds more than width + new
+        tokens)."""
+        return self.max_cache_len
+
     def grown_input_ids(self) -> torch.Tensor:
         """The token buffer one column wider than ``input_ids``: where this step's tokens are placed."""
         return self.token_buffer[:, : self.input_ids.shape[1] + 1]
@@ -168,8 +174,25 @@ def finished_rows(state: ARState) -> tuple[bool, bool]:
     return cached[2]
 
 
-def init_state(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()) -> ARState:
-    """Validate the batch, build the cache (dynamic only at B == 1) and the empty outputs."""
+def cache_length(width: int, max_new_tokens: int, cache_slots: int | None) -> int:
+    """The static cache's slots per row: ``cache_slots`` when given (at least width + new tokens, else a ValueError
+    naming both), else exactly width + new tokens."""
+    needed = width + max_new_tokens
+    if cache_slots is None:
+        return needed
+    if cache_slots < needed:
+        raise ValueError(f"cache_slots={cache_slots} is too few: a batch of width {width} with {max_new_tokens} new "
+                         f"tokens needs at least {needed} slots per row")
+    return int(cache_slots)
+
+
+def init_state(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = (), *,
+               cache_slots: int | None = None) -> ARState:
+    """Validate the batch, build the cache (dynamic only at B == 1) and the empty outputs.
+
+    ``cache_slots``: the static cache's slots per row when the caller sizes it (whole blocks for a block kernel, or
+    once at a maximum length to be reused); None sizes it at exactly the batch's width plus its new tokens. Every
+    forward's key axis is the cache's length, so slots past the rollout's last token stay masked."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     real_pos = real_positions(batch)
@@ -179,7 +202,7 @@ def init_state(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[
     if tuple(batch.attention_mask.shape) != (bsz, 1, width, width):
         raise ValueError(f"attention_mask must be bool [B, 1, L, L] = {(bsz, 1, width, width)}, "
                          f"got {tuple(batch.attention_mask.shape)}")
-    max_cache_len = width + max_new_tokens
+    max_cache_len = cache_length(width, max_new_tokens, cache_slots)
     cache = backend.new_cache(bsz, max_cache_len, dynamic=ar_cache.cache_is_dynamic(bsz))
     device = batch.input_ids.device
     token_buffer = torch.full((bsz, max_cache_len), backend.pad_id, dtype=torch.long, device=device)
@@ -417,10 +440,12 @@ def collect(state: ARState) -> Rollout:
                    state.real_pos.cpu(), kv)
 
 
-def fast_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = ()) -> Rollout:
-    """Decode the whole right-padded batch at once over one cache: at most ``max_new_tokens`` steps, so a step that
-    fails to advance the state stops the rollout instead of spinning."""
-    state = init_state(backend, batch, max_new_tokens, eos)
+def fast_rollout(backend: Any, batch: ARBatch, max_new_tokens: int, eos: Sequence[int] = (), *,
+                 cache_slots: int | None = None) -> Rollout:
+    """Decode the whole right-padded batch at once over one cache (of ``cache_slots`` slots per row when the caller
+    sizes it: ``init_state``): at most ``max_new_tokens`` steps, so a step that fails to advance the state stops the
+    rollout instead of spinning."""
+    state = init_state(backend, batch, max_new_tokens, eos, cache_slots=cache_slots)
     with torch.no_grad():
         for _ in range(max_new_tokens):
             if state.done:

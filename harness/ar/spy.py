@@ -27,6 +27,7 @@ class ForwardCall:
     dynamic: bool | None  # None without a cache
     pads: tuple[str, ...] = ()  # per row of a multi-token forward, where its pads sit (``row_padding``)
     empty_queries: int | None = None  # query rows of a 4-D bool mask that admit no key (None: no such mask)
+    slots: int | None = None  # a static cache's slots per row, once its buffers exist (None: not yet, or none)
 
 
 def empty_query_rows(mask: Any) -> int | None:
@@ -43,6 +44,17 @@ def empty_query_rows(mask: Any) -> int | None:
     else:
         return None
     return int((~admitted.any(dim=-1)).sum())
+
+
+def cache_slots(cache: Any) -> int | None:
+    """A static cache's slots per row, read off its first layer's buffers; None for no cache, a dynamic one, or one
+    whose buffers the first forward has yet to allocate."""
+    if cache is None or ar_cache.is_dynamic(cache):
+        return None
+    try:
+        return int(ar_cache.layer_buffers(cache)[0][0].shape[2])
+    except (ValueError, AttributeError, IndexError):
+        return None
 
 
 def row_padding(input_ids: torch.Tensor, pad_id: int) -> tuple[str, ...]:
@@ -77,7 +89,8 @@ class ARForwardSpy:
             cache="none" if cache is None else type(cache).__name__,
             dynamic=None if cache is None else ar_cache.is_dynamic(cache),
             pads=row_padding(ids, self.pad_id) if self.pad_id is not None and queries > 1 else (),
-            empty_queries=empty_query_rows(kwargs.get("attention_mask")) if queries > 1 else None))
+            empty_queries=empty_query_rows(kwargs.get("attention_mask")) if queries > 1 else None,
+            slots=cache_slots(cache)))
 
     def __enter__(self) -> ARForwardSpy:
         self.calls.clear()

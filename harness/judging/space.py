@@ -78,6 +78,9 @@ AXES: dict[str, dict[str, Axis]] = {
                        "is NaN)", ("sdpa", "eager")),
         Axis("eos", "where a row first meets EOS: mid (one row, near the middle of the rollout) or first (a row's "
                     "first sampled token, read from the prefill)", ("mid", "first")),
+        Axis("capacity", "the static cache's slots per row: exact (width + new tokens), blocks (whole blocks of 64, "
+                         "as a block kernel allocates) or maximum (allocated once at a maximum length and reused)",
+             ("exact", "blocks", "maximum")),
     ),
     "decode": _axes(
         Axis("vae", "the VAE family whose tiny model is decoded", subject=True),

@@ -63,3 +63,46 @@ def test_the_log_softmax_in_the_model_dtype_is_seen_at_a_bf16_point_only(parity_
     killed = parity_session.kill(item.name, bf16, parity_ctx)
     assert killed.killed and killed.margin > 100, killed.detail
     assert "recorded log-prob vs fp64 softmax" in killed.detail
+
+
+def test_a_cache_sized_past_the_rollout_is_the_one_the_point_rolls_out_over() -> None:
+    """A blocks point rolls out over a 64-slot cache and a maximum point over its longer one (every forward's cache
+    read by the spy); the exact points pass no size at all."""
+    width, new = ar_space.CASE.batch().width, ar_space.CASE.max_new_tokens
+    needed = width + new
+    assert ar_space.cache_slots({"capacity": "exact"}, width, new) is None
+    blocks = ar_space.cache_slots({"capacity": "blocks"}, width, new)
+    maximum = ar_space.cache_slots({"capacity": "maximum"}, width, new)
+    assert blocks % ar_space.BLOCK_SLOTS == 0 and needed <= blocks < needed + ar_space.BLOCK_SLOTS
+    assert maximum >= max(ar_space.MAXIMUM_SLOTS, needed) and maximum != blocks
+
+
+def test_a_cache_too_small_for_the_rollout_is_refused_naming_both_sizes() -> None:
+    from fixtures import ar_models
+    from harness.ar import loop
+
+    backend, batch = ar_models.backend("fake", "sdpa", "float32"), ar_space.CASE.batch()
+    needed = batch.width + ar_space.CASE.max_new_tokens
+    with pytest.raises(ValueError, match=f"cache_slots={needed - 1} is too few.*at least {needed}"):
+        loop.init_state(backend, batch, ar_space.CASE.max_new_tokens, cache_slots=needed - 1)
+
+
+def test_the_mask_sized_to_the_rollout_is_seen_only_over_a_longer_cache(parity_session, parity_ctx) -> None:
+    """Its claims are exactly the blocks and maximum points; under it an exact point still passes."""
+    item = ablation.get("ar.key_axis_sized_to_the_rollout")
+    assert sorted(item.kills) == sorted(ar_space.ids(capacity="blocks") + ar_space.ids(capacity="maximum"))
+    with item.apply():
+        for check_id in ar_space.ids(capacity="exact"):
+            passed = checks.run_check(check_id, parity_ctx)
+            assert passed.passed, passed.describe()
+    killed = parity_session.kill(item.name, ar_space.ids(capacity="blocks")[0], parity_ctx)
+    assert killed.killed, killed.detail
+
+
+def test_an_implementation_is_judged_on_the_exact_points_only() -> None:
+    """The contract passes no capacity: a point that sizes the cache judges only the suite's rollout."""
+    for point in ar_space.POINTS:
+        check_id = str(ar_space.check_id(point))
+        assert (check_id in conformance.NOT_JUDGED) == (point["capacity"] != "exact"), point
+        if point["capacity"] != "exact":
+            assert "the implementation's own choice" in conformance.NOT_JUDGED.get(check_id)
