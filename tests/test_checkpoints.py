@@ -257,3 +257,12 @@ def test_which_constructor_parameters_take_a_value():
     assert not checkpoints._takes_a_value(make())
     assert not checkpoints._takes_a_value(make(default=3, annotation="int | None"))
     assert not checkpoints._takes_a_value(make(default=3, annotation="Optional[int]"))
+
+
+def test_a_config_without_a_null_has_no_null_fields_and_imports_nothing(tmp_path):
+    """The rule reads only nulls: a config that holds none answers an empty list before diffusers is consulted."""
+    import dataclasses
+
+    found = detect(_tiny_with(tmp_path, "sana_transformer", out_channels=None))
+    without = dataclasses.replace(found, config={k: v for k, v in found.config.items() if v is not None})
+    assert null_fields(without) == [] and isinstance(null_fields(without), list)

@@ -155,7 +155,7 @@ def capture_model(model: Any, layers: Sequence[int] | None = None, seed: int = 0
             ids, images=latents, **{TIMESTEP_ARG[g]: torch.full((batch,), 1000.0, device=device)}, **kwargs),
             first_step=True)
     carried = compat.remote_code_kwargs(model._update_model_kwargs_for_generation(first, kwargs))
-    later_positions = carried["position_ids"].detach().cpu().to(torch.int64)
+    later_positions = carried["position_ids"].cpu().to(torch.int64)  # integer positions carry no autograd history
     later_ids = torch.gather(ids, 1, carried["position_ids"]) if g == 1 else None
     with _recording(chosen) as later_calls:
         model(**model.prepare_inputs_for_generation(

@@ -398,3 +398,22 @@ def test_under_the_eager_kernel_a_query_row_that_admits_no_key_is_nan(name: str)
         state.cache = backend.new_cache(1, 4, dynamic=False)
         backend.begin(state)
         assert bool(backend.prefill(state, mask).isfinite().all())
+
+
+def test_the_prefill_floor_scales_by_the_fp64_log_softmax_of_the_batched_logits():
+    """``logp_scale`` is the compared log-probs' own magnitude, taken in fp64 (an fp32 log-softmax rounds it)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(4, 6, 97, generator=gen) * 9.0).float()
+
+    class Stub:
+        name, pad_id, vocab_size = "stub", 0, 97
+
+        def stock_prefill(self, ids):
+            rows = ids.shape[0]
+            return (logits[:rows] if rows > 1 else logits[int(ids[0, 0]) % 4: int(ids[0, 0]) % 4 + 1],
+                    torch.zeros(rows, 1, 1, 6, 2))
+
+    floor = stock_prefill_floor(Stub(), rows=4, length=6)
+    expected = float(torch.log_softmax(logits.double(), -1).abs().max())
+    assert floor.logp_scale == expected
+    assert float(torch.log_softmax(logits, -1).abs().max()) != expected  # the fp32 one differs: the test can fail

@@ -232,6 +232,7 @@ def test_dtype_control_is_stock_b1_in_bf16_against_the_same_weights_in_fp32() ->
     # bf16 rounding moves a tiny random model's log-probs: measurable, finite, and rounding (under the ceiling)
     assert float(control.kl.max()) > 0 and bool(torch.isfinite(control.kl).all())
     assert control.floor.control == "dtype" and not control.floor.above_ceiling, control.floor.describe()
+    assert control.floor.ulps == 1.0 and control.floor.dtype == torch.bfloat16  # at least one bf16 ulp
 
 
 @pytest.mark.parametrize("name", ["fake", "qwen3"])

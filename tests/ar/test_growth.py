@@ -242,3 +242,4 @@ def test_the_growth_control_floor_is_its_worst_emitted_step():
     control[1, 2] += 5.0  # row 1 emitted two tokens: its third step is not compared
     floor = judge.growth_control_floor(control, reference, terms=64)
     assert floor.measured == pytest.approx(1e-3, rel=1e-4) and floor.magnitude == 3.0
+    assert floor.ulps == 1.0  # its stated minimum: one fp32 ulp of the largest log-prob

@@ -279,3 +279,18 @@ def test_a_capture_path_that_is_a_directory_or_a_symlink_loop_says_so(tmp_path):
     with pytest.raises(ValueError, match=r"capture directory .*call3_rank0.npz is a file; expected a directory of "
                                          "capture files"):
         capture_io.find_captures(tmp_path / "call3_rank0.npz")
+
+
+def test_a_recorded_layout_needs_one_row_of_spans_per_query_row_and_each_span_inside_the_keys():
+    """Spans are (B, N, 2): B the query's batch (not N), N >= 1; each span ``0 <= a < b <= KV``, an empty or
+    reversed span refused wherever it lies."""
+    capture_io.check_layout_shapes("ok", (2, 5, 4, 8), (2, 2, 9, 8), (2, 5), (2, 2, 2))
+    with pytest.raises(ValueError, match=r"spans must be \(B, N, 2\) with B = 2"):
+        capture_io.check_layout_shapes("rows", (2, 5, 4, 8), (2, 2, 9, 8), (2, 5), (3, 2, 2))  # N == B, B != 2
+    positions = torch.tensor([[0, 1, 2]])
+    capture_io.check_layout_values("ok", positions, torch.tensor([[[1, 3]]]), keys=4)
+    for span in ([2, 2], [3, 1]):  # empty, reversed: both inside the keys
+        with pytest.raises(ValueError, match=r"spans\[0, 0\] = \[\d, \d\) is no span of its 4 keys"):
+            capture_io.check_layout_values("bad", positions, torch.tensor([[span]]), keys=4)
+    with pytest.raises(ValueError, match=r"is no span of its 4 keys"):
+        capture_io.check_layout_values("past", positions, torch.tensor([[[1, 5]]]), keys=4)

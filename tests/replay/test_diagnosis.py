@@ -85,3 +85,17 @@ def test_one_branch_has_no_branch_order_to_get_wrong():
     serial = [_fields([(0, s, k) for k in range(B)]) for s in range(len(TARGET))]
     batched = _fields([(0, s, k) for s in range(len(TARGET)) for k in range(B)])
     assert row_layout(serial, batched, TARGET, ("cond",), B) is None
+
+
+def test_a_failing_batched_replay_is_headed_by_the_row_layout_that_names_its_bug(parity_ctx):
+    """The check's verdict carries the diagnosis only when it fails: passing, it is left as it is."""
+    from harness.judging import ablation, catalogue, checks
+
+    catalogue.load()
+    passed = checks.run_check("replay.cfg2.log_probs", parity_ctx)
+    assert passed.passed and "row_layout" not in passed.metrics, passed.describe()
+    with ablation.get("replay.nesting_swapped").apply():
+        failed = checks.run_check("replay.cfg2.log_probs", parity_ctx)
+    assert not failed.passed and "row_layout" in failed.metrics
+    assert failed.message.startswith(failed.metrics["row_layout"]), failed.message
+    assert failed.message.startswith("the batched forward's rows are stock rows in the wrong places")
