@@ -9,7 +9,9 @@ naming the checks it fails; one that never works (``FAILS_EVERYWHERE``) must fai
 by. With ``--corpus`` the publicly reported bugs of ``examples/conformance/corpus/<path>.py`` join them: each
 must fail, and fail at least the checks its report declares. Implementations that carry the same flaws (a
 report re-created exactly as a zoo bug) share one run. Prints the table (implementation -> verdict -> failing
-checks) and exits 1 when any implementation does not do what it should.
+checks) and exits 1 when any implementation does not do what it should. A buggy implementation's verdict is decided
+by its first failing check, so by default a zoo bug's run stops there and a reported bug's run judges only the checks
+its report declares (each must fail); ``--full`` judges every buggy one over its whole path for the complete table.
 
     python examples/conformance/zoo.py                        # every path
     python examples/conformance/zoo.py --path decode --markdown reports/zoo-decode.md
@@ -49,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 PATHS = {"replay": "replay_batched", "ar": "fast_rollout", "decode": "sharded_decode", "attention": "attend"}
+CHECK_TEST = "parity/test_parity.py::test_parity_check"  # the catalogue's one test, parametrized by check id
 FAILED_ITEM = re.compile(r"^FAILED \S*::test_parity_check\[([^\]]+)\]")
 
 
@@ -66,10 +69,20 @@ class Entry:
     def spec(self) -> str:
         return f"{self.module or f'zoo_{self.path}'}:{self.name}"
 
-    @property
-    def run_key(self) -> tuple[str, Any]:
+    def selection(self, full: bool) -> str:
+        """What its run judges: ``"all"`` of its path's checks (a right one, one that fails everywhere, or any
+        with ``full``), ``"declared"`` (a reported bug: the checks its report declares, each of which must fail), or
+        ``"first failure"`` (a zoo bug: every check, stopping at the first that fails, when the verdict is
+        decided)."""
+        if full or self.expected != "fail":
+            return "all"
+        return "declared" if self.checks else "first failure"
+
+    def run_key(self, full: bool = False) -> tuple[Any, ...]:
         """Entries with the same key behave identically, so one conformance run judges them all."""
-        return (self.path, self.flaws if self.flaws is not None else self.spec)
+        selection = self.selection(full)
+        return (self.path, self.flaws if self.flaws is not None else self.spec, selection,
+                self.checks if selection == "declared" else ())
 
 
 @dataclass
@@ -83,6 +96,7 @@ class Outcome:
     seconds: float = 0.0
     output: str = ""  # the run's output tail, shown when the outcome is unexpected
     shared_with: str = ""  # the implementation whose run judged this one too
+    selection: str = "all"  # what the run judged (``Entry.selection``)
 
     @property
     def unmet(self) -> list[str]:
@@ -94,7 +108,7 @@ class Outcome:
         if self.exit_code == 0 and not self.failing and not self.missing:
             return "PASS"
         if self.exit_code == 1 and self.failing:
-            return "FAIL ALL" if self.failing == self.judged else "FAIL"
+            return "FAIL ALL" if self.failing == self.judged and self.selection == "all" else "FAIL"
         return f"ERROR (pytest exit {self.exit_code})"
 
     @property
@@ -253,12 +267,16 @@ class Runner:
         return code, log.read_text(errors="replace") if log.exists() else ""
 
 
-def judge(entry: Entry, tests: list[str], extra: list[str], runner: Runner) -> Outcome:
-    """One conformance run of ``entry``'s implementation over its path's catalogue."""
+def judge(entry: Entry, tests: list[str], extra: list[str], runner: Runner, full: bool = False) -> Outcome:
+    """One conformance run of ``entry``'s implementation over its path's catalogue (``Entry.selection``)."""
+    selection = entry.selection(full)
+    if selection == "declared":
+        tests = [f"{CHECK_TEST}[{check}]" for check in entry.checks]
+    stop = ["--maxfail=1"] if selection == "first failure" else []
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         args = ["-m", "cpu", "-q", "-rf", "-p", "no:cacheprovider", "--impl", f"{entry.path}={entry.spec}",
-                f"--parity-report={report}", *tests, *extra]
+                f"--parity-report={report}", *stop, *tests, *extra]
         began = time.perf_counter()
         code, output = runner.run(args, Path(tmp))
         seconds = time.perf_counter() - began
@@ -267,7 +285,8 @@ def judge(entry: Entry, tests: list[str], extra: list[str], runner: Runner) -> O
     failing |= {m.group(1) for line in output.splitlines() if (m := FAILED_ITEM.match(line))}
     judged = sorted({c["id"] for c in data["checks"]} | failing)
     not_judged = sorted(data.get("not_judged", {}))
-    return Outcome(entry, code, judged, sorted(failing), not_judged, seconds=seconds, output=output[-9000:])
+    return Outcome(entry, code, judged, sorted(failing), not_judged, seconds=seconds, output=output[-9000:],
+                   selection=selection)
 
 
 def table(outcomes: list[Outcome]) -> str:
@@ -280,6 +299,8 @@ def table(outcomes: list[Outcome]) -> str:
             failing += f"; not run: {', '.join(o.missing[:5])}"
         if o.unmet:
             failing += f"; declared but not failed: {', '.join(o.unmet)}"
+        if o.selection != "all":
+            failing += f" ({o.selection} only)" if o.selection == "declared" else " (stopped at the first failure)"
         if o.shared_with:
             failing += f" (the run of `{o.shared_with}`)"
         lines.append(f"| `{o.entry.spec}` ({o.entry.bug}) | {o.entry.expected} | {o.verdict} | "
@@ -297,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="what each run collects (default: the check catalogue, parity/test_parity.py)")
     parser.add_argument("--markdown", help="write the table here too")
     parser.add_argument("--json", help="write every outcome here")
+    parser.add_argument("--full", action="store_true",
+                        help="judge every buggy implementation over every check of its path (the whole table); by "
+                             "default a zoo bug's run stops at its first failing check and a reported bug's run "
+                             "judges the checks its report declares: enough to decide each verdict")
     parser.add_argument("--fresh", action="store_true",
                         help="run each implementation in a new interpreter, not in a process forked from this one")
     args, extra = parser.parse_known_args(argv)
@@ -307,18 +332,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         todo = [e for e in todo if f"{e.path}:{e.name}" in args.only]
     outcomes: list[Outcome] = []
-    runs: dict[tuple[str, Any], Outcome] = {}
+    runs: dict[tuple[Any, ...], Outcome] = {}
     runner = Runner(fresh=args.fresh)
     ids: dict[str, set[str]] = {}  # path -> its CPU checks' ids
     for entry in todo:
-        first = runs.get(entry.run_key)
+        key = entry.run_key(args.full)
+        first = runs.get(key) or runs.get((*key[:2], "all", ()))  # a whole run decides any verdict
         if first is None:
-            outcome = runs[entry.run_key] = judge(entry, args.tests, extra, runner)
+            outcome = runs[key] = judge(entry, args.tests, extra, runner, args.full)
         else:
             outcome = dataclasses.replace(first, entry=entry, shared_with=first.entry.spec)
         if entry.path not in ids:
             ids[entry.path] = set(catalogue_forked(entry.path))
-        outcome.missing = sorted(ids[entry.path] - set(outcome.judged) - set(outcome.not_judged))
+        if outcome.selection == "all":  # a run that stopped early, or judged a report's checks, left the rest
+            outcome.missing = sorted(ids[entry.path] - set(outcome.judged) - set(outcome.not_judged))
         outcomes.append(outcome)
         mark = "ok" if outcome.as_expected else "UNEXPECTED"
         took = f"the run of {outcome.shared_with}" if outcome.shared_with else f"{outcome.seconds:.0f} s"
