@@ -23,12 +23,13 @@ from typing import Any
 import torch
 
 from harness.replay.conditions import Conditions, concat_payloads, payload_rows, slice_rows
-from harness.replay.denoiser import predict_velocity
+from harness.replay.denoiser import DenoiserAdapter, predict_velocity
 from harness.replay.sde import sde_step
 from harness.replay.segment import ReplayResult
 
-__all__ = ["BUGS", "CORRECT", "guidance_at_step_zero", "log_probs_not_transposed", "nesting_swapped",
-           "never_declines", "one_sigma_for_every_step", "replay_batched", "targets_sorted"]
+__all__ = ["BUGS", "CORRECT", "batches_without_a_config", "guidance_at_step_zero", "log_probs_not_transposed",
+           "nesting_swapped", "never_declines", "next_latents_rounded_to_bf16", "one_sigma_for_every_step",
+           "replay_batched", "targets_sorted", "velocity_transform_dropped"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class Flaws:
     guidance_embed_x1000: bool = False  # the embedded guidance scaled by 1000 before a model that scales it itself
     timestep_x1000: bool = False  # sigma scaled to 0-1000 before a timestep hook that scales it again
     sigma_rounded_bf16: bool = False  # sigma rounded to bf16 before the timestep hook (rollout kept it fp32)
+    missing_config_on: bool = False  # no config given read as the switch on
+    own_wrapper: bool = False  # the adapter behind a wrapper of its own that forwards every hook but ``velocity``
+    next_latents_bf16: bool = False  # x_(t+1) cast to bf16 by hard-coding, not kept in the trajectory's dtype
 
 
 def _scale(guidance: Any, step: int) -> float:
@@ -58,9 +62,13 @@ def _scale(guidance: Any, step: int) -> float:
     return float(guidance[step])
 
 
-def _declines(config: Any, strategy: Any, steps: Sequence[int], guidance: Any) -> bool:
-    """The cases the batched path must leave to the serial loop."""
-    return (config is None or not config.batch_replay_steps or len(steps) <= 1
+def _declines(config: Any, strategy: Any, steps: Sequence[int], guidance: Any, flaws: Flaws) -> bool:
+    """The cases the batched path must leave to the serial loop (with ``missing_config_on``, only a config that
+    turns the flag off declines: none at all batches)."""
+    switched_off = config is not None and not config.batch_replay_steps
+    if not flaws.missing_config_on:
+        switched_off = switched_off or config is None
+    return (switched_off or len(steps) <= 1
             or not getattr(strategy, "stateless", False) or len({_scale(guidance, s) for s in steps}) > 1)
 
 
@@ -128,19 +136,40 @@ def _scaled_guidance(conditions: Conditions) -> Conditions:
     return dataclasses.replace(conditions, shared=shared, negative=negative)
 
 
+class _StackedBatch(DenoiserAdapter):
+    """The team's own wrapper around the family's adapter for the stacked batch: it hands on the layout, the
+    combine, the timestep hook and the forward, but not ``velocity``, so the base class's (the prediction itself)
+    answers for the family's transform."""
+
+    def __init__(self, inner: DenoiserAdapter):
+        self.inner, self.module = inner, inner.module
+        self.cfg_layout, self.cfg_combine, self.channel_dim = inner.cfg_layout, inner.cfg_combine, inner.channel_dim
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        return self.inner.timestep(sigma)
+
+    def forward(self, hidden: torch.Tensor, timestep: torch.Tensor, conditions: Conditions) -> torch.Tensor:
+        return self.inner.forward(hidden, timestep, conditions)
+
+    def combine(self, cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        return self.inner.combine(cond, uncond, guidance_scale)
+
+
 def _replay(adapter: Any, conditions: Conditions, segment: Any, strategy: Any, target: Sequence[int],
             guidance: Any, config: Any, flaws: Flaws) -> ReplayResult | None:
     steps = _targets(segment, target)
     conditions.validate()
     if conditions.batch != segment.batch:
         raise ValueError(f"conditions hold {conditions.batch} rows but the segment {segment.batch} samples")
-    if not flaws.no_guards and _declines(config, strategy, steps, guidance):
+    if not flaws.no_guards and _declines(config, strategy, steps, guidance, flaws):
         return None
     if flaws.sorted_targets:
         steps = tuple(sorted(steps))
     count, batch = len(steps), segment.batch
     x = torch.cat([segment.latent_at(s) for s in steps]).float()
     prev = torch.cat([segment.latent_at(s + 1) for s in steps])
+    if flaws.next_latents_bf16:
+        prev = prev.to(torch.bfloat16)
     at = torch.tensor(steps).repeat_interleave(batch)
     if flaws.first_sigma:
         at = torch.full_like(at, steps[0])
@@ -154,7 +183,8 @@ def _replay(adapter: Any, conditions: Conditions, segment: Any, strategy: Any, t
     model_sigma = sigma * 1000.0 if flaws.timestep_x1000 else sigma
     if flaws.sigma_rounded_bf16:
         model_sigma = model_sigma.to(torch.bfloat16).to(sigma.dtype)
-    velocity = predict_velocity(adapter, x, model_sigma, tiled, scale)
+    model = _StackedBatch(adapter) if flaws.own_wrapper else adapter
+    velocity = predict_velocity(model, x, model_sigma, tiled, scale)
     out = sde_step(strategy, x, velocity, sigma, sigma_next, segment.sigma_max, trajectory_dtype=segment.dtype,
                    prev=prev)
     if flaws.no_transpose:
@@ -189,6 +219,13 @@ BUGS = {
                        "no guards: batches with the flag off, one step, a stateful solver or varying guidance"),
     "one_sigma_for_every_step": (replace(CORRECT, first_sigma=True),
                                  "every stacked row stepped with the first target's sigma"),
+    "batches_without_a_config": (replace(CORRECT, missing_config_on=True),
+                                 "no config given read as the switch on: batches where it must decline"),
+    "velocity_transform_dropped": (replace(CORRECT, own_wrapper=True),
+                                   "its own adapter wrapper forwards every hook but velocity: steps on the combined "
+                                   "prediction, the family's transform never applied"),
+    "next_latents_rounded_to_bf16": (replace(CORRECT, next_latents_bf16=True),
+                                     "x_(t+1) cast to bf16 by hard-coding, not kept in the trajectory's dtype"),
 }
 nesting_swapped = _implementation(*BUGS["nesting_swapped"])
 guidance_at_step_zero = _implementation(*BUGS["guidance_at_step_zero"])
@@ -196,3 +233,6 @@ log_probs_not_transposed = _implementation(*BUGS["log_probs_not_transposed"])
 targets_sorted = _implementation(*BUGS["targets_sorted"])
 never_declines = _implementation(*BUGS["never_declines"])
 one_sigma_for_every_step = _implementation(*BUGS["one_sigma_for_every_step"])
+batches_without_a_config = _implementation(*BUGS["batches_without_a_config"])
+velocity_transform_dropped = _implementation(*BUGS["velocity_transform_dropped"])
+next_latents_rounded_to_bf16 = _implementation(*BUGS["next_latents_rounded_to_bf16"])
