@@ -32,9 +32,10 @@ from harness.ar.loop import Rollout, init_state
 
 __all__ = ["BUGS", "CORRECT", "LEFT", "MORE_CORRECT", "block_aligned_cache", "fast_left_rollout", "fast_rollout",
            "finished_rows_keep_sampling", "finished_rows_keep_writing_kv", "first_logits_at_the_padded_tail",
-           "infers_lengths_from_pads", "left_decode_mask_dropped", "left_pad_keys_visible", "left_padding_undeclared",
-           "left_positions_from_shared_cache_position", "left_positions_not_shifted", "no_decode_mask",
-           "right_padding_declared_left", "tokens_appended_at_the_tail"]
+           "infers_lengths_from_pads", "left_decode_mask_dropped", "left_pad_keys_visible",
+           "left_pad_queries_admit_nothing", "left_padding_undeclared", "left_positions_from_shared_cache_position",
+           "left_positions_not_shifted", "log_softmax_in_model_dtype", "no_decode_mask", "right_padding_declared_left",
+           "tokens_appended_at_the_tail"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class Flaws:
     left: bool = False  # the loop left-pads its prefill rows (and declares padding_side = "left")
     unshifted_positions: bool = False  # left: prefill positions are the column index, not shifted by the pad count
     declares_other_side: bool = False  # the callable declares the padding side it does not pad on
+    logp_in_model_dtype: bool = False  # the recorded log-prob's log-softmax taken in the logits' (model's) dtype
+    pad_queries_see_nothing: bool = False  # left: a pad's prefill query row admits no key (NaN under an eager softmax)
     block_slots: int = 0  # not a flaw: a static cache allocated in whole blocks of this many slots (block kernels)
 
 
@@ -71,12 +74,15 @@ def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _emit(state: Any, picked: torch.Tensor, step: int, flaws: Flaws, stop_ids: torch.Tensor,
+def _emit(state: Any, logits: torch.Tensor, step: int, flaws: Flaws, stop_ids: torch.Tensor,
           pad_id: int) -> torch.Tensor:
-    """Record one step's greedy pick in the state (a finished row emits the pad id) and return the tokens."""
+    """Record one step's greedy pick from the rows' logits ``[B, V]`` as the model returned them (recorded and
+    scored in fp32; a finished row emits the pad id) and return the tokens."""
     emitting = torch.ones_like(state.finished) if flaws.ignore_eos else ~state.finished
+    picked = logits.float()
     token = picked.argmax(dim=-1)
-    logp = torch.log_softmax(picked, dim=-1).gather(-1, token[:, None])[:, 0]
+    scored = logits if flaws.logp_in_model_dtype else picked
+    logp = torch.log_softmax(scored, dim=-1).float().gather(-1, token[:, None])[:, 0]
     token = torch.where(emitting, token, pad_id)
     state.tokens[:, step] = token
     state.logp[:, step] = torch.where(emitting, logp, 0.0)
@@ -142,7 +148,7 @@ def _rollout(backend: Any, batch: Any, max_new_tokens: int, eos: Sequence[int], 
                 mask[..., :width] = _causal(width, device) if flaws.pads_visible else batch.attention_mask
                 logits = backend.prefill(state, mask)
                 column = torch.full_like(real_pos, width - 1) if flaws.tail_logits else real_pos - 1
-                picked = logits[everyone, column.to(device)].float()
+                picked = logits[everyone, column.to(device)]
             else:
                 live = ~state.finished
                 writes = torch.ones_like(live) if flaws.write_after_eos else live
@@ -159,7 +165,7 @@ def _rollout(backend: Any, batch: Any, max_new_tokens: int, eos: Sequence[int], 
                 if kept is not None:
                     _put_back(cache, frozen, slots, kept)
                 state.generated = generated
-                picked = logits[:, -1].float()
+                picked = logits[:, -1]
             token = _emit(state, picked, step, flaws, stop_ids, backend.pad_id)
             if flaws.append_tokens:
                 columns = torch.full_like(real_pos, state.input_ids.shape[1]).to(device)
@@ -217,6 +223,8 @@ def _left_prefill_mask(real: torch.Tensor, positions: torch.Tensor, per_row: boo
     causal = torch.ones(width, width, dtype=torch.bool, device=real.device).tril()
     if flaws.pads_visible:
         by_column = causal.expand(rows, -1, -1)
+    elif flaws.pad_queries_see_nothing:  # a key must be real and the query too
+        by_column = causal & real[:, None, :] & real[:, :, None]
     else:
         by_column = torch.where(real[:, :, None], causal & real[:, None, :], real[:, None, :])
     mask = torch.zeros(rows, width, max(keys, width), dtype=torch.bool, device=real.device)
@@ -264,7 +272,7 @@ def _left_rollout(backend: Any, batch: Any, max_new_tokens: int, eos: Sequence[i
                 logits = backend.prefill(state, _left_prefill_mask(real, positions, per_row, keys, flaws))
                 if per_row and not flaws.unshifted_positions:  # the next inputs are re-read at their slots
                     state.input_ids = torch.stack([row.roll(-int(p)) for row, p in zip(ids, pads, strict=True)])
-                picked = logits[:, -1].float()  # every row's prompt ends in the last column
+                picked = logits[:, -1]  # every row's prompt ends in the last column
             else:
                 live = ~state.finished
                 writes = torch.ones_like(live) if flaws.write_after_eos else live
@@ -278,7 +286,7 @@ def _left_rollout(backend: Any, batch: Any, max_new_tokens: int, eos: Sequence[i
                 if kept is not None:
                     _put_back(cache, frozen, slots, kept)
                 state.generated = generated
-                picked = logits[:, -1].float()
+                picked = logits[:, -1]
             token = _emit(state, picked, step, flaws, stop_ids, backend.pad_id)
             grown = torch.cat([state.input_ids, torch.zeros_like(state.input_ids[:, :1])], dim=1)
             state.input_ids = grown.scatter(1, backend.token_columns(state)[:, None], token[:, None])
@@ -344,6 +352,13 @@ BUGS = {
     "right_padding_declared_left": (replace(CORRECT, declares_other_side=True),
                                     "a right right-padded rollout declaring padding_side = 'left': it must fail "
                                     "naming the layout mismatch"),
+    # left-padded: the pairwise draw pairs bf16 with the exact-capacity cache (the one --impl judges) on a left point
+    "log_softmax_in_model_dtype": (replace(LEFT, logp_in_model_dtype=True),
+                                   "left-padded: the recorded log-prob's log-softmax taken in the model's dtype, "
+                                   "upcast after"),
+    "left_pad_queries_admit_nothing": (replace(LEFT, pad_queries_see_nothing=True),
+                                       "left-padded: a pad's prefill query row admits no key, NaN under an eager "
+                                       "-inf softmax"),
 }
 finished_rows_keep_sampling = _implementation(*BUGS["finished_rows_keep_sampling"])
 finished_rows_keep_writing_kv = _implementation(*BUGS["finished_rows_keep_writing_kv"])
@@ -357,3 +372,5 @@ left_decode_mask_dropped = _implementation(*BUGS["left_decode_mask_dropped"])
 left_positions_not_shifted = _implementation(*BUGS["left_positions_not_shifted"])
 left_padding_undeclared = _implementation(*BUGS["left_padding_undeclared"])
 right_padding_declared_left = _implementation(*BUGS["right_padding_declared_left"])
+log_softmax_in_model_dtype = _implementation(*BUGS["log_softmax_in_model_dtype"])
+left_pad_queries_admit_nothing = _implementation(*BUGS["left_pad_queries_admit_nothing"])
