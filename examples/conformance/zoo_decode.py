@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 __all__ = ["BUGS", "CORRECT", "FAILS_EVERYWHERE", "always_raises", "drops_clips_past_the_ranks",
            "every_rank_decodes_all", "ignores_group", "ignores_transport", "loses_root_cause", "not_fail_closed",
-           "sharded_decode", "swallows_errors", "unblended_post_loop"]
+           "returns_video_on_cpu", "sharded_decode", "stitch_crops_by_previous_overlap", "swallows_errors",
+           "unblended_post_loop"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class Flaws:
     group_rank_dst: bool = False  # transport="gather": the group rank handed to gather_object as its global dst
     empty_share_raises: bool = False  # clips dealt round robin; a rank dealt none raises before any collective
     output_rank_only: bool = False  # only group rank 0 assembles; under all_gather the others get an empty tensor
+    own_stitch: bool = False  # its own tile stitcher, each tile cropped by the overlap of the seam behind it
+    video_to_cpu: bool = False  # the video handed back through .cpu(), off the device the stock decode returns on
 
 
 class ShardFailed(RuntimeError):
@@ -74,6 +77,38 @@ def _windows(vae: Any, z: torch.Tensor) -> list[torch.Tensor]:
     if pad:
         z = torch.cat([z, z[:, :, -1:].expand(-1, -1, pad, -1, -1)], dim=2)
     return [z[:, :, i * chunk:i * chunk + chunk + overlap] for i in range(clips)]
+
+
+def _stitch_by_previous_seam(vae: Any) -> Callable[..., torch.Tensor]:
+    """The team's own tile stitcher (the library's blends, its own crops): each tile but the last of a row or
+    column is cropped by the overlap of the seam it was blended across, not by the one ahead of it. Equal overlaps
+    cannot tell the two apart; [4, 2] px crops 4 where 2 belongs."""
+    def stitch(tiles: list[list[torch.Tensor]], height_overlaps: list[int],
+               width_overlaps: list[int]) -> torch.Tensor:
+        crop_rows = [height_overlaps[max(i - 1, 0)] for i in range(len(tiles) - 1)] + [0]
+        crop_cols = [width_overlaps[max(j - 1, 0)] for j in range(len(tiles[0]) - 1)] + [0]
+        stitched = []
+        for i, row in enumerate(tiles):
+            kept = []
+            for j, tile in enumerate(row):
+                if i:
+                    tile = vae._blend(tiles[i - 1][j], tile, height_overlaps[i - 1], dim=-2)
+                if j:
+                    tile = vae._blend(row[j - 1], tile, width_overlaps[j - 1], dim=-1)
+                kept.append(tile[..., :tile.shape[-2] - crop_rows[i], :tile.shape[-1] - crop_cols[j]])
+            stitched.append(torch.cat(kept, dim=-1))
+        return torch.cat(stitched, dim=-2)
+
+    return stitch
+
+
+def _decode_clips(vae: Any, windows: list[torch.Tensor], mine: range, flaws: Flaws) -> list[torch.Tensor]:
+    """This rank's clips, each through the library's `_decode_clip` (with ``own_stitch``, its tiles stitched by
+    the team's own stitcher)."""
+    if not flaws.own_stitch:
+        return [vae._decode_clip(windows[i]) for i in mine]
+    with _instance(vae, "_stitch_tiles", _stitch_by_previous_seam(vae)):
+        return [vae._decode_clip(windows[i]) for i in mine]
 
 
 def _mine(count: int, rank: int, world: int, flaws: Flaws) -> range:
@@ -114,7 +149,7 @@ def _decode_call(vae: Any, z: torch.Tensor, group: Any, transport: str, dst: int
     mine = _mine(len(windows), rank, world, flaws)
     clips, failure = [], None
     try:
-        clips = [vae._decode_clip(windows[i]) for i in mine]
+        clips = _decode_clips(vae, windows, mine, flaws)
     except Exception as err:
         if flaws.no_status:
             raise
@@ -190,7 +225,9 @@ def _sharded(vae: Any, z: torch.Tensor, group: Any, transport: str, dst: int, fl
             return vae.decode(z).sample
         raise
     receives = flaws.always_all_gather or transport == "all_gather" or rank == dst
-    return video if receives else None
+    if not receives:
+        return None
+    return video.cpu() if flaws.video_to_cpu else video
 
 
 def _implementation(flaws: Flaws, doc: str) -> Callable[..., torch.Tensor | None]:
@@ -220,6 +257,10 @@ BUGS = {
                             "its own post-loop concatenates the clips without the cross-fade"),
     "drops_clips_past_the_ranks": (replace(CORRECT, one_clip_per_rank=True),
                                    "assumes clips <= ranks: rank r decodes clip r only"),
+    "stitch_crops_by_previous_overlap": (replace(CORRECT, own_stitch=True),
+                                         "its own tile stitcher crops each seam by the previous seam's overlap"),
+    "returns_video_on_cpu": (replace(CORRECT, video_to_cpu=True),
+                             "the decoded video handed back through .cpu(), off the device it was decoded on"),
 }
 ignores_group = _implementation(*BUGS["ignores_group"])
 not_fail_closed = _implementation(*BUGS["not_fail_closed"])
@@ -229,6 +270,8 @@ every_rank_decodes_all = _implementation(*BUGS["every_rank_decodes_all"])
 ignores_transport = _implementation(*BUGS["ignores_transport"])
 unblended_post_loop = _implementation(*BUGS["unblended_post_loop"])
 drops_clips_past_the_ranks = _implementation(*BUGS["drops_clips_past_the_ranks"])
+stitch_crops_by_previous_overlap = _implementation(*BUGS["stitch_crops_by_previous_overlap"])
+returns_video_on_cpu = _implementation(*BUGS["returns_video_on_cpu"])
 
 
 def always_raises(vae: Any, z: torch.Tensor, group: Any = None, *, transport: str = "all_gather",
