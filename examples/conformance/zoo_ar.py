@@ -352,10 +352,8 @@ BUGS = {
     "right_padding_declared_left": (replace(CORRECT, declares_other_side=True),
                                     "a right right-padded rollout declaring padding_side = 'left': it must fail "
                                     "naming the layout mismatch"),
-    # left-padded: the pairwise draw pairs bf16 with the exact-capacity cache (the one --impl judges) on a left point
-    "log_softmax_in_model_dtype": (replace(LEFT, logp_in_model_dtype=True),
-                                   "left-padded: the recorded log-prob's log-softmax taken in the model's dtype, "
-                                   "upcast after"),
+    "log_softmax_in_model_dtype": (replace(CORRECT, logp_in_model_dtype=True),
+                                   "the recorded log-prob's log-softmax taken in the model's dtype, upcast after"),
     "left_pad_queries_admit_nothing": (replace(LEFT, pad_queries_see_nothing=True),
                                        "left-padded: a pad's prefill query row admits no key, NaN under an eager "
                                        "-inf softmax"),

@@ -106,3 +106,13 @@ def test_an_implementation_is_judged_on_the_exact_points_only() -> None:
         assert (check_id in conformance.NOT_JUDGED) == (point["capacity"] != "exact"), point
         if point["capacity"] != "exact":
             assert "the implementation's own choice" in conformance.NOT_JUDGED.get(check_id)
+
+
+def test_the_points_an_implementation_is_judged_on_hold_every_pair_by_themselves() -> None:
+    """Under --impl only the exact-capacity points run: they alone hold every pair of the other axes."""
+    exact = [p for p in ar_space.POINTS if p["capacity"] == "exact"]
+    axes = [name for name in ar_space.AXES if name != "capacity"]
+    held = {(a, p[a], b, p[b]) for p in exact for a, b in itertools.combinations(axes, 2)}
+    every = {(a, x, b, y) for a, b in itertools.combinations(axes, 2)
+             for x in ar_space.AXES[a] for y in ar_space.AXES[b]}
+    assert held == every
