@@ -331,3 +331,16 @@ def test_an_implementation_declaring_an_unknown_layout_is_refused_when_put_under
     with pytest.raises(ValueError, match="padding_side = 'middle'"):
         conformance.use("ar", "sideways_impl:fast_rollout")
     assert "ar" not in conformance.specs()
+
+
+@pytest.mark.cpu
+def test_a_layout_declared_both_ways_on_one_callable_must_agree():
+    from harness.plugins.declarations import ARDeclaration
+
+    def callable_with(attribute: str, declared: str):
+        return type("F", (), {"padding_side": attribute, "declares": ARDeclaration(padding_side=declared)})()
+
+    assert conformance.declared_layout("ar", callable_with("left", "left")) == "left"
+    with pytest.raises(ValueError, match="declares padding_side = 'left' but its padding_side attribute says "
+                                         "'right': keep one"):
+        conformance.declared_layout("ar", callable_with("right", "left"))

@@ -364,6 +364,32 @@ def test_the_guard_contract_accepts_the_stock_answer_not_another_one():
     assert other.message.startswith(f"returned a different answer on an input class it declares unsupported ({REASON})")
 
 
+def test_a_refusal_passes_on_every_path_and_a_raise_counts_as_on_every_rank_unless_said_otherwise():
+    refused = conformance.Outcomes(refused=1, refusal="ValueError: one scale")
+    for path in ("replay", "decode"):
+        verdict = conformance.guard_verdict(path, REASON, refused, None, RuntimeError("boom"))
+        assert verdict.passed and verdict.metrics["guard"] == "refused: ValueError: one scale"
+
+
+def test_a_raise_after_an_answer_fails_its_text_cut_short():
+    error = RuntimeError("e" * 1000)
+    verdict = conformance.guard_verdict("replay", REASON, conformance.Outcomes(answered=1), None, error)
+    assert not verdict.passed
+    assert verdict.metrics["guard"] == f"raised: RuntimeError: {'e' * 1000}"[:300]
+    said = "the implementation under test raised after answering 1 call(s): RuntimeError: "
+    assert verdict.message == f"{said}{'e' * 1000}"[:400]
+    assert (len(verdict.metrics["guard"]), len(verdict.message)) == (300, 400)
+
+
+@pytest.mark.parametrize(("margin", "passed"), [(1.0, True), (1.5, False)])
+def test_the_stock_answer_by_the_stock_path_passes_up_to_a_margin_of_one(margin, passed):
+    """Numbers at the tolerance pass, whatever the fast path's own facts; past it the answer is another one."""
+    stock_way = _verdict(True, margin, fast_path_violated=True)
+    found = conformance.guard_verdict("replay", REASON, conformance.Outcomes(answered=1), stock_way, None)
+    assert found.passed is passed
+    assert found.metrics["guard"] == ("the stock answer" if passed else "a different answer")
+
+
 def test_none_is_a_decline_only_where_the_contract_says_so():
     """decode returns None on every rank but the destination of a gather: there it is an answer, not a decline."""
     none = conformance.Outcomes(none=2)

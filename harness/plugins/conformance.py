@@ -431,8 +431,9 @@ def guard_verdict(path: str, reason: str, found: Outcomes, verdict: Verdict | No
     "decline", or an answer the check's numbers accept), never a different answer. ``verdict`` is what the check
     itself found (None when it raised ``error``)."""
     policy = f"guard contract ({reason}): refuse or take the stock path, never a different answer"
-    declines = path in DECLINES and found.none > 0 and found.answered == 0
-    if found.calls and found.answered == 0 and (found.refused or declines) and (error is None or every_rank_raised):
+    # no call answered, and some raised or the path's contract reads a None as "take the stock path"
+    if (found.calls and found.answered == 0 and (found.refused or path in DECLINES)
+            and (error is None or every_rank_raised)):
         how = (f"refused: {found.refusal}" if found.refused and not found.none
                else DECLINES.get(path, "returned None") if not found.refused
                else f"refused or declined ({found.refused} raised, {found.none} returned None)")
@@ -474,7 +475,7 @@ def _capture() -> _State:
 
 @contextlib.contextmanager
 def _entered(state: _State) -> Iterator[None]:
-    saved = (dict(_GIVEN), dict(_ACTIVE), dict(_GUARDING))
+    saved = [(target, dict(target)) for target in (_GIVEN, _ACTIVE, _GUARDING)]
     try:
         for path, spec, subject in state.given:
             use(path, spec, subject)
@@ -482,7 +483,7 @@ def _entered(state: _State) -> Iterator[None]:
         _GUARDING.update(state.guarding)
         yield
     finally:
-        for target, kept in zip((_GIVEN, _ACTIVE, _GUARDING), saved, strict=True):
+        for target, kept in saved:
             target.clear()
             target.update(kept)
 
