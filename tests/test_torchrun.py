@@ -56,16 +56,17 @@ def test_gpu_tier_decode_under_torchrun(tiny_vae, tmp_path):
                                               f"--checkpoint={tiny_vae}", f"--parity-report={report}",
                                               "-k", "decode.gpu.bitexact", "gpu/test_gpu.py"], tmp_path / "logs")
     assert code == 0, "\n".join(f"--- rank {r} ---\n{text[-3000:]}" for r, text in enumerate(ranks)) + launcher
+    data = json.loads(report.read_text())
+    items = 1 + len(data["ablations"])  # the check, then one kill item per ablation claiming it
     for rank, text in enumerate(ranks):
-        assert re.search(r"\b3 passed\b", text), f"rank {rank} did not pass every item:\n{text[-3000:]}"
+        assert re.search(rf"\b{items} passed\b", text), f"rank {rank} did not pass every item:\n{text[-3000:]}"
     tables = [rank for rank, text in enumerate(ranks) if "fastpath-parity report" in text]
     assert tables == [0], f"the table must be printed by rank 0 only, printed by {tables}"
     assert f"ranks: torchrun group of {nproc} (this is rank 0)" in ranks[0]
-    data = json.loads(report.read_text())
     (check,) = data["checks"]
     assert check["id"] == "decode.gpu.bitexact[video_vae-fp32]" and check["passed"]
     assert f"over {nproc} ranks" in json.dumps(check), "the decode did not run over every launched rank"
-    assert data["summary"]["killed"] == data["summary"]["ablations"] == 2
+    assert data["summary"]["killed"] == data["summary"]["ablations"] >= 2
 
 
 @pytest.mark.launch
