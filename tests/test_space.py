@@ -84,3 +84,13 @@ def test_a_misspelt_space_mode_is_an_error_naming_the_variable(monkeypatch):
         space.covering({"a": ("x", "y")}, seed=0)
     monkeypatch.setenv(space.FULL_SPACE_ENV, "")
     assert space.space_mode() == "pairwise"
+
+
+def test_each_path_names_the_axis_its_implementations_are_given_per():
+    """``--impl PATH.SUBJECT`` reads the subject off this axis: replay's family, ar's model, decode's VAE; attention
+    has none (one kernel judges every check)."""
+    from harness.judging import space as space_mod
+
+    subjects = {path: getattr(space_mod.subject_axis(path), "name", None) for path in space_mod.AXES}
+    assert subjects == {"replay": "family", "ar": "model", "decode": "vae", "attention": None}
+    assert all(sum(a.subject for a in axes.values()) <= 1 for axes in space_mod.AXES.values())
