@@ -315,13 +315,15 @@ def test_low_precision_kv_is_judged_over_the_shared_context_against_its_own_cont
         assert verdict.headline == "max_abs" and verdict.margin == pytest.approx(shift / 0.4)
 
 
-def test_low_precision_kv_control_above_its_ceiling_or_not_finite_fails() -> None:
+def test_low_precision_kv_control_above_its_ceiling_not_finite_or_zero_fails() -> None:
     fast, ref = _kv_pair(0.0)
     control = _control(torch.tensor([0.01, 0.01], dtype=torch.float64))
     high = judge_low_precision(fast, ref, control, _kv_floor(0.5, magnitude=0.5), k=8.0, floor=1e-3, flip_margin=1.0)
     assert not high.passed and any("loses more than rounding" in fact for fact in high.violated_facts)
     with pytest.raises(ValueError, match="KV dtype control measured nan"):
         judge_low_precision(fast, ref, control, _kv_floor(math.nan), k=8.0, floor=1e-3, flip_margin=1.0)
+    with pytest.raises(ValueError, match="KV dtype control measured 0.0"):  # no magnitude, no rounding: no floor
+        judge_low_precision(fast, ref, control, _kv_floor(0.0, magnitude=0.0), k=8.0, floor=1e-3, flip_margin=1.0)
     extra = Rollout(fast.tokens, fast.logp, fast.logits, fast.lengths, fast.real_pos,
                     (torch.cat([fast.kv[0], fast.kv[0][..., :1, :]], dim=-2), fast.kv[1]))
     wrote_on = judge_low_precision(extra, ref, control, _kv_floor(0.05), k=8.0, floor=1e-3, flip_margin=1.0)
@@ -349,3 +351,33 @@ def test_kv_dtype_floor_is_stock_b1_kv_in_bf16_against_the_same_weights_in_fp32(
     assert floor.measured > 0 and floor.dtype == torch.bfloat16 and floor.control == "dtype"
     assert not floor.above_ceiling and floor.ceiling_ulps == pytest.approx(8.0 * math.sqrt(1000))
     assert next(backend.model.parameters()).dtype == torch.bfloat16  # put back
+
+
+def _bitwise_row_and_drifted_row() -> tuple[Rollout, Rollout, float]:
+    """Two rows, vocab 2, same tokens: row 0 bitwise equal, row 1's last logits drifted (a KL well under a nat)."""
+    ref_logits = torch.tensor([[[1.0, 0.0], [0.0, 1.0]], [[1.0, 0.0], [0.0, 1.0]]], dtype=torch.float64)
+    tokens = torch.tensor([[0, 1], [0, 1]])
+    drift = torch.tensor([[[0.0, 0.0], [0.0, 0.0]], [[0.0, 0.0], [0.1, 0.0]]], dtype=torch.float64)
+    kl = float(_kl64(ref_logits[1, 1], ref_logits[1, 1] + drift[1, 1]))
+    assert 0.0 < kl < 1.0
+    return _rollout(tokens, ref_logits), _rollout(tokens, ref_logits + drift), kl
+
+
+def test_a_row_with_no_bound_fails_on_any_kl_however_small() -> None:
+    """A zero dtype control and a zero floor leave a row no room: row 1's KL of well under one nat leads the
+    verdict (an infinite ratio to its bound) and fails it, while row 0, bitwise equal, would pass alone."""
+    reference, fast, kl = _bitwise_row_and_drifted_row()
+    verdict = judge_bf16(fast, reference, _control(torch.zeros(2, dtype=torch.float64)), k=8.0, floor=0.0,
+                         flip_margin=1.0, dtype=torch.bfloat16)
+    assert verdict.metrics["kl_per_row"] == [0.0, pytest.approx(kl, rel=1e-5)]
+    assert not verdict.passed and verdict.metrics["worst_row"] == 1 and "row 1" in verdict.message
+
+
+def test_a_bitwise_row_with_no_bound_does_not_lead_a_row_using_half_its_room() -> None:
+    """Row 0 has no room (zero control, zero floor) and uses none; row 1 sits at half its own bound: row 1 is the
+    row nearest its bound, so it leads the verdict with a margin of one half, and the verdict passes."""
+    reference, fast, kl = _bitwise_row_and_drifted_row()
+    control = _control(torch.tensor([0.0, kl], dtype=torch.float64))  # row 1's bound: 2 x its control = 2 x kl
+    verdict = judge_bf16(fast, reference, control, k=2.0, floor=0.0, flip_margin=1.0, dtype=torch.bfloat16)
+    assert verdict.passed and verdict.metrics["worst_row"] == 1
+    assert verdict.margin == pytest.approx(0.5, rel=1e-5)

@@ -57,6 +57,18 @@ def _floor(**stand_in: object) -> ar_policies.StockPrefillFloor:
     return ar_policies.stock_prefill_floor(_stand_in(**stand_in))
 
 
+def _recording(stand_in: SimpleNamespace) -> list[torch.Tensor]:
+    """The token ids of every stock prefill ``stand_in`` runs from now on, in order."""
+    seen, prefill = [], stand_in.stock_prefill
+
+    def recorded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(ids.clone())
+        return prefill(ids)
+
+    stand_in.stock_prefill = recorded
+    return seen
+
+
 def _rollout(magnitude: float) -> Rollout:
     """Two rows, 3 steps, real_pos [3, 2]; log-probs near -magnitude, KV near magnitude (slot 0 included)."""
     tokens = torch.tensor([[5, 6, 7], [5, 6, 7]])
@@ -206,15 +218,10 @@ def test_a_floor_of_exactly_zero_is_refused_and_the_smallest_positive_one_is_not
 def test_a_floor_built_without_a_shape_states_the_batch_the_default_measurement_prefills() -> None:
     """``rows`` x ``length`` is the batch a floor was prefilled at: a floor built from the same measurements
     without them states (and describes) the batch ``stock_prefill_floor`` prefills when it is given no shape."""
-    stand_in, shapes = _stand_in(), []
-    prefill = stand_in.stock_prefill
-
-    def recorded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shapes.append(tuple(ids.shape))
-        return prefill(ids)
-
-    stand_in.stock_prefill = recorded
+    stand_in = _stand_in()
+    seen = _recording(stand_in)
     measured = ar_policies.stock_prefill_floor(stand_in)
+    shapes = [tuple(ids.shape) for ids in seen]
     given = ar_policies.StockPrefillFloor(logp=measured.logp, kv=measured.kv, backend=measured.backend,
                                           logp_scale=measured.logp_scale, kv_scale=measured.kv_scale)
     assert shapes[0] == (given.rows, given.length)  # the batched prefill, ahead of each row alone
@@ -240,3 +247,24 @@ def test_a_prefill_floor_of_an_empty_batch_is_refused_before_the_model_runs(rows
 def test_a_prefill_floor_of_one_token_in_one_row_is_measured():
     floor = ar_policies.stock_prefill_floor(ar_models.backend("fake"), rows=1, length=1)
     assert floor.rows == 1 and floor.length == 1 and math.isfinite(floor.logp)
+
+
+def test_the_floor_is_measured_where_the_model_lives() -> None:
+    """The stock floor runs on the model's own device: its parameters' device, the CPU for none."""
+    on_meta = SimpleNamespace(model=torch.nn.Linear(2, 2, device="meta"))
+    assert ar_policies.model_device(on_meta) == torch.device("meta")
+    for model in (None, torch.nn.ReLU()):
+        assert ar_policies.model_device(SimpleNamespace(model=model)) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("pad_id", [0, 2])
+def test_the_prefill_floor_prompts_hold_no_pad_token(pad_id: int) -> None:
+    """The floor's batch is unpadded: no prompt token is the pad id, wherever the pad sits in the vocabulary."""
+    stand_in = _stand_in()
+    stand_in.pad_id, stand_in.vocab_size = pad_id, 3
+    seen = _recording(stand_in)
+    ar_policies.stock_prefill_floor(stand_in)
+    batch = seen[0]
+    assert batch.shape == (4, 6) and bool(((batch >= 0) & (batch < 3)).all())
+    assert not bool((batch == pad_id).any()) and len(batch.unique()) == 2  # every other token is drawn
+    assert torch.equal(torch.cat(seen[1:]), batch)  # each row alone is the batched row
