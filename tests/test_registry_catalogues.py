@@ -3,6 +3,7 @@ backend's tiny models, an attention kernel) is what the generated catalogues enu
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import pytest
@@ -58,10 +59,15 @@ def _registered_kernel(query, key, value, layout, *, scale=None):
 
 
 def test_a_registered_attention_kernel_is_judged_by_the_catalogue():
+    # an installed kernel that judges rather than gets judged (its own reference) stays out, and a shipped
+    # kernel (registered too) is listed once, in the shipped order
+    own_reference = dataclasses.replace(kernels.KernelSpec.from_callable("installed_reference_test",
+                                                                         _registered_kernel), under_test=False)
     plugins.ATTENTION_KERNELS.register("installed_kernel_test", _registered_kernel, origin="tests")
+    plugins.ATTENTION_KERNELS.register("installed_reference_test", own_reference, origin="tests")
     try:
-        assert "installed_kernel_test" in kernels.kernels_under_test()[3:]
-        assert kernels.kernels_under_test()[:3] == ("decomposed", "flex", "block_padded")
+        assert kernels.kernels_under_test() == ("decomposed", "flex", "block_padded", "installed_kernel_test")
     finally:
         plugins.ATTENTION_KERNELS.unregister("installed_kernel_test")
-    assert "installed_kernel_test" not in kernels.kernels_under_test()
+        plugins.ATTENTION_KERNELS.unregister("installed_reference_test")
+    assert kernels.kernels_under_test() == ("decomposed", "flex", "block_padded")

@@ -7,12 +7,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
 
 from fixtures.replay_models import tiny_model
 from harness.judging.compare import exact
+from harness.judging.floors import module_reduction_terms, reduction_ceiling_ulps
 from harness.plugins.entry_points import CheckpointKind
 from harness.replay import cfg, denoiser, pipeline_oracle
 from harness.replay.conditions import Conditions, broadcast_rows
@@ -476,3 +478,20 @@ def test_a_combine_that_is_not_the_pipeline_s_is_named_with_its_formula_never_as
         verdict.describe()
     assert "batch composition" not in verdict.message and "CFG order" not in verdict.message
     assert verdict.metrics["samples_differing"] == "sample 0, sample 1"
+
+
+def test_the_stated_ceilings_count_the_transformers_reduction_and_the_combines_channels_on_top():
+    """The branch outputs' ceiling is a reduction over every Linear fan-in plus the tokens attended over (the
+    caption's and the latent grid's); the velocity's adds one term per latent channel the combine reads."""
+    adapter = SANA.adapter(tiny_model("sana"))
+    prompts = adapter.example_prompts(BATCH, 2, torch.Generator().manual_seed(4))
+    latents = torch.randn((BATCH, *adapter.latent_shape), generator=torch.Generator().manual_seed(5))
+    record = pipeline_oracle.run_pipeline(SANA, adapter, prompts, latents, GUIDANCE, steps=1)
+    verdict = pipeline_oracle.judge_family(SANA, adapter, record)
+    height, width = adapter.latent_size
+    channels, _, _ = adapter.latent_shape
+    assert channels not in (height, width)  # so a ceiling counted over another latent axis shows
+    branch = module_reduction_terms(adapter.module, sequence=prompts["prompt_embeds"].shape[1] + height * width)
+    stated = {int(k) for k in re.findall(r"\(K = (\d+): the transformer's Linear/Conv fan-ins", verdict.describe())}
+    assert {branch, branch + channels} <= stated, verdict.describe()
+    assert verdict.metrics["step 0_branch_floor_ceiling"] == reduction_ceiling_ulps(branch) * torch.finfo().eps
