@@ -294,3 +294,13 @@ def test_a_recorded_layout_needs_one_row_of_spans_per_query_row_and_each_span_in
             capture_io.check_layout_values("bad", positions, torch.tensor([[span]]), keys=4)
     with pytest.raises(ValueError, match=r"is no span of its 4 keys"):
         capture_io.check_layout_values("past", positions, torch.tensor([[[1, 5]]]), keys=4)
+
+
+def test_a_capture_file_whose_recorded_spans_are_not_b_n_2_is_refused_from_its_headers(tmp_path):
+    """Spans written as (B, N, 3) hold valid [a, b) pairs in their first two columns: only the shape is wrong."""
+    q, k, v, mask = (t.numpy() for t in _tensors(q_len=3, kv_len=5))
+    path = tmp_path / "call0_rank0.npz"
+    np.savez(path, query=q, key=k, value=v, mask=mask, positions=np.array([[2, 3, 4]]),
+             spans=np.array([[[0, 2, 0]]]))
+    with pytest.raises(ValueError, match=r"spans must be \(B, N, 2\) with B = 1 .*got \(1, 1, 3\)"):
+        capture_io.validate_file(path)

@@ -402,6 +402,9 @@ def test_the_tokens_attended_over_count_the_longest_ragged_caption():
     aligned = pipeline_oracle.align(step, prompts, "cap_feats", pipeline_oracle.adapter_order(FUSED_COND_FIRST, 2))
     adapter = SimpleNamespace(latent_size=(2, 2))
     assert pipeline_oracle._tokens(aligned, "cap_feats", adapter) == 5 + 2 * 2
+    # rows with no [tokens, channels] item (a pooled vector per row) attend over no caption tokens
+    pooled = dataclasses.replace(aligned, rows={"cap_feats": [torch.zeros(7), torch.zeros(7)]})
+    assert pipeline_oracle._tokens(pooled, "cap_feats", adapter) == 2 * 2
 
 
 def test_the_relative_error_of_ragged_rows_is_taken_row_by_row():
