@@ -42,8 +42,11 @@ def _named(component: str, order: tuple[str, ...] | None, got: Sequence[int], wa
     text = NAMED.get((component, order)) if order is not None else None
     if text is not None:
         return text.format(b0=labels[0], b1=labels[-1])
-    return (f"the {NOUNS[component]} run {', '.join(labels[v] for v in got[:SHOWN])}, ... where the stack holds "
-            f"{', '.join(labels[v] for v in want[:SHOWN])}, ...")
+    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), 0)
+    window = slice(first, first + SHOWN)  # from the first row that differs: rows that agree say nothing
+    where = f"from row {first}, " if first else ""
+    return (f"the {NOUNS[component]} run, {where}{', '.join(labels[v] for v in got[window])}, ... where the stack "
+            f"holds {', '.join(labels[v] for v in want[window])}, ...")
 
 
 def _signature(tensors: Mapping[str, torch.Tensor], row: int) -> str:

@@ -65,8 +65,8 @@ def test_steps_repeated_in_place_per_sample_are_named():
 def test_any_other_nesting_is_described_by_its_order():
     found = row_layout(_serial(), _batched(("sample", "step", "branch")), TARGET, BRANCHES, B)
     assert found is not None
-    assert "the CFG branches run cond, uncond, cond, uncond, cond, uncond, cond, uncond, ... where the stack holds " \
-           "cond, cond, cond, cond, cond, cond, uncond, uncond, ..." in found
+    assert "the CFG branches run, from row 1, uncond, cond, uncond, cond, uncond, cond, uncond, cond, ... where the " \
+           "stack holds cond, cond, cond, cond, cond, uncond, uncond, uncond, ..." in found
 
 
 @pytest.mark.parametrize("change", ["a field no stock row has", "another argument set", "another step count"])
@@ -99,3 +99,4 @@ def test_a_failing_batched_replay_is_headed_by_the_row_layout_that_names_its_bug
     assert not failed.passed and "row_layout" in failed.metrics
     assert failed.message.startswith(failed.metrics["row_layout"]), failed.message
     assert failed.message.startswith("the batched forward's rows are stock rows in the wrong places")
+    assert "uncond" in failed.metrics["row_layout"]  # the window opens where the branches first differ
