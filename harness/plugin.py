@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from harness import given_inputs, invocation, options, placement, session, summary, validation
+from harness import given_inputs, invocation, options, placement, session, summary, validation, workers
 from harness.inputs import checkpoints
 from harness.judging import catalogue, checks
 from harness.judging.items import keep_parity_item
@@ -36,6 +36,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     invocation.rerun_with_project_config(config)  # first: a run configured from elsewhere starts again as typed
+    workers.refuse_unsplittable(config)
     for name, text in options.MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     conformance_run.apply_impls(config)
@@ -50,6 +51,7 @@ def pytest_configure(config: pytest.Config) -> None:
     progress_lines.plan_loads([(str(c.path), str(dtype)) for c in detected if c.source in validation.LOADABLE
                                for dtype in options.parse_dtypes(config.getoption("dtype"))])
     placement.configure_placement(config)
+    workers.wait_passively(config)
 
 
 def _past_capture(config: pytest.Config) -> Any:
@@ -144,6 +146,18 @@ def bench_log(parity_session: session.ParitySession) -> bench.BenchLog:
 @pytest.fixture(scope="session")
 def gpu_dtypes(request: pytest.FixtureRequest) -> list[torch.dtype]:
     return options.parse_dtypes(request.config.getoption("dtype"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist: a check and its kill items go to one worker (harness.workers)."""
+    return workers.make_scheduler(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """pytest-xdist: a worker ended; its records join the run's (harness.workers)."""
+    workers.merge(node.config, node)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -5,6 +5,7 @@ an item ended without one) and builds the report from it. Under torchrun every r
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -154,8 +155,8 @@ class ParitySession:
             return order.get(key.split("[", 1)[0], len(order)), key
 
         rows: dict[str, Verdict | Unfinished] = {**self.unfinished, **self.verdicts}
-        kills: list[KillResult | Unfinished] = [*self.kills, *(self.pairs_unfinished[p] for p in
-                                                               sorted(self.pairs_unfinished))]
+        kills: list[KillResult | Unfinished] = [*sorted(self.kills, key=_pair_order()),
+                                                *(self.pairs_unfinished[p] for p in sorted(self.pairs_unfinished))]
         remote = ({"trusted": True, "ran": checkpoints.remote_code_ran()}
                   if self.config.getoption("trust_remote_code") else None)
         data = report.build([rows[k] for k in sorted(rows, key=rank)], kills, implementations=conformance.specs(),
@@ -177,6 +178,19 @@ class ParitySession:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+def _pair_order() -> Callable[[KillResult], tuple[int, int]]:
+    """Where a kill pair stands in the kill matrix: its ablation's place in the registry, then its check's place in
+    that ablation's claims, the order a serial run makes them in; a run split over workers reports the same order."""
+    known = {a.name: (index, a.kills) for index, a in enumerate(ablation_mod.all_ablations())}
+
+    def rank(result: KillResult) -> tuple[int, int]:
+        index, claims = known.get(result.ablation, (len(known), ()))
+        check = result.check.split("[", 1)[0]
+        return index, list(claims).index(check) if check in claims else len(claims)
+
+    return rank
 
 
 class CheckFailedEarlier(RuntimeError):

@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 
+from harness import workers
 from harness.given_inputs import IDLE_KEY, idle_inputs
 from harness.placement import reporting_rank, summarise_placement
+from harness.plugins import conformance
 from harness.plugins.conformance_run import (
     GUARDED_KEY,
     NOT_JUDGED_KEY,
@@ -29,7 +31,11 @@ def finish(session: pytest.Session) -> None:
     parity = session.config.stash.get(SESSION_KEY, None)
     if parity is None:
         return
-    problems = never_ran(session.config, {v.path for v in parity.verdicts.values()})
+    if workers.is_worker(session.config):  # the controller judges the whole run (harness.workers)
+        workers.ship(session.config, conformance.call_counts())
+        return
+    problems = never_ran(session.config, {v.path for v in parity.verdicts.values()},
+                         workers.merged_calls(session.config))
     if problems:
         parity.conformance_problems = problems
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -38,12 +44,15 @@ def finish(session: pytest.Session) -> None:
     idle = session.config.stash[IDLE_KEY] = idle_inputs(session.config)
     if idle and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
+    # an interrupted run writes its report even when it holds nothing (a split run's controller holds only what
+    # finished workers handed it): a report left from an earlier run must never stand for this one
     if reporting_rank() and (parity.verdicts or parity.kills or parity.unfinished or parity.pairs_unfinished or idle
-                             or parity.benchmarks):
+                             or parity.benchmarks or interrupted):
         parity.report_data = parity.report()
         if idle:
             parity.report_data["nothing_ran"] = idle
-        if session.exitstatus == pytest.ExitCode.INTERRUPTED:
+        if interrupted:
             parity.report_data["interrupted"] = interrupted_line()
         why = not_green_line(int(session.exitstatus), parity.report_data, parity.other_failures,
                              parity.conformance_problems)

@@ -30,7 +30,7 @@ LAYERS = (  # bottom up: a module may import its own layer and those before it
     ("reports", ("harness.reports",)),
     ("paths", ("harness.replay", "harness.ar", "harness.decode", "harness.attention")),
     ("plugin", ("harness.plugin", "harness.options", "harness.validation", "harness.placement", "harness.session",
-                "harness.given_inputs", "harness.summary", "harness.invocation")),
+                "harness.given_inputs", "harness.summary", "harness.invocation", "harness.workers")),
 )
 TOP_LEVEL_MODULES = 16  # at most this many modules at the top of harness/; the rest live in packages by concern
 

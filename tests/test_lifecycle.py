@@ -160,3 +160,31 @@ def test_ctrl_c_stops_the_parity_gate_within_seconds_and_the_report_says_it_was_
     assert data["checks"], "some decode checks finished before the interrupt"
     errors = [c for c in data["checks"] if c["status"] == "failed"]
     assert not errors, f"an interrupt became a check's verdict: {errors}"
+
+
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM"])
+def test_a_split_run_stopped_mid_decode_leaves_no_process_and_a_report_that_says_so(how, tmp_path):
+    """The decode checks and kill pairs split over two xdist workers, stopped once items passed and ranks run: every
+    process of the session (controller, workers, their ranks) is gone within the bound, and the report is written
+    and marked interrupted (a report of an earlier run never stands for this one)."""
+    pytest.importorskip("xdist")
+    report = tmp_path / "parity.json"
+    report.write_text('{"checks": [], "left": "by an earlier run"}')
+    out = tmp_path / "out.txt"
+    run = _start([sys.executable, "-m", "pytest", "-m", "cpu", "-k", "decode", "-n", "2", "-v", "-p",
+                  "no:cacheprovider", f"--parity-report={report}", "parity/", "mutation/"], tmp_path / "notes", out)
+
+    def mid_decode() -> bool:
+        return out.read_text().count("PASSED") >= 3 and len(session_processes(run.pid)) > 3
+
+    _wait_for(mid_decode, run, out, "three passed decode items with ranks running")
+    _signal(run, how)
+    exited, empty, left = _after_stop(run)
+    text = out.read_text()
+    assert not left and empty <= GONE_WITHIN_S, f"{how}: {left} still running {GONE_WITHIN_S:g} s later:\n{text}"
+    assert run.returncode == pytest.ExitCode.INTERRUPTED, f"{how}: exit {run.returncode}\n{text[-3000:]}"
+    data = json.loads(report.read_text())
+    said = "Ctrl-C" if how == "Ctrl-C" else how
+    assert data["interrupted"].startswith(f"INTERRUPTED by {said}: the run stopped before every item ran"), data
+    assert "left" not in data
+    print(f"\n{how} on a split run: the run exited after {exited:.1f} s, its session was empty after {empty:.1f} s")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from harness.judging import ablation, checks
 
-__all__ = ["ABLATION_MODULES", "CHECK_MODULES", "load", "loaded"]
+__all__ = ["ABLATION_MODULES", "CHECK_MODULES", "load", "loaded", "loads"]
 
 CHECK_MODULES: tuple[str, ...] = (
     "parity.replay_checks",
@@ -42,6 +42,13 @@ ABLATION_MODULES: tuple[str, ...] = (
 )
 
 _LOADED: set[tuple[str, ...]] = set()
+_LOADS: list[tuple[tuple[str, ...], tuple[str, ...]]] = []  # (check modules, ablation modules), in load order
+
+
+def loads() -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Every load this process made, in order: another process that repeats them has the same registries (a run
+    split over workers builds its report where no test module ran)."""
+    return list(_LOADS)
 
 
 def loaded() -> bool:
@@ -68,3 +75,5 @@ def load(check_modules: Sequence[str] = CHECK_MODULES, ablation_modules: Sequenc
             sys.modules.pop(name, None)
         raise
     _LOADED.add(key)
+    if (tuple(check_modules), tuple(ablation_modules)) not in _LOADS:
+        _LOADS.append((tuple(check_modules), tuple(ablation_modules)))

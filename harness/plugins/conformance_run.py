@@ -6,6 +6,7 @@ what runs inside the checks (the implementations under test, the call counts, th
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -56,11 +57,14 @@ class ImplementationWatch:
                                impl_calls=calls)
 
 
-def never_ran(config: pytest.Config, judged_paths: set[str]) -> list[str]:
-    """Paths under test whose checks ran while the user's implementation was never called in this process."""
+def never_ran(config: pytest.Config, judged_paths: set[str], elsewhere: Mapping[str, int] | None = None) -> list[str]:
+    """Paths under test whose checks ran while the user's implementation was never called, in this process nor
+    (``elsewhere``: calls per path) in the workers that ran the checks of a split run."""
+    elsewhere = elsewhere or {}
     return [f"--impl {key}={spec}: no {split_key(key)[0]} check called the implementation under test"
             for key, spec in (config.stash.get(IMPLS_KEY, None) or {}).items()
-            if split_key(key)[0] in judged_paths and conformance.calls(split_key(key)[0]) == 0]
+            if split_key(key)[0] in judged_paths
+            and conformance.calls(split_key(key)[0]) + elsewhere.get(split_key(key)[0], 0) == 0]
 
 
 def split_key(key: str) -> tuple[str, str | None]:
