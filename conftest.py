@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
+from fixtures.bench_timing import bench_rounds
 from harness.inputs import host
 
 pytest_plugins = ["harness.plugin", "pytester"]
@@ -14,9 +15,10 @@ pytest_plugins = ["harness.plugin", "pytester"]
 def pytest_configure(config: pytest.Config) -> None:
     """A fixed intra-op thread count: measured noise floors depend on the GEMM reduction split, so the same
     command gives the same report on any machine (world ranks run one thread each). Set before collection builds
-    any model; a malformed PARITY_THREADS is a usage error naming it."""
+    any model; a malformed PARITY_THREADS (or PARITY_BENCH_ROUNDS) is a usage error naming it."""
     try:
         torch.set_num_threads(host.threads_from_environment())
+        bench_rounds(1)
     except ValueError as err:
         raise pytest.UsageError(str(err)) from None
 

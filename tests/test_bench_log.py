@@ -89,3 +89,18 @@ def test_a_bench_run_prints_and_reports_only_what_k_selected(pytester: pytest.Py
     result.stdout.no_fnmatch_line("checks: 0/0*")  # a bench-only run judged nothing: no empty parity table
     data = json.loads((pytester.path / "out/parity.json").read_text())
     assert [row["case"] for row in data["benchmarks"]["demo"]["rows"]] == [{"model": "alpha"}]
+
+
+def test_bench_rounds_are_a_tables_own_unless_capped_and_a_malformed_cap_names_its_variable(monkeypatch):
+    from fixtures.bench_timing import ROUNDS_ENV, bench_rounds
+
+    monkeypatch.delenv(ROUNDS_ENV, raising=False)
+    assert bench_rounds(15) == 15
+    monkeypatch.setenv(ROUNDS_ENV, "1")
+    assert (bench_rounds(15), bench_rounds(3)) == (1, 1)
+    monkeypatch.setenv(ROUNDS_ENV, "20")
+    assert bench_rounds(15) == 15
+    for bad in ("0", "-2", "one"):
+        monkeypatch.setenv(ROUNDS_ENV, bad)
+        with pytest.raises(ValueError, match=rf"{ROUNDS_ENV}='{bad}': expected a positive integer"):
+            bench_rounds(15)

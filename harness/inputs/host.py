@@ -62,17 +62,23 @@ DEFAULT_THREADS = 2
 def threads_from_environment() -> int:
     """The CPU tier's intra-op thread count, ``PARITY_THREADS`` (default 2): measured floors depend on the
     reduction split, so it is fixed per run. Anything but a positive integer is a ValueError naming the variable."""
-    text = os.environ.get(THREADS_ENV, "").strip()
+    return positive_int_from_environment(THREADS_ENV, DEFAULT_THREADS,
+                                         f"the CPU tier's intra-op threads; default {DEFAULT_THREADS}")
+
+
+def positive_int_from_environment(name: str, default: int, what: str) -> int:
+    """``name``'s value as a positive integer, ``default`` when unset; anything else is a ValueError naming the
+    variable, its value and ``what`` it sets."""
+    text = os.environ.get(name, "").strip()
     if not text:
-        return DEFAULT_THREADS
+        return default
     try:
-        threads = int(text)
+        value = int(text)
     except ValueError:
-        threads = 0
-    if threads < 1:
-        raise ValueError(f"{THREADS_ENV}={os.environ[THREADS_ENV]!r}: expected a positive integer (the CPU tier's "
-                         f"intra-op threads; default {DEFAULT_THREADS})")
-    return threads
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name}={os.environ[name]!r}: expected a positive integer ({what})")
+    return value
 
 
 def fingerprint() -> dict[str, Any]:

@@ -31,7 +31,7 @@ import torch
 
 from fixtures import ar_models
 from fixtures.ar_cases import ARCase
-from fixtures.bench_timing import best_of, interleaved
+from fixtures.bench_timing import bench_rounds, best_of, interleaved
 from harness.ar import left_padded, loop
 
 pytestmark = pytest.mark.bench
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.bench
 BATCHES = (4, 8)
 LENGTHS = (24, 31, 17, 28, 22, 30, 19, 26)  # unequal real_pos, cycled to the batch
 DECODE_STEPS = 15
-ROUNDS = 10
+ROUNDS = bench_rounds(10)
 TITLE = (f"ar: the batched rollout (B right- or left-padded rows) vs B stock B=1 runs, {DECODE_STEPS + 1} new "
          f"tokens per row, fp32 CPU, best of {ROUNDS} interleaved rounds; raw = the model's own forwards of the fast "
          "path replayed back to back (raw stock: of the B=1 runs); ideal 1/B")

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from fixtures import attention_captures as seeds
-from fixtures.bench_timing import best_of, interleaved
+from fixtures.bench_timing import bench_rounds, best_of, interleaved
 from harness.attention import kernels, primitives
 from harness.attention.layout import PHASES
 
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.bench
 
 KERNEL_NAMES = kernels.kernels_under_test()
 DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
-ROUNDS = 3
+ROUNDS = bench_rounds(3)
 TITLE = (f"attention kernels at the seed shapes (fp32), best of {ROUNDS} interleaved rounds: fast = the kernel as "
          "the harness calls it, stock = masked SDPA building its dense mask, raw = the kernel's own launches on "
          "the operands the harness built, raw stock = SDPA's launch under the prebuilt mask")

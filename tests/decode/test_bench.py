@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from fixtures import decode_models, decode_tasks
+from fixtures.bench_timing import bench_rounds
 from fixtures.decode_bench import DecodeBenchJob, decode_bench_task
 from harness.decode import plan as plan_mod
 
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.bench,
 LATENTS = decode_models.LatentSpec(37, height=16, width=16)  # 7 clips of 32 x 32 pixel frames, 3 x 3 tiles each
 WORLDS = (2, 4, 8)
 SPLITS = ("clips", "tiles")
-ROUNDS = 3
+ROUNDS = bench_rounds(3)
 TITLE = (f"decode: the busiest rank's sharded call (fast) vs the stock decode of the whole video, "
          f"{LATENTS.frames} latent frames, fp32 CPU, one thread per rank, best of {ROUNDS}; raw = the VAE's own "
          "decode of the busiest rank's pieces, no exchange; ideal 1/W; ranks decode in turns, the busiest alone")

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from fixtures.bench_timing import best_of, interleaved
+from fixtures.bench_timing import bench_rounds, best_of, interleaved
 from fixtures.replay_cases import bench_problem
 from fixtures.replay_families import family_names
 from harness.replay.judge import run_batched, run_serial
@@ -29,7 +29,7 @@ from harness.replay.problem import ReplayProblem
 pytestmark = pytest.mark.bench
 
 STEPS = (2, 4, 8)
-ROUNDS = 15
+ROUNDS = bench_rounds(15)
 TITLE = (f"replay per family (B=3, CFG x2, fp32, CPU): serial (stock) vs batched-step (fast), beside the raw "
          f"model's own batching (its recorded forwards: raw stock looped, raw batched), best of {ROUNDS} "
          "interleaved rounds; ideal 1/S; act. mem = batched/serial activation bytes of one forward")
