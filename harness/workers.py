@@ -97,8 +97,11 @@ def merge(config: pytest.Config, node: Any) -> None:
     parity.kills.extend(state.kills)
     parity.pairs_unfinished.update(state.pairs_unfinished)
     parity.other_failures.extend(state.other_failures)
-    for table, entry in state.benchmarks.tables.items():
-        parity.benchmarks.tables.setdefault(table, entry)
+    for table, entry in state.benchmarks.tables.items():  # one table's items may have run on both workers
+        held = parity.benchmarks.tables.setdefault(table, entry)
+        if held is not entry:
+            for key, row in entry.rows.items():
+                held.rows.setdefault(key, row)
     for key, value in zip(STASHED, state.stashed, strict=True):
         if value is not None:
             config.stash.setdefault(key, value)

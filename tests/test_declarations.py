@@ -53,6 +53,13 @@ def test_an_unknown_axis_or_a_value_a_closed_axis_does_not_admit_is_refused():
 # ------------------------------------------------------------------------------------------- declarations
 
 
+def test_an_axis_field_names_no_subject_unless_it_says_so():
+    from harness.plugins.declarations import _axis_field
+
+    assert _axis_field("dtype").metadata == {"axis": "dtype", "subject": False}
+    assert _axis_field("family", subject=True).metadata == {"axis": "family", "subject": True}
+
+
 def test_a_declaration_names_the_values_of_its_axes_and_refuses_unknown_ones_listing_the_known():
     declared = ReplayDeclaration(families="sd3", cfg_layouts=("uncond_first",), guidance="scale",
                                  means_dtype="trajectory")

@@ -11,6 +11,7 @@ from harness.inputs.ledger import NOT_REACHED, RAN, SKIPPED, InputLedger, ItemEn
 from harness.judging.ablation import KillResult
 from harness.judging.compare import Verdict
 from harness.plugins.conformance_run import IMPLS_KEY, never_ran
+from harness.reports.bench import BenchLog
 from harness.reports.report import Unfinished
 from harness.session import SESSION_KEY
 from tests.test_plugin import GENERATED_TESTS as PLUGIN_TESTS
@@ -148,10 +149,15 @@ def test_the_controller_merges_how_far_each_worker_got_and_what_it_counted(pytes
     ledger = config.stash[given_inputs.INPUTS_KEY] = InputLedger((label,))
     verdict = Verdict("demo.a.exact", True, {}, "exact", 0.0)
     kill = KillResult("demo.k", "demo.a.exact", True, None, "tolerance")
-    first = _state(config, verdicts={"demo.a.exact": verdict}, kills=[kill], calls={"demo": 2},
+    tables = []
+    for steps in (2, 4):  # one bench table, a row measured on each worker
+        log = BenchLog()
+        log.record("replay", "replay", {"steps": steps}, fast=1.0, stock=2.0)
+        tables.append(log)
+    first = _state(config, verdicts={"demo.a.exact": verdict}, kills=[kill], calls={"demo": 2}, benchmarks=tables[0],
                    unfinished={"demo.b.exact": Unfinished("demo.b.exact", "skipped", "why")},
                    ledger_items={"t::a": ItemEnd((label,), RAN, ""), "t::b": ItemEnd((label,), NOT_REACHED)})
-    second = _state(config, calls={"demo": 3}, other_failures=["t::c (call: AssertionError)"],
+    second = _state(config, calls={"demo": 3}, other_failures=["t::c (call: AssertionError)"], benchmarks=tables[1],
                     ledger_items={"t::a": ItemEnd((label,), NOT_REACHED), "t::b": ItemEnd((label,), SKIPPED, "no")})
     workers.merge(config, first)
     workers.merge(config, second)
@@ -162,6 +168,7 @@ def test_the_controller_merges_how_far_each_worker_got_and_what_it_counted(pytes
     assert {n: e.how for n, e in ledger.items.items()} == {"t::a": RAN, "t::b": SKIPPED}  # the furthest each got
     assert ledger.idle() == {}
     assert workers.merged_calls(config) == {"demo": 5}
+    assert [r.case for r in parity.benchmarks.tables["replay"].rows.values()] == [{"steps": 2}, {"steps": 4}]
     workers.merge(config, SimpleNamespace(config=config, workeroutput={}))  # a worker that died shipped nothing
     assert workers.merged_calls(config) == {"demo": 5}
     config._ensure_unconfigure()

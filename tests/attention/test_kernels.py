@@ -157,3 +157,22 @@ def test_the_reference_never_launches_through_the_kernels_primitives(monkeypatch
         monkeypatch.setattr(primitives, seam, broken)
     assert torch.equal(judge.reference_output(capture), expected)
     assert judge.reference_output(capture, torch.float64).dtype == torch.float64
+
+
+def test_the_decomposed_proof_holds_a_kernel_to_its_blocks_pairs_even_below_the_dense_count():
+    """Launches that compute more pairs than the row blocks own fail the proof, though still fewer than dense."""
+    from types import SimpleNamespace
+
+    layout = AttentionLayout(7, 12, 3, "prefill")
+    blocks = decomposed.split_rows(layout)
+    mask = torch.zeros(1, 1, layout.q_len, layout.kv_len, dtype=torch.bool)
+
+    def launches(extra_keys: int) -> list[SimpleNamespace]:
+        return [SimpleNamespace(rows=b.rows, keys=b.kv_stop + (extra_keys if i == 0 else 0),
+                                mask="none" if i else "causal_bias", primitive="sdpa") for i, b in enumerate(blocks)]
+
+    exact_facts = kernels._decomposed_proof(launches(0), layout, mask, None)
+    wider_facts = kernels._decomposed_proof(launches(1), layout, mask, None)
+    assert exact_facts[3][0], exact_facts[3]
+    assert wider_facts[3][2]["pairs"] < wider_facts[3][2]["dense_pairs"]
+    assert not wider_facts[3][0], wider_facts[3]

@@ -51,6 +51,7 @@ def test_the_captures_hold_both_phases_in_the_capture_format(captured):
         assert later.layout.phase == "denoise" and later.layout.special_len == 1 and later.layout.span == \
             first.layout.span
         assert later.capture.kv_len == later.spans[-1][1] and later.past_keys == 0
+        assert first.capture.mask.is_contiguous() and later.capture.mask.is_contiguous()  # cut to its own keys
     assert prefill.heads == 4 and prefill.kv_heads == 2  # the GQA repeat undone: key/value at their own heads
 
 

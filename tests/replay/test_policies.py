@@ -235,3 +235,16 @@ def test_a_failed_replay_verdict_names_the_steps_that_went_wrong_over_every_row(
     verdict = judge_result(close(1e-3, 0.0), actual, expected, [4, 5, 6], "log_probs")
     assert not verdict.passed
     assert verdict.metrics["max_abs_per_step"] == "step 4: 0.000e+00, step 5: 2.500e-01, step 6: 5.000e-01"
+
+
+def test_a_local_scale_ceiling_never_lies_below_the_floor_s_own_minimum():
+    """With few reduction terms and a coarse resolution the resolution bounds the ceiling from below: the stock floor
+    at its minimum is then exactly at its ceiling, never above it."""
+    from harness.judging.floors import CEILING_C
+
+    coarse_ulps = 10 * CEILING_C  # above the one-term reduction ceiling
+    policy = LocalScaleBound("log_probs", relative_floor=0.0, resolution=coarse_ulps * torch.finfo(torch.float32).eps,
+                             k=2.0, terms=1)
+    floor = policy.stock_floor
+    assert floor.ceiling_ulps == pytest.approx(coarse_ulps) and floor.ulps == pytest.approx(coarse_ulps)
+    assert not floor.above_ceiling, floor.describe()
