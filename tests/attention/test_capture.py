@@ -44,6 +44,14 @@ def test_seed_format_arrays_and_names(tmp_path):
         assert z["mask"].shape == (1, 1, PREFILL.q_len, PREFILL.kv_len)
 
 
+def test_a_capture_taken_from_a_forward_that_tracks_gradients_saves_its_values(tmp_path):
+    capture = small_capture(PREFILL)
+    tracked = dataclasses.replace(capture, query=capture.query.clone().requires_grad_(True))
+    path = capture_io.save_capture(tracked, tmp_path / "call0_rank0.npz")
+    with np.load(path) as z:
+        assert np.array_equal(z["query"], capture.query.float().numpy())
+
+
 def test_synthetic_capture_is_deterministic_and_bf16_valued():
     a, b = small_capture(DENOISE, seed=5), small_capture(DENOISE, seed=5)
     c = small_capture(DENOISE, seed=6)
