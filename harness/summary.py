@@ -45,10 +45,11 @@ def finish(session: pytest.Session) -> None:
     if idle and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
-    # an interrupted run writes its report even when it holds nothing (a split run's controller holds only what
-    # finished workers handed it): a report left from an earlier run must never stand for this one
+    # an interrupted run given --parity-report writes it even when it holds nothing (a split run's controller holds
+    # only what finished workers handed it): a report left from an earlier run must never stand for this one
+    stale = interrupted and bool(session.config.getoption("parity_report"))
     if reporting_rank() and (parity.verdicts or parity.kills or parity.unfinished or parity.pairs_unfinished or idle
-                             or parity.benchmarks or interrupted):
+                             or parity.benchmarks or stale):
         parity.report_data = parity.report()
         if idle:
             parity.report_data["nothing_ran"] = idle
