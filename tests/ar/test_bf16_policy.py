@@ -348,6 +348,7 @@ def test_kv_dtype_floor_is_stock_b1_kv_in_bf16_against_the_same_weights_in_fp32(
         assert high.shape[-2] == prompt.numel() + fed.numel()
         worst, magnitude = max(worst, float((low - high).abs().max())), max(magnitude, float(high.abs().max()))
     assert (floor.measured, floor.magnitude) == (pytest.approx(worst, rel=1e-12), pytest.approx(magnitude, rel=1e-12))
+    assert floor.ulps == 1.0  # its stated minimum: one ulp of the model dtype at the KV's magnitude
     assert floor.measured > 0 and floor.dtype == torch.bfloat16 and floor.control == "dtype"
     assert not floor.above_ceiling and floor.ceiling_ulps == pytest.approx(8.0 * math.sqrt(1000))
     assert next(backend.model.parameters()).dtype == torch.bfloat16  # put back

@@ -498,3 +498,11 @@ def test_the_stated_ceilings_count_the_transformers_reduction_and_the_combines_c
     stated = {int(k) for k in re.findall(r"\(K = (\d+): the transformer's Linear/Conv fan-ins", verdict.describe())}
     assert {branch, branch + channels} <= stated, verdict.describe()
     assert verdict.metrics["step 0_branch_floor_ceiling"] == reduction_ceiling_ulps(branch) * torch.finfo().eps
+
+
+def test_a_forward_output_is_copied_as_a_value_without_its_graph():
+    """What the oracle keeps of a forward is its value then: cloned (a module may reuse its buffer) and detached."""
+    output = torch.ones(2, requires_grad=True) * 3
+    kept = pipeline_oracle._copied([output, (output,)])
+    assert not kept[0].requires_grad and not kept[1][0].requires_grad and isinstance(kept[1], tuple)
+    assert kept[0].data_ptr() != output.data_ptr() and torch.equal(kept[0], output.detach())
