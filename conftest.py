@@ -15,12 +15,15 @@ pytest_plugins = ["harness.plugin", "pytester"]
 def pytest_configure(config: pytest.Config) -> None:
     """A fixed intra-op thread count: measured noise floors depend on the GEMM reduction split, so the same
     command gives the same report on any machine (world ranks run one thread each). Set before collection builds
-    any model; a malformed PARITY_THREADS (or PARITY_BENCH_ROUNDS) is a usage error naming it."""
+    any model; a malformed PARITY_THREADS (or PARITY_BENCH_ROUNDS) is a usage error naming it. Without checkpoints
+    (the CPU tier) freed tensors stay in malloc's heap for the next check instead of going back to the kernel."""
     try:
         torch.set_num_threads(host.threads_from_environment())
         bench_rounds(1)
     except ValueError as err:
         raise pytest.UsageError(str(err)) from None
+    if not config.getoption("checkpoint", default=None):
+        host.keep_freed_memory()
 
 
 # "ci" (the default) is derandomised, so the same command draws the same examples and writes the same report

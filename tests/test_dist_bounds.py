@@ -12,7 +12,7 @@ from harness.process.dist import World, WorldError, WorldTaskError, WorldTimeout
 from tests import dist_tasks
 from tests.dist_tasks import alive as _alive
 
-pytestmark = pytest.mark.launch
+pytestmark = [pytest.mark.launch, pytest.mark.wallclock]
 
 
 def test_hang_on_one_rank_times_out_and_leaves_no_process():

@@ -16,7 +16,7 @@ import pytest
 
 from harness.inputs import compat
 
-pytestmark = [pytest.mark.launch,
+pytestmark = [pytest.mark.launch, pytest.mark.wallclock,
               pytest.mark.skipif(compat.path_unavailable("decode") is not None,
                                  reason=str(compat.path_unavailable("decode")))]
 

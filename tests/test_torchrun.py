@@ -70,6 +70,7 @@ def test_gpu_tier_decode_under_torchrun(tiny_vae, tmp_path):
 
 
 @pytest.mark.launch
+@pytest.mark.wallclock
 def test_a_failure_on_one_rank_fails_every_rank(tmp_path):
     """Four ranks (no model: this launch is light): world tasks agree, and an item failing on one rank fails on all."""
     nproc = 4
@@ -185,6 +186,7 @@ FAULT_BOUND_UNDER_TEST = 15.0  # silence 5 s, grace 2.5 s: the default 30 s boun
 
 
 @pytest.mark.launch
+@pytest.mark.wallclock
 @pytest.mark.skipif(compat.path_unavailable("decode") is not None, reason=str(compat.path_unavailable("decode")))
 @pytest.mark.parametrize(("fault", "monitor_interval"), [
     ("raise_after_gather", None),
@@ -232,6 +234,7 @@ SLOW_BOUND = 6.0  # stuck after 4 s (two 1 s graces below it)
 
 
 @pytest.mark.launch
+@pytest.mark.wallclock
 @pytest.mark.skipif(compat.path_unavailable("decode") is not None, reason=str(compat.path_unavailable("decode")))
 def test_a_rank_three_times_slower_is_waited_for_under_torchrun(tmp_path):
     """Four ranks decode the tiny VAE, the first decoder call repeated for 2.5 s of real work, rank 1's for three

@@ -9,6 +9,7 @@ the same report bytes.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import platform
@@ -56,14 +57,40 @@ def _device() -> dict[str, Any]:
 
 
 THREADS_ENV = "PARITY_THREADS"
-DEFAULT_THREADS = 2
+DEFAULT_THREADS = 1
 
 
 def threads_from_environment() -> int:
-    """The CPU tier's intra-op thread count, ``PARITY_THREADS`` (default 2): measured floors depend on the
-    reduction split, so it is fixed per run. Anything but a positive integer is a ValueError naming the variable."""
+    """The CPU tier's intra-op thread count, ``PARITY_THREADS`` (default 1): measured floors depend on the
+    reduction split, so it is fixed per run. One thread by default: the tiny models' ops are too small to share, and
+    on 2 cores two threads took twice the CPU time of one in the AR checks (each op waking the other thread), while
+    a run split over workers uses the cores. Anything but a positive integer is a ValueError naming the variable."""
     return positive_int_from_environment(THREADS_ENV, DEFAULT_THREADS,
                                          f"the CPU tier's intra-op threads; default {DEFAULT_THREADS}")
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+# Allocations up to this size come from the heap, freed memory is kept there for the next one
+HEAP_ALLOCATIONS_UP_TO = 1 << 30
+
+
+def keep_freed_memory() -> bool:
+    """Has glibc's malloc serve tensors up to ``HEAP_ALLOCATIONS_UP_TO`` from its heap and keep what is freed.
+
+    The CPU tier allocates and frees the same tensors thousands of times (a mask, a latent, a rollout per check
+    and per kill item). By default each one over 128 KiB is a fresh ``mmap``, zero-filled page by page on first
+    touch and unmapped on free: measured on 2 cores, a fifth of the gate's CPU time was the kernel's. Where the
+    memory comes from changes no value. Forked ranks inherit the setting. False where the C library has no
+    ``mallopt`` (not glibc), which changes nothing but the time."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return all(mallopt(option, value) == 1 for option, value in (
+        (_M_MMAP_THRESHOLD, HEAP_ALLOCATIONS_UP_TO), (_M_TRIM_THRESHOLD, 2 * HEAP_ALLOCATIONS_UP_TO - 1),
+        (_M_TOP_PAD, 64 << 20)))
 
 
 def positive_int_from_environment(name: str, default: int, what: str) -> int:
