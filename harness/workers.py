@@ -84,7 +84,12 @@ def merge(config: pytest.Config, node: Any) -> None:
     """On the controller, when a worker goes down: add its records to the run's session."""
     parity = config.stash.get(SESSION_KEY, None)
     shipped = getattr(node, "workeroutput", {}).get(OUTPUT_KEY)
-    if parity is None or shipped is None:
+    if parity is None:
+        return
+    if shipped is None:  # a worker that died: what it judged is missing, and the report must not read green
+        name = getattr(getattr(node, "gateway", None), "id", "a worker")
+        parity.other_failures.append(f"{name} went down without handing over its records: its checks are missing "
+                                     "from this report")
         return
     state: WorkerState = pickle.loads(shipped)  # a worker of this very run wrote it
     for check_modules, ablation_modules in state.catalogue:  # the report reads the catalogue the workers ran

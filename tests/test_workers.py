@@ -169,8 +169,9 @@ def test_the_controller_merges_how_far_each_worker_got_and_what_it_counted(pytes
     assert ledger.idle() == {}
     assert workers.merged_calls(config) == {"demo": 5}
     assert [r.case for r in parity.benchmarks.tables["replay"].rows.values()] == [{"steps": 2}, {"steps": 4}]
-    workers.merge(config, SimpleNamespace(config=config, workeroutput={}))  # a worker that died shipped nothing
-    assert workers.merged_calls(config) == {"demo": 5}
+    workers.merge(config, SimpleNamespace(config=config, workeroutput={}, gateway=SimpleNamespace(id="gw1")))
+    assert workers.merged_calls(config) == {"demo": 5}  # a worker that died shipped nothing, and is named
+    assert parity.other_failures[-1].startswith("gw1 went down without handing over its records")
     config._ensure_unconfigure()
 
 
