@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness import given_inputs, invocation, options, placement, session, summary, validation, workers
-from harness.inputs import checkpoints
+from harness.inputs import checkpoints, host
 from harness.judging import catalogue, checks
 from harness.judging.items import keep_parity_item
 from harness.plugins import conformance, conformance_run
@@ -47,6 +47,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[PROGRESS_KEY] = progress_lines.saved()
     progress_lines.set_writer(_past_capture(config))
     config.stash[SIGNALS_KEY] = lifecycle.install()
+    config.pluginmanager.register(summary.InterruptTraceback(config), "fastpath-parity-interrupt")
     # the gpu tier's model loads, one per checkpoint holding a model and dtype: each says which it is, on stderr
     progress_lines.plan_loads([(str(c.path), str(dtype)) for c in detected if c.source in validation.LOADABLE
                                for dtype in options.parse_dtypes(config.getoption("dtype"))])
@@ -113,6 +114,7 @@ def pytest_deselected(items: list[pytest.Item]) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     given_inputs.watch_items(session)
+    host.freeze_what_collection_built()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

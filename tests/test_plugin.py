@@ -262,3 +262,43 @@ def test_bad_dtype_and_report_suffix_are_usage_errors(demo):
     result = demo.runpytest("-p", "harness.plugin", "--parity-report=out/report.txt")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*must end in .md, .json or .html*"])
+
+
+def _interrupted_three_calls_deep() -> pytest.ExceptionInfo[BaseException]:
+    def inner() -> None:
+        raise KeyboardInterrupt
+
+    def middle() -> None:
+        __tracebackhide__ = True
+        inner()
+
+    def outer() -> None:
+        middle()
+
+    with pytest.raises(KeyboardInterrupt) as excinfo:
+        outer()
+    return excinfo
+
+
+@pytest.mark.parametrize("full_trace", [False, True])
+def test_an_interrupt_is_formatted_from_the_frame_pytest_prints(full_trace, pytestconfig, monkeypatch):
+    """Only the frames pytest prints of an interrupt are formatted (their source parsed); ``--full-trace`` keeps all."""
+    from harness import summary
+
+    monkeypatch.setattr(pytestconfig.option, "fulltrace", full_trace)
+    excinfo = _interrupted_three_calls_deep()
+    printed = lambda: vars(excinfo._getreprcrash())  # noqa: E731 - the one line pytest prints of an interrupt
+    before, crash = len(excinfo.traceback), printed()
+    summary.InterruptTraceback(pytestconfig).pytest_keyboard_interrupt(excinfo)
+    assert printed() == crash and crash["lineno"] == excinfo.traceback[-1].lineno + 1
+    if full_trace:
+        assert len(excinfo.traceback) == before
+    else:
+        assert [entry.name for entry in excinfo.traceback] == ["inner"] and before > 1
+
+
+def test_what_collection_built_is_out_of_the_garbage_collectors_reach():
+    """This very run froze what its collection built: a full collection walks only what the checks made since."""
+    import gc
+
+    assert gc.get_freeze_count() > 10_000

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import os
 import platform
 import re
@@ -91,6 +92,15 @@ def keep_freed_memory() -> bool:
     return all(mallopt(option, value) == 1 for option, value in (
         (_M_MMAP_THRESHOLD, HEAP_ALLOCATIONS_UP_TO), (_M_TRIM_THRESHOLD, 2 * HEAP_ALLOCATIONS_UP_TO - 1),
         (_M_TOP_PAD, 64 << 20)))
+
+
+def freeze_what_collection_built() -> None:
+    """Moves every object alive after collection (modules, the catalogue, tiny models) out of the garbage
+    collector's reach for the rest of the run: they live that long anyway. Each full collection otherwise walks all
+    of them again (about 450,000 objects: 0.4 s on idle cores, over 3 s on loaded ones, and pytest runs one in its
+    cleanup after an interrupt, which made a stopped split run's workers slow to exit), and each walk writes to
+    pages that forked ranks share with their parent."""
+    gc.freeze()
 
 
 def positive_int_from_environment(name: str, default: int, what: str) -> int:
