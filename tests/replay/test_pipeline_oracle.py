@@ -351,6 +351,8 @@ def test_arguments_are_the_same_only_item_by_item():
     assert pipeline_oracle._same([1, torch.ones(2)], [1, torch.ones(2, dtype=torch.long)])  # dtype aside
     assert not pipeline_oracle._same([1, 2], [1, 3])
     assert not pipeline_oracle._same([1, 2], [1, 2, 3])
+    for tensor, other in ((torch.ones(2), 1.0), (torch.ones(2), [1.0, 1.0]), (1.0, torch.ones(1))):
+        assert pipeline_oracle._same(tensor, other) is False  # a tensor equals only a tensor, whatever it holds
     assert not pipeline_oracle._same(torch.ones(2), torch.ones(3))
 
 
