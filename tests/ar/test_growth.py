@@ -245,3 +245,6 @@ def test_the_growth_control_floor_is_its_worst_emitted_step():
     assert floor.ulps == 1.0  # its stated minimum: one fp32 ulp of the largest log-prob
     control[0, 1] -= 3e-3  # a control below the reference counts by its magnitude too
     assert judge.growth_control_floor(control, reference, terms=64).measured == pytest.approx(2e-3, rel=1e-4)
+    reference.lengths[:] = 0  # no row emitted a token: nothing was measured, whatever the control holds
+    silent = judge.growth_control_floor(control, reference, terms=64)
+    assert (silent.measured, silent.magnitude) == (0.0, 0.0)

@@ -353,6 +353,12 @@ def test_arguments_are_the_same_only_item_by_item():
     assert not pipeline_oracle._same([1, 2], [1, 2, 3])
     for tensor, other in ((torch.ones(2), 1.0), (torch.ones(2), [1.0, 1.0]), (1.0, torch.ones(1))):
         assert pipeline_oracle._same(tensor, other) is False  # a tensor equals only a tensor, whatever it holds
+
+
+def test_a_row_that_differs_is_named_by_its_shape_before_its_values():
+    row = pipeline_oracle._row_difference
+    assert row(torch.ones(2, 3), torch.ones(2, 4)) == "shape (2, 3) vs the pipeline's (2, 4)"
+    assert row(torch.ones(2, 3), torch.zeros(2, 3)) == row([1], torch.ones(1)) == "values"
     assert not pipeline_oracle._same(torch.ones(2), torch.ones(3))
 
 
