@@ -26,6 +26,13 @@ def raise_before_gather(rank: int) -> torch.Tensor:
     return all_gather_ranks(1.0)
 
 
+def return_before_gather(rank: int) -> torch.Tensor | None:
+    """``rank`` returns, without raising, before the all-gather every other rank enters."""
+    if dist.get_rank() == rank:
+        return None
+    return all_gather_ranks(1.0)
+
+
 def hang_on(rank: int) -> int:
     if dist.get_rank() == rank:
         time.sleep(3600)

@@ -43,19 +43,27 @@ def test_raise_on_one_rank_lists_every_rank(world8):
     assert world8.run(dist_tasks.all_gather_ranks, 1.0)[0].tolist() == list(range(8))
 
 
-def test_ranks_left_in_a_collective_by_a_rank_that_raised_fail_at_once_not_after_the_grace():
-    """Rank 2 raises before the gather its peers wait in: nothing can bring them out, so the task fails as soon
-    as the parent knows it, with no grace period waited out, each peer named with the collective it waits in."""
+@pytest.mark.parametrize(("task", "statuses", "headline"), [
+    (dist_tasks.raise_before_gather, ["blocked", "blocked", "raised", "blocked"], "failed on ranks [0, 1, 2, 3] of 4"),
+    # no rank failed (a fast path that does not fail closed): without this the task would wait out its time limit
+    (dist_tasks.return_before_gather, ["blocked", "blocked", "ok", "blocked"],
+     "ranks [0, 1, 3] of 4 wait in a collective that ranks which returned never entered"),
+], ids=["raised", "returned"])
+def test_ranks_left_in_a_collective_by_a_rank_that_left_the_task_fail_at_once(task, statuses, headline):
+    """Rank 2 raises, or returns, before the gather its peers wait in: nothing can bring them out, so the task fails
+    as soon as the parent knows it, with no grace period or time limit waited out, each peer named with the
+    collective it waits in, and no rank process left."""
     world = World(4).start()
     try:
         pids = world.run(dist_tasks.pid)
         began = time.monotonic()
         with pytest.raises(WorldTaskError) as info:
-            world.run(dist_tasks.raise_before_gather, 2, timeout_s=120.0)
+            world.run(task, 2, timeout_s=120.0)
         took = time.monotonic() - began
     finally:
         world.close()
-    assert [o.status for o in info.value.outcomes] == ["blocked", "blocked", "raised", "blocked"], str(info.value)
+    assert [o.status for o in info.value.outcomes] == statuses, str(info.value)
+    assert headline in str(info.value)
     assert "rank 0: blocked: waits in all_gather #1, which rank(s) [2] left the task without entering" in str(
         info.value)
     assert took < ERROR_GRACE_S, f"failed after {took:.1f} s: the grace period ({ERROR_GRACE_S:g} s) was waited out"

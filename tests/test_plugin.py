@@ -56,7 +56,8 @@ catalogue.load(["demo_checks"], ["demo_ablations"])
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("parity", check_params(c.id for c in checks.all_checks("cpu") if c.id.startswith("demo.")))
+@pytest.mark.parametrize("parity", check_params(c.id for c in checks.all_checks("cpu")
+                                                if c.id.startswith(("demo.", "twin."))))
 def test_check(parity, parity_session, parity_ctx):
     verdict = parity_session.check(parity.check, parity_ctx)
     assert verdict.passed, verdict.describe()

@@ -31,6 +31,7 @@ def stock(x):
 # every baseline judgement of a check leaves a line in judged.log: which check, in which process
 DEMO_CHECKS = '''
 import os
+import time
 import torch
 import demo_impl
 from harness.judging import ablation
@@ -48,6 +49,8 @@ def _judged(name):
 def _exact(name, n):
     def check(ctx):
         _judged(name)
+        if name.startswith("demo."):
+            time.sleep(0.2)  # the demo path keeps its worker busy while the other takes the rest
         x = [float(i) for i in range(1, n + 1)]
         return exact().judge(torch.tensor(demo_impl.scale(x)), torch.tensor(demo_impl.stock(x)))
     return check
@@ -75,6 +78,9 @@ def wrong(ctx):
 def skips(ctx):
     import pytest
     pytest.skip("this demo has nothing to judge")
+
+
+register("twin.w0.exact")(_exact("twin.w0.exact", 3))  # a second path: a unit of work of its own
 '''
 
 DEMO_ABLATIONS = '''
@@ -124,10 +130,12 @@ def test_a_split_run_writes_the_serial_report_and_judges_each_check_once(demo, m
     assert [k["check"] for k in data["ablations"][0]["kills"]] == [
         "demo.w5.exact", "demo.w3.exact", "demo.w1.exact", "demo.w0.exact", "demo.loose.close"]
     assert {c["id"]: c["status"] for c in data["checks"]}["demo.skips.exact"] == "skipped"
-    # both workers ran items, and a kill item found its check's baseline on its own worker: one judgement each
+    # both workers judged checks (each path a unit of work), and a kill item found its check's baseline on its own
+    # worker: one judgement each
     judged = (split_dir / "judged.log").read_text().split("\n")
     lines = [line.split() for line in judged if line]
     assert len({pid for _, pid in lines}) == 2, lines
+    assert len({pid for name, pid in lines if name.startswith("demo.")}) == 1, lines
     names = [name for name, _ in lines]
     assert sorted(names) == sorted(set(names)), names
     split.stdout.fnmatch_lines(["*fastpath-parity report*", "FAIL*demo.wrong.exact*"])
@@ -186,14 +194,15 @@ def test_an_implementation_called_only_in_workers_ran():
 
 @pytest.mark.cpu
 @pytest.mark.parametrize(("nodeid", "scope"), [
-    ("parity/test_parity.py::test_parity_check[decode.t37.w4.bitexact]", "decode.t37.w4.bitexact"),
-    ("mutation/test_kill_matrix.py::test_ablation_kills_check[decode.rank0_clips_only->decode.t37.w4.bitexact]",
-     "decode.t37.w4.bitexact"),
-    ("gpu/test_gpu.py::test_kill[decode.x->decode.gpu.bitexact[vae-fp32]]", "decode.gpu.bitexact[vae-fp32]"),
+    ("parity/test_parity.py::test_parity_check[decode.t37.w4.bitexact]", "decode"),
+    ("parity/test_parity.py::test_parity_check[attention.prefill.flex.vs_sdpa]", "attention"),
+    ("mutation/test_kill_matrix.py::test_ablation_kills_check[decode.rank0_clips_only->decode.t12.w2.bitexact]",
+     "decode"),
+    ("gpu/test_gpu.py::test_kill[decode.x->decode.gpu.bitexact[vae-fp32]]", "decode"),
     ("tests/ar/test_properties.py::test_case[fake]", "tests/ar/test_properties.py::test_case[fake]"),
     ("tests/test_dist.py::test_pool", "tests/test_dist.py::test_pool"),
 ])
-def test_a_check_and_its_kill_items_are_one_unit_of_work_and_any_other_test_its_own(nodeid, scope):
+def test_a_paths_checks_and_their_kill_items_are_one_unit_of_work_and_any_other_test_its_own(nodeid, scope):
     assert workers.check_scope(nodeid) == scope
 
 

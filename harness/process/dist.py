@@ -6,11 +6,13 @@ a second; CUDA worlds spawn one rank per GPU (NCCL); PARITY_START_METHOD=spawn|f
 tasks run in this process (harness.process.launch). A task is a module-level function run on every
 rank with the default group initialised. Every rank's outcome comes back: a raise on any rank
 becomes one error listing all ranks (the others get ERROR_GRACE_S to answer before they count as
-blocked), a rank that dies or is stopped by a signal is seen at once (its pipe closes; /proc says it
-is stopped), a live rank behind the collective its peers have waited in for launch.stuck_s() is named "stuck" once
-its own progress stopped for as long (harness.process.progress.stalled: each rank tells the parent the collectives it
-enters, the modules it runs count in shared memory, its CPU time is read from /proc; a rank that computes is never
-named, however slowly), and a hang becomes a timeout naming the hung ranks, after which the world is torn down
+blocked; at once when they wait in a collective that a rank which already returned or raised never
+entered, since nothing can bring them out), a rank that dies or is stopped by a signal is seen at once
+(its pipe closes; /proc says it is stopped), a live rank behind the collective its peers have waited in
+for launch.stuck_s() is named "stuck" once its own progress stopped for as long
+(harness.process.progress.stalled: each rank tells the parent the collectives it enters, the modules it
+runs count in shared memory, its CPU time is read from /proc; a rank that computes is never named,
+however slowly), and a hang becomes a timeout naming the hung ranks, after which the world is torn down
 with no child process left behind. Ranks die with the parent and leave Ctrl-C to it (harness.process.lifecycle): an
 interrupt while a task runs kills them at once and goes on as the interrupt. Error text keeps no per-run detail
 (ports, pids, addresses): those go to the ``harness.process.dist`` log, so the same command gives the same verdicts and
@@ -522,11 +524,12 @@ class World:
                     outcomes[rank] = RankOutcome(rank, "raised", stable_error(error), trace)
                     if outcomes[rank].error != error:
                         LOG.info("task %d, rank %d raised: %s", task_id, rank, error)
+            if outcomes and pending:  # a rank that returned or raised never enters what it skipped
+                deserted = progress.deserted(watch.positions, set(outcomes), self.size)
+                if pending.keys() <= deserted.keys():  # no grace or time limit can help: nobody left will answer
+                    break
             if any(o.status != "ok" for o in outcomes.values()):
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
-                deserted = progress.deserted(watch.positions, set(outcomes), self.size)
-                if pending and pending.keys() <= deserted.keys():  # no grace can help: nobody left will answer
-                    break
             elif pending and watch.overdue(set(outcomes)):
                 break
         name = getattr(fn, "__qualname__", repr(fn))
@@ -535,17 +538,23 @@ class World:
             ordered = watch.outcomes(outcomes)
             raise WorldTaskError(f"task {name}: {watch.headline()}; the world was torn down", ordered)
         failed = any(o.status != "ok" for o in outcomes.values())
+        forsaken = bool(pending) and pending.keys() <= deserted.keys()  # left in a collective by ranks that returned
         for rank in pending:
-            outcomes[rank] = RankOutcome(rank, "blocked" if failed else "hung",
-                                         (deserted.get(rank, "no result within the grace period after another rank "
-                                                                "failed")) if failed
-                                         else f"no result within {timeout_s:g} s")
+            if failed or forsaken:
+                outcomes[rank] = RankOutcome(rank, "blocked", deserted.get(
+                    rank, "no result within the grace period after another rank failed"))
+            else:
+                outcomes[rank] = RankOutcome(rank, "hung", f"no result within {timeout_s:g} s")
         ordered = [outcomes[r] for r in range(self.size)]
         if pending or any(o.status == "died" for o in ordered):
             self.close(stuck=(*pending, *stopped))  # hung ranks sit inside a collective: the group is lost
             if failed:
                 raise WorldTaskError(f"task {name} failed on ranks {[o.rank for o in ordered if o.status != 'ok']} "
                                      f"of {self.size}; the world was torn down", ordered)
+            if forsaken:
+                raise WorldTaskError(f"task {name}: ranks {sorted(pending)} of {self.size} wait in a collective that "
+                                     "ranks which returned never entered (every rank of a group must call each of "
+                                     "its collectives); the world was torn down", ordered)
             raise WorldTimeout(f"task {name} timed out after {timeout_s:g} s on ranks {sorted(pending)} of "
                                f"{self.size}; the world was torn down", ordered)
         if failed:
