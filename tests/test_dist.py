@@ -43,16 +43,21 @@ def test_raise_on_one_rank_lists_every_rank(world8):
     assert world8.run(dist_tasks.all_gather_ranks, 1.0)[0].tolist() == list(range(8))
 
 
-@pytest.mark.parametrize(("task", "statuses", "headline"), [
-    (dist_tasks.raise_before_gather, ["blocked", "blocked", "raised", "blocked"], "failed on ranks [0, 1, 2, 3] of 4"),
+@pytest.mark.parametrize(("task", "statuses", "headline", "blocked"), [
+    (dist_tasks.raise_before_gather, ["blocked", "blocked", "raised", "blocked"], "failed on ranks [0, 1, 2, 3] of 4",
+     "rank 0: blocked: waits in all_gather #1, which rank(s) [2] left the task without entering"),
     # no rank failed (a fast path that does not fail closed): without this the task would wait out its time limit
     (dist_tasks.return_before_gather, ["blocked", "blocked", "ok", "blocked"],
-     "ranks [0, 1, 3] of 4 wait in a collective that ranks which returned never entered"),
-], ids=["raised", "returned"])
-def test_ranks_left_in_a_collective_by_a_rank_that_left_the_task_fail_at_once(task, statuses, headline):
-    """Rank 2 raises, or returns, before the gather its peers wait in: nothing can bring them out, so the task fails
-    as soon as the parent knows it, with no grace period or time limit waited out, each peer named with the
-    collective it waits in, and no rank process left."""
+     "ranks [0, 1, 3] of 4 wait in a collective that ranks which returned never entered",
+     "rank 0: blocked: waits in all_gather #1, which rank(s) [2] left the task without entering"),
+    (dist_tasks.alone_in_gather, ["ok", "ok", "blocked", "ok"],
+     "ranks [2] of 4 wait in a collective that ranks which returned never entered",
+     "rank 2: blocked: waits in all_gather #1, which rank(s) [0, 1, 3] left the task without entering"),
+], ids=["raised", "returned", "left_alone"])
+def test_ranks_left_in_a_collective_by_ranks_that_left_the_task_fail_at_once(task, statuses, headline, blocked):
+    """A rank raises, or returns, before the gather its peers wait in (or all its peers return without the one rank 2
+    entered): nothing can bring the waiting ranks out, so the task fails as soon as the parent knows it, with no grace
+    period or time limit waited out, each waiting rank named with the collective it waits in, and no process left."""
     world = World(4).start()
     try:
         pids = world.run(dist_tasks.pid)
@@ -63,9 +68,7 @@ def test_ranks_left_in_a_collective_by_a_rank_that_left_the_task_fail_at_once(ta
     finally:
         world.close()
     assert [o.status for o in info.value.outcomes] == statuses, str(info.value)
-    assert headline in str(info.value)
-    assert "rank 0: blocked: waits in all_gather #1, which rank(s) [2] left the task without entering" in str(
-        info.value)
+    assert headline in str(info.value) and blocked in str(info.value), str(info.value)
     assert took < ERROR_GRACE_S, f"failed after {took:.1f} s: the grace period ({ERROR_GRACE_S:g} s) was waited out"
     assert dist_tasks.alive(pids) == []
 

@@ -12,6 +12,7 @@ import counts, those inside functions too: a deferred import only hides a circle
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,12 @@ def _imported(name: str, path: Path, known: set[str]) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    files = {_module_name(path): path for path in ROOT.rglob("*.py")}
+    return _graph_of(ROOT)
+
+
+@functools.cache  # parsed once per root: the file's tests read the same sources
+def _graph_of(root: Path) -> dict[str, set[str]]:
+    files = {_module_name(path): path for path in root.rglob("*.py")}
     known = set(files)
     return {name: _imported(name, path, known) for name, path in files.items()}
 

@@ -215,7 +215,6 @@ class _StragglerWatch:
         self.sampled = -math.inf
         self.onset: dict[tuple[int, str], float] = {}  # (straggler, collective) -> since when it has been behind
         self.found: list[progress.Straggler] = []
-        self.alone: list[progress.Abandoned] = []
 
     def moved(self, rank: int, where: progress.Position) -> None:
         self.positions[rank] = where
@@ -246,23 +245,18 @@ class _StragglerWatch:
 
     def overdue(self, finished: set[int]) -> bool:
         """Whether some rank has been behind its peers' collective for the bound with no progress of its own for as
-        long (then ``found`` names them), or has waited that long in one that every other rank of its group returned
-        without (``alone``)."""
+        long (then ``found`` names them). A rank waiting in a collective that ranks which returned never entered
+        needs no bound: the task fails on it at once (``progress.deserted``)."""
         now = time.monotonic()
         behind = progress.stragglers(self.positions, finished, self.size)
-        left = progress.abandoned(self.positions, finished, self.size)
-        keys = {(s.rank, s.collective) for s in (*behind, *left)}
+        keys = {(s.rank, s.collective) for s in behind}
         self.onset = {key: self.onset.get(key, now) for key in keys}
         late = {key for key, since in self.onset.items() if now - since >= self.within_s}
         named = (self.stalled(s) for s in behind if (s.rank, s.collective) in late)
         self.found = [s for s in named if s is not None]
-        self.alone = [a for a in left if (a.rank, a.collective) in late]
-        return bool(self.found or self.alone)
+        return bool(self.found)
 
     def headline(self) -> str:
-        if not self.found:
-            first_alone = self.alone[0]
-            return f"rank {first_alone.rank} {first_alone.cause(self.within_s)}"
         first = self.found[0]
         rest = f" (and ranks {[s.rank for s in self.found[1:]]})" if len(self.found) > 1 else ""
         return f"{first.text(self.within_s)}{rest}; ranks {list(first.waiting)} waited for it there"
@@ -270,13 +264,10 @@ class _StragglerWatch:
     def outcomes(self, outcomes: dict[int, RankOutcome]) -> list[RankOutcome]:
         """Every rank's outcome: those that answered, the stragglers "stuck", the rest "blocked" waiting on them."""
         named = {s.rank: s for s in self.found}
-        lonely = {a.rank: a for a in self.alone}
         ordered = []
         for rank in range(self.size):
             if rank in outcomes:
                 ordered.append(outcomes[rank])
-            elif rank in lonely:
-                ordered.append(RankOutcome(rank, "blocked", lonely[rank].cause(self.within_s)))
             elif rank in named:
                 ordered.append(RankOutcome(rank, "stuck", named[rank].cause(self.within_s)))
             else:
@@ -533,7 +524,7 @@ class World:
             elif pending and watch.overdue(set(outcomes)):
                 break
         name = getattr(fn, "__qualname__", repr(fn))
-        if (watch.found or watch.alone) and not outcomes.keys() - results.keys():
+        if watch.found and not outcomes.keys() - results.keys():
             self.close(stuck=tuple(pending))  # the stragglers run on, their peers sit inside a collective
             ordered = watch.outcomes(outcomes)
             raise WorldTaskError(f"task {name}: {watch.headline()}; the world was torn down", ordered)
