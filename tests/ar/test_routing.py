@@ -53,6 +53,7 @@ def test_a_routing_that_ignores_the_batch_is_independent() -> None:
     probe = routing.probe_routing(StubModel(layer, nn.Linear(8, 8)))
     assert (probe.layers, probe.dtype, probe.threshold) == (1, "float32", 2.0**-10)
     assert probe.independent and probe.cause() == "" and probe.lone_token == (0.0,) and probe.own_row == (0.0,)
+    assert probe.describe().startswith("1 MoE layer(s) probed in float32"), probe.describe()  # the findings alone
     assert layer.shapes == [(4, 3), *[(1, 3)] * 4, *[(1, 1)] * 12]  # batched, each row, each token
     assert routing.probe_routing(StubModel(nn.Linear(8, 8))).describe().startswith("no MoE layer")
 

@@ -285,6 +285,9 @@ def test_a_recorded_layout_needs_one_row_of_spans_per_query_row_and_each_span_in
     """Spans are (B, N, 2): B the query's batch (not N), N >= 1; each span ``0 <= a < b <= KV``, an empty or
     reversed span refused wherever it lies."""
     capture_io.check_layout_shapes("ok", (2, 5, 4, 8), (2, 2, 9, 8), (2, 5), (2, 2, 2))
+    capture_io.check_layout_shapes("one span a row", (2, 5, 4, 8), (2, 2, 9, 8), (2, 5), (2, 1, 2))
+    with pytest.raises(ValueError, match=r"N >= 1"):
+        capture_io.check_layout_shapes("no span", (2, 5, 4, 8), (2, 2, 9, 8), (2, 5), (2, 0, 2))
     with pytest.raises(ValueError, match=r"spans must be \(B, N, 2\) with B = 2"):
         capture_io.check_layout_shapes("rows", (2, 5, 4, 8), (2, 2, 9, 8), (2, 5), (3, 2, 2))  # N == B, B != 2
     positions = torch.tensor([[0, 1, 2]])

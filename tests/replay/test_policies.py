@@ -228,10 +228,10 @@ def test_policy_from_a_hand_made_control(dtype, k, name):
 
 def test_a_failed_replay_verdict_names_the_steps_that_went_wrong_over_every_row():
     """[B, S] outputs: the per-step worst error is taken over the rows of each step, in target order."""
-    expected = torch.zeros(2, 3, dtype=torch.float64)
+    expected = torch.full((2, 3), -1.0, dtype=torch.float64)  # nonzero: the error is a difference, not a size
     actual = expected.clone()
-    actual[1, 2] = 0.5  # row 1, third target step
-    actual[0, 1] = -0.25  # row 0, second target step: an error below the reference counts as much
+    actual[1, 2] = -0.5  # row 1, third target step
+    actual[0, 1] = -1.25  # row 0, second target step: an error below the reference counts as much
     verdict = judge_result(close(1e-3, 0.0), actual, expected, [4, 5, 6], "log_probs")
     assert not verdict.passed
     assert verdict.metrics["max_abs_per_step"] == "step 4: 0.000e+00, step 5: 2.500e-01, step 6: 5.000e-01"
