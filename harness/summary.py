@@ -25,11 +25,12 @@ from harness.session import SESSION_KEY
 
 __all__ = ["InterruptTraceback", "finish", "interrupted_line", "not_green_line", "write_summary"]
 
+
 class InterruptTraceback:
     """Keeps a stop quick: pytest formats the whole traceback of an interrupt, reading and parsing the source of every
-    frame (torch's largest files among them), to print one line of it unless ``--full-trace``. A stopped split run
-    spent 6 s of CPU per process on that (its controller and each worker) with the ranks already gone. So the frames
-    before the one pytest prints are dropped first; that line, and the full trace when asked for, are unchanged."""
+    frame (torch's largest files among them), to print one line of it unless ``--full-trace``. A stopped split run's
+    controller and workers were found still doing that, seconds after their ranks were gone. So the frames before
+    the one pytest prints are dropped first; that line, and the full trace when asked for, are unchanged."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.full_trace = bool(config.option.fulltrace)
