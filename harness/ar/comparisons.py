@@ -10,6 +10,7 @@ been padded on that side (``judge.require_layout``).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -135,9 +136,10 @@ def compare_rollout_vs_replay(backend: Any, batch: Batch, max_new_tokens: int,
 
 
 def stop_fact(lengths: Sequence[int], ref_lengths: Sequence[int]) -> str:
-    """The finished-rows fact, naming every row that stopped elsewhere than its B=1 run and both lengths."""
-    wrong = [f"row {row} emitted {n} tokens, its B=1 run {m}"
-             for row, (n, m) in enumerate(zip(lengths, ref_lengths, strict=True)) if n != m]
+    """The finished-rows fact, naming every row that stopped elsewhere than its B=1 run and both lengths (a row one
+    side lacks has no length there: a rollout that dropped or added a row is named, not a crash)."""
+    wrong = [f"row {row} emitted {'no' if n is None else n} tokens, its B=1 run {'none' if m is None else m}"
+             for row, (n, m) in enumerate(itertools.zip_longest(lengths, ref_lengths)) if n != m]
     return "every row stops where its B=1 run stopped at EOS" + (f" ({'; '.join(wrong)})" if wrong else "")
 
 

@@ -45,12 +45,8 @@ class Axis:
         return not self.values or value in self.values
 
 
-def _axes(*axes: Axis) -> dict[str, Axis]:
-    return {a.name: a for a in axes}
-
-
-AXES: dict[str, dict[str, Axis]] = {
-    "replay": _axes(
+_PATH_AXES: dict[str, tuple[Axis, ...]] = {
+    "replay": (
         Axis("family", "the replay family whose model and adapter the check drives (fake: the fake-kernel "
                        "denoiser)", subject=True),
         Axis("cfg_layout", "how the CFG branches reach the model: uncond_first ([uncond; cond], built by the step) "
@@ -69,7 +65,7 @@ AXES: dict[str, dict[str, Axis]] = {
         Axis("batch", "samples per replayed segment", ("b1", "b3")),
         Axis("last_step", "whether the schedule's final step (sigma -> 0) is among the targets", ("last", "early")),
     ),
-    "ar": _axes(
+    "ar": (
         Axis("model", "the tiny model (and its backend) the rollout runs on", subject=True),
         Axis("padding_side", "how the batch is padded: right (training's layout) or left (generate's)",
              ("right", "left")),
@@ -82,7 +78,7 @@ AXES: dict[str, dict[str, Axis]] = {
                          "as a block kernel allocates) or maximum (allocated once at a maximum length and reused)",
              ("exact", "blocks", "maximum")),
     ),
-    "decode": _axes(
+    "decode": (
         Axis("vae", "the VAE family whose tiny model is decoded", subject=True),
         Axis("transport", "how decoded pieces reach the ranks: all_gather (every rank) or gather (to one rank)",
              ("all_gather", "gather")),
@@ -97,7 +93,7 @@ AXES: dict[str, dict[str, Axis]] = {
                        "decoding its own video at once (two)", ("one", "two")),
         Axis("dtype", "the VAE's dtype, which the decoded video comes back in", ("float32", "bfloat16")),
     ),
-    "attention": _axes(
+    "attention": (
         Axis("dtype", "the dtype of query, key and value", ("float32", "bfloat16")),
         Axis("scale", "the scale the kernel is called with: default (scale=None, meaning 1 / sqrt(D)) or custom "
                       "(an explicit other scale)", ("default", "custom")),
@@ -107,6 +103,7 @@ AXES: dict[str, dict[str, Axis]] = {
              ("aligned", "unaligned")),
     ),
 }
+AXES: dict[str, dict[str, Axis]] = {path: {a.name: a for a in axes} for path, axes in _PATH_AXES.items()}
 
 _POINTS: list[tuple[str, dict[str, str]]] = []
 

@@ -104,6 +104,20 @@ def test_decode_mask_is_every_written_slot_but_the_pads() -> None:
                                                                             [True, True, False, False]]
 
 
+def test_per_row_slots_mark_written_only_the_prompt_the_pads_and_the_fed_tokens() -> None:
+    """HunyuanImage-3's per-row slots, width 4, prompts of 2 and 4, one token fed: row 0 wrote its prompt at [0, 2),
+    its pads at [2, 4) and the token over slot 2; row 1 its prompt at [0, 4) and the token at 4. No slot past that is
+    written, and only row 0's pads hold a pad's KV (both after the prefill, slot 3 once the token is fed)."""
+    batch = left_padded_batch(prompt_ids((2, 4), seed=85), PAD)
+    state = left_padded.init_state(ar_models.backend("fake"), batch, 3)
+    layout, plan = state.backend, state.extra["left_padded"]
+    assert isinstance(layout, left_padded.RowSlots)
+    written, pads = layout.key_masks(plan, torch.tensor([[0, 0], [1, 1]]), 6)  # after the prefill; one token fed
+    assert written.tolist() == [[[True] * 4 + [False] * 2] * 2, [[True] * 4 + [False] * 2, [True] * 5 + [False]]]
+    assert pads.tolist() == [[[False] * 2 + [True] * 2 + [False] * 2, [False] * 6],
+                             [[False] * 3 + [True] + [False] * 2, [False] * 6]]
+
+
 @pytest.mark.parametrize(("model", "slots"), [("qwen3", [[4, 5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
                                                           [6, 7, 8, 9, 10]]),
                                              ("fake", [[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],

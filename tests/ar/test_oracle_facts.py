@@ -74,6 +74,8 @@ def test_the_finished_rows_fact_names_each_row_that_stopped_elsewhere_and_both_l
     assert comparisons.stop_fact([3, 5, 2], [3, 4, 6]) == (
         "every row stops where its B=1 run stopped at EOS (row 1 emitted 5 tokens, its B=1 run 4; row 2 emitted 2 "
         "tokens, its B=1 run 6)")
+    assert comparisons.stop_fact([3], [3, 4]).endswith("(row 1 emitted no tokens, its B=1 run 4)")
+    assert comparisons.stop_fact([3, 4], [3]).endswith("(row 1 emitted 4 tokens, its B=1 run none)")
 
 
 def test_many_wrong_picks_are_shown_four_at_a_time_with_a_count_of_the_rest(monkeypatch) -> None:

@@ -221,3 +221,13 @@ def test_spy_reads_positional_input_ids_and_starts_empty() -> None:
     with torch.no_grad(), spy:  # entering again starts a fresh record
         model(torch.tensor([[5, 6], [7, 8]]))
     assert [(c.batch, c.queries, c.cache) for c in spy.calls] == [(2, 2, "none")]
+
+
+def test_generated_kv_spans_are_padded_to_the_longest_span_not_past_it() -> None:
+    """Each row's KV over its own logical slots, zero-padded on the slot axis to the longest span of the rows."""
+    kv = [torch.arange(10.0).reshape(1, 1, 1, 10, 1).expand(2, 2, 3, 10, 4) + row for row in range(2)]
+    rollout = Rollout(*(torch.zeros(2, 1),) * 3, torch.zeros(2), torch.zeros(2), kv)
+    padded = judge._padded_kv(rollout, [(3, 5), (6, 10)])
+    assert padded.shape == (2, 2, 2, 3, 4, 4)
+    assert padded[0, 0, 0, 0, :, 0].tolist() == [3.0, 4.0, 0.0, 0.0]
+    assert padded[1, 0, 0, 0, :, 0].tolist() == [7.0, 8.0, 9.0, 10.0]

@@ -292,6 +292,9 @@ def test_a_recorded_layout_needs_one_row_of_spans_per_query_row_and_each_span_in
         capture_io.check_layout_shapes("rows", (2, 5, 4, 8), (2, 2, 9, 8), (2, 5), (3, 2, 2))  # N == B, B != 2
     positions = torch.tensor([[0, 1, 2]])
     capture_io.check_layout_values("ok", positions, torch.tensor([[[1, 3]]]), keys=4)
+    capture_io.check_layout_values("every key", positions, torch.tensor([[[0, 4]]]), keys=4)  # 0 and KV included
+    with pytest.raises(ValueError, match=r"spans\[0, 0\] = \[-1, 2\) is no span of its 4 keys"):
+        capture_io.check_layout_values("before", positions, torch.tensor([[[-1, 2]]]), keys=4)
     for past in (3, 4):  # the last key is position 3: 4 is one past it
         with pytest.raises(ValueError, match=r"positions\[0, 2\] = \d is no key position of its 3 keys"):
             capture_io.check_layout_values("past", torch.tensor([[0, 1, past]]), torch.tensor([[[1, 3]]]), keys=3)

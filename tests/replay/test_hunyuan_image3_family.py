@@ -441,6 +441,19 @@ def test_forward_kwargs_use_the_generations_own_names(stub, names):
         assert kwargs["rope_image_info"] == prompts["rope_image_info"]
 
 
+class Bf16PredictionStub(Gen2Stub):
+    def _record(self, kwargs: dict) -> dict:
+        return {"diffusion_prediction": super()._record(kwargs)["diffusion_prediction"].bfloat16()}
+
+
+def test_a_bf16_models_prediction_is_handed_on_in_fp32():
+    """Upstream's loop guides and steps on the prediction in fp32, whatever dtype the model predicts in."""
+    adapter = HunyuanImage3Adapter(Bf16PredictionStub(_config()))
+    _, conditions, hidden, timestep = _forward_inputs(adapter)
+    prediction = adapter.forward(hidden, timestep, conditions)
+    assert prediction.dtype == torch.float32 and torch.equal(prediction, (hidden * 2).bfloat16().float())
+
+
 def test_generation_1_rope_rows_stack_cos_and_sin():
     adapter = HunyuanImage3Adapter(Gen1Stub(_config()))
     prompts = adapter.example_prompts(2, 2, _gen(12))
