@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib
 import json
@@ -13,12 +14,13 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tools.mutation_score import cli, equivalents, report
+from tools.mutation_score import cli, covplugin, equivalents, report
 from tools.mutation_score import coverage_map as covmap
 from tools.mutation_score.coverage_map import CoverageMap
 from tools.mutation_score.operators import OPERATORS, Mutant, apply, find_mutants
@@ -718,3 +720,27 @@ def test_the_runner_collapses_only_its_own_private_memory_into_aligned_huge_page
     (tmp_path / "maps").write_text("7f0000000000-7f0000400000 rw-p 00000000 00:00 0 \n")  # nothing mapped there
     assert collapse_private_memory(tmp_path / "maps") == 0
 
+
+
+def test_a_cache_the_coverage_pass_credits_is_still_a_cache_an_ablation_of_stock_code_swaps(monkeypatch):
+    """The coverage pass wraps each functools cache to credit its computation; an ablation of code the stock path
+    runs must still find it among the caches it swaps for empty ones, over the function itself (not the old cache):
+    else the stock result computed before the ablation is read under it, and the ablation is never seen."""
+    from harness.judging import ablation
+
+    calls = []
+
+    @functools.cache
+    def stock(x):
+        calls.append(x)
+        return x * 2
+
+    tracked = covplugin._tracked(stock, covplugin.cache_label(stock))
+    module = types.ModuleType("parity.demo_cache")
+    module.stock = tracked
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    assert module.stock(1) == 2 and calls == [1]
+    with ablation.fresh_caches() as swapped:
+        assert swapped >= 1 and module.stock is not tracked
+        assert module.stock(1) == 2 and calls == [1, 1]  # computed again under the ablation
+    assert module.stock is tracked and module.stock(1) == 2 and calls == [1, 1]
