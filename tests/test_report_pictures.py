@@ -3,6 +3,11 @@ gets where matplotlib (the report extra) is missing. The browser check is tests/
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 from harness.reports import report, report_pictures
@@ -60,6 +65,37 @@ def test_svg_pictures_are_byte_identical_for_the_same_report(drawn):
     assert report_pictures.svgs(sample()) == drawn
     svg = drawn["margins-replay.svg"]
     assert svg.startswith("<?xml") and "<dc:date>" not in svg and "cfg2.log_probs" in svg
+
+
+def test_pictures_split_with_a_helper_are_the_same_bytes_and_a_failed_helper_changes_nothing(drawn, monkeypatch):
+    """A report that takes seconds to draw is split with a helper interpreter; were it to fail, its half is drawn
+    here. Either way every picture is the one drawn in one process."""
+    monkeypatch.setattr(report_pictures, "SPLIT_ABOVE_S", 0.0)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    helpers = []
+    popen = subprocess.Popen
+
+    def spawned(*args, **kwargs):
+        helpers.append(popen(*args, **kwargs))
+        return helpers[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", spawned)
+    assert report_pictures.svgs(sample()) == drawn
+    assert [h.returncode for h in helpers] == [0]
+    monkeypatch.setattr(sys, "executable", shutil.which("false"))  # a helper that fails at once
+    monkeypatch.setattr(report_pictures, "_draw", lambda kind, args: f"{kind} of {args[0]}")  # drawn here
+    assert report_pictures.svgs(sample()) == {name: "{} of {}".format(*name[:-4].split("-")) for name in drawn}
+    assert [h.returncode for h in helpers] == [0, 1]
+
+
+def test_a_helper_that_overruns_its_time_leaves_its_half_to_this_process():
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        assert report_pictures._helped(helper, timeout=0.2) == {}
+    finally:
+        helper.kill()
+        helper.wait()
+        helper.stdout.close()
 
 
 def test_the_html_report_stands_alone_and_falls_back_to_text(drawn, tmp_path, monkeypatch):
