@@ -3,10 +3,13 @@ constraint forbids never, a per-commit seeded draw on top, every point with PARI
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import subprocess
+from pathlib import Path
 
 import pytest
+from allpairspy import AllPairs
 
 from harness.judging import space
 
@@ -25,6 +28,11 @@ def test_every_pair_of_values_is_covered_by_fewer_points_than_the_whole_space():
     every = {(a, x, b, y) for a, b in itertools.combinations(AXES, 2) for x in AXES[a] for y in AXES[b]}
     assert _pairs(points) == every
     assert len(points) < len(list(itertools.product(*AXES.values()))) / 4
+
+
+def test_without_a_constraint_the_core_is_allpairspys_covering_array():
+    rows = AllPairs([list(values) for values in AXES.values()])
+    assert space.covering(AXES, seed=1) == [dict(zip(AXES, row, strict=True)) for row in rows]
 
 
 def test_the_seeded_draw_adds_other_points_the_same_for_one_seed():
@@ -75,7 +83,16 @@ def test_the_commit_seed_follows_the_checked_out_commit(tmp_path):
     subprocess.run(["git", "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "--allow-empty", "-m", "x"],
                    cwd=tmp_path, check=True)
     seed = space.commit_seed(tmp_path)
-    assert seed != 0 and seed == space.commit_seed(tmp_path)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert seed == int(hashlib.sha256(head.stdout.strip().encode()).hexdigest()[:16], 16)  # its first 64 bits
+
+
+def test_the_commit_seed_without_a_root_is_the_suites_own_checkouts():
+    repo = Path(space.__file__).resolve().parents[2]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=False)
+    if head.returncode != 0:
+        pytest.skip("the suite runs from outside a git checkout")
+    assert space.commit_seed() == space.commit_seed(repo) != 0
 
 
 def test_a_misspelt_space_mode_is_an_error_naming_the_variable(monkeypatch):
@@ -94,3 +111,8 @@ def test_each_path_names_the_axis_its_implementations_are_given_per():
     subjects = {path: getattr(space_mod.subject_axis(path), "name", None) for path in space_mod.AXES}
     assert subjects == {"replay": "family", "ar": "model", "decode": "vae", "attention": None}
     assert all(sum(a.subject for a in axes.values()) <= 1 for axes in space_mod.AXES.values())
+
+
+def test_an_axis_says_what_a_check_drives_only_when_told():
+    assert not space.Axis("layout", "how the rows are laid out").subject
+    assert space.Axis("family", "the family a check drives", subject=True).subject
