@@ -219,6 +219,8 @@ def test_a_null_field_the_class_takes_a_value_for_is_refused_when_read_naming_it
                                      json.loads((directory / "config.json").read_text()),
                                      spec=checkpoints.kind_for_family("replay", "sd3"))
     assert null_fields(by_hand) == ["patch_size"]
+    unjudged = checkpoints.Checkpoint(directory, "sd3_transformer", "SD3Transformer2DModel", by_hand.config)
+    assert unjudged.source != "diffusers" and null_fields(unjudged) == []  # only a diffusers config's nulls
     with pytest.raises(CheckpointError, match=r"field 'patch_size' is null"):
         load_model(by_hand, torch.float32, "cpu")  # a Checkpoint not built by detect meets the rule at load
 
