@@ -338,6 +338,12 @@ DEMO_TESTS = textwrap.dedent('''
         Path("started").write_text(str(os.getpid()))
         time.sleep(60)
 
+    def test_slow_the_first_time():
+        if not Path("slowed").exists():  # a load spike: only the first run of it is slow
+            Path("slowed").write_text("")
+            time.sleep(30)
+        assert mutdemo.add(2, 3) == 5
+
     def test_leaves_state():
         mutdemo.LEFT = True
 
@@ -384,6 +390,21 @@ def test_runner_reports_killed_survived_and_timeout_and_leaves_nothing_behind(tm
     records = _records(out)
     assert [records[i]["status"] for i in range(3)] == ["killed", "survived", "timeout"]
     assert records[0]["killed_by"] == ["test_demo.py::test_add"]
+    assert records[2]["timed_out_once_s"] >= 1.0  # a deadline passed twice, the second at TIMEOUT_RETRY x the first
+    assert "timed_out_once_s" not in records[0] and "timed_out_once_s" not in records[1]
+    assert list((tmp_path / "scratch").iterdir()) == []  # no mutrun-* folder outlives the run
+
+
+def test_a_job_past_its_deadline_once_runs_again_at_a_longer_one(tmp_path):
+    """One slow run (another process took the cores) is no verdict: the second run, at a longer deadline, is."""
+    env, chosen = _demo(tmp_path)
+    jobs = [{"id": 0, "mutant": chosen["add"], "tests": ["test_demo.py::test_slow_the_first_time"], "timeout": 2.0}]
+    proc, out = _runner(tmp_path, jobs, env)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    (record,) = _records(out).values()
+    assert record["status"] == "killed" and record["timed_out_once_s"] >= 2.0, record
+    assert "job 0 passed its 2 s deadline; running it again at 3 x" in stderr
     assert list((tmp_path / "scratch").iterdir()) == []  # no mutrun-* folder outlives the run
 
 

@@ -9,7 +9,9 @@ its world ranks die with it) patches the mutant into the live modules, clears th
 computed through the mutated line (the coverage map knows them), runs only the tests selected for that mutant,
 fastest first, stops at the first failure (``-x``) and reports. A mutant that survives that first,
 capped pass runs again against all its other covering tests: only then is it a survivor. A child past
-its deadline is killed with its group: status ``timeout``. A kill is run again unmutated, in a child of
+its deadline is killed with its group and runs once more at ``TIMEOUT_RETRY`` times the deadline (a load that
+rose after the warm-up, another CI stream starting, is no verdict on the mutant): past that one too, its status is
+``timeout``. A kill is run again unmutated, in a child of
 its own, as it ran: the killing test after the tests that ran before it in that child, in the same order. A
 test that fails there failed for something other than the mutant (a test that breaks when an earlier one
 leaves state behind) and kills nothing: the mutant runs again without it. The runner's scratch folder and
@@ -43,6 +45,7 @@ from tools.mutation_score.patching import PatchError, clear_caches, index_caches
 __all__ = ["MutantRunner"]
 
 _CHILD: dict[str, Any] = {"failed": []}
+TIMEOUT_RETRY = 3.0  # a timed-out job's second deadline, in multiples of its first
 
 
 class MutantRunner:
@@ -241,6 +244,12 @@ class MutantRunner:
                 "stale": []}
 
     def _finish(self, sink: Any, job: dict, result: dict, elapsed: float, queue: list[dict]) -> None:
+        if result["status"] == "timeout" and not job.get("retried"):
+            print(f"runner: job {job.get('id')} passed its {job['timeout'] * self.slowdown:.0f} s deadline; running it "
+                  f"again at {TIMEOUT_RETRY:g} x", file=sys.__stderr__, flush=True)
+            queue.insert(0, dict(job, timeout=job["timeout"] * TIMEOUT_RETRY, retried=True,
+                                 first_timeout_s=round(elapsed, 2)))
+            return
         if job.get("verify"):  # an unmutated run of killing tests
             failed = set(result.get("failed", []))
             for key in job["keys"]:
@@ -259,7 +268,7 @@ class MutantRunner:
                 queue.insert(0, dict(job, tests=[t for t in job["tests"] if t != test]))
                 return
         if result["status"] == "survived" and job.get("more"):  # the capped pass is not the verdict
-            queue.insert(0, dict(job, tests=job["more"], more=[], timeout=job["more_timeout"], full=True,
+            queue.insert(0, dict(job, tests=job["more"], more=[], timeout=job["more_timeout"], full=True, retried=False,
                                  first_seconds=round(elapsed, 2), first_tests=len(job["tests"])))
             return
         killed_by = killers[:1] if killers else result.get("failed", [])[:1]
@@ -270,6 +279,8 @@ class MutantRunner:
         record = {"id": job["id"], "status": result["status"], "killed_by": killed_by,
                   "seconds": round(elapsed + job.get("first_seconds", 0.0), 2), "tests": tests,
                   "pass": 2 if job.get("full") else 1}
+        if job.get("retried"):
+            record["timed_out_once_s"] = job["first_timeout_s"]
         if result.get("error"):
             record["error"] = result["error"]
         if result.get("phases"):
