@@ -98,6 +98,19 @@ def test_a_point_is_inside_outside_or_an_unsupported_input_class_of_a_declaratio
     assert decode.unsupported({"transport": "gather", "slicing": "on"}) == [
         "transport 'gather' (declares all_gather)", "slicing 'on' (declares off)"]
     assert ReplayDeclaration().outside({"family": "anything"}) is None  # no families named: every one
+    assert declared.outside({"guidance": "scale"}) == ("the check drives no single family, and the implementation "
+                                                       "declares families sd3, hunyuan_image3")
+
+
+def test_a_declaration_left_at_its_defaults_restricts_nothing():
+    """Every capability a declaration leaves out is taken: a decode gathers to one rank and honours slicing unless
+    it says otherwise; attention has no subject field."""
+    for declared in (ReplayDeclaration(), ARDeclaration(), DecodeDeclaration(), AttentionDeclaration()):
+        assert declared.supported() == {} and declared.subjects is None, declared
+    assert (DecodeDeclaration().gather_to_one, DecodeDeclaration().slicing) == (True, True)
+    assert AttentionDeclaration().subject_field == ""
+    assert [d.subject_field for d in (ReplayDeclaration(), ARDeclaration(), DecodeDeclaration())] == [
+        "families", "models", "vaes"]
 
 
 def test_a_callable_declares_by_its_declares_attribute_and_a_subject_key_narrows_it():

@@ -3,6 +3,8 @@ assertion), and a cache of another capacity than the probes assumed (any from wi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -35,6 +37,48 @@ def test_the_dynamic_cache_at_several_rows_is_named_and_nothing_else_is():
     assert judge.dynamic_cache_batch(ValueError("another failure")) == ""
 
 
+class _Unflagged:
+    """A cache class that never says whether it is dynamic."""
+
+    def update(self, key_states: torch.Tensor) -> None:
+        raise AssertionError
+
+
+class _Flagged(_Unflagged):
+    dynamic = True
+
+
+def _raised_in_update(cache: _Unflagged, shape: tuple[int, ...]) -> BaseException:
+    try:
+        cache.update(torch.zeros(shape))
+    except AssertionError as err:
+        return err
+    raise AssertionError("update did not raise")
+
+
+def test_the_spy_reads_slots_off_a_static_cache_only():
+    from harness.ar import spy as ar_spy
+
+    backend = ar_models.backend("fake")
+    for dynamic, slots in ((False, 8), (True, None)):
+        cache = backend.new_cache(1, 8, dynamic)
+        keys = torch.zeros(1, backend.kv_heads, 2, backend.head_dim)
+        for layer in range(len(cache.layers)):  # the first forward allocates every layer's buffers
+            cache.update(keys, keys, layer, {"cache_position": torch.arange(2)[None]})
+        assert ar_spy.cache_slots(cache) == slots, dynamic
+    assert ar_spy.cache_slots(None) is None
+    one_layer = SimpleNamespace(dynamic=False, layers=[SimpleNamespace(keys=torch.zeros(2, 1, 5, 4),
+                                                                       values=torch.zeros(2, 1, 5, 4))])
+    assert ar_spy.cache_slots(one_layer) == 5  # a model of one layer: its only layer's slots
+
+
+def test_only_a_cache_flagged_dynamic_and_handed_several_rows_is_named():
+    assert judge.dynamic_cache_batch(_raised_in_update(_Flagged(), (2, 1, 2, 4))).startswith(
+        "a dynamic cache at B = 2: _Flagged(dynamic=True)")
+    assert judge.dynamic_cache_batch(_raised_in_update(_Flagged(), (1, 3, 2, 4))) == ""  # one row, three heads
+    assert judge.dynamic_cache_batch(_raised_in_update(_Unflagged(), (3, 1, 2, 4))) == ""  # not flagged dynamic
+
+
 def test_a_rollout_that_keeps_the_dynamic_cache_at_b4_fails_naming_it(monkeypatch):
     monkeypatch.setattr(ar_cache, "cache_is_dynamic", lambda batch_size: True)
     case = next(c for c in CASES if c.batch_size > 1)
@@ -45,8 +89,6 @@ def test_a_rollout_that_keeps_the_dynamic_cache_at_b4_fails_naming_it(monkeypatc
 
 
 def test_the_probes_read_any_capacity_from_width_plus_new_tokens_up_and_name_a_smaller_one():
-    from types import SimpleNamespace
-
     from harness.ar import probes
 
     case = next(c for c in CASES if c.batch_size > 1)

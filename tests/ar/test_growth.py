@@ -20,6 +20,7 @@ from harness.ar import judge, loop
 from harness.ar import policies as ar_policies
 from harness.judging import ablation, catalogue, checks
 from harness.judging.compare import close
+from harness.judging.floors import reduction_ceiling_ulps
 from tests.unablated import unablated_check_ids
 
 catalogue.load()
@@ -248,3 +249,16 @@ def test_the_growth_control_floor_is_its_worst_emitted_step():
     reference.lengths[:] = 0  # no row emitted a token: nothing was measured, whatever the control holds
     silent = judge.growth_control_floor(control, reference, terms=64)
     assert (silent.measured, silent.magnitude) == (0.0, 0.0)
+
+
+@pytest.mark.cpu
+def test_the_growth_control_floor_magnitude_and_ceiling_come_from_the_emitted_steps_and_the_terms():
+    """Log-probs under one in size: the magnitude is their largest emitted one, never a filler of the unemitted
+    steps; the ceiling is the reduction's over ``terms``, one term at the least."""
+    reference = _rollout(torch.tensor([[-0.25, -0.125, -0.5]]))
+    reference.lengths[0] = 2
+    floor = judge.growth_control_floor(reference.logp.clone(), reference, terms=1)
+    assert floor.magnitude == 0.25 and floor.measured == 0.0
+    assert floor.ceiling_ulps == reduction_ceiling_ulps(1)
+    no_terms = judge.growth_control_floor(reference.logp.clone(), reference, terms=0)
+    assert no_terms.ceiling_ulps == reduction_ceiling_ulps(1)

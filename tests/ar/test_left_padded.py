@@ -175,12 +175,16 @@ def test_a_layout_mismatch_is_named_with_its_rows() -> None:
     spy._hook(None, (), {"input_ids": ids})
     assert spy.prefill_pads == ("right", "none", "right")
     base = holds(True, "numbers")
-    assert judge.require_layout(base, spy, "right").passed
+    assert judge.require_layout(base, spy, "right").passed and judge.layout_mismatch(spy, "right") == ""
     verdict = judge.require_layout(base, spy, "left")
     assert not verdict.passed and verdict.message.startswith("layout mismatch: these checks judge padding_side='left'")
     assert "row 0: pads last, row 2: pads last" in verdict.message
     assert "declare padding_side = 'right'" in verdict.message
     assert verdict.violated_facts[0].startswith("the prefill rows reached the model left-padded")
+    base = base.require(True, "every forward at the full batch")
+    verdict = judge.require_layout(base, spy, "left")
+    assert verdict.notes[0].startswith("VIOLATED: the prefill rows reached the model left-padded")
+    assert verdict.notes[1:] == base.notes and len(base.notes) >= 2  # the layout leads, every earlier note follows
     spy._hook(None, (), {"input_ids": torch.tensor([[PAD, 3, PAD]])})
     assert spy.prefill_pads == ("right", "none", "right")  # the first multi-token forward is the prefill
     inside = ARForwardSpy(torch.nn.Identity(), pad_id=PAD)

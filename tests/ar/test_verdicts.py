@@ -167,12 +167,21 @@ def test_a_left_padded_prefill_mask_with_a_query_row_that_admits_nothing_fails_a
     assert ar_spy.empty_query_rows(torch.ones(2, 3, dtype=torch.bool)) is None  # a 2-D mask has no query rows
 
 
+def test_the_prefill_is_the_first_forward_of_several_queries_and_a_decode_step_reads_no_query_rows() -> None:
+    blocked = torch.tensor([[[[True, False], [False, False]]]])  # its second query row admits no key
+    spy = ARForwardSpy(torch.nn.Identity())
+    spy._hook(None, (), {"input_ids": torch.tensor([[4]]), "attention_mask": blocked[..., :1, :]})
+    assert spy.calls[-1].empty_queries is None and spy.prefill_empty_queries is None  # one query: a decode step
+    spy._hook(None, (), {"input_ids": torch.tensor([[4, 5]]), "attention_mask": blocked})
+    assert spy.calls[-1].empty_queries == 1 and spy.prefill_empty_queries == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_additive_mask_admits_a_key_where_its_bias_is_above_half_the_lowest_value(dtype: torch.dtype) -> None:
     low = torch.finfo(dtype).min
-    mask = torch.tensor([[[[0.0, -math.inf], [-math.inf, -math.inf], [low, low], [low / 2, low], [-1e4, low]]]],
-                        dtype=dtype)
-    assert ar_spy.empty_query_rows(mask) == 3  # -inf alone, the lowest value alone, half of it alone
+    mask = torch.tensor([[[[0.0, -math.inf], [-math.inf, -math.inf], [low, low], [low / 2, low], [-1e4, low],
+                           [low * 0.4, low]]]], dtype=dtype)
+    assert ar_spy.empty_query_rows(mask) == 3  # -inf alone, the lowest value alone, half of it alone; not 0.4 of it
     assert ar_spy.empty_query_rows(torch.zeros(1, 1, 2, 2, dtype=torch.long)) is None  # neither bool nor additive
     assert ar_spy.empty_query_rows(None) is None
 
@@ -231,3 +240,7 @@ def test_generated_kv_spans_are_padded_to_the_longest_span_not_past_it() -> None
     assert padded.shape == (2, 2, 2, 3, 4, 4)
     assert padded[0, 0, 0, 0, :, 0].tolist() == [3.0, 4.0, 0.0, 0.0]
     assert padded[1, 0, 0, 0, :, 0].tolist() == [7.0, 8.0, 9.0, 10.0]
+    prompts = Rollout(*(torch.zeros(2, 1),) * 3, torch.zeros(2), torch.tensor([2, 3]), kv)
+    prefill = judge._padded_prefill_kv(prompts)  # each row's prompt, from its first slot
+    assert prefill[0, 0, 0, 0, :, 0].tolist() == [0.0, 1.0, 0.0]
+    assert prefill[1, 0, 0, 0, :, 0].tolist() == [1.0, 2.0, 3.0]

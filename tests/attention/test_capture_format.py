@@ -65,6 +65,32 @@ def test_a_capture_needs_4d_float_arrays_that_agree_and_a_bool_mask_of_their_sha
         Capture(q, k, v, mask[..., :4], name="t")
 
 
+def test_a_recorded_layout_is_held_to_integer_dtypes_its_shapes_and_its_keys_when_built():
+    """The rules the npz reader applies hold for a capture built in memory (a recorder's) too."""
+    q, k, v, mask = _tensors()  # Q 3, KV 5
+    positions, spans = torch.tensor([[2, 3, 4]]), torch.tensor([[[0, 2]]])
+    assert Capture(q, k, v, mask, name="t", positions=positions, spans=spans).recorded
+    for bad_positions, bad_spans, error, match in (
+            (positions.float(), spans, TypeError, "capture t: positions must be an integer tensor, got torch.float32"),
+            (positions, spans == 1, TypeError, "capture t: spans must be an integer tensor, got torch.bool"),
+            (positions[:, :2], spans, ValueError, r"positions must be \(B, Q\) = \(1, 3\), got \(1, 2\)"),
+            (positions, spans[..., :1], ValueError, r"spans must be \(B, N, 2\)"),
+            (positions + 1, spans, ValueError, r"positions\[0, 2\] = 5 is no key position of its 5 keys"),
+            (positions, spans + 4, ValueError, r"spans\[0, 0\] = \[4, 6\) is no span of its 5 keys")):
+        with pytest.raises(error, match=match):
+            Capture(q, k, v, mask, name="t", positions=bad_positions, spans=bad_spans)
+
+
+def test_a_recorded_layout_of_any_integer_width_loads_as_int64(tmp_path):
+    q, k, v, mask = (t.numpy() for t in _tensors())
+    path = tmp_path / "call0_rank0.npz"
+    np.savez(path, query=q, key=k, value=v, mask=mask, positions=np.array([[2, 3, 4]], dtype=np.int32),
+             spans=np.array([[[0, 2]]], dtype=np.int16))
+    loaded = capture_io.load_capture(path)
+    assert (loaded.positions.dtype, loaded.spans.dtype) == (torch.int64, torch.int64)
+    assert loaded.positions.tolist() == [[2, 3, 4]] and loaded.spans.tolist() == [[[0, 2]]]
+
+
 def test_derived_lengths_heads_phase_and_seed_call_names():
     got = {layout.phase: (c.q_len, c.kv_len, c.heads, c.kv_heads, c.phase, c.name)
            for layout in (PREFILL, DENOISE) for c in [small_capture(layout, heads=4, kv_heads=2)]}

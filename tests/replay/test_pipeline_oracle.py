@@ -286,8 +286,10 @@ def test_an_exact_negation_is_named_a_sign_flip_before_its_numbers():
     assert not verdict.passed and verdict.metrics["max_abs"] == 2.0
     assert verdict.message.startswith("expected: velocity: not a sign flip"), verdict.message
     assert "relative error 2" in verdict.message
-    assert not pipeline_oracle.sign_flipped(-2 * expected, expected)  # a scale, not a sign
-    assert not pipeline_oracle.sign_flipped(torch.zeros(2, 2), torch.zeros(2, 2))  # nothing to flip
+    assert pipeline_oracle.sign_flipped(-2 * expected, expected) is False  # a scale, not a sign
+    assert pipeline_oracle.sign_flipped(torch.zeros(2, 2), torch.zeros(2, 2)) is False  # nothing to flip
+    edge = torch.tensor([[1000.0]], dtype=torch.float64)  # 1 off in 1000: exactly its room, still a flip
+    assert pipeline_oracle.SIGN_FLIP_ROOM == 1 / 1000 and pipeline_oracle.sign_flipped(-(edge + 1), edge) is True
 
 
 def test_a_floor_above_its_ceiling_fails_the_output_even_within_k_times_it():
@@ -351,6 +353,16 @@ def test_arguments_are_the_same_only_item_by_item():
     assert pipeline_oracle._same([1, torch.ones(2)], [1, torch.ones(2, dtype=torch.long)])  # dtype aside
     assert not pipeline_oracle._same([1, 2], [1, 3])
     assert not pipeline_oracle._same([1, 2], [1, 2, 3])
+    assert pipeline_oracle._same(["a", "b"], "ab") is False  # a list equals only a list, item by item
+
+
+def test_a_row_value_is_a_tensor_of_rows_or_a_list_of_row_tensors():
+    rows = torch.arange(6).reshape(2, 3)
+    assert [row.tolist() for row in pipeline_oracle.row_list(rows)] == [[0, 1, 2], [3, 4, 5]]
+    assert pipeline_oracle.row_list((rows[0], rows[1][:2]))[1].tolist() == [3, 4]  # ragged rows stay apart
+    for value in ([1, 2], torch.tensor(3.0), "rows"):
+        with pytest.raises(pipeline_oracle.OracleError, match="expected a tensor of rows or a list of per-row tensors"):
+            pipeline_oracle.row_list(value)
     for tensor, other in ((torch.ones(2), 1.0), (torch.ones(2), [1.0, 1.0]), (1.0, torch.ones(1))):
         assert pipeline_oracle._same(tensor, other) is False  # a tensor equals only a tensor, whatever it holds
 
@@ -424,7 +436,7 @@ def test_the_relative_error_of_ragged_rows_is_taken_row_by_row():
     with pytest.raises(pipeline_oracle.OracleError, match=r"shapes differ \(row 1: \(2,\) vs \(3,\)\)"):
         pipeline_oracle.relative_error([torch.ones(2), torch.ones(2)], [torch.ones(2), torch.ones(3)])
     assert pipeline_oracle.sign_flipped([-row for row in expected], expected)
-    assert not pipeline_oracle.sign_flipped(expected, [torch.ones(2), torch.ones(2)])  # another shape: no sign
+    assert pipeline_oracle.sign_flipped(expected, [torch.ones(2), torch.ones(2)]) is False  # another shape: no sign
 
 
 class _ListModel(torch.nn.Module):
