@@ -3,6 +3,7 @@
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,6 +83,24 @@ def test_hunyuan_image3_is_its_own_remote_code_kind(tmp_path):
     with pytest.raises(CheckpointError, match="HunyuanImage3ForCausalMM needs its remote code, but config.json has "
                                               "no auto_map"):
         detect(_config(tmp_path, "bare", architectures=["HunyuanImage3ForCausalMM"]))
+
+
+def test_remote_code_is_refused_naming_each_module_it_would_import(tmp_path):
+    found = detect(_config(tmp_path, "hi3", architectures=["HunyuanImage3ForCausalMM"],
+                           auto_map={"AutoConfig": "configs.hunyuan.HunyuanConfig",
+                                     "AutoModelForCausalLM": "org/repo--modeling_hunyuan.HunyuanImage3ForCausalMM"}))
+    with pytest.raises(CheckpointError, match=r"imports Python shipped in that directory \(configs\.hunyuan\.py, "
+                                              r"modeling_hunyuan\.py\); that code is not run without"):
+        checkpoints.require_trust(found, trusted_here=False)
+    checkpoints.require_trust(found, trusted_here=True)
+
+
+def test_a_class_diffusers_lacks_has_no_null_fields_to_read_and_json_types_are_named():
+    unknown = checkpoints.Checkpoint(Path("x"), "sd3_transformer", "NoSuchTransformer2DModel", {"patch_size": None},
+                                     spec=checkpoints.kind_for_family("replay", "sd3"))
+    assert unknown.source == "diffusers" and null_fields(unknown) == []
+    assert [checkpoints._json_type(v) for v in (None, True, 3, 2.5, "a", [], {})] == [
+        "null", "boolean", "number", "number", "string", "array", "object"]
 
 
 def test_capture_directory(tmp_path):
@@ -255,7 +274,7 @@ def test_which_constructor_parameters_take_a_value():
 
     assert checkpoints._takes_a_value(make(default=3))
     assert checkpoints._takes_a_value(make(annotation="int"))
-    assert not checkpoints._takes_a_value(make(default=None))
+    assert checkpoints._takes_a_value(make(default=None)) is False
     assert not checkpoints._takes_a_value(make())
     assert not checkpoints._takes_a_value(make(default=3, annotation="int | None"))
     assert not checkpoints._takes_a_value(make(default=3, annotation="Optional[int]"))

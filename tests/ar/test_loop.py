@@ -23,6 +23,7 @@ from harness.ar import policies as ar_policies
 from harness.ar.backends import StockRun
 from harness.ar.batch import concat, embed_row, right_padded_batch
 from harness.ar.spy import ARForwardSpy
+from harness.judging.compare import close
 
 pytestmark = pytest.mark.cpu
 
@@ -393,6 +394,21 @@ def test_oracle_errors_count_tokens_off_the_fp64_argmax() -> None:
     assert torch.equal(recorded, logp[0, :3].double())
     want = torch.log_softmax(logits[0, :3].double(), dim=-1)[[0, 1, 2], [0, 2, 0]]
     torch.testing.assert_close(oracle, want, rtol=0.0, atol=1e-15)
+    assert comparisons._oracle_errors(rollout, (2,))[2] == [  # token 2 is an EOS: the row went on one step past it
+        "row 0 went on 1 step(s) past its EOS at step 1", "row 0 step 1 is not the fp64 argmax of its logits"]
+
+
+def test_the_oracle_fact_shows_four_wrong_steps_and_counts_the_rest() -> None:
+    logits = torch.tensor([[[0.0, 1.0]] * 5])
+    for wrong_steps, tail in ((4, ""), (5, "; and 1 more")):
+        tokens = torch.zeros(1, 5, dtype=torch.long)  # every step off its argmax (token 1)
+        lengths = torch.tensor([wrong_steps])
+        logp = torch.log_softmax(logits, dim=-1)[..., 0]
+        rollout = loop.Rollout(tokens, logp, logits, lengths, torch.tensor([2]), ())
+        verdict = comparisons.oracle_verdict({"fast": rollout}, (), close(atol=1e-6, rtol=0.0))
+        (fact,) = verdict.violated_facts
+        assert fact.endswith(f"step 3 is not the fp64 argmax of its logits{tail})"), fact
+        assert verdict.metrics["fast_steps_wrong"] == wrong_steps
 
 
 NAN_FACT = "NaN planted in every unused slot before the run and every dead slot after prefill"

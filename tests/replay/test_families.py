@@ -303,6 +303,16 @@ def test_prompts_and_conditions_refuse_a_cfg_other_than_one_or_two(cfg):
         uncond_first_conditions(prompts, cfg, {"encoder_hidden_states": "prompt_embeds"})
 
 
+def test_padded_prompts_carry_long_masks_and_keep_the_padded_embeddings_unless_told_to_zero_them():
+    drawn = {zero: padded_prompts(2, 1, 4, 3, torch.Generator().manual_seed(0), "prompt_attention_mask",
+                                  **({"zero_padding": True} if zero else {})) for zero in (False, True)}
+    mask = drawn[False]["prompt_attention_mask"]
+    assert mask.dtype == torch.long and 0 < int(mask.sum()) < mask.numel()  # some rows padded
+    padded = (1 - mask)[..., None].bool()
+    assert bool(drawn[False]["prompt_embeds"].masked_select(padded).ne(0).all())  # the default leaves them as drawn
+    assert bool(drawn[True]["prompt_embeds"].masked_select(padded).eq(0).all())
+
+
 def test_a_flux_transformer_whose_config_is_silent_on_guidance_embeds_has_none():
     """diffusers' FluxTransformer2DModel defaults guidance_embeds to False; so does the adapter for a config
     (a user's port, an older export) that leaves it out."""
