@@ -639,3 +639,28 @@ def test_record_image_forwards_records_bound_arguments_and_a_detached_copy_while
     assert torch.equal(calls[0].output, torch.full((2,), 3.0))  # a copy
     module(x)
     assert len(calls) == 2  # nothing recorded after the block
+
+
+def test_the_loop_ends_at_its_vae_decode_and_a_pipe_without_one_is_left_alone():
+    """Inside the block the VAE's decode ends the loop (and is its own again after); a pipe with no VAE, or a VAE
+    without ``decode``, runs through untouched."""
+    import types
+
+    class Vae:
+        def decode(self, latents):
+            return "decoded"
+
+    pipe = types.SimpleNamespace(vae=Vae())
+    with pytest.raises(ho._LoopEnded), ho._ends_at_the_vae(pipe):
+        pipe.vae.decode(None)
+    assert pipe.vae.decode(None) == "decoded"
+    for bare in (types.SimpleNamespace(), types.SimpleNamespace(vae=types.SimpleNamespace())):
+        with ho._ends_at_the_vae(bare):
+            assert not hasattr(getattr(bare, "vae", bare), "decode")  # nothing given a decode to end the loop at
+
+
+def test_the_autocast_a_forward_ran_under_is_read_off_its_device():
+    cpu = torch.device("cpu")
+    assert ho._autocast_of(cpu) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ho._autocast_of(cpu) == torch.bfloat16

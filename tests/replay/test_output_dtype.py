@@ -39,6 +39,22 @@ def test_the_spacing_of_a_dtype_is_one_ulp_at_each_magnitude():
     assert spacing[:4].tolist() == [2.0 ** -7, 2.0 ** -7, 2.0 ** -6, 2.0 ** -9]
     assert float(spacing[4]) == 2.0 ** -133  # at zero: the spacing at the smallest normal (2^-126), never 0
     assert ulp_of(torch.tensor([1.0]), torch.float32).item() == 2.0 ** -23
+    assert spacing.dtype == torch.float64  # compared with fp64 differences
+
+
+def test_a_bound_on_outputs_rounded_to_a_dtype_rounds_the_stock_side_alike():
+    """An implementation returning stock's values rounded to bf16 differs from stock rounded alike by nothing."""
+    expected = torch.linspace(-1.0, 1.0, 24, dtype=torch.float64).reshape(1, 2, 3, 4) / 3
+    bound = LocalScaleBound("prev_sample_means", 1e-7, 4.768e-7, 4.0, "fp32", rounded_to=torch.bfloat16)
+    verdict = bound.judge(expected.to(torch.bfloat16), expected)
+    assert verdict.passed and verdict.metrics["max_abs"] == 0.0
+
+
+def test_a_low_precision_bound_writes_its_ceiling_in_fp32_ulps_of_the_models_dtype():
+    from harness.judging.floors import reduction_ceiling_ulps
+
+    bf16 = LocalScaleBound("prev_sample_means", 1e-3, 4.768e-7, 4.0, "bf16", terms=100).stock_floor
+    assert bf16.ceiling_ulps == reduction_ceiling_ulps(100) * 2.0 ** 16  # a bf16 ulp is 2^16 fp32 ulps
 
 
 def test_means_in_the_declared_trajectory_dtype_are_judged_against_stock_rounded_alike(declares):
