@@ -4,6 +4,7 @@ out, and a NotImplementedError inside a declaration failing the check by name.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -53,11 +54,14 @@ def test_an_unknown_axis_or_a_value_a_closed_axis_does_not_admit_is_refused():
 # ------------------------------------------------------------------------------------------- declarations
 
 
-def test_an_axis_field_names_no_subject_unless_it_says_so():
+def test_the_subject_field_is_the_one_on_the_space_s_subject_axis():
+    """A declaration does not restate which axis is its path's subject: the input space says so, once."""
     from harness.plugins.declarations import _axis_field
 
-    assert _axis_field("dtype").metadata == {"axis": "dtype", "subject": False}
-    assert _axis_field("family", subject=True).metadata == {"axis": "family", "subject": True}
+    assert _axis_field("dtype").metadata == {"axis": "dtype"}
+    for declared in (ReplayDeclaration(), ARDeclaration(), DecodeDeclaration()):
+        (subject,) = [f for f in dataclasses.fields(declared) if f.name == declared.subject_field]
+        assert subject.metadata["axis"] == space.subject_axis(declared.path).name
 
 
 def test_a_declaration_names_the_values_of_its_axes_and_refuses_unknown_ones_listing_the_known():

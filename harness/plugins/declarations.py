@@ -39,8 +39,9 @@ __all__ = [
 OUTPUT_DTYPES = ("float32", "trajectory")  # what a replay output comes back in: fp32, or the trajectory's dtype
 
 
-def _axis_field(axis: str, default: Any = None, *, subject: bool = False) -> Any:
-    return field(default=default, metadata={"axis": axis, "subject": subject})
+def _axis_field(axis: str, default: Any = None) -> Any:
+    """A field restricting ``axis``; whether that axis is the path's subject is the input space's to say."""
+    return field(default=default, metadata={"axis": axis})
 
 
 @dataclass(frozen=True)
@@ -85,11 +86,14 @@ class Declaration:
     def supported(self) -> dict[str, tuple[str, ...]]:
         """Capability axis -> the values this implementation takes (only the axes it restricts)."""
         return {f.metadata["axis"]: getattr(self, f.name) for f in dataclasses.fields(self)
-                if "axis" in f.metadata and not f.metadata["subject"] and getattr(self, f.name) is not None}
+                if "axis" in f.metadata and not self._is_subject(f) and getattr(self, f.name) is not None}
 
     @property
     def subject_field(self) -> str:
-        return next(f.name for f in dataclasses.fields(self) if f.metadata.get("subject"))
+        return next(f.name for f in dataclasses.fields(self) if "axis" in f.metadata and self._is_subject(f))
+
+    def _is_subject(self, item: dataclasses.Field) -> bool:
+        return space.axis(self.path, item.metadata["axis"]).subject
 
     @property
     def subjects(self) -> tuple[str, ...] | None:
@@ -136,7 +140,7 @@ class ReplayDeclaration(Declaration):
     guidance schedule or one scale, and the dtype it returns each output in (``"trajectory"``: the segment's)."""
 
     path: ClassVar[str] = "replay"
-    families: tuple[str, ...] | None = _axis_field("family", subject=True)
+    families: tuple[str, ...] | None = _axis_field("family")
     cfg_layouts: tuple[str, ...] | None = _axis_field("cfg_layout")
     combines: tuple[str, ...] | None = _axis_field("combine")
     guidance: str = "schedule"  # "schedule": a per-step sequence or one scale; "scale": one float only
@@ -169,7 +173,7 @@ class ARDeclaration(Declaration):
     """A batched rollout: the models it drives and the side it pads (``harness.plugins.conformance.LAYOUTS``)."""
 
     path: ClassVar[str] = "ar"
-    models: tuple[str, ...] | None = _axis_field("model", subject=True)
+    models: tuple[str, ...] | None = _axis_field("model")
     padding_side: str = "right"
 
     def _check_fields(self) -> None:
@@ -184,7 +188,7 @@ class DecodeDeclaration(Declaration):
     ``use_slicing``."""
 
     path: ClassVar[str] = "decode"
-    vaes: tuple[str, ...] | None = _axis_field("vae", subject=True)
+    vaes: tuple[str, ...] | None = _axis_field("vae")
     gather_to_one: bool = True
     slicing: bool = True
 

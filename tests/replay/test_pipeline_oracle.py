@@ -280,6 +280,15 @@ def test_an_output_may_be_off_by_4_resolutions_of_4_fp32_ulps_where_the_floor_is
     assert verdict.passed is passed, verdict.describe()
 
 
+def test_the_combine_floor_is_rounding_of_one_term_no_model_runs():
+    """Branch outputs combined as the pipeline did: the ceiling is one term's, nothing accumulates."""
+    from harness.judging.floors import reduction_ceiling_ulps
+
+    values = torch.tensor([[1.0, -0.5], [0.25, 0.125]], dtype=torch.float64)
+    verdict = pipeline_oracle.judge_combine("velocity", values, values, "same")
+    assert verdict.passed and verdict.metrics["floor_ceiling_ulps"] == reduction_ceiling_ulps(1)
+
+
 def test_an_exact_negation_is_named_a_sign_flip_before_its_numbers():
     expected = torch.tensor([[1.0, -0.5], [0.25, 0.125]], dtype=torch.float64)
     verdict = pipeline_oracle.judge_combine("velocity", -expected, expected, "negated")
@@ -354,6 +363,15 @@ def test_arguments_are_the_same_only_item_by_item():
     assert not pipeline_oracle._same([1, 2], [1, 3])
     assert not pipeline_oracle._same([1, 2], [1, 2, 3])
     assert pipeline_oracle._same(["a", "b"], "ab") is False  # a list equals only a list, item by item
+
+
+def test_a_relative_error_takes_a_tensor_against_a_list_of_its_rows():
+    expected = torch.tensor([[1.0, -2.0], [0.5, 0.25]], dtype=torch.float64)
+    actual = expected + torch.tensor([[0.5, 0.0], [0.0, 0.125]], dtype=torch.float64)
+    both = pipeline_oracle.relative_error(actual, expected)
+    assert both.tolist() == [[0.25, 0.0], [0.0, 0.25]]
+    assert torch.equal(pipeline_oracle.relative_error(actual, list(expected)), both)
+    assert torch.equal(pipeline_oracle.relative_error(list(actual), expected), both)
 
 
 def test_a_row_value_is_a_tensor_of_rows_or_a_list_of_row_tensors():
