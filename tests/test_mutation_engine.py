@@ -408,6 +408,21 @@ def test_a_job_past_its_deadline_once_runs_again_at_a_longer_one(tmp_path):
     assert list((tmp_path / "scratch").iterdir()) == []  # no mutrun-* folder outlives the run
 
 
+def test_a_run_past_its_time_limit_starts_no_more_mutants_and_says_how_many(tmp_path):
+    env, chosen = _demo(tmp_path)
+    jobs = [{"id": i, "mutant": chosen[name], "tests": ["test_demo.py::test_add"], "timeout": 30.0}
+            for i, name in enumerate(("add", "spin"))]
+    (tmp_path / "jobs.json").write_text(json.dumps({"jobs": [dict(j, mutant=j["mutant"].__dict__) for j in jobs],
+                                                    "stop_at": 0.0}))
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "tools.mutation_score.runner", "jobs.json", str(out), "2", "mutdemo",
+                           "--", "-q", "-p", "no:cacheprovider", "test_demo.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "runner: time limit reached, 2 mutants not run" in proc.stderr
+    assert not out.exists() or out.read_text() == ""
+
+
 def test_a_first_pass_survivor_runs_against_all_its_covering_tests(tmp_path):
     env, chosen = _demo(tmp_path)
     first = ["test_demo.py::test_spin_runs"]  # runs `add`'s module but never checks it
