@@ -50,6 +50,7 @@ def test_conditions_tiled_step_major_outside_the_branches_are_named():
     assert found is not None and "the conditions were tiled step-major outside the branches" in found
     assert "[cond_s0, uncond_s0, cond_s1, ...]" in found and "midpoint split mixes the CFG branches" in found
     assert "row 2 holds uncond step 3 sample 0" in found  # where the first wrong rows are, in the path's words
+    assert found.endswith(")") and found[found.rindex("("):].count("row ") == 3  # the first three, of more
 
 
 def test_a_whole_batch_nested_step_major_names_the_branches():
