@@ -170,11 +170,11 @@ class MutantRunner:
         handles: dict[int, int] = {}  # child pid -> its pidfd, readable once the child has exited
         with self.results.open("a") as sink:
             while queue or running or self.unverified:
-                if self.stop_at is not None and time.time() > self.stop_at and any(not j.get("verify") for j in queue):
-                    dropped = [job for job in queue if not job.get("verify")]  # a retried kill check still decides
-                    print(f"runner: time limit reached, {len(dropped)} mutants not run", file=sys.__stderr__,
-                          flush=True)
-                    queue[:] = [job for job in queue if job.get("verify")]
+                kept = [job for job in queue if job.get("verify")]  # a retried kill check still decides its kills
+                if self.stop_at is not None and time.time() > self.stop_at and len(kept) < len(queue):
+                    print(f"runner: time limit reached, {len(queue) - len(kept)} mutants not run",
+                          file=sys.__stderr__, flush=True)
+                    queue[:] = kept
                 while (queue or self.unverified) and len(running) < self.workers:
                     job = self._verify_job() if self.unverified else self._ordered(queue.pop(0))
                     if not job["tests"]:
