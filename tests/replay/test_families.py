@@ -284,6 +284,19 @@ def test_every_registered_family_draws_discriminating_conditions(family, seed):
     adapter = registered.adapter(tiny_model(family))
     for batch in (1, 2, 3):
         registered.example_conditions(adapter, batch, 2, torch.Generator().manual_seed(seed))
+    with pytest.raises(ValueError, match="cfg must be 1 .* got 3"):  # a third branch is refused, whatever draws it
+        registered.example_conditions(adapter, 2, 3, torch.Generator().manual_seed(seed))
+
+
+def test_example_conditions_refuse_a_third_branch_before_an_adapter_draws_its_prompts():
+    """A plugin family's own prompt drawer may not check the branch count: the base method does."""
+    from harness.replay.families.base import ModelAdapter
+
+    lenient = types.SimpleNamespace(example_prompts=lambda batch, cfg, generator: {},
+                                    conditions_from_prompts=lambda prompts, cfg: prompts)
+    assert ModelAdapter.example_conditions(lenient, 2, 2, torch.Generator()) == {}
+    with pytest.raises(ValueError, match="cfg must be 1 .* got 3"):
+        ModelAdapter.example_conditions(lenient, 2, 3, torch.Generator())
 
 
 def test_distinct_lengths_refuse_a_batch_the_tokens_cannot_serve():
