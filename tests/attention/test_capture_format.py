@@ -91,6 +91,11 @@ def test_a_recorded_layout_of_any_integer_width_loads_as_int64(tmp_path):
     assert loaded.positions.tolist() == [[2, 3, 4]] and loaded.spans.tolist() == [[[0, 2]]]
 
 
+def test_a_synthetic_capture_holds_one_row_unless_asked_for_more():
+    assert capture_io.synthetic_capture(PREFILL, seed=3).query.shape[0] == 1
+    assert capture_io.synthetic_capture(PREFILL, seed=3, batch=2).query.shape[0] == 2
+
+
 def test_derived_lengths_heads_phase_and_seed_call_names():
     got = {layout.phase: (c.q_len, c.kv_len, c.heads, c.kv_heads, c.phase, c.name)
            for layout in (PREFILL, DENOISE) for c in [small_capture(layout, heads=4, kv_heads=2)]}

@@ -148,3 +148,11 @@ def test_compare_replay_fails_a_declined_fast_path_and_a_wrong_shape():
     shape = judge_result(exact(), torch.zeros(2, 3), torch.zeros(3, 2), (0, 1), "log_probs")
     assert not shape.passed and shape.violated_facts == ["log_probs has the serial shape [3, 2]"]
     assert (shape.metrics["actual_shape"], shape.metrics["expected_shape"]) == ("[2, 3]", "[3, 2]")
+
+
+def test_the_spy_counts_the_rows_of_a_tensor_or_of_a_list_of_row_tensors():
+    from harness.replay import spy as replay_spy
+
+    assert replay_spy._rows(torch.zeros(3, 2)) == 3
+    assert replay_spy._rows([torch.zeros(2), torch.zeros(5)]) == 2  # ragged rows, one tensor each
+    assert replay_spy._rows([]) is None and replay_spy._rows(torch.tensor(1.0)) is None

@@ -544,3 +544,8 @@ def test_a_forward_output_is_copied_as_a_value_without_its_graph():
     kept = pipeline_oracle._copied([output, (output,)])
     assert not kept[0].requires_grad and not kept[1][0].requires_grad and isinstance(kept[1], tuple)
     assert kept[0].data_ptr() != output.data_ptr() and torch.equal(kept[0], output.detach())
+
+
+def test_a_value_s_shape_is_named_for_a_tensor_and_its_type_otherwise():
+    assert pipeline_oracle._shape(torch.zeros(2, 3)) == "(2, 3)"
+    assert pipeline_oracle._shape([torch.zeros(2)]) == "list"
