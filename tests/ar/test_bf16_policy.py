@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from torch.distributions import Categorical, kl_divergence
 
 from fixtures import ar_models
 from fixtures.ar_cases import prompt_ids
+from harness.ar import policies
 from harness.ar.backends import TransformersBackend, UpstreamBackend
 from harness.ar.batch import right_padded_batch
 from harness.ar.judge import (
@@ -382,3 +385,17 @@ def test_a_bitwise_row_with_no_bound_does_not_lead_a_row_using_half_its_room() -
     verdict = judge_bf16(fast, reference, control, k=2.0, floor=0.0, flip_margin=1.0, dtype=torch.bfloat16)
     assert verdict.passed and verdict.metrics["worst_row"] == 1
     assert verdict.margin == pytest.approx(0.5, rel=1e-5)
+
+
+@pytest.mark.cpu
+def test_the_gpu_tier_docs_state_the_ar_policies_the_judges_apply():
+    """A reviewer reads the ar bounds in docs/gpu-tier.md, not in the code: the numbers there are the ones applied."""
+    row = next(line for line in (Path(__file__).parents[2] / "docs" / "gpu-tier.md").read_text().splitlines()
+               if "`ar.gpu.batched_vs_b1`" in line)
+    fp32 = re.search(r"log-prob \\\|d\\\| <= (\S+) x the stock floor .* held within \[(\S+), (\S+)\] x that floor", row)
+    bf16 = re.search(r"<= (\S+) x that row's own KL\(fp32 .* \+ (\S+); top-1 flips .* margin < (\S+) \|", row)
+    assert fp32 and bf16, row
+    stated = [float(v) for v in (*fp32.groups(), *bf16.groups())]
+    applied = [policies.TOLERANCE_K, policies.K_MIN, policies.K_MAX, policies.BF16_KL_K, policies.BF16_KL_FLOOR,
+               policies.FLIP_MARGIN]
+    assert stated == applied, f"docs/gpu-tier.md states {stated}, the judges apply {applied}"

@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 from fixtures.attention_captures import small_capture
-from fixtures.attention_strategies import KernelCase, block_sizes, kernel_cases, layouts, straddling_layouts
+from fixtures.attention_strategies import (
+    KernelCase,
+    block_sizes,
+    edge_layouts,
+    kernel_cases,
+    layouts,
+    straddling_layouts,
+)
 from harness.attention import contract, decomposed, flex, judge, kernels, masks, padded, primitives, reference, spy
 from harness.attention.layout import AttentionLayout
 from harness.judging.compare import close
@@ -70,10 +77,13 @@ def test_pad_mask_keeps_pad_keys_invisible_and_pad_rows_defined(case: tuple[Atte
 
 
 @settings(max_examples=40, deadline=None)
-@given(layouts())
+@given(st.one_of(layouts(), edge_layouts()))
 def test_split_rows_partitions_rows_into_prefix_blocks(layout: AttentionLayout):
     mask = masks.build_mask(layout)
     blocks = decomposed.split_rows(layout)
+    # the blocks own every dense pair exactly when the mask is dense (what the launch proof's "fewer than dense
+    # unless the mask is dense" rests on)
+    assert (sum(b.pairs for b in blocks) == layout.q_len * layout.kv_len) == bool(mask.all()), layout.describe()
     assert [b.start for b in blocks] == [0] + [b.stop for b in blocks[:-1]]
     assert blocks[-1].stop == layout.q_len
     for block in blocks:

@@ -477,6 +477,10 @@ def test_a_mask_that_lost_only_the_generated_images_span_fails_against_the_recor
     assert not verdict.passed
     assert verdict.violated_facts[0].startswith("call0_rank0.npz row 0: its mask is the contract's formula at the "
                                                 "spans recorded beside it")
+    # each row that fails keeps its account under its own name; a row that agrees adds none
+    assert "the formula" in verdict.metrics["call0_rank0.npz row 0 formula"], verdict.metrics
+    clean = _run("attention.capture.prefill.contract", _copy(captured, tmp_path / "clean"))
+    assert clean.passed and not [name for name in clean.metrics if name.endswith(" formula")], clean.metrics
 
 
 def _plant(model, monkeypatch, bug: str) -> None:
