@@ -110,6 +110,13 @@ def test_a_merged_verdict_heads_with_its_leading_part_s_own_number() -> None:
     assert passing.merge(failing).headline_value == 1.0
 
 
+def test_a_leading_headline_that_names_no_metric_of_its_own_merges_without_one() -> None:
+    """A verdict may name a table column it holds no number for (headline_value None); merged, it stays so."""
+    named = Verdict("t.head", True, {}, "p", 0.5, headline="max_abs")
+    merged = named.merge(Verdict("t.head", True, {"other": 1}, "q", None))
+    assert (merged.headline, merged.headline_value, merged.metrics) == ("max_abs", None, {"other": 1})
+
+
 def test_a_failed_verdict_whose_error_sits_exactly_at_its_tolerance_names_the_fact_that_failed_it():
     """Margin 1 passes the numbers (error <= tolerance), so the failure must have been a fact: it is named."""
     at_bound = Verdict("t.edge", False, {}, "p", 1.0, notes=("VIOLATED: one forward",))

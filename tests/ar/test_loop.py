@@ -215,9 +215,22 @@ def test_nan_probe_counts_only_emitted_logits() -> None:
 
 def test_nan_probe_plants_nothing_in_a_dynamic_cache() -> None:
     backend = ar_models.backend("fake", "read_safe")
+    hooks = len(backend.model._forward_pre_hooks), len(backend.model._forward_hooks)
     with deadline(8.0):
         run = probes.nan_probe_rollout(backend, right_padded_batch(prompt_ids((5,), seed=56), PAD), 2)
     assert (run.static, run.poisoned_slots, run.nonfinite_logits) == (False, 0, 0)
+    assert (len(backend.model._forward_pre_hooks), len(backend.model._forward_hooks)) == hooks, "the probe's hooks stay"
+
+
+def test_padded_b1_is_asked_only_of_one_row_that_holds_pads() -> None:
+    """Two rows, or one row without pads (its real length the batch's width), are a caller's mistake, named."""
+    backend = ar_models.backend("fake")
+    policies = ar_policies.fp32_policies(ar_policies.StockPrefillFloor(0.0, 0.0, "fake", 1.0, 1.0))
+    reference = loop.stock_rollout(backend, prompt_ids((5,), seed=58), 2)
+    for prompts in ((5, 7), (5,)):
+        batch = right_padded_batch(prompt_ids(prompts, seed=58), PAD)
+        with pytest.raises(ValueError, match="needs one padded row"):
+            comparisons.compare_padded_b1(backend, batch, 2, policies, reference)
 
 
 class StrayWrite(Wrapped):

@@ -85,6 +85,7 @@ def test_a_cache_too_small_for_the_rollout_is_refused_naming_both_sizes() -> Non
     needed = batch.width + ar_space.CASE.max_new_tokens
     with pytest.raises(ValueError, match=f"cache_slots={needed - 1} is too few.*at least {needed}"):
         loop.init_state(backend, batch, ar_space.CASE.max_new_tokens, cache_slots=needed - 1)
+    assert loop.cache_length(batch.width, ar_space.CASE.max_new_tokens, needed) == needed  # exactly enough is enough
 
 
 def test_the_mask_sized_to_the_rollout_is_seen_only_over_a_longer_cache(parity_session, parity_ctx) -> None:

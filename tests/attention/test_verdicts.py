@@ -52,11 +52,12 @@ def test_formula_verdict_names_the_span_it_used():
 
 def test_builder_verdict_names_the_first_pair_the_builder_gets_wrong():
     mask = masks.build_mask(DENOISE)
-    assert judge.builder_verdict(mask, DENOISE).metrics == {
-        "builder_mismatches": 0, "builder_first_mismatch": "none"}
+    agrees = judge.builder_verdict(mask, DENOISE)
+    assert agrees.passed and agrees.metrics == {"builder_mismatches": 0, "builder_first_mismatch": "none"}
     mask[2, 0] = False
-    assert judge.builder_verdict(mask, DENOISE).metrics == {
-        "builder_mismatches": 1, "builder_first_mismatch": "query row 2, key 0"}
+    one_off = judge.builder_verdict(mask, DENOISE)
+    assert not one_off.passed
+    assert one_off.metrics == {"builder_mismatches": 1, "builder_first_mismatch": "query row 2, key 0"}
 
 
 def _expanding(query, key, value, layout, *, scale=None):
