@@ -64,6 +64,22 @@ def test_the_subject_field_is_the_one_on_the_space_s_subject_axis():
         assert subject.metadata["axis"] == space.subject_axis(declared.path).name
 
 
+def test_a_declaration_class_may_list_plain_fields_and_other_axes_before_its_subject():
+    from typing import ClassVar
+
+    from harness.plugins.declarations import Declaration, _axis_field
+
+    @dataclasses.dataclass(frozen=True)
+    class SubjectLast(Declaration):
+        path: ClassVar[str] = "ar"
+        padding_side: str = "right"
+        dtypes: tuple[str, ...] | None = _axis_field("dtype")
+        models: tuple[str, ...] | None = _axis_field("model")
+
+    declared = SubjectLast(dtypes="float32")
+    assert declared.subject_field == "models" and declared.supported() == {"dtype": ("float32",)}
+
+
 def test_a_declaration_names_the_values_of_its_axes_and_refuses_unknown_ones_listing_the_known():
     declared = ReplayDeclaration(families="sd3", cfg_layouts=("uncond_first",), guidance="scale",
                                  means_dtype="trajectory")

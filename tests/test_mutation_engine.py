@@ -173,6 +173,20 @@ def test_a_field_default_is_tested_by_every_test_that_constructs_its_class():
     assert cli.covering_tests(field_default, coverage_map, source) == {"t.py::detects", "t.py::labels", "t.py::marks"}
 
 
+def test_a_field_default_is_tested_by_a_test_file_that_builds_its_class_itself(monkeypatch):
+    """Instances built at import (a table of them) run no line under a test: a test constructing its own instance
+    is what notices a mutated default, and only its file says so."""
+    source = {"m.py": ["@dataclass(frozen=True)", "class Axis:", "    name: str", "    subject: bool = False", "",
+                       "TABLE = {'a': Axis('a')}"]}
+    coverage_map = CoverageMap(lines={}, caches={}, cache_users={}, durations={
+        "test_axis.py::builds": 0.1, "test_other.py::unrelated": 0.1}, failing=[], seconds=1.0)
+    texts = {"test_axis.py": "assert not m.Axis('b').subject", "test_other.py": "assert m.TABLE"}
+    monkeypatch.setattr(cli, "_test_file_text", lambda path: texts[path])
+    default = Mutant("m", "m.py", 4, 0, "const", "- subject: bool = False\n+ subject: bool = True", "class",
+                     "Axis.subject", (2, 4))
+    assert cli.covering_tests(default, coverage_map, source) == {"test_axis.py::builds"}
+
+
 def test_selection_reaches_the_unit_test_of_a_line_every_end_to_end_test_runs(monkeypatch):
     e2e = [f"e{k}.py::run" for k in range(6)]
     lines = {"m.py": {3: [*e2e, "test_m.py::unit"], 4: ["test_m.py::unit"]},

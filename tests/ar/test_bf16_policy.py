@@ -12,6 +12,7 @@ import functools
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -211,31 +212,36 @@ def test_upcast_holds_the_weights_in_fp32_and_puts_them_back_bitwise() -> None:
 
 
 def test_dtype_control_is_stock_b1_in_bf16_against_the_same_weights_in_fp32() -> None:
+    """Two prompt draws whose worst log-prob gaps have opposite signs: the floor is the largest |gap| either way."""
     backend = bf16_backend("fake")
-    prompts = prompt_ids([6, 9], seed=31)
-    reference = stock_rollout(backend, prompts, 3)
-    control = dtype_control(backend, prompts, reference, terms=1000)
-    assert control.kl.dtype == torch.float64 and control.kl.shape == (2,)
-    assert next(backend.model.parameters()).dtype == torch.bfloat16  # put back
-    with torch.no_grad():
-        low = backend.stock_padded(prompts[0], reference.tokens[0], 6, 9)
-        with upcast(backend.model):
-            high = backend.stock_padded(prompts[0], reference.tokens[0], 6, 9)
-    torch.testing.assert_close(control.kl[0], _kl64(high, low).max(), rtol=1e-9, atol=0.0)
-    worst = 0.0  # the floor: the worst |d log-prob| over both rows, both softmaxes taken in fp64
-    for row, prompt in enumerate(prompts):
-        count, length = int(reference.lengths[row]), int(prompt.numel())
-        with torch.no_grad():
-            low = backend.stock_padded(prompt, reference.tokens[row, :count], length, length + count)
-            with upcast(backend.model):
-                high = backend.stock_padded(prompt, reference.tokens[row, :count], length, length + count)
-        gap = torch.log_softmax(high.double(), -1) - torch.log_softmax(low.double(), -1)
-        worst = max(worst, float(gap.abs().max()))
-    assert control.floor.measured == pytest.approx(worst, rel=1e-12, abs=0.0)
-    # bf16 rounding moves a tiny random model's log-probs: measurable, finite, and rounding (under the ceiling)
-    assert float(control.kl.max()) > 0 and bool(torch.isfinite(control.kl).all())
-    assert control.floor.control == "dtype" and not control.floor.above_ceiling, control.floor.describe()
-    assert control.floor.ulps == 1.0 and control.floor.dtype == torch.bfloat16  # at least one bf16 ulp
+    signs = set()
+    for seed in (31, 32):
+        prompts = prompt_ids([6, 9], seed=seed)
+        reference = stock_rollout(backend, prompts, 3)
+        control = dtype_control(backend, prompts, reference, terms=1000)
+        assert control.kl.dtype == torch.float64 and control.kl.shape == (2,)
+        assert next(backend.model.parameters()).dtype == torch.bfloat16  # put back
+        worst, kl_rows_seen = 0.0, []  # the floor: the worst |d log-prob| over both rows, softmaxes taken in fp64
+        for row, prompt in enumerate(prompts):
+            count, length = int(reference.lengths[row]), int(prompt.numel())
+            with torch.no_grad():
+                low = backend.stock_padded(prompt, reference.tokens[row, :count], length, length + count)
+                with upcast(backend.model):
+                    high = backend.stock_padded(prompt, reference.tokens[row, :count], length, length + count)
+            kl_rows_seen.append(_kl64(high, low).max())
+            gap = (torch.log_softmax(high.double(), -1) - torch.log_softmax(low.double(), -1)).flatten()
+            at = int(gap.abs().argmax())
+            if abs(float(gap[at])) > worst:
+                worst, sign = abs(float(gap[at])), math.copysign(1.0, float(gap[at]))
+        signs.add(sign)
+        torch.testing.assert_close(control.kl, torch.stack(kl_rows_seen), rtol=1e-9, atol=0.0)
+        assert control.floor.measured == pytest.approx(worst, rel=1e-12, abs=0.0)
+        # bf16 rounding moves a tiny random model's log-probs: measurable, finite, and rounding (under the ceiling)
+        assert float(control.kl.max()) > 0 and bool(torch.isfinite(control.kl).all())
+        assert control.floor.control == "dtype" and not control.floor.above_ceiling, control.floor.describe()
+        assert control.floor.ulps == 1.0 and control.floor.dtype == torch.bfloat16  # at least one bf16 ulp
+    assert signs == {1.0, -1.0}, "the two draws no longer put the worst gap on both sides"
+    assert dtype_control(backend, prompts[:1], reference, terms=0).floor.ceiling_ulps == 8.0  # one term at the least
 
 
 @pytest.mark.parametrize("name", ["fake", "qwen3"])
@@ -355,6 +361,21 @@ def test_kv_dtype_floor_is_stock_b1_kv_in_bf16_against_the_same_weights_in_fp32(
     assert floor.measured > 0 and floor.dtype == torch.bfloat16 and floor.control == "dtype"
     assert not floor.above_ceiling and floor.ceiling_ulps == pytest.approx(8.0 * math.sqrt(1000))
     assert next(backend.model.parameters()).dtype == torch.bfloat16  # put back
+    # the magnitude is the largest |KV|, whatever its sign: the same model with its KV negated has the same floor
+    flipped = kv_dtype_floor(_NegatedKV(backend), prompts, stopped, terms=0)
+    assert (flipped.measured, flipped.magnitude) == (floor.measured, floor.magnitude)
+    assert flipped.ceiling_ulps == 8.0  # no terms counted: the ceiling of one term at the least
+
+
+class _NegatedKV:
+    """A backend whose stock prefill hands back its KV negated (the model's own sign convention, say)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.model, self._backend = backend.model, backend
+
+    def stock_prefill(self, ids: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        logits, kv = self._backend.stock_prefill(ids)
+        return logits, -kv
 
 
 def _bitwise_row_and_drifted_row() -> tuple[Rollout, Rollout, float]:

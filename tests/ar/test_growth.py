@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from fixtures import ar_models
-from fixtures.ar_cases import CASES
+from fixtures.ar_cases import CASES, prompt_ids
 from harness.ar import judge, loop
 from harness.ar import policies as ar_policies
 from harness.judging import ablation, catalogue, checks
 from harness.judging.compare import close
-from harness.judging.floors import reduction_ceiling_ulps
+from harness.judging.floors import module_reduction_terms, reduction_ceiling_ulps
 from tests.unablated import unablated_check_ids
 
 catalogue.load()
@@ -262,3 +262,29 @@ def test_the_growth_control_floor_magnitude_and_ceiling_come_from_the_emitted_st
     assert floor.ceiling_ulps == reduction_ceiling_ulps(1)
     no_terms = judge.growth_control_floor(reference.logp.clone(), reference, terms=0)
     assert no_terms.ceiling_ulps == reduction_ceiling_ulps(1)
+
+
+@pytest.mark.cpu
+def test_the_batch_shape_control_scores_stock_logits_in_float64() -> None:
+    """Each row's stock logits at the batch's shape, read at its own row, scored by an fp64 log-softmax (rounded
+    to fp32 once at the end, as the rollouts' own log-probs are)."""
+    backend = ar_models.backend("qwen3")
+    prompts = prompt_ids([5, 8], seed=61)
+    reference = loop.stock_rollout(backend, prompts, 4)
+    width, slots = 8, 12
+    control = judge.batch_shape_control_logp(backend, prompts, reference, width, slots)
+    for row, prompt in enumerate(prompts):
+        count = int(reference.lengths[row])
+        tokens = reference.tokens[row, :count]
+        with torch.no_grad():
+            logits = backend.stock_padded(prompt, tokens, width, slots, rows=2, row=row)
+        want = torch.log_softmax(logits.double(), dim=-1).gather(-1, tokens[:, None])[:, 0].float()
+        assert torch.equal(control[row, :count], want), (control[row, :count] - want).tolist()
+    assert not control[0, int(reference.lengths[0]):].any() and not control[1, int(reference.lengths[1]):].any()
+
+
+@pytest.mark.cpu
+def test_the_prefill_floor_counts_the_model_s_reductions_and_the_vocabulary_s_log_sum_exp() -> None:
+    backend = ar_models.backend("qwen3")
+    floor = ar_policies.stock_prefill_floor(backend)
+    assert floor.terms == module_reduction_terms(backend.model, sequence=floor.length) + backend.vocab_size

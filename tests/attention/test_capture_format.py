@@ -291,6 +291,15 @@ def test_a_query_row_whose_mask_admits_no_key_is_refused_naming_the_row(tmp_path
         capture_io.validate_file(path)
 
 
+def test_a_recorded_layout_naming_a_key_the_capture_lacks_is_refused_before_any_check_loads_it(tmp_path):
+    """Positions past the file's keys parse as integers of the right shape: validation still refuses them."""
+    q, k, v, mask = (t.numpy() for t in _tensors())
+    path = tmp_path / "call0_rank0.npz"
+    np.savez(path, query=q, key=k, value=v, mask=mask, positions=np.array([[3, 4, 5]]), spans=np.array([[[0, 2]]]))
+    with pytest.raises(ValueError, match=r"positions\[0, 2\] = 5 is no key position of its 5 keys"):
+        capture_io.validate_file(path)
+
+
 def test_a_capture_path_that_is_a_directory_or_a_symlink_loop_says_so(tmp_path):
     (tmp_path / "call0_rank0.npz").mkdir()
     with pytest.raises(ValueError, match=r"call0_rank0.npz is a directory; expected an npz archive"):

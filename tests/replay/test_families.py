@@ -286,6 +286,9 @@ def test_every_registered_family_draws_discriminating_conditions(family, seed):
         registered.example_conditions(adapter, batch, 2, torch.Generator().manual_seed(seed))
     with pytest.raises(ValueError, match="cfg must be 1 .* got 3"):  # a third branch is refused, whatever draws it
         registered.example_conditions(adapter, 2, 3, torch.Generator().manual_seed(seed))
+    prompts = adapter.example_prompts(2, 2, torch.Generator().manual_seed(seed))
+    with pytest.raises(ValueError, match="cfg must be 1 .* got 3"):  # and by each family's own conversion
+        adapter.conditions_from_prompts(prompts, 3)
 
 
 def test_example_conditions_refuse_a_third_branch_before_an_adapter_draws_its_prompts():

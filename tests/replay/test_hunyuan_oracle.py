@@ -99,6 +99,8 @@ def test_the_family_passes_its_pipeline_oracle(setup):
     assert verdict.metrics["step 0_timestep_loop"] == 1000.0
     assert verdict.metrics["step 1_timestep_loop"] == 750.0
     assert FAMILY.pipeline.own_oracle() is ORACLE  # what the generic oracle hands the family to
+    given = dataclasses.replace(FAMILY.pipeline, oracle=ORACLE)  # an oracle object given as itself, not by name
+    assert given.own_oracle() is ORACLE
 
 
 def test_the_oracle_passes_a_single_sample_whose_two_rows_are_not_the_channel_count(setup):

@@ -295,6 +295,8 @@ def test_an_exact_negation_is_named_a_sign_flip_before_its_numbers():
     assert not verdict.passed and verdict.metrics["max_abs"] == 2.0
     assert verdict.message.startswith("expected: velocity: not a sign flip"), verdict.message
     assert "relative error 2" in verdict.message
+    # the flip is the cause named, and the bound it is judged at stays the rounding bound: no "too loose" beside it
+    assert verdict.violated_facts == ["velocity: not a sign flip of the pipeline's"], verdict.violated_facts
     assert pipeline_oracle.sign_flipped(-2 * expected, expected) is False  # a scale, not a sign
     assert pipeline_oracle.sign_flipped(torch.zeros(2, 2), torch.zeros(2, 2)) is False  # nothing to flip
     edge = torch.tensor([[1000.0]], dtype=torch.float64)  # 1 off in 1000: exactly its room, still a flip

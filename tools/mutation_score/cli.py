@@ -203,8 +203,9 @@ def sample(mutants: list[tuple[str, Mutant]], size: int, seed: int) -> list[tupl
 def covering_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict[str, list[str]]) -> set[str]:
     """Every passing test that can notice the mutant: for a line in a function, the tests that run that line;
     for a default, the tests that run the function; for a class constant (or field default), the tests that run
-    the class's code, a line reading ``.NAME`` or passing ``NAME=``, or a line constructing the class; for a
-    module constant, the tests that run a line naming it, plus the tests of every test file that names it."""
+    the class's code, a line reading ``.NAME`` or passing ``NAME=``, or a line constructing the class, plus the
+    tests of every test file holding such a line; for a module constant, the tests that run a line naming it, plus
+    the tests of every test file that names it."""
     failing = set(coverage_map.failing)
     if mutant.scope == "function":
         return set(coverage_map.tests_for(mutant.file, mutant.line))
@@ -230,11 +231,19 @@ def covering_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict
                     for number in range(start, end + 1):
                         covering.update(coverage_map.tests_for(file, number))
         # a module constant's name is distinctive: a test file naming it (or a constant computed from it) uses it
-        word = re.compile("|".join(rf"\b{re.escape(n)}\b" for n in sorted(carriers)))
-        files = {t.split("::")[0] for t in coverage_map.durations}
-        naming = {f for f in files if word.search(_test_file_text(f))}
-        covering.update(t for t in coverage_map.durations if t.split("::")[0] in naming)
+        covering.update(_tests_in_files_matching(re.compile("|".join(rf"\b{re.escape(n)}\b" for n in sorted(carriers))),
+                                                 coverage_map))
+    if mutant.scope == "class":
+        # a test that constructs the class itself, or reads the constant, runs no source line that does: a field
+        # default read by an instance built only at import (a table of them) is noticed there and nowhere else
+        covering.update(_tests_in_files_matching(named, coverage_map))
     return covering - failing
+
+
+def _tests_in_files_matching(pattern: re.Pattern[str], coverage_map: CoverageMap) -> set[str]:
+    files = {t.split("::")[0] for t in coverage_map.durations}
+    naming = {f for f in files if pattern.search(_test_file_text(f))}
+    return {t for t in coverage_map.durations if t.split("::")[0] in naming}
 
 
 def _readers(mutant: Mutant, carriers: set[str]) -> re.Pattern[str]:
@@ -333,7 +342,7 @@ def select_tests(mutant: Mutant, coverage_map: CoverageMap, source_lines: dict[s
 
 @functools.cache
 def _test_file_text(path: str) -> str:
-    """A test file's source: a module constant's tests include the tests of every file that names it."""
+    """A test file's source: a module or class constant's tests include the tests of every file that reads it."""
     file = REPO / path
     return file.read_text() if file.is_file() else ""
 
