@@ -1,8 +1,10 @@
 """Checkpoint kinds come from the registry; anything unregistered is an error listing what is supported."""
 
+import dataclasses
 import json
 import os
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -95,10 +97,17 @@ def test_remote_code_is_refused_naming_each_module_it_would_import(tmp_path):
     checkpoints.require_trust(found, trusted_here=True)
 
 
-def test_a_class_diffusers_lacks_has_no_null_fields_to_read_and_json_types_are_named():
+def test_a_class_diffusers_lacks_has_no_null_fields_to_read_and_json_types_are_named(monkeypatch):
     unknown = checkpoints.Checkpoint(Path("x"), "sd3_transformer", "NoSuchTransformer2DModel", {"patch_size": None},
                                      spec=checkpoints.kind_for_family("replay", "sd3"))
     assert unknown.source == "diffusers" and null_fields(unknown) == []
+    unreadable = dataclasses.replace(unknown, class_name="SD3Transformer2DModel")
+
+    def no_signature(_):
+        raise ValueError("no signature found")
+
+    monkeypatch.setattr(checkpoints, "inspect", types.SimpleNamespace(signature=no_signature))
+    assert null_fields(unreadable) == []  # a constructor whose signature cannot be read: none named
     assert [checkpoints._json_type(v) for v in (None, True, 3, 2.5, "a", [], {})] == [
         "null", "boolean", "number", "number", "string", "array", "object"]
 

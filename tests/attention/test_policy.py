@@ -67,6 +67,11 @@ def test_nan_never_passes_the_row_bound_and_the_headline_counts_it(where, counts
     assert verdict.message == f"out: {counts}; NaN/Inf never pass"
 
 
+def test_the_non_finite_headline_counts_query_rows_not_heads():
+    verdict = _judge([[float("nan"), 2.0], [3.0, float("inf")], [5.0, 6.0]], [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    assert (verdict.metrics["nonfinite"], verdict.metrics["nonfinite_rows"]) == (2, 2), verdict.metrics
+
+
 def test_no_query_rows_pass_with_zero_margin():
     empty = torch.zeros(1, 1, 0, 4)
     verdict = RowScaledFloor(CONTROL).judge(empty, empty, dims=DIMS)

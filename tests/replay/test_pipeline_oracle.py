@@ -106,8 +106,8 @@ def test_a_sana_adapter_declaring_the_wrong_cfg_order_passes_parity_and_fails_th
     family = _variant(SANA, "sana_pipeline_order", PipelineOrderSana)
     adapter, verdict = _oracle(family, "sana")
     assert not verdict.passed
-    assert any("CFG order: the rows the adapter declares cond carry the pipeline's prompt" in fact
-               for fact in verdict.violated_facts), verdict.describe()
+    facts = [fact for fact in verdict.violated_facts if "CFG order: the rows the adapter declares cond" in fact]
+    assert facts and all(" its negative prompt; cond[0] carries uncond[0], " in fact for fact in facts), facts
     assert verdict.metrics["cfg_order_backwards"] is True and verdict.margin > 10, verdict.describe()
     _parity_and_combine_pass(family, adapter)
 
@@ -505,6 +505,10 @@ def test_a_prompt_row_is_a_cfg_order_crossing_only_when_it_carries_the_other_bra
     truncated = [row[:1] for row in pipeline]
     assert pipeline_oracle._branch_crossings(truncated, pipeline, order) == []  # no row is another branch's
     assert pipeline_oracle._branch_crossings(pipeline, pipeline, order) == []
+    assert pipeline_oracle._branch_crossings(pipeline[:3], pipeline, order) == []  # a row short: not crossings
+    one_negative = [pipeline[0], pipeline[1], pipeline[2], pipeline[2]]  # both samples share their negative prompt
+    assert pipeline_oracle._branch_crossings([one_negative[2], *one_negative[1:]], one_negative, order) == [
+        "cond[0] carries uncond[0]"]  # the first row it matches names it
 
 
 class CondAnchoredSana(SanaAdapter):
