@@ -71,6 +71,9 @@ def test_kv_spans_are_the_slots_both_runs_hold_of_each_part() -> None:
     assert judge.kv_spans(short, ref) == judge.kv_spans(ref, short) == [(2, 3), (3, 4)]
     with pytest.raises(ValueError, match="'generated' or 'all'"):
         judge.kv_spans(fast, ref, "prefill")
+    one_row = Rollout(ref.tokens, ref.logp, ref.logits, ref.lengths, ref.real_pos, (ref.kv[0],))
+    with pytest.raises(ValueError, match="longer than argument 1"):  # every row compared, or none
+        judge.kv_spans(one_row, ref)
 
 
 def test_generated_kv_verdict_names_the_token_whose_kv_differs() -> None:

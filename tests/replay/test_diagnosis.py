@@ -58,6 +58,15 @@ def test_a_whole_batch_nested_step_major_names_the_branches():
     assert found is not None and "the CFG branches alternate every B rows" in found
 
 
+def test_inputs_that_carry_gradients_are_traced_too():
+    """A replay under training computes with gradients: conditions from a text encoder that is learning."""
+    serial, batched = _serial(), _batched(("step", "branch", "sample"))
+    for inputs in (*serial, batched):
+        inputs["encoder_hidden_states"].requires_grad_(True)
+    found = row_layout(serial, batched, TARGET, BRANCHES, B)
+    assert found is not None and "the CFG branches alternate every B rows" in found
+
+
 def test_steps_repeated_in_place_per_sample_are_named():
     found = row_layout(_serial(), _batched(("branch", "sample", "step")), TARGET, BRANCHES, B)
     assert found is not None and "each sample's S steps are adjacent (repeat_interleave)" in found
@@ -70,15 +79,22 @@ def test_any_other_nesting_is_described_by_its_order():
            "stack holds cond, cond, cond, cond, cond, uncond, uncond, uncond, ..." in found
 
 
-@pytest.mark.parametrize("change", ["a field no stock row has", "another argument set", "another step count"])
+@pytest.mark.parametrize("change", ["a field no stock row has", "another argument set", "a step fewer", "a step more",
+                                    "the same bytes in another dtype", "the same bytes in another shape"])
 def test_rows_that_cannot_be_traced_are_left_to_the_numbers(change):
     serial, batched = _serial(), _batched(("step", "branch", "sample"))
     if change == "a field no stock row has":
         batched["encoder_hidden_states"] = batched["encoder_hidden_states"] + 0.5
     elif change == "another argument set":
         batched["pooled_projections"] = batched["encoder_hidden_states"]
-    else:
+    elif change == "a step fewer":
         serial = serial[:-1]
+    elif change == "a step more":  # stock forwards the targets do not account for
+        serial = [*serial, serial[0]]
+    elif change == "the same bytes in another dtype":
+        batched["hidden_states"] = batched["hidden_states"].view(torch.int16)
+    else:
+        batched["hidden_states"] = batched["hidden_states"][..., None]
     assert row_layout(serial, batched, TARGET, BRANCHES, B) is None
 
 

@@ -429,6 +429,8 @@ def test_list_valued_and_ragged_rows_are_lined_up_row_by_row_in_the_kind_the_tra
     step, prompts = _ragged_step()
     order = pipeline_oracle.adapter_order(FUSED_COND_FIRST, 2)  # cond rows first
     aligned = pipeline_oracle.align(step, prompts, "cap_feats", order)
+    with pytest.raises(pipeline_oracle.OracleError, match="no row argument 'caption'.*its arguments: \\['cap_feats'"):
+        pipeline_oracle.align(step, prompts, "caption", order)  # PipelineSpec.prompt_arg names no argument
     assert isinstance(aligned.rows["cap_feats"], list) and isinstance(aligned.output, list)
     assert [tuple(c.shape) for c in aligned.rows["cap_feats"]] == [(2, 3), (4, 3), (1, 3), (5, 3)]
     assert aligned.rows["t"].tolist() == [0.5] * 4 and aligned.shared == {"patch_size": 2}
@@ -474,8 +476,11 @@ def test_the_prediction_is_read_from_a_tuple_an_output_object_or_the_value_itsel
     assert pipeline_oracle.model_output(Transformer2DModelOutput(sample=rows)) is rows
     tensor = torch.ones(2)
     assert pipeline_oracle.model_output(tensor) is tensor and pipeline_oracle.model_output(rows) is rows
-    copied = pipeline_oracle._copied((tensor, [tensor]))
+    plain = {"not": "a prediction object"}  # no sample: the value itself
+    assert pipeline_oracle.model_output(plain) is plain
+    copied = pipeline_oracle._copied((tensor, [tensor], None, 2))
     assert isinstance(copied, tuple) and copied[0] is not tensor and copied[1][0] is not tensor
+    assert copied[2:] == (None, 2)  # what is not a tensor is kept as it is
 
 
 def test_a_transformer_that_returns_lists_is_recorded_as_it_returned_them():
