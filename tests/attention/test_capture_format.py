@@ -353,3 +353,15 @@ def test_a_capture_file_whose_recorded_spans_are_not_b_n_2_is_refused_from_its_h
              spans=np.array([[[0, 2, 0]]]))
     with pytest.raises(ValueError, match=r"spans must be \(B, N, 2\) with B = 1 .*got \(1, 1, 3\)"):
         capture_io.validate_file(path)
+
+
+def test_a_file_without_a_four_dimensional_mask_is_no_capture_of_either_phase(tmp_path):
+    """Each phase's files are read off their masks' shapes; a file holding no such mask belongs to neither (the
+    directory's validation names it)."""
+    q, k, v, mask = (t.numpy() for t in _tensors(q_len=5, kv_len=5))
+    np.savez(tmp_path / "call0_rank0.npz", query=q, key=k, value=v, mask=mask)
+    np.savez(tmp_path / "call1_rank0.npz", query=q, key=k, value=v)
+    np.savez(tmp_path / "call2_rank0.npz", query=q, key=k, value=v, mask=mask[0])
+    assert capture_io.phase_captures(tmp_path, "prefill") == [tmp_path / "call0_rank0.npz"]
+    with pytest.raises(ValueError, match="holds no denoise capture"):
+        capture_io.phase_captures(tmp_path, "denoise")
