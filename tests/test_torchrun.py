@@ -170,7 +170,19 @@ def run_fault(fault: str, log_dir: Path, *, nproc: int = 4, fault_rank: int = 1,
         "port_listening": _listening(ranks[0]["port"]),
         "message": next((f"{seen['error']} | {seen['outcomes'][r]}" for r, seen in sorted(survivors.items())
                          if "error" in seen and r != fault_rank), "no rank raised"),
+        "rank_logs": _rank_logs(log_dir / "logs"),
     }
+
+
+def _rank_logs(logs: Path, tail: int = 3000) -> str:
+    """The end of each rank's own stdout and stderr (torchrun's ``--redirects=3`` files): what a failed launch's
+    message needs beside torchrun's summary, which says only that a rank exited."""
+    parts = []
+    for path in sorted(logs.glob("*/attempt_*/*/std*.log")):
+        text = path.read_text(errors="replace").strip()
+        if text:
+            parts.append(f"--- rank {path.parent.name} {path.name}:\n{text[-tail:]}")
+    return "\n".join(parts)
 
 
 def _running(pid: int) -> bool:
@@ -204,7 +216,7 @@ def test_a_faulting_rank_makes_every_rank_raise_within_the_bound(fault, monitor_
     """Four ranks decode the tiny VAE; rank 1 faults mid-decode. Every other rank raises naming it within the bound,
     and nothing is left: no process, no shared-memory file, no listening launcher port."""
     seen = run_fault(fault, tmp_path, bound=FAULT_BOUND_UNDER_TEST, monitor_interval=monitor_interval)
-    detail = f"{fault}: {json.dumps(seen['ranks'], indent=1)}\n{seen['output'][-4000:]}"
+    detail = f"{fault}: {json.dumps(seen['ranks'], indent=1)}\n{seen['output'][-4000:]}\n{seen['rank_logs']}"
     if not seen["all_raised"] and "closing signal SIGTERM" in seen["output"]:
         detail = ("torchrun's agent closed the surviving ranks before they raised: the launch started too slowly for "
                   f"its monitor interval ({monitor_interval} s) to outlast the bound\n{detail}")
@@ -248,7 +260,7 @@ def test_a_rank_three_times_slower_is_waited_for_under_torchrun(tmp_path):
     times as long: its peers wait in the probe exchange longer than the stuck time, and the decode still succeeds
     on every rank (a wall-clock bound would have named rank 1), and the launch leaves nothing behind."""
     seen = run_fault("slow", tmp_path, bound=SLOW_BOUND, extra_env={"PARITY_TEST_SLOW_S": "2.5"})
-    detail = f"{json.dumps(seen['ranks'], indent=1)}\n{seen['output'][-4000:]}"
+    detail = f"{json.dumps(seen['ranks'], indent=1)}\n{seen['output'][-4000:]}\n{seen['rank_logs']}"
     assert seen["returncode"] == 0, detail
     assert all("finished_at" in saw for saw in seen["ranks"].values()), detail
     reached = seen["ranks"][0]["reached"]

@@ -102,7 +102,8 @@ class Straggler:
 
 def stragglers(positions: Mapping[int, Position], finished: set[int] | frozenset[int], world_size: int,
                unseen: str = BEFORE_FIRST) -> list[Straggler]:
-    """Ranks that are behind a collective some peer waits in: they entered fewer collectives on its group.
+    """Ranks that are behind a collective some peer waits in: they entered fewer collectives on its group, and are not
+    still inside an earlier one of that group (which the waiter has left: it completed everywhere).
 
     ``finished`` ranks (their task came back) are not behind: a rank that returned without a collective its peers
     wait in broke the protocol, and the task's own time limit reports that. Timing is the caller's: this says who
@@ -119,6 +120,10 @@ def stragglers(positions: Mapping[int, Position], finished: set[int] | frozenset
             if rank == waiter or rank in finished or rank in found:
                 continue
             seen = positions.get(rank, Position(last=unseen))
+            if seen.inside is not None and seen.inside[0] == group and seen.inside[1] < number:
+                # still inside a collective of this group that the waiter has left: it completed, and this rank is
+                # on its way out (its return lags under load), not behind
+                continue
             if seen.entered.get(group, 0) < number:
                 waiting = tuple(sorted(r for r, p in positions.items()
                                        if p.inside is not None and p.inside[:2] == (group, number)))
