@@ -212,9 +212,9 @@ def test_upcast_holds_the_weights_in_fp32_and_puts_them_back_bitwise() -> None:
 
 
 def test_dtype_control_is_stock_b1_in_bf16_against_the_same_weights_in_fp32() -> None:
-    """Two prompt draws whose worst log-prob gaps have opposite signs: the floor is the largest |gap| either way."""
+    """The floor is the largest |gap| over both softmaxes in fp64, whichever its sign: two prompt draws, whose worst
+    gaps lie on opposite sides on every dispatch lane of the CI host (an arithmetic outcome, so not asserted)."""
     backend = bf16_backend("fake")
-    signs = set()
     for seed in (31, 32):
         prompts = prompt_ids([6, 9], seed=seed)
         reference = stock_rollout(backend, prompts, 3)
@@ -232,15 +232,13 @@ def test_dtype_control_is_stock_b1_in_bf16_against_the_same_weights_in_fp32() ->
             gap = (torch.log_softmax(high.double(), -1) - torch.log_softmax(low.double(), -1)).flatten()
             at = int(gap.abs().argmax())
             if abs(float(gap[at])) > worst:
-                worst, sign = abs(float(gap[at])), math.copysign(1.0, float(gap[at]))
-        signs.add(sign)
+                worst = abs(float(gap[at]))
         torch.testing.assert_close(control.kl, torch.stack(kl_rows_seen), rtol=1e-9, atol=0.0)
         assert control.floor.measured == pytest.approx(worst, rel=1e-12, abs=0.0)
         # bf16 rounding moves a tiny random model's log-probs: measurable, finite, and rounding (under the ceiling)
         assert float(control.kl.max()) > 0 and bool(torch.isfinite(control.kl).all())
         assert control.floor.control == "dtype" and not control.floor.above_ceiling, control.floor.describe()
         assert control.floor.ulps == 1.0 and control.floor.dtype == torch.bfloat16  # at least one bf16 ulp
-    assert signs == {1.0, -1.0}, "the two draws no longer put the worst gap on both sides"
     assert dtype_control(backend, prompts[:1], reference, terms=0).floor.ceiling_ulps == 8.0  # one term at the least
 
 

@@ -170,11 +170,12 @@ class MutantRunner:
         handles: dict[int, int] = {}  # child pid -> its pidfd, readable once the child has exited
         with self.results.open("a") as sink:
             while queue or running or self.unverified:
-                kept = [job for job in queue if job.get("verify")]  # a retried kill check still decides its kills
-                if self.stop_at is not None and time.time() > self.stop_at and len(kept) < len(queue):
-                    print(f"runner: time limit reached, {len(queue) - len(kept)} mutants not run",
-                          file=sys.__stderr__, flush=True)
-                    queue[:] = kept
+                if self.stop_at is not None and time.time() > self.stop_at:
+                    kept = [job for job in queue if job.get("verify")]  # a retried kill check still decides its kills
+                    if len(kept) < len(queue):
+                        print(f"runner: time limit reached, {len(queue) - len(kept)} mutants not run",
+                              file=sys.__stderr__, flush=True)
+                        queue[:] = kept
                 while (queue or self.unverified) and len(running) < self.workers:
                     job = self._verify_job() if self.unverified else self._ordered(queue.pop(0))
                     if not job["tests"]:
